@@ -1,0 +1,115 @@
+"""The benchmark harness every experiments/benchmark_*.py program shares.
+
+A case is a thunk that builds its inputs and returns a function to time. The
+harness compiles it (timed separately), warms it up, times `iters` calls with
+`jax.block_until_ready`, and records one JSON row with `status` in
+ok | OOM | fail | unsup | error. A case that runs out of memory or fails to
+compile records its row and the run moves on.
+"""
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import jax
+
+STATUSES = ("ok", "OOM", "fail", "unsup", "error")
+
+
+class Unsupported(Exception):
+  """Raised by a case whose configuration this platform cannot run."""
+
+
+def _classify(exc: BaseException, stage: str) -> str:
+  text = f"{type(exc).__name__}: {exc}"
+  if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
+    return "OOM"
+  if isinstance(exc, Unsupported):
+    return "unsup"
+  if stage == "compile":
+    return "fail"
+  return "error"
+
+
+def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
+             warmup: int = 2, iters: int = 20) -> dict:
+  """Runs one case. `build()` returns (fn, args); any failure becomes a row."""
+  row = dict(config)
+  stage = "build"
+  try:
+    fn, args = build()
+    stage = "compile"
+    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    row["compile_s"] = time.perf_counter() - start
+    stage = "run"
+    for _ in range(warmup):
+      jax.block_until_ready(compiled(*args))
+    times = []
+    for _ in range(iters):
+      start = time.perf_counter()
+      jax.block_until_ready(compiled(*args))
+      times.append((time.perf_counter() - start) * 1e3)
+    row.update(status="ok", median_ms=statistics.median(times), min_ms=min(times),
+               iters=iters)
+  except Exception as exc:  # A benchmark grid records failures and moves on.
+    row.update(status=_classify(exc, stage), stage=stage,
+               message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    if row["status"] == "error":
+      row["traceback"] = traceback.format_exc()[-4000:]
+  return row
+
+
+def peak_memory_mb() -> float | None:
+  """The default device's peak bytes in use, in MB (None where unreported)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 1e6
+
+
+def run_in_fresh_process(module: str, args: list[str], timeout_s: float = 600) -> dict:
+  """Runs `python -m module *args` and returns the JSON its last line prints.
+
+  Device memory peaks are only comparable when each case owns a process.
+  """
+  proc = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                        text=True, timeout=timeout_s)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+  if proc.returncode != 0 or not lines:
+    return {"status": "error", "message": (proc.stderr or proc.stdout)[-2000:]}
+  return json.loads(lines[-1])
+
+
+def environment() -> dict:
+  """Where the numbers came from."""
+  device = jax.devices()[0]
+  return {"jax": jax.__version__, "backend": jax.default_backend(),
+          "device_kind": device.device_kind, "device_count": jax.device_count(),
+          "python": platform.python_version(), "host": platform.node(),
+          "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_rows(rows: list[dict], path: str) -> None:
+  """Writes `{"environment": ..., "rows": rows}` to `path` (dirs created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"environment": environment(), "rows": rows}, f, indent=1)
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+  """A markdown table of `columns` (missing values blank, floats rounded)."""
+  def cell(v):
+    if isinstance(v, float):
+      return f"{v:.4g}"
+    return "" if v is None else str(v)
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+  for row in rows:
+    lines.append("| " + " | ".join(cell(row.get(c)) for c in columns) + " |")
+  return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""probjax_hk: Haiku-style fast neural models for JAX.
+
+Models are `hk.Module`s used inside `hk.transform`; the hot paths are the
+Pallas kernels of the top-level `ops` package.
+"""
+
+from probjax_hk.attention import choose_attention_implementation
+from probjax_hk.attention import dot_product_attention
+from probjax_hk.attention import MultiHeadAttention
+from probjax_hk.layers import AdaLNModulation
+from probjax_hk.layers import LayerNorm
+from probjax_hk.layers import Linear
+from probjax_hk.layers import MLP
+from probjax_hk.layers import modulate
+from probjax_hk.layers import RMSNorm
+from probjax_hk.layers import rotary_embedding
+from probjax_hk.layers import sinusoidal_embedding
+from probjax_hk.layers import TimestepEmbedding
+from probjax_hk.stacking import remat_policy_names
+from probjax_hk.stacking import stack_layer_params
+from probjax_hk.stacking import unstack_layer_params
+
+__all__ = (
+    "AdaLNModulation",
+    "choose_attention_implementation",
+    "dot_product_attention",
+    "LayerNorm",
+    "Linear",
+    "MLP",
+    "modulate",
+    "MultiHeadAttention",
+    "remat_policy_names",
+    "RMSNorm",
+    "rotary_embedding",
+    "sinusoidal_embedding",
+    "stack_layer_params",
+    "TimestepEmbedding",
+    "unstack_layer_params",
+)

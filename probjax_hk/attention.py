@@ -1,0 +1,190 @@
+"""Attention: the dispatching `dot_product_attention` and `MultiHeadAttention`.
+
+Glossary of shapes: B batch, T query tokens, S key/value tokens, N query
+heads, K key/value heads (N % K == 0: GQA/MQA), H head size, D model width.
+
+`dot_product_attention` has the signature of `jax.nn.dot_product_attention`.
+Which kernel runs is decided in one place, `choose_attention_implementation`:
+
+* `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere.
+* `'cudnn'`: cuDNN's fused attention; needs an NVIDIA GPU and f16/bf16 inputs
+  with H a multiple of 8 up to 128, and a window that does not look right.
+* `None`: the fastest implementation that takes the inputs on this platform,
+  never an error for a valid input: cuDNN where it fits on an NVIDIA GPU,
+  otherwise XLA (always XLA on a CPU).
+"""
+
+from typing import Callable, Literal
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from ops import _backend
+from probjax_hk import layers
+
+AttentionImplementation = Literal["xla", "cudnn"] | None
+IMPLEMENTATIONS = (None, "xla", "cudnn")
+
+
+def _normalize_window(local_window_size):
+  if local_window_size is None or isinstance(local_window_size, tuple):
+    return local_window_size
+  return (local_window_size, local_window_size)
+
+
+def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
+  """None when cuDNN's fused attention takes these inputs, else why not."""
+  if not _backend.on_nvidia_gpu():
+    return f"cuDNN attention needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
+  if query.dtype not in (jnp.bfloat16, jnp.float16):
+    return f"cuDNN attention takes float16 or bfloat16 inputs, got query.dtype={query.dtype}"
+  head_dim = query.shape[-1]
+  if head_dim % 8 or head_dim > 128:
+    return f"cuDNN attention needs a head size that is a multiple of 8 up to 128, got {head_dim=}"
+  window = _normalize_window(local_window_size)
+  if window is not None and window[1] != 0 and not is_causal:
+    return f"cuDNN attention cannot look right of the query, got local_window_size={window}"
+  if bias is not None and bias.dtype != query.dtype:
+    return f"cuDNN attention needs bias.dtype == query.dtype, got {bias.dtype} and {query.dtype}"
+  return None
+
+
+def choose_attention_implementation(
+    query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+    mask: jax.Array | None = None, *, is_causal: bool = False,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: AttentionImplementation = None) -> str:
+  """The implementation `dot_product_attention` runs for these arguments.
+
+  Returns:
+    'xla' or 'cudnn'. Raises a ValueError when an explicit `implementation`
+    cannot take the inputs (with the reason); never raises for `None`.
+  """
+  del value, mask  # Every implementation takes them.
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation == "xla":
+    return "xla"
+  cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
+  if implementation == "cudnn":
+    if cudnn_limit is not None:
+      raise ValueError(f"implementation='cudnn' is not available: {cudnn_limit}")
+    return "cudnn"
+  return "cudnn" if cudnn_limit is None else "xla"
+
+
+def _check_shapes(query, key, value):
+  if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+    raise ValueError("`query`, `key` and `value` must be [B, T, N, H], [B, S, K, H], "
+                     f"[B, S, K, H]; got shapes {query.shape}, {key.shape}, {value.shape}")
+  if key.shape != value.shape:
+    raise ValueError(f"`key` and `value` must have the same shape, got {key.shape} and {value.shape}")
+  if query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"`query` {query.shape} and `key` {key.shape} must agree on batch and head size")
+  if query.shape[2] % key.shape[2]:
+    raise ValueError(f"the query heads ({query.shape[2]}) must be a multiple of the "
+                     f"key/value heads ({key.shape[2]})")
+
+
+def dot_product_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array,
+    bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: AttentionImplementation = None) -> jax.Array:
+  """Scaled dot-product attention, `jax.nn.dot_product_attention`'s contract.
+
+  Args:
+    query: [B, T, N, H].
+    key, value: [B, S, K, H], N a multiple of K (GQA/MQA without repeating K/V).
+    bias: optional, broadcastable to [B, N, T, S], added to the logits.
+    mask: optional boolean, broadcastable to [B, N, T, S]; False masks out.
+    scale: logit scale, default `H ** -0.5`.
+    is_causal: query t attends to keys s <= t.
+    query_seq_lengths: optional [B] valid query lengths.
+    key_value_seq_lengths: optional [B] valid key lengths (key padding).
+    local_window_size: `w` or `(left, right)`: t attends to s in [t-left, t+right].
+    implementation: see the module docstring.
+
+  Returns:
+    [B, T, N, H] in the query's dtype.
+  """
+  _check_shapes(query, key, value)
+  chosen = choose_attention_implementation(
+      query, key, value, bias, mask, is_causal=is_causal,
+      local_window_size=local_window_size, implementation=implementation)
+  as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  return jax.nn.dot_product_attention(
+      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=as_int32(query_seq_lengths),
+      key_value_seq_lengths=as_int32(key_value_seq_lengths),
+      local_window_size=_normalize_window(local_window_size),
+      implementation=chosen)
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+class MultiHeadAttention(hk.Module):
+  """Multi-head (or grouped-query) attention with projections.
+
+  Optional rotary position embedding on queries and keys, and optional QK norm
+  (RMSNorm over each head before the dot product, for stable training).
+  """
+
+  def __init__(self, num_heads: int, *, num_kv_heads: int | None = None,
+               head_dim: int | None = None, use_rope: bool = False,
+               rope_base: float = 10_000.0, qk_norm: bool = False,
+               attention_fn: AttentionFn = dot_product_attention,
+               with_bias: bool = False, name: str | None = None):
+    super().__init__(name=name)
+    num_kv_heads = num_kv_heads or num_heads
+    if num_heads % num_kv_heads:
+      raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_heads=} {num_kv_heads=}")
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.use_rope = use_rope
+    self.rope_base = rope_base
+    self.qk_norm = qk_norm
+    self.attention_fn = attention_fn
+    self.with_bias = with_bias
+
+  def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
+               is_causal: bool = False,
+               key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+    """Self-attention over `x`, or cross-attention from `x` to `context`.
+
+    Args:
+      x: [B, T, D] queries' source.
+      context: optional [B, S, D_c] keys' and values' source (default `x`).
+      is_causal: causal mask (self-attention).
+      key_value_seq_lengths: optional [B] valid key/value lengths.
+
+    Returns:
+      [B, T, D].
+    """
+    model_dim = x.shape[-1]
+    head_dim = self.head_dim or model_dim // self.num_heads
+    context = x if context is None else context
+    batch, seq_len = x.shape[:2]
+    kv_len = context.shape[1]
+    q = layers.Linear(self.num_heads * head_dim, with_bias=self.with_bias, name="query")(x)
+    k = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="key")(context)
+    v = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="value")(context)
+    q = q.reshape(batch, seq_len, self.num_heads, head_dim)  # [B, T, N, H]
+    k = k.reshape(batch, kv_len, self.num_kv_heads, head_dim)  # [B, S, K, H]
+    v = v.reshape(batch, kv_len, self.num_kv_heads, head_dim)
+    if self.qk_norm:
+      q = layers.RMSNorm(name="query_norm")(q)
+      k = layers.RMSNorm(name="key_norm")(k)
+    if self.use_rope:
+      q = layers.rotary_embedding(q, jnp.arange(seq_len), base=self.rope_base)
+      k = layers.rotary_embedding(k, jnp.arange(kv_len), base=self.rope_base)
+    out = self.attention_fn(q, k, v, is_causal=is_causal,
+                            key_value_seq_lengths=key_value_seq_lengths)
+    out = out.reshape(batch, seq_len, self.num_heads * head_dim)
+    return layers.Linear(model_dim, with_bias=self.with_bias, name="output")(out)

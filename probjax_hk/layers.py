@@ -1,0 +1,198 @@
+"""Small blocks shared by the models: linear, norms, MLP, adaLN, embeddings.
+
+Glossary of shapes: B batch, T time/tokens, D width, F hidden width.
+
+Parameters are float32; each block computes in its input's dtype (bf16 in,
+bf16 out), with norms and softmax-like reductions accumulated in float32.
+"""
+
+import math
+from typing import Literal
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+Activation = Literal["gelu", "swiglu"]
+
+
+class Linear(hk.Module):
+  """`y = x @ w + b` with float32 parameters cast to the input's dtype.
+
+  (`hk.Linear` creates its parameters in the input's dtype, which would make
+  a bf16 forward pass create bf16 parameters.)
+  """
+
+  def __init__(self, output_size: int, *, with_bias: bool = True,
+               w_init: hk.initializers.Initializer | None = None,
+               b_init: hk.initializers.Initializer | None = None,
+               name: str | None = None):
+    super().__init__(name=name)
+    self.output_size = output_size
+    self.with_bias = with_bias
+    self.w_init = w_init
+    self.b_init = b_init or jnp.zeros
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[..., D_in] -> [..., output_size]."""
+    input_size = x.shape[-1]
+    w_init = self.w_init or hk.initializers.TruncatedNormal(1.0 / math.sqrt(input_size))
+    w = hk.get_parameter("w", [input_size, self.output_size], jnp.float32, init=w_init)
+    y = jnp.dot(x, w.astype(x.dtype))
+    if self.with_bias:
+      b = hk.get_parameter("b", [self.output_size], jnp.float32, init=self.b_init)
+      y = y + b.astype(x.dtype)
+    return y
+
+
+class RMSNorm(hk.Module):
+  """Root-mean-square norm over the last axis, computed in float32."""
+
+  def __init__(self, *, eps: float = 1e-6, create_scale: bool = True,
+               name: str | None = None):
+    super().__init__(name=name)
+    self.eps = eps
+    self.create_scale = create_scale
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., D]."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
+    if self.create_scale:
+      y = y * hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
+    return y.astype(x.dtype)
+
+
+class LayerNorm(hk.Module):
+  """Layer norm over the last axis, computed in float32.
+
+  With `create_scale=create_offset=False` it is the parameter-free norm that
+  adaLN modulation follows.
+  """
+
+  def __init__(self, *, eps: float = 1e-6, create_scale: bool = True,
+               create_offset: bool = True, name: str | None = None):
+    super().__init__(name=name)
+    self.eps = eps
+    self.create_scale = create_scale
+    self.create_offset = create_offset
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., D]."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
+    if self.create_scale:
+      y = y * hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
+    if self.create_offset:
+      y = y + hk.get_parameter("offset", [x.shape[-1]], jnp.float32, init=jnp.zeros)
+    return y.astype(x.dtype)
+
+
+class MLP(hk.Module):
+  """Two-layer feed-forward block: GELU, or SwiGLU (`silu(x W) * (x V)`)."""
+
+  def __init__(self, hidden_dim: int, *, output_dim: int | None = None,
+               activation: Activation = "gelu", name: str | None = None):
+    super().__init__(name=name)
+    if activation not in ("gelu", "swiglu"):
+      raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
+    self.hidden_dim = hidden_dim
+    self.output_dim = output_dim
+    self.activation = activation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """[..., D] -> [..., output_dim or D]."""
+    output_dim = self.output_dim or x.shape[-1]
+    if self.activation == "swiglu":
+      gate_and_value = Linear(2 * self.hidden_dim, with_bias=False, name="w_in")(x)
+      gate, value = jnp.split(gate_and_value, 2, axis=-1)
+      h = jax.nn.silu(gate) * value
+    else:
+      h = jax.nn.gelu(Linear(self.hidden_dim, name="w_in")(x))
+    return Linear(output_dim, with_bias=self.activation == "gelu", name="w_out")(h)
+
+
+class AdaLNModulation(hk.Module):
+  """adaLN-Zero: `num_chunks` vectors regressed from a conditioning vector.
+
+  The projection starts at zero, so every gate starts closed and each block
+  starts as the identity (Peebles & Xie 2023, https://arxiv.org/abs/2212.09748).
+  """
+
+  def __init__(self, model_dim: int, num_chunks: int, *, name: str | None = None):
+    super().__init__(name=name)
+    self.model_dim = model_dim
+    self.num_chunks = num_chunks
+
+  def __call__(self, cond: jax.Array) -> list[jax.Array]:
+    """[B, C] -> num_chunks arrays of [B, 1, model_dim]."""
+    out = Linear(self.num_chunks * self.model_dim, w_init=jnp.zeros,
+                 name="projection")(jax.nn.silu(cond))
+    return [c[:, None, :] for c in jnp.split(out, self.num_chunks, axis=-1)]
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
+  """adaLN's affine modulation: `x * (1 + scale) + shift`."""
+  return x * (1 + scale.astype(x.dtype)) + shift.astype(x.dtype)
+
+
+def sinusoidal_embedding(t: jax.Array, dim: int, *, max_period: float = 10_000.0) -> jax.Array:
+  """Sinusoidal embedding of scalar times (as in DDPM and DiT).
+
+  Args:
+    t: [B] times (any float scale; diffusion steps or [0, 1]).
+    dim: embedding width (even).
+    max_period: the longest wavelength.
+
+  Returns:
+    [B, dim] float32 embedding, cosines then sines.
+  """
+  if dim % 2:
+    raise ValueError(f"`dim` must be even, got {dim=}")
+  half = dim // 2
+  freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
+  angles = t.astype(jnp.float32)[:, None] * freqs[None, :]
+  return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+
+
+class TimestepEmbedding(hk.Module):
+  """Sinusoidal features of `t` followed by a two-layer SiLU MLP."""
+
+  def __init__(self, dim: int, *, frequency_dim: int = 256, name: str | None = None):
+    super().__init__(name=name)
+    self.dim = dim
+    self.frequency_dim = frequency_dim
+
+  def __call__(self, t: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """[B] -> [B, dim] in `dtype`."""
+    h = sinusoidal_embedding(t, self.frequency_dim).astype(dtype)
+    h = jax.nn.silu(Linear(self.dim, name="linear_1")(h))
+    return Linear(self.dim, name="linear_2")(h)
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10_000.0) -> jax.Array:
+  """Rotary position embedding (Su et al. 2021) on the last axis.
+
+  Args:
+    x: [B, T, N, H] queries or keys, H even.
+    positions: [T] or [B, T] integer positions.
+    base: the rotation base.
+
+  Returns:
+    [B, T, N, H], the pairs (x[..., :H/2], x[..., H/2:]) rotated by position.
+  """
+  head_dim = x.shape[-1]
+  if head_dim % 2:
+    raise ValueError(f"rotary embedding needs an even head size, got {head_dim=}")
+  half = head_dim // 2
+  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, H/2]
+  if angles.ndim == 2:
+    angles = angles[None]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
