@@ -7,6 +7,7 @@ Pallas kernels of the top-level `ops` package.
 from probjax_hk.attention import choose_attention_implementation
 from probjax_hk.attention import dot_product_attention
 from probjax_hk.attention import MultiHeadAttention
+from probjax_hk.diffusion_transformer import DiffusionTransformer
 from probjax_hk.layers import AdaLNModulation
 from probjax_hk.layers import LayerNorm
 from probjax_hk.layers import Linear
@@ -19,10 +20,12 @@ from probjax_hk.layers import TimestepEmbedding
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
+from probjax_hk.transformer import Transformer
 
 __all__ = (
     "AdaLNModulation",
     "choose_attention_implementation",
+    "DiffusionTransformer",
     "dot_product_attention",
     "LayerNorm",
     "Linear",
@@ -35,5 +38,6 @@ __all__ = (
     "sinusoidal_embedding",
     "stack_layer_params",
     "TimestepEmbedding",
+    "Transformer",
     "unstack_layer_params",
 )

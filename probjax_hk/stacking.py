@@ -88,13 +88,15 @@ def apply_stack(make_block: Callable[[str], Callable[..., Any]], num_layers: int
 
   try:
     if scan_layers:
-      def one_layer(*c):
+      # hk.layer_stack wants explicit positional arguments: the carry travels
+      # as one tuple.
+      def one_layer(c):
         return tuple(make_block(SCANNED_BLOCK_NAME)(*c))
       return hk.layer_stack(num_layers, unroll=unroll, name=SCANNED_STACK_NAME)(
-          wrap(one_layer))(*carry)
+          wrap(one_layer))(tuple(carry))
     for i in range(num_layers):
       name = UNROLLED_BLOCK_NAME.format(i)
-      carry = wrap(lambda *c, name=name: tuple(make_block(name)(*c)))(*carry)
+      carry = wrap(lambda c, name=name: tuple(make_block(name)(*c)))(tuple(carry))
     return tuple(carry)
   except ValueError as e:
     if "Unable to retrieve parameter" not in str(e):
