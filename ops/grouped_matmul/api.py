@@ -1,0 +1,76 @@
+"""`ops.grouped_matmul`: a ragged (grouped) matmul, `jax.lax.ragged_dot` semantics.
+
+The rows of `lhs` are split into contiguous groups and group g is multiplied by
+`rhs[g]`: the expert layer of a dropless mixture of experts after its tokens
+are sorted by expert (MegaBlocks, https://arxiv.org/abs/2211.15841).
+
+Glossary of shapes: M rows, K contraction, N output columns, G groups.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ops import _backend
+from ops.grouped_matmul import pallas
+from ops.grouped_matmul import reference
+from ops.grouped_matmul import xla
+
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def _validate(lhs, rhs, group_sizes) -> None:
+  if lhs.ndim != 2:
+    raise ValueError(f"`lhs` must be [M, K], got shape {lhs.shape}")
+  if rhs.ndim != 3:
+    raise ValueError(f"`rhs` must be [G, K, N], got shape {rhs.shape}")
+  if lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"`lhs` [M, K] and `rhs` [G, K, N] must share K, got "
+                     f"{lhs.shape=} {rhs.shape=}")
+  if group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"`group_sizes` must be [G] with G = rhs.shape[0] = "
+                     f"{rhs.shape[0]}, got shape {group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"`group_sizes` must be integers, got {group_sizes.dtype}")
+  if lhs.dtype not in _DTYPES or rhs.dtype != lhs.dtype:
+    raise ValueError(f"`lhs` and `rhs` must both be float32 or both bfloat16, got "
+                     f"{lhs.dtype=} {rhs.dtype=}")
+  if not isinstance(group_sizes, jax.core.Tracer):
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+      raise ValueError(f"`group_sizes` must be non-negative, got {sizes}")
+    if sizes.sum() > lhs.shape[0]:
+      raise ValueError(f"`group_sizes` sums to {sizes.sum()}, more than the "
+                       f"{lhs.shape[0]} rows of `lhs`")
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   implementation: _backend.Implementation = None) -> jax.Array:
+  """Grouped matmul: row i of group g is `lhs[i] @ rhs[g]`.
+
+  Args:
+    lhs: [M, K] float32 or bfloat16.
+    rhs: [G, K, N], same dtype as `lhs`.
+    group_sizes: [G] non-negative integers; group g is the rows
+      `sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1`. Rows after the last
+      group are zero in the output (and get zero gradient).
+    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+      'pallas' (the kernel; interpret mode off GPU), or 'xla'
+      (`jax.lax.ragged_dot`).
+
+  Returns:
+    [M, N] in `lhs.dtype`, accumulated in float32. Differentiable in `lhs` and
+    `rhs`.
+
+  Raises:
+    ValueError: for bad shapes or dtypes, and when concrete `group_sizes` are
+      negative or sum to more than M. Traced `group_sizes` cannot be checked:
+      both backends then cut the groups at row M (a group running past M is
+      truncated, later groups are empty), so the result stays defined.
+  """
+  _validate(lhs, rhs, group_sizes)
+  backend = _backend.choose("grouped_matmul", implementation, lambda: None)
+  starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
+  if backend == "pallas":
+    return pallas.grouped_matmul_pallas(lhs, rhs, starts, ends)
+  return xla.grouped_matmul_xla(lhs, rhs, ends - starts)

@@ -1,0 +1,282 @@
+"""Pallas (Triton) kernels for `grouped_matmul`, forward and backward.
+
+The approach is the "group metadata" grouped GEMM of MegaBlocks
+(https://arxiv.org/abs/2211.15841) and JAX's megablox: the M rows are cut into
+`block_m` tiles, and a small on-device precomputation lists, for every grid
+step, one (group, row tile) pair. A tile that straddles a group boundary is
+visited once per group it touches and each visit stores only its own group's
+rows, so no two grid steps write the same output row. The list has a static
+length, `cdiv(M, block_m) + G` (each of the G boundaries adds at most one
+visit), and steps past its real end store nothing.
+
+Three kernels:
+- `gmm`:  out[rows of g] = lhs[rows of g] @ rhs[g]       (forward; with
+  `transpose_rhs=True` it is the input gradient `dout @ rhs[g]^T`),
+- `tgmm`: drhs[g] = lhs[rows of g]^T @ dout[rows of g]   (weight gradient),
+  a grid over (G, K blocks, N blocks) whose inner loop walks that group's row
+  tiles,
+and `_grouped_matmul`, the `jax.custom_vjp` that ties them together.
+
+Rows after the last group (possible when `sum(group_sizes) < M`) are a
+pseudo-group G whose output is zero, as in `jax.lax.ragged_dot`.
+
+Glossary of shapes: M rows, K contraction, N output columns, G groups,
+T grid steps over row tiles (`cdiv(M, block_m) + G`).
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from ops import _backend
+from ops import _shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes of the three kernels (powers of two, >= 16)."""
+  block_m: int = 128      # gmm: rows per tile
+  block_k: int = 64       # gmm: contraction step
+  block_n: int = 128      # gmm: output columns per program
+  num_warps: int = 8
+  num_stages: int = 4
+  tgmm_block_m: int = 64  # tgmm: rows per reduction step
+  tgmm_block_k: int = 128  # tgmm: rows of the [K, N] weight gradient per program
+  tgmm_block_n: int = 128  # tgmm: columns of the weight gradient per program
+  tgmm_num_warps: int = 8
+  tgmm_num_stages: int = 3
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if field.name.startswith("block") or field.name.startswith("tgmm_block"):
+        if value < 16 or value & (value - 1):
+          raise ValueError(f"`{field.name}` must be a power of two >= 16, got {value}")
+
+  @classmethod
+  def get_default(cls, num_rows: int, k: int, n: int) -> "BlockSizes":
+    """Defaults, shrunk for small problems (tiny shapes in tests)."""
+    def fit(block, size):
+      return max(16, min(block, pl.next_power_of_2(size)))
+    d = cls()
+    return cls(block_m=fit(d.block_m, num_rows), block_k=fit(d.block_k, k),
+               block_n=fit(d.block_n, n), num_warps=d.num_warps,
+               num_stages=d.num_stages,
+               tgmm_block_m=fit(d.tgmm_block_m, num_rows),
+               tgmm_block_k=fit(d.tgmm_block_k, k),
+               tgmm_block_n=fit(d.tgmm_block_n, n),
+               tgmm_num_warps=d.tgmm_num_warps, tgmm_num_stages=d.tgmm_num_stages)
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+  """fp32-accumulating tile product; full fp32 (no TF32) for fp32 tiles."""
+  allow_tf32 = False if a.dtype == jnp.float32 else None
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def group_metadata(starts: jax.Array, ends: jax.Array, padded_rows: int,
+                   block_m: int) -> tuple[jax.Array, ...]:
+  """Per-grid-step (group, row tile, first row, end row) for `gmm`.
+
+  Args:
+    starts, ends: [G] row bounds of each group (contiguous, ends <= M).
+    padded_rows: M rounded up to a multiple of `block_m`.
+    block_m: rows per tile.
+
+  Returns:
+    group, tile, row_start, row_end: each [T] int32 with
+    T = padded_rows // block_m + G. Group G is the pseudo-group of rows after
+    the last group (its output is zero); steps past the real end have
+    row_start == row_end == 0 and store nothing.
+  """
+  num_groups = starts.shape[0]
+  # G + 1 segments that partition [0, padded_rows): the groups, then the rest.
+  seg_ends = jnp.concatenate([ends, jnp.full((1,), padded_rows, jnp.int32)])
+  seg_starts = jnp.concatenate([starts, ends[-1:]])
+  first_tile = seg_starts // block_m
+  num_tiles = jnp.where(seg_ends > seg_starts,
+                        (seg_ends - 1) // block_m - first_tile + 1, 0)  # [G+1]
+  inclusive = jnp.cumsum(num_tiles)  # [G+1]
+  exclusive = inclusive - num_tiles
+  steps = padded_rows // block_m + num_groups
+  step = jnp.arange(steps, dtype=jnp.int32)  # [T]
+  seg = jnp.sum(step[:, None] >= inclusive[None, :], axis=1).astype(jnp.int32)  # [T]
+  valid = seg <= num_groups
+  seg = jnp.minimum(seg, num_groups)
+  tile = jnp.where(valid, first_tile[seg] + step - exclusive[seg], 0)
+  row_start = jnp.where(valid, seg_starts[seg], 0)
+  row_end = jnp.where(valid, seg_ends[seg], 0)
+  return seg, tile.astype(jnp.int32), row_start, row_end
+
+
+def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
+                *, num_groups, k_steps, block_m, block_k, block_n, transpose_rhs):
+  step, col_block = pl.program_id(0), pl.program_id(1)
+  group = group_ref[step]
+  row0 = pl.multiple_of(tile_ref[step] * block_m, block_m)
+  row_start, row_end = start_ref[step], end_ref[step]
+  weight = jnp.minimum(group, num_groups - 1)
+  rows = pl.ds(row0, block_m)
+  cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
+
+  def body(k, acc):
+    ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+    a = plgpu.load(lhs_ref.at[rows, ks])  # [bm, bk]
+    if transpose_rhs:
+      b = plgpu.load(rhs_ref.at[weight, cols, ks])  # [bn, bk]
+      return acc + _dot(a, b, trans_b=True)
+    b = plgpu.load(rhs_ref.at[weight, ks, cols])  # [bk, bn]
+    return acc + _dot(a, b)
+
+  acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = jnp.where(group < num_groups, acc, 0.0)  # the pseudo-group's rows are 0
+  row_ids = row0 + jnp.arange(block_m)
+  mine = (row_ids >= row_start) & (row_ids < row_end)  # [bm]
+  plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mine[:, None])
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
+        transpose_rhs: bool = False, block_sizes: BlockSizes | None = None,
+        interpret: bool | None = None) -> jax.Array:
+  """Grouped matmul kernel.
+
+  Args:
+    lhs: [M, K].
+    rhs: [G, K, N], or [G, N, K] with `transpose_rhs=True`.
+    starts, ends: [G] int32 row bounds of each group.
+    transpose_rhs: multiply by `rhs[g]^T` (the input gradient).
+    block_sizes: tile sizes; defaults from `BlockSizes.get_default`.
+    interpret: Pallas interpret mode; default `ops._backend.pallas_interpret()`.
+
+  Returns:
+    [M, N] in `lhs.dtype`.
+  """
+  num_rows, k = lhs.shape
+  num_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  bs = block_sizes or BlockSizes.get_default(num_rows, k, n)
+  interpret = _backend.pallas_interpret() if interpret is None else interpret
+  bm, bk, bn = bs.block_m, bs.block_k, bs.block_n
+  lhs_p = _shapes.pad_axis(_shapes.pad_axis(lhs, 0, bm), 1, bk)  # [Mp, Kp]
+  rhs_p = _shapes.pad_axis(_shapes.pad_axis(rhs, 1, bn if transpose_rhs else bk), 2,
+                           bk if transpose_rhs else bn)
+  padded_rows, padded_k = lhs_p.shape
+  padded_n = _shapes.round_up(n, bn)
+  metadata = group_metadata(starts, ends, padded_rows, bm)
+  steps = metadata[0].shape[0]
+  kernel = functools.partial(
+      _gmm_kernel, num_groups=num_groups, k_steps=padded_k // bk, block_m=bm,
+      block_k=bk, block_n=bn, transpose_rhs=transpose_rhs)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((padded_rows, padded_n), lhs.dtype),
+      grid=(steps, padded_n // bn),
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps,
+                                           num_stages=bs.num_stages),
+      interpret=interpret,
+      name="grouped_matmul",
+  )(*metadata, lhs_p, rhs_p)
+  return out[:num_rows, :n]
+
+
+def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m,
+                 block_k, block_n):
+  group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  row_start, row_end = start_ref[group], end_ref[group]
+  ks = pl.ds(pl.multiple_of(k_block * block_k, block_k), block_k)
+  cols = pl.ds(pl.multiple_of(n_block * block_n, block_n), block_n)
+  first = row_start // block_m
+  last = jnp.where(row_end > row_start, (row_end + block_m - 1) // block_m, first)
+
+  def body(tile, acc):
+    row0 = pl.multiple_of(tile * block_m, block_m)
+    rows = pl.ds(row0, block_m)
+    row_ids = row0 + jnp.arange(block_m)
+    mine = ((row_ids >= row_start) & (row_ids < row_end))[:, None]  # [bm, 1]
+    a = plgpu.load(lhs_ref.at[rows, ks], mask=mine, other=0.0)  # [bm, bk]
+    b = plgpu.load(dout_ref.at[rows, cols], mask=mine, other=0.0)  # [bm, bn]
+    return acc + _dot(a, b, trans_a=True)
+
+  acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_k, block_n), jnp.float32))
+  plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype))
+
+
+def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
+         block_sizes: BlockSizes | None = None,
+         interpret: bool | None = None) -> jax.Array:
+  """Transposed grouped matmul: the weight gradient of `gmm`.
+
+  Args:
+    lhs: [M, K].
+    dout: [M, N].
+    starts, ends: [G] int32 row bounds of each group.
+
+  Returns:
+    [G, K, N] in `lhs.dtype`: `lhs[rows of g]^T @ dout[rows of g]` (zero for
+    an empty group).
+  """
+  num_rows, k = lhs.shape
+  n = dout.shape[1]
+  num_groups = starts.shape[0]
+  bs = block_sizes or BlockSizes.get_default(num_rows, k, n)
+  interpret = _backend.pallas_interpret() if interpret is None else interpret
+  bm, bk, bn = bs.tgmm_block_m, bs.tgmm_block_k, bs.tgmm_block_n
+  lhs_p = _shapes.pad_axis(_shapes.pad_axis(lhs, 0, bm), 1, bk)  # [Mp, Kp]
+  dout_p = _shapes.pad_axis(_shapes.pad_axis(dout, 0, bm), 1, bn)  # [Mp, Np]
+  padded_k, padded_n = lhs_p.shape[1], dout_p.shape[1]
+  kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn)
+  out = pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((num_groups, padded_k, padded_n), lhs.dtype),
+      grid=(num_groups, padded_k // bk, padded_n // bn),
+      compiler_params=plgpu.CompilerParams(num_warps=bs.tgmm_num_warps,
+                                           num_stages=bs.tgmm_num_stages),
+      interpret=interpret,
+      name="transposed_grouped_matmul",
+  )(starts, ends, lhs_p, dout_p)
+  return out[:, :k, :n]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped_matmul(lhs, rhs, starts, ends, block_sizes):
+  return gmm(lhs, rhs, starts, ends, block_sizes=block_sizes)
+
+
+def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes):
+  out = gmm(lhs, rhs, starts, ends, block_sizes=block_sizes)
+  return out, (lhs, rhs, starts, ends)
+
+
+def _grouped_matmul_bwd(block_sizes, residuals, dout):
+  lhs, rhs, starts, ends = residuals
+  dout = dout.astype(lhs.dtype)
+  # Rows outside every group got no weight: their lhs gradient is zero, which
+  # the pseudo-group of gmm writes.
+  dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
+  drhs = tgmm(lhs, dout, starts, ends, block_sizes=block_sizes)
+  return dlhs, drhs.astype(rhs.dtype), None, None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
+                          ends: jax.Array, *,
+                          block_sizes: BlockSizes | None = None) -> jax.Array:
+  """Differentiable grouped matmul on the Pallas kernels.
+
+  Args:
+    lhs: [M, K].
+    rhs: [G, K, N] (same dtype as `lhs`).
+    starts, ends: [G] int32 contiguous row bounds (`reference.group_bounds`).
+    block_sizes: tile sizes; defaults from `BlockSizes.get_default`.
+
+  Returns:
+    [M, N] in `lhs.dtype`.
+  """
+  bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
+  return _grouped_matmul(lhs, rhs, starts, ends, bs)
