@@ -1,0 +1,67 @@
+"""`linear_scan`: the diagonal linear recurrence `h_t = a_t * h_{t-1} + b_t`.
+
+The core of the Linear Recurrent Unit (Orvieto et al. 2023,
+https://arxiv.org/abs/2303.06349) and of every diagonal SSM in recurrent form.
+
+Glossary of shapes: B batch, T time, D channels.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ops import _backend
+from ops.linear_scan import pallas as pallas_impl
+from ops.linear_scan.xla import linear_scan_xla
+
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
+_VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
+
+
+def _validate(a, b, initial_state):
+  if a.ndim != 3:
+    raise ValueError(f"`a` must be [B, T, D], got shape {a.shape}")
+  if b.shape != a.shape:
+    raise ValueError(f"`b` must have the shape of `a` {a.shape}, got {b.shape}")
+  for name, x in (("a", a), ("b", b)):
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _VALID_DTYPES]:
+      raise ValueError(f"`{name}` must be a float or complex array, got {x.dtype}")
+  if initial_state is not None and initial_state.shape != (a.shape[0], a.shape[2]):
+    raise ValueError(f"`initial_state` must be [B, D] = {(a.shape[0], a.shape[2])}, "
+                     f"got {initial_state.shape}")
+
+
+def linear_scan(a: jax.Array, b: jax.Array, *,
+                initial_state: jax.Array | None = None, reverse: bool = False,
+                implementation: _backend.Implementation = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """`h_t = a_t * h_{t-1} + b_t` over axis 1.
+
+  Args:
+    a: [B, T, D] decay; float32, bfloat16 or complex64 (float64/complex128 on
+      the XLA path only).
+    b: [B, T, D] input, same shape.
+    initial_state: [B, D], the state before the first step processed (zeros
+      when None).
+    reverse: run from the last time step to the first.
+    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+      'pallas' (the kernel; interpret mode off GPU) or 'xla'
+      (`lax.associative_scan`).
+
+  Returns:
+    h: [B, T, D] in the result dtype of `a` and `b` (accumulated in float32 or
+      complex64).
+    final_state: [B, D], the state after the last step processed.
+  """
+  _validate(a, b, initial_state)
+  dtype = jnp.dtype(jnp.result_type(a, b))
+
+  def kernel_limit():
+    if dtype not in [jnp.dtype(d) for d in _KERNEL_DTYPES]:
+      return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
+    return None
+
+  backend = _backend.choose("linear_scan", implementation, kernel_limit)
+  if backend == "pallas":
+    return pallas_impl.linear_scan_pallas(a, b, initial_state=initial_state,
+                                          reverse=reverse)
+  return linear_scan_xla(a, b, initial_state=initial_state, reverse=reverse)

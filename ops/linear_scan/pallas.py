@@ -1,0 +1,246 @@
+"""Pallas kernel for the linear recurrence `h_t = a_t * h_{t-1} + b_t`.
+
+Each program owns `block_d` channels of one batch row and one chunk of
+`chunk` time steps, and walks through the chunk one step at a time with the
+state in registers (the loop body unrolls `unroll` steps so that their loads
+are issued together). Two launches make the chunks independent:
+
+1. summary: every chunk runs from a zero state and writes its end state and
+   the product of its `a`s (`[B, C, D]` each);
+2. apply: every chunk folds the summaries of the chunks before it into its
+   start state, runs again from there and writes `h`.
+
+So the kernel reads the inputs twice and writes `h` once, with `B * D /
+block_d * C` programs in flight instead of `B * D / block_d` serial chains.
+With a single chunk the summary launch is skipped.
+
+Complex inputs (the LRU's) travel as separate real and imaginary float32
+planes; Triton has no complex type. The backward pass is the same kernel run
+in the other direction on (`a` shifted by one step, the output cotangent):
+it gives `dh`, then `da_t = dh_t h_{t-1}` and `db_t = dh_t`.
+
+Glossary of shapes: B batch, T time, D channels, C chunks.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import _backend
+from ops import _shapes
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearScanBlocks:
+  """Tiling of the linear scan kernel."""
+  block_d: int = 64     # channels per program; a power of two
+  unroll: int = 16      # time steps per loop iteration; a power of two
+  chunk: int = 128      # time steps per program; a multiple of `unroll`
+  num_warps: int = 2    # warps per program
+
+  def __post_init__(self):
+    for name in ("block_d", "unroll", "num_warps"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"`{name}` must be a power of two, got {value}")
+    if self.chunk < 1 or self.chunk % self.unroll:
+      raise ValueError(f"`chunk` must be a positive multiple of {self.unroll=}, "
+                       f"got {self.chunk}")
+
+  @classmethod
+  def get_default(cls, batch: int, time: int, width: int) -> "LinearScanBlocks":
+    """About a thousand programs, at most 64 chunks, one channel per thread."""
+    block_d = max(8, min(64, _next_pow2(width)))
+    unroll = min(16, _next_pow2(time))
+    chains = batch * _shapes.cdiv(width, block_d)
+    num_chunks = min(64, max(1, _shapes.cdiv(1024, chains)))
+    chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
+    return cls(block_d=block_d, unroll=unroll, chunk=chunk,
+               num_warps=max(1, min(4, block_d // 32)))
+
+
+def _mul(x, y):
+  """Product of two values given as planes: (re,) or (re, im)."""
+  if len(x) == 1:
+    return (x[0] * y[0],)
+  return (x[0] * y[0] - x[1] * y[1], x[0] * y[1] + x[1] * y[0])
+
+
+def _add(x, y):
+  return tuple(p + q for p, q in zip(x, y))
+
+
+def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
+                 unroll: int, fold: bool):
+  """One program: `block_d` channels, one chunk of time, planes of f32.
+
+  refs: a planes, b planes, h0 planes, [prod planes, end planes if fold],
+  then the outputs: (prod, end) planes for mode 'summary', h planes for 'apply'.
+  """
+  a_refs, b_refs, refs = refs[:planes], refs[planes:2 * planes], refs[2 * planes:]
+  h0_refs, refs = refs[:planes], refs[planes:]
+  if fold:
+    prod_in, end_in, refs = refs[:planes], refs[planes:2 * planes], refs[2 * planes:]
+  out_refs = refs
+  block_d = a_refs[0].shape[-1]
+
+  def row(ref, t):  # [1, block_d] in float32
+    return ref[pl.ds(t, 1), :].astype(jnp.float32)
+
+  if mode == "apply":
+    h = tuple(row(r, 0) for r in h0_refs)
+    if fold:
+      # Chunks run in processing order; fold the summaries of those before.
+      def fold_one(k, h):
+        return _add(_mul(tuple(row(r, k) for r in prod_in), h),
+                    tuple(row(r, k) for r in end_in))
+      h = jax.lax.fori_loop(0, pl.program_id(2), fold_one, h)
+    prod = ()
+  else:
+    h = tuple(jnp.zeros((1, block_d), jnp.float32) for _ in range(planes))
+    prod = (jnp.ones((1, block_d), jnp.float32),) + tuple(
+        jnp.zeros((1, block_d), jnp.float32) for _ in range(planes - 1))
+
+  def body(j, carry):
+    h, prod = carry
+    for i in range(unroll):
+      t = j * unroll + i
+      if reverse:
+        t = chunk - 1 - t
+      a_t = tuple(row(r, t) for r in a_refs)
+      b_t = tuple(row(r, t) for r in b_refs)
+      h = _add(_mul(a_t, h), b_t)
+      if mode == "apply":
+        for r, v in zip(out_refs, h):
+          r[pl.ds(t, 1), :] = v.astype(r.dtype)
+      else:
+        prod = _mul(a_t, prod)
+    return h, prod
+
+  h, prod = jax.lax.fori_loop(0, chunk // unroll, body, (h, prod))
+  if mode == "summary":
+    for r, v in zip(out_refs, prod + h):
+      r[...] = v
+
+
+def _to_planes(x: jax.Array) -> tuple[jax.Array, ...]:
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    return (jnp.real(x).astype(jnp.float32), jnp.imag(x).astype(jnp.float32))
+  return (x,)
+
+
+def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
+               blocks: LinearScanBlocks) -> jax.Array:
+  """The kernel pair without a gradient rule: [B, T, D] x2, [B, D] -> h."""
+  out_dtype = jnp.result_type(a, b)
+  is_complex = jnp.issubdtype(out_dtype, jnp.complexfloating)
+  batch, time, width = a.shape
+  planes = 2 if is_complex else 1
+  bd, chunk = blocks.block_d, blocks.chunk
+  num_chunks = _shapes.cdiv(time, chunk)
+  # Pad with the identity step (a = 1, b = 0): it leaves the state unchanged.
+  a_p = [_shapes.pad_axis(_shapes.pad_axis(p, 1, chunk, 1.0 if k == 0 else 0.0), 2, bd)
+         for k, p in enumerate(_to_planes(a.astype(out_dtype)))]
+  b_p = [_shapes.pad_axis(_shapes.pad_axis(p, 1, chunk), 2, bd)
+         for p in _to_planes(b.astype(out_dtype))]
+  h0_p = [_shapes.pad_axis(p.astype(jnp.float32), 1, bd)[:, None, :]
+          for p in _to_planes(h0)]
+  padded_d = a_p[0].shape[2]
+  grid = (batch, padded_d // bd, num_chunks)
+
+  def chunk_index(c):
+    return num_chunks - 1 - c if reverse else c
+
+  seq_spec = pl.BlockSpec((None, chunk, bd), lambda i, d, c: (i, chunk_index(c), d))
+  one_spec = pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, 0, d))
+  kernel = functools.partial(_scan_kernel, planes=planes, reverse=reverse,
+                             chunk=chunk, unroll=blocks.unroll)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  interpret = _backend.pallas_interpret()
+  fold = num_chunks > 1
+  summaries = []
+  if fold:
+    summary_shape = jax.ShapeDtypeStruct((batch, num_chunks, padded_d), jnp.float32)
+    summaries = pl.pallas_call(
+        functools.partial(kernel, mode="summary", fold=False),
+        grid=grid,
+        in_specs=[seq_spec] * (2 * planes) + [one_spec] * planes,
+        out_specs=[pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, c, d))] * (2 * planes),
+        out_shape=[summary_shape] * (2 * planes),
+        compiler_params=params, interpret=interpret,
+        name="linear_scan_summary")(*a_p, *b_p, *h0_p)
+  store_dtype = jnp.float32 if is_complex else out_dtype
+  all_spec = pl.BlockSpec((None, num_chunks, bd), lambda i, d, c: (i, 0, d))
+  h = pl.pallas_call(
+      functools.partial(kernel, mode="apply", fold=fold),
+      grid=grid,
+      in_specs=[seq_spec] * (2 * planes) + [one_spec] * planes
+      + [all_spec] * len(summaries),
+      out_specs=[seq_spec] * planes,
+      out_shape=[jax.ShapeDtypeStruct(a_p[0].shape, store_dtype)] * planes,
+      compiler_params=params, interpret=interpret,
+      name="linear_scan")(*a_p, *b_p, *h0_p, *summaries)
+  h = [p[:, :time, :width] for p in h]
+  return jax.lax.complex(*h) if is_complex else h[0]
+
+
+def _final(h: jax.Array, reverse: bool) -> jax.Array:
+  return h[:, 0] if reverse else h[:, -1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _linear_scan(a, b, h0, reverse, blocks):
+  h = _scan_call(a, b, h0, reverse=reverse, blocks=blocks)
+  return h, _final(h, reverse)
+
+
+def _linear_scan_fwd(a, b, h0, reverse, blocks):
+  h = _scan_call(a, b, h0, reverse=reverse, blocks=blocks)
+  return (h, _final(h, reverse)), (a, h, h0)
+
+
+def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
+  a, h, h0 = residuals
+  dh_out, dfinal = cotangents  # [B, T, D], [B, D]
+  one = jnp.ones_like(a[:, :1])
+  h0 = h0.astype(h.dtype)[:, None]
+  if reverse:
+    a_next = jnp.concatenate([one, a[:, :-1]], axis=1)    # a_{t-1}
+    h_prev = jnp.concatenate([h[:, 1:], h0], axis=1)       # h_{t+1}
+  else:
+    a_next = jnp.concatenate([a[:, 1:], one], axis=1)     # a_{t+1}
+    h_prev = jnp.concatenate([h0, h[:, :-1]], axis=1)      # h_{t-1}
+  # dL/dh_t = dh_out_t + a_{t+1} dL/dh_{t+1}, starting from dfinal.
+  dh = _scan_call(a_next, dh_out.astype(h.dtype), dfinal.astype(h.dtype),
+                  reverse=not reverse, blocks=blocks)
+  da = (dh * h_prev).astype(a.dtype)
+  first = -1 if reverse else 0
+  dh0 = (a[:, first] * dh[:, first]).astype(residuals[2].dtype)
+  return da, dh.astype(h.dtype), dh0
+
+
+_linear_scan.defvjp(_linear_scan_fwd, _linear_scan_bwd)
+
+
+def linear_scan_pallas(a: jax.Array, b: jax.Array, *,
+                       initial_state: jax.Array | None = None,
+                       reverse: bool = False,
+                       blocks: LinearScanBlocks | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Same contract as `linear_scan_reference`, on the Pallas kernel."""
+  out_dtype = jnp.result_type(a, b)
+  batch, time, width = a.shape
+  if blocks is None:
+    blocks = LinearScanBlocks.get_default(batch, time, width)
+  if initial_state is None:
+    initial_state = jnp.zeros((batch, width), out_dtype)
+  return _linear_scan(a.astype(out_dtype), b.astype(out_dtype),
+                      initial_state.astype(out_dtype), reverse, blocks)
