@@ -1,0 +1,130 @@
+"""`ops.flex_attention`: masked multi-head attention with a Pallas flash kernel.
+
+Glossary of shapes: B batch, T query tokens, S key/value tokens, N query heads,
+K key/value heads (N a multiple of K: GQA/MQA without repeating K/V), H head
+size. The mask conventions are those of `jax.nn.dot_product_attention`; see
+reference.py.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ops import _backend
+from ops.flex_attention import pallas
+from ops.flex_attention import reference
+
+_OP = "flex_attention"
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_HEAD_DIM = 256  # The kernel's largest head size (padded to a power of two).
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _validate(q, k, v, is_causal, scale, segment_ids, local_window_size,
+              kv_seq_lengths):
+  """Raises ValueError naming the argument; returns the normalized options."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"`{name}` must have rank 4 ([B, T, N, H] / [B, S, K, H]), "
+                       f"got shape {getattr(x, 'shape', None)}")
+    if x.dtype not in _DTYPES:
+      raise ValueError(f"`{name}` must be float32, bfloat16 or float16, got {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise ValueError(f"`q`, `k` and `v` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  if k.shape != v.shape:
+    raise ValueError(f"`k` and `v` must have the same shape, got {k.shape} and {v.shape}")
+  batch, seq_q, num_heads, head_dim = q.shape
+  _, seq_kv, num_kv, head_dim_k = k.shape
+  if k.shape[0] != batch:
+    raise ValueError(f"`k` batch {k.shape[0]} differs from `q` batch {batch}")
+  if head_dim_k != head_dim:
+    raise ValueError(f"`k` head size {head_dim_k} differs from `q` head size {head_dim}")
+  if num_kv == 0 or num_heads % num_kv:
+    raise ValueError(f"`q` heads ({num_heads}) must be a multiple of `k` heads ({num_kv})")
+  if min(seq_q, seq_kv, head_dim) == 0:
+    raise ValueError(f"`q` and `k` need non-empty axes, got {q.shape} and {k.shape}")
+  if not isinstance(is_causal, bool):
+    raise ValueError(f"`is_causal` must be a bool, got {is_causal!r}")
+  if scale is not None and not isinstance(scale, (int, float)):
+    raise ValueError(f"`scale` must be a Python number or None, got {type(scale).__name__}")
+  window = None
+  if local_window_size is not None:
+    try:
+      window = reference.normalize_window(local_window_size)
+    except (TypeError, ValueError):
+      raise ValueError("`local_window_size` must be an int or a (left, right) pair, "
+                       f"got {local_window_size!r}") from None
+    for side in window:
+      if side is not None and (not isinstance(side, int) or side < 0):
+        raise ValueError("`local_window_size` entries must be ints >= 0 or None, "
+                         f"got {local_window_size!r}")
+  q_ids, kv_ids = reference.split_segment_ids(segment_ids)
+  if q_ids is not None:
+    if not isinstance(segment_ids, (tuple, list)) and seq_q != seq_kv:
+      raise ValueError("`segment_ids` as one [B, T] array needs T == S; pass a pair "
+                       f"(q_ids [B, T], kv_ids [B, S]), got T={seq_q}, S={seq_kv}")
+    for name, ids, n in (("q", q_ids, seq_q), ("kv", kv_ids, seq_kv)):
+      if getattr(ids, "shape", None) != (batch, n):
+        raise ValueError(f"`segment_ids` ({name}) must have shape {(batch, n)}, "
+                         f"got {getattr(ids, 'shape', None)}")
+      if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"`segment_ids` must be integers, got {ids.dtype}")
+  if kv_seq_lengths is not None:
+    if getattr(kv_seq_lengths, "shape", None) != (batch,):
+      raise ValueError(f"`kv_seq_lengths` must have shape ({batch},), "
+                       f"got {getattr(kv_seq_lengths, 'shape', None)}")
+    if not jnp.issubdtype(kv_seq_lengths.dtype, jnp.integer):
+      raise ValueError(f"`kv_seq_lengths` must be integers, got {kv_seq_lengths.dtype}")
+    if _is_concrete(kv_seq_lengths):
+      lo, hi = int(jnp.min(kv_seq_lengths)), int(jnp.max(kv_seq_lengths))
+      if lo < 0 or hi > seq_kv:
+        raise ValueError(f"`kv_seq_lengths` must lie in [0, S={seq_kv}], got values in [{lo}, {hi}]")
+  return window, q_ids, kv_ids
+
+
+def kernel_limit(q) -> str | None:
+  """None when the Pallas kernel takes inputs like `q`, else the reason."""
+  head_dim = q.shape[-1]
+  if head_dim > MAX_HEAD_DIM:
+    return f"`q` head size must be <= {MAX_HEAD_DIM} for the kernel, got {head_dim}"
+  return None
+
+
+def flex_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
+    scale: float | None = None, segment_ids=None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    kv_seq_lengths: jax.Array | None = None,
+    implementation: _backend.Implementation = None) -> jax.Array:
+  """Softmax attention with causal/window/segment/length masks.
+
+  Args:
+    q: [B, T, N, H] queries.
+    k, v: [B, S, K, H] keys and values; N must be a multiple of K.
+    is_causal: query t sees keys s <= t.
+    scale: logit scale, default H ** -0.5.
+    segment_ids: [B, T] ints (T == S), or a pair ([B, T], [B, S]): a query sees
+      keys of its own segment only (packed sequences).
+    local_window_size: `w` or `(left, right)`: t sees s in [t - left, t + right]
+      (a None side is unbounded).
+    kv_seq_lengths: [B] ints in [0, S]: keys s >= length are padding.
+    implementation: None (the kernel on NVIDIA GPUs, XLA elsewhere), 'pallas'
+      (the kernel; interpret mode off GPU) or 'xla' (the dense reference).
+
+  Returns:
+    [B, T, N, H] in q's dtype. A query that sees no key returns zeros.
+  """
+  window, q_ids, kv_ids = _validate(q, k, v, is_causal, scale, segment_ids,
+                                    local_window_size, kv_seq_lengths)
+  chosen = _backend.choose(_OP, implementation, lambda: kernel_limit(q))
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  if chosen == "xla":
+    return reference.flex_attention_reference(
+        q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
+        local_window_size=window, kv_seq_lengths=kv_seq_lengths)
+  return pallas.flex_attention_pallas(
+      q, k, v, scale=scale, is_causal=is_causal, window=window,
+      q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=kv_seq_lengths,
+      interpret=_backend.pallas_interpret())

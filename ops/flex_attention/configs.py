@@ -1,0 +1,88 @@
+"""Block sizes, warps and stages of the flex-attention kernels, per GPU.
+
+One table, keyed by (padded head size, dtype, GPU generation), filled from
+`experiments/tune_flex_attention.py` runs; a key the table lacks falls back to
+the nearest smaller head size of the same generation, then to `_DEFAULT`.
+In interpret mode (CPU) small blocks keep the Python loops short.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Tiling of one kernel launch."""
+  block_q: int  # query rows per tile (power of two, >= 16)
+  block_k: int  # key/value rows per tile (power of two, >= 16)
+  num_warps: int  # Triton warps per program
+  num_stages: int  # Triton software-pipelining depth of the inner loop
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"`{name}` must be a power of two >= 16, got {value}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"`num_warps` must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"`num_stages` must be >= 1, got {self.num_stages}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexConfig:
+  """The three launches of one attention call: forward, dK/dV and dQ."""
+  fwd: KernelConfig
+  dkdv: KernelConfig
+  dq: KernelConfig
+
+
+def _c(fwd, dkdv, dq) -> FlexConfig:
+  return FlexConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
+
+
+# (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
+# Keys: (padded head size, dtype name, generation). 'sm90' = Hopper (H100/H200).
+_TABLE: dict[tuple[int, str, str], FlexConfig] = {
+    (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)),
+    (64, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)),
+    (128, "bfloat16", "sm90"): _c((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2)),
+    (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1)),
+}
+
+# For any GPU and head size the table does not cover.
+_DEFAULT = _c((64, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 2))
+_DEFAULT_LARGE_HEAD = _c((64, 32, 4, 2), (32, 32, 4, 1), (32, 32, 4, 1))  # H > 128
+_INTERPRET = _c((32, 32, 4, 1), (32, 32, 4, 1), (32, 32, 4, 1))
+
+
+def gpu_generation() -> str:
+  """'sm90' style name of the default device, or 'cpu'."""
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return "cpu"
+  capability = getattr(device, "compute_capability", None)
+  if capability is None:
+    return "gpu"
+  return "sm" + str(capability).replace(".", "")
+
+
+def get_config(head_dim_padded: int, dtype, *, interpret: bool,
+               generation: str | None = None) -> FlexConfig:
+  """The tiling for this head size (padded to a power of two) and dtype."""
+  if interpret:
+    return _INTERPRET
+  generation = gpu_generation() if generation is None else generation
+  name = jnp.dtype(dtype).name
+  name = "bfloat16" if name == "float16" else name  # Same tiles for 16-bit floats.
+  if (head_dim_padded, name, generation) in _TABLE:
+    return _TABLE[(head_dim_padded, name, generation)]
+  if name == "float32" and (head_dim_padded, "bfloat16", generation) in _TABLE:
+    # Four-byte elements: halve the key tile to keep shared memory in budget.
+    c = _TABLE[(head_dim_padded, "bfloat16", generation)]
+    half = lambda k: dataclasses.replace(k, block_k=max(16, k.block_k // 2),
+                                         num_stages=min(k.num_stages, 2))
+    return FlexConfig(half(c.fwd), half(c.dkdv), half(c.dq))
+  return _DEFAULT_LARGE_HEAD if head_dim_padded > 128 else _DEFAULT

@@ -1,0 +1,127 @@
+"""The specification of flex attention: dense masked softmax attention in f32.
+
+FlashAttention (https://arxiv.org/abs/2205.14135) computes exactly this without
+materialising the [T, S] logits; this file does materialise them.
+
+Glossary of shapes: B batch, T query tokens, S key/value tokens, N query heads,
+K key/value heads (N = G * K, G query heads share one key/value head), H head
+size.
+
+Mask conventions (those of `jax.nn.dot_product_attention`): query t may attend
+to key s when
+  * `is_causal`: s <= t (top-left aligned when T != S),
+  * `local_window_size=(left, right)`: t - left <= s <= t + right,
+  * `segment_ids`: the query's and the key's segment ids are equal,
+  * `kv_seq_lengths`: s < kv_seq_lengths[b],
+  * `mask_mod(b, n, t, s)` is True.
+A query row that may attend to no key returns zeros (never NaN).
+"""
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+MaskMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+ScoreMod = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def normalize_window(local_window_size) -> tuple[int | None, int | None] | None:
+  """`w` -> (w, w); `(left, right)` stays; None entries mean unbounded."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, int):
+    return (local_window_size, local_window_size)
+  left, right = local_window_size
+  return (left, right)
+
+
+def split_segment_ids(segment_ids):
+  """`[B, T]` (self-attention) or a pair `([B, T], [B, S])` -> (q_ids, kv_ids)."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    return segment_ids[0], segment_ids[1]
+  return segment_ids, segment_ids
+
+
+def allowed_mask(batch: int, num_heads: int, seq_q: int, seq_kv: int, *,
+                 is_causal: bool = False, segment_ids=None,
+                 local_window_size=None, kv_seq_lengths=None,
+                 mask_mod: MaskMod | None = None) -> jax.Array:
+  """[B, N or 1, T, S] boolean: True where query t may attend to key s."""
+  t = jnp.arange(seq_q)[:, None]  # [T, 1]
+  s = jnp.arange(seq_kv)[None, :]  # [1, S]
+  mask = jnp.ones((1, 1, seq_q, seq_kv), bool)
+  if is_causal:
+    mask &= (s <= t)[None, None]
+  window = normalize_window(local_window_size)
+  if window is not None:
+    left, right = window
+    if left is not None:
+      mask &= (s >= t - left)[None, None]
+    if right is not None:
+      mask &= (s <= t + right)[None, None]
+  q_ids, kv_ids = split_segment_ids(segment_ids)
+  if q_ids is not None:
+    mask &= (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [B, 1, T, S]
+  if kv_seq_lengths is not None:
+    mask &= (s[None] < kv_seq_lengths[:, None, None])[:, None]
+  if mask_mod is not None:
+    b = jnp.arange(batch)[:, None, None, None]
+    n = jnp.arange(num_heads)[None, :, None, None]
+    mask &= mask_mod(b, n, t[None, None], s[None, None])
+  return mask
+
+
+def flex_attention_reference(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
+    scale: float | None = None, segment_ids=None, local_window_size=None,
+    kv_seq_lengths: jax.Array | None = None, mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None, return_lse: bool = False):
+  """Masked softmax attention, computed densely in float32.
+
+  Args:
+    q: [B, T, N, H].
+    k, v: [B, S, K, H], N a multiple of K.
+    is_causal, segment_ids, local_window_size, kv_seq_lengths, mask_mod: the
+      mask (module docstring).
+    scale: logit scale, default H ** -0.5.
+    score_mod: `score_mod(score, b, n, t, s)` applied to the scaled logits.
+    return_lse: also return the natural log-sum-exp [B, N, T] (-inf for an
+      empty row).
+
+  Returns:
+    [B, T, N, H] in q's dtype (and the lse when asked).
+  """
+  batch, seq_q, num_heads, head_dim = q.shape
+  seq_kv, num_kv_heads = k.shape[1], k.shape[2]
+  groups = num_heads // num_kv_heads
+  scale = head_dim ** -0.5 if scale is None else scale
+  qf = q.astype(jnp.float32).reshape(batch, seq_q, num_kv_heads, groups, head_dim)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qf, k.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+  logits = logits.reshape(batch, num_heads, seq_q, seq_kv) * scale  # [B, N, T, S]
+  if score_mod is not None:
+    b = jnp.arange(batch)[:, None, None, None]
+    n = jnp.arange(num_heads)[None, :, None, None]
+    t = jnp.arange(seq_q)[None, None, :, None]
+    s = jnp.arange(seq_kv)[None, None, None, :]
+    logits = score_mod(logits, b, n, t, s).astype(jnp.float32)
+  mask = allowed_mask(batch, num_heads, seq_q, seq_kv, is_causal=is_causal,
+                      segment_ids=segment_ids, local_window_size=local_window_size,
+                      kv_seq_lengths=kv_seq_lengths, mask_mod=mask_mod)
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.exp(logits - row_max)  # masked entries: exactly 0
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  probs = weights / jnp.where(total == 0, 1.0, total)  # empty rows: all zeros
+  probs = probs.reshape(batch, num_kv_heads, groups, seq_q, seq_kv)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  out = out.reshape(batch, seq_q, num_heads, head_dim).astype(q.dtype)
+  if return_lse:
+    lse = jnp.where(total[..., 0] == 0, -jnp.inf, row_max[..., 0] + jnp.log(total[..., 0]))
+    return out, lse
+  return out
