@@ -1,0 +1,127 @@
+"""The model grid: forward and train step of every model, per attention and dtype.
+
+    python -m experiments.benchmark_gpu_nn --output docs/benchmarks/gpu_nn.json
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_gpu_nn --tokens 128 \
+        --output /tmp/gpu_nn_cpu.json
+
+Standard profile: batch 8, width 256, 8 heads of 32, 4 layers. One JSON row
+per (model, attention, dtype, tokens, mode) with `status` in
+ok | OOM | fail | unsup | error; a failing case records its row and the grid
+moves on. The train step is `jax.value_and_grad` of a mean-square loss plus an
+Adam update.
+"""
+
+import functools
+from typing import Callable
+
+from absl import app
+from absl import flags
+from absl import logging
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import optax
+
+from experiments import harness
+import probjax_hk as pk
+
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gpu_nn.json", "JSON output path.")
+_MODELS = flags.DEFINE_list("models", ["transformer", "dit"], "Models to run.")
+_ATTENTION = flags.DEFINE_list("attention", ["default", "xla", "cudnn"],
+                               "Attention implementations ('default' = None).")
+_DTYPE = flags.DEFINE_list("dtype", ["bfloat16", "float32"], "Input dtypes.")
+_TOKENS = flags.DEFINE_list("tokens", ["1024", "4096"], "Sequence lengths.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Batch size.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+
+MODEL_DIM, NUM_HEADS, NUM_LAYERS = 256, 8, 4
+
+
+def _attention_fn(attention: str) -> Callable:
+  implementation = None if attention == "default" else attention
+  return functools.partial(pk.dot_product_attention, implementation=implementation)
+
+
+def transformer_case(attention_fn, batch, tokens, dtype):
+  model = hk.transform(lambda x, t: pk.Transformer(
+      MODEL_DIM, NUM_HEADS, NUM_LAYERS, attention_fn=attention_fn)(x))
+  x = jax.random.normal(jax.random.key(1), (batch, tokens, MODEL_DIM), dtype)
+  return model, (x, jnp.zeros((batch,)))
+
+
+def dit_case(attention_fn, batch, tokens, dtype):
+  model = hk.transform(lambda x, t: pk.DiffusionTransformer(
+      MODEL_DIM, NUM_HEADS, NUM_LAYERS, attention_fn=attention_fn)(x, t))
+  x = jax.random.normal(jax.random.key(1), (batch, tokens, MODEL_DIM), dtype)
+  return model, (x, jax.random.uniform(jax.random.key(2), (batch,)) * 1000)
+
+
+# name -> (attention_fn, batch, tokens, dtype) -> (transformed model, inputs).
+MODELS = {"transformer": transformer_case, "dit": dit_case}
+
+
+def _check_attention(attention, tokens, batch, dtype):
+  """Raises harness.Unsupported when the attention cannot take this case."""
+  implementation = None if attention == "default" else attention
+  q = jax.ShapeDtypeStruct((batch, tokens, NUM_HEADS, MODEL_DIM // NUM_HEADS), dtype)
+  try:
+    pk.choose_attention_implementation(q, q, q, implementation=implementation)
+  except ValueError as e:
+    raise harness.Unsupported(str(e)) from e
+
+
+def build_forward(model_name, attention, batch, tokens, dtype):
+  def build():
+    _check_attention(attention, tokens, batch, dtype)
+    model, inputs = MODELS[model_name](_attention_fn(attention), batch, tokens, dtype)
+    params = model.init(jax.random.key(0), *inputs)
+    return jax.jit(lambda p, *a: model.apply(p, None, *a)), (params, *inputs)
+  return build
+
+
+def build_train_step(model_name, attention, batch, tokens, dtype):
+  def build():
+    _check_attention(attention, tokens, batch, dtype)
+    model, inputs = MODELS[model_name](_attention_fn(attention), batch, tokens, dtype)
+    params = model.init(jax.random.key(0), *inputs)
+    optimizer = optax.adam(1e-4)
+    opt_state = optimizer.init(params)
+
+    def loss_fn(p, *a):
+      out = model.apply(p, None, *a)
+      return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+    # No donation here: the harness calls the step repeatedly on the same
+    # buffers. Donation is measured by the remat/donation benchmarks.
+    @jax.jit
+    def step(p, s, *a):
+      loss, grads = jax.value_and_grad(loss_fn)(p, *a)
+      updates, s = optimizer.update(grads, s, p)
+      return optax.apply_updates(p, updates), s, loss
+
+    return step, (params, opt_state, *inputs)
+  return build
+
+
+def main(argv):
+  del argv
+  rows = []
+  for model_name in _MODELS.value:
+    for dtype_name in _DTYPE.value:
+      dtype = jnp.dtype(dtype_name)
+      for tokens in map(int, _TOKENS.value):
+        for attention in _ATTENTION.value:
+          for mode, builder in (("forward", build_forward), ("train_step", build_train_step)):
+            config = dict(model=model_name, attention=attention, dtype=dtype_name,
+                          tokens=tokens, batch=_BATCH.value, mode=mode)
+            row = harness.run_case(config, builder(model_name, attention, _BATCH.value,
+                                                   tokens, dtype), iters=_ITERS.value)
+            logging.info("%s", row)
+            rows.append(row)
+  harness.write_rows(rows, _OUTPUT.value)
+  print(harness.format_table(rows, ["model", "attention", "dtype", "tokens", "mode",
+                                    "status", "median_ms", "compile_s"]))
+
+
+if __name__ == "__main__":
+  app.run(main)
