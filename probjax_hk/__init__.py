@@ -17,6 +17,7 @@ from probjax_hk.layers import RMSNorm
 from probjax_hk.layers import rotary_embedding
 from probjax_hk.layers import sinusoidal_embedding
 from probjax_hk.layers import TimestepEmbedding
+from probjax_hk.moe import MoELayer
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
@@ -31,6 +32,7 @@ __all__ = (
     "Linear",
     "MLP",
     "modulate",
+    "MoELayer",
     "MultiHeadAttention",
     "remat_policy_names",
     "RMSNorm",

@@ -1,0 +1,459 @@
+"""Mixture-of-experts feed-forward layer: dropless by default, or with capacity.
+
+Switch Transformer (https://arxiv.org/abs/2101.03961): top-k routing, the
+load-balancing loss and expert capacity. ST-MoE (https://arxiv.org/abs/2202.08906):
+the router z-loss. MegaBlocks (https://arxiv.org/abs/2211.15841): dropless
+experts as a grouped matmul over tokens sorted by expert (`ops.grouped_matmul`).
+
+Glossary of shapes: T tokens (every leading axis of the input, flattened),
+D d_model, F d_hidden, E experts, k top_k, A = T * k token-expert assignments,
+R rows handed to the experts, n devices on `expert_axis`, El = E / n local
+experts, C expert capacity.
+
+Every `dropless_impl` computes the same function:
+- 'dense': every expert on every token, then a masked combine (the reference;
+  E / k times the arithmetic the routing needs).
+- 'ragged_dot': sort assignments by expert, `jax.lax.ragged_dot`.
+- 'sort': sort, pad each expert's rows to a block multiple, and run a batched
+  matmul over blocks with each block's expert weights gathered.
+- 'gmm': sort, `ops.grouped_matmul` (the Pallas kernel on NVIDIA GPUs).
+- 'auto': `choose_dropless_impl` (the rule is in BUILD_NOTES.md, "## MoE").
+"""
+
+import functools
+import math
+from typing import Literal, NamedTuple
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import ops
+from ops import _backend
+from ops import _shapes
+
+Activation = Literal["gelu", "swiglu"]
+DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
+DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
+
+
+def choose_dropless_impl(num_assignments: int, num_experts: int) -> str:
+  """The 'auto' rule: the fastest measured path for the platform.
+
+  On NVIDIA GPUs the Pallas grouped matmul ('gmm') beat 'dense' and
+  'ragged_dot' at every size measured (BUILD_NOTES.md, "## MoE"). Elsewhere
+  the Pallas kernel would run interpreted, so XLA's 'ragged_dot' is used.
+  """
+  del num_assignments, num_experts  # One rule for every size measured so far.
+  return "gmm" if _backend.on_nvidia_gpu() else "ragged_dot"
+
+
+class Routing(NamedTuple):
+  """The router's decisions for T tokens (all float32)."""
+  logits: jax.Array      # [T, E]
+  probs: jax.Array       # [T, E] softmax over experts
+  expert_ids: jax.Array  # [T, k] int32, the top-k experts of each token
+  gates: jax.Array       # [T, k] top-k probabilities renormalized to sum to 1
+
+
+def route(x: jax.Array, w_router: jax.Array, top_k: int) -> Routing:
+  """Softmax router with top-k and renormalized gates, in float32.
+
+  Args:
+    x: [T, D] tokens (any float dtype).
+    w_router: [D, E] float32.
+    top_k: experts per token.
+  """
+  logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)  # [T, E]
+  probs = jax.nn.softmax(logits, axis=-1)
+  top_probs, expert_ids = jax.lax.top_k(probs, top_k)  # [T, k]
+  gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
+  return Routing(logits, probs, expert_ids.astype(jnp.int32), gates)
+
+
+def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:
+  """Switch loss `E * sum_e f_e P_e`: f_e the fraction of assignments to
+  expert e, P_e its mean router probability. 1.0 when perfectly balanced."""
+  counts = jnp.sum(jax.nn.one_hot(routing.expert_ids, num_experts), axis=(0, 1))  # [E]
+  fraction = counts / routing.expert_ids.size
+  mean_prob = jnp.mean(routing.probs, axis=0)  # [E]
+  return num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob)
+
+
+def router_z_loss(routing: Routing) -> jax.Array:
+  """ST-MoE z-loss: mean squared log-partition of the router logits."""
+  return jnp.mean(jnp.square(jax.nn.logsumexp(routing.logits, axis=-1)))
+
+
+def capacity_positions(expert_ids: jax.Array, num_experts: int,
+                       capacity: int) -> tuple[jax.Array, jax.Array]:
+  """Each assignment's slot in its expert's buffer, and whether it fits.
+
+  Priority is choice-major (every token's first choice before any second
+  choice), then token order, as in Switch/GShard.
+
+  Args:
+    expert_ids: [T, k].
+    num_experts: E.
+    capacity: C slots per expert.
+
+  Returns:
+    (slot, keep): each [T, k]; slot is the 0-based rank within the expert,
+    keep is `slot < capacity`.
+  """
+  flat = expert_ids.T.reshape(-1)  # [k*T], choice-major
+  onehot = jax.nn.one_hot(flat, num_experts, dtype=jnp.int32)  # [k*T, E]
+  rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # [k*T]
+  slot = rank.reshape(expert_ids.shape[1], -1).T  # [T, k]
+  return slot, slot < capacity
+
+
+def _activate(h: jax.Array, activation: Activation) -> jax.Array:
+  if activation == "swiglu":
+    gate, value = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * value
+  return jax.nn.gelu(h)
+
+
+# Row permutations with gather-only backward passes (a scatter-add into the
+# token array is much slower than a gather on GPUs).
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gather_tokens(x, order, inverse, top_k):
+  """xs[i] = x[order[i] // top_k]: [T, D] -> [A, D] in expert order."""
+  return x[order // top_k]
+
+
+def _gather_tokens_fwd(x, order, inverse, top_k):
+  return _gather_tokens(x, order, inverse, top_k), (order, inverse, x.shape[0])
+
+
+def _gather_tokens_bwd(top_k, residuals, dxs):
+  order, inverse, num_tokens = residuals
+  dx = dxs[inverse].reshape(num_tokens, top_k, -1).sum(axis=1)  # [T, D]
+  return dx.astype(dxs.dtype), None, None
+
+
+_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
+
+
+@jax.custom_vjp
+def _unsort(ys, order, inverse):
+  """y[a] = ys[inverse[a]]: rows back from expert order to assignment order."""
+  return ys[inverse]
+
+
+def _unsort_fwd(ys, order, inverse):
+  return ys[inverse], (order, inverse)
+
+
+def _unsort_bwd(residuals, dy):
+  order, _ = residuals
+  return dy[order], None, None
+
+
+_unsort.defvjp(_unsort_fwd, _unsort_bwd)
+
+
+def _sort_by_expert(ids: jax.Array, num_experts: int):
+  """Stable sort of rows by expert id; ids == num_experts mark empty rows.
+
+  Returns:
+    order [R] (sorted position -> row), inverse [R] (row -> sorted position),
+    group_sizes [E] int32 (empty rows counted in none), sorted_ids [R].
+  """
+  order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [R]
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+  group_sizes = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)  # [E]
+  return order, inverse, group_sizes, ids[order]
+
+
+def _sort_block_size(num_rows: int, num_experts: int) -> int:
+  """'sort' pads each expert to a multiple of this (padding <= ~25% of rows)."""
+  quarter_group = _shapes.cdiv(num_rows, 4 * num_experts)
+  return min(1024, max(16, 1 << max(0, quarter_group - 1).bit_length()))
+
+
+def _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation):
+  """'sort': batched matmul over row blocks, each block owned by one expert.
+
+  Args:
+    xs: [R, D] rows sorted by expert (empty rows, id E, last).
+    group_sizes: [E]; sorted_ids: [R]; w_in: [E, D, F']; w_out: [E, F, D].
+
+  Returns:
+    [R, D], zero for empty rows.
+  """
+  num_rows, d = xs.shape
+  num_experts = w_in.shape[0]
+  block = _sort_block_size(num_rows, num_experts)
+  num_blocks = _shapes.cdiv(num_rows, block) + num_experts  # static upper bound
+  padded = (group_sizes + block - 1) // block * block  # [E]
+  padded_end = jnp.cumsum(padded)
+  padded_start = padded_end - padded
+  start = jnp.cumsum(group_sizes) - group_sizes
+  ids = jnp.minimum(sorted_ids, num_experts - 1)
+  rank = jnp.arange(num_rows) - start[ids]
+  dest = jnp.where(sorted_ids < num_experts, padded_start[ids] + rank,
+                   num_blocks * block)  # [R]; out of range -> dropped
+  xp = jnp.zeros((num_blocks * block, d), xs.dtype).at[dest].set(xs, mode="drop")
+  block_first_row = jnp.arange(num_blocks) * block
+  block_expert = jnp.minimum(
+      jnp.sum(block_first_row[:, None] >= padded_end[None, :], axis=1), num_experts - 1)
+  h = jnp.einsum("nbd,ndf->nbf", xp.reshape(num_blocks, block, d), w_in[block_expert])
+  y = jnp.einsum("nbf,nfd->nbd", _activate(h, activation), w_out[block_expert])
+  return y.reshape(num_blocks * block, d).at[dest].get(mode="fill", fill_value=0)
+
+
+def _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, *, activation,
+                     impl, gmm_implementation):
+  """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0)."""
+  if impl == "sort":
+    return _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation)
+  if impl == "ragged_dot":
+    def matmul(a, w):
+      return jax.lax.ragged_dot(a, w, group_sizes,
+                                preferred_element_type=jnp.float32).astype(a.dtype)
+  else:
+    def matmul(a, w):
+      return ops.grouped_matmul(a, w, group_sizes, implementation=gmm_implementation)
+  return matmul(_activate(matmul(xs, w_in), activation), w_out)
+
+
+def _experts_on_rows(rows, ids, w_in, w_out, *, activation, impl, gmm_implementation):
+  """Rows [R, D] each bound for expert ids[r] (E = none) -> [R, D]."""
+  num_experts = w_in.shape[0]
+  if impl == "dense":
+    h = _activate(jnp.einsum("rd,edf->erf", rows, w_in), activation)
+    y = jnp.einsum("erf,efd->erd", h, w_out)  # [E, R, D]
+    select = jax.nn.one_hot(ids, num_experts, dtype=rows.dtype)  # [R, E]
+    return jnp.einsum("re,erd->rd", select, y)
+  order, inverse, group_sizes, sorted_ids = _sort_by_expert(ids, num_experts)
+  xs = _gather_tokens(rows, order, inverse, 1)
+  ys = _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation=activation,
+                        impl=impl, gmm_implementation=gmm_implementation)
+  return _unsort(ys, order, inverse)
+
+
+def _dropless_local(x, expert_ids, gates, w_in, w_out, *, activation, impl,
+                    gmm_implementation):
+  """Dropless experts for local tokens: [T, D] -> [T, D] (gates float32)."""
+  num_tokens, d = x.shape
+  top_k = expert_ids.shape[1]
+  num_experts = w_in.shape[0]
+  if impl == "dense":
+    combine = jnp.sum(jax.nn.one_hot(expert_ids, num_experts) * gates[..., None], axis=1)
+    h = _activate(jnp.einsum("td,edf->etf", x, w_in), activation)
+    y = jnp.einsum("etf,efd->etd", h, w_out)  # [E, T, D]
+    return jnp.einsum("te,etd->td", combine.astype(x.dtype), y)
+  order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
+                                                            num_experts)
+  xs = _gather_tokens(x, order, inverse, top_k)  # [A, D]
+  ys = _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation=activation,
+                        impl=impl, gmm_implementation=gmm_implementation)
+  y = _unsort(ys, order, inverse).reshape(num_tokens, top_k, d)  # [T, k, D]
+  return jnp.einsum("tk,tkd->td", gates.astype(x.dtype), y)
+
+
+def _capacity_local(x, expert_ids, gates, slot, keep, w_in, w_out, *, capacity,
+                    activation):
+  """Token-dropping experts on [E, C, D] buffers (GShard/Switch style)."""
+  num_tokens, d = x.shape
+  top_k = expert_ids.shape[1]
+  num_experts = w_in.shape[0]
+  dest = jnp.where(keep, expert_ids * capacity + slot, num_experts * capacity)  # [T, k]
+  tokens = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, d))
+  buffer = jnp.zeros((num_experts * capacity, d), x.dtype).at[dest.reshape(-1)].set(
+      tokens.reshape(-1, d), mode="drop").reshape(num_experts, capacity, d)
+  h = _activate(jnp.einsum("ecd,edf->ecf", buffer, w_in), activation)
+  out = jnp.einsum("ecf,efd->ecd", h, w_out).reshape(num_experts * capacity, d)
+  y = out.at[dest.reshape(-1)].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, d)
+  return jnp.einsum("tk,tkd->td", (gates * keep).astype(x.dtype), y)
+
+
+def _expert_parallel(x, expert_ids, gates, w_in, w_out, *, expert_axis, activation,
+                     impl, gmm_implementation):
+  """Dropless experts sharded over mesh axis `expert_axis` (all-to-all).
+
+  Tokens and experts are both split over the axis. Each device sorts its
+  assignments by expert, sends each destination device its rows in a
+  [n, A_local, D] buffer (sized for the worst case, every local assignment to
+  one device, so no token is ever dropped), runs its El experts on what it
+  received, and sends the results back.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or expert_axis not in mesh.axis_names:
+    raise ValueError(f"`expert_axis`={expert_axis!r} is not an axis of the current mesh "
+                     f"({mesh.axis_names if not mesh.empty else 'no mesh set'}); call "
+                     "the layer under `jax.set_mesh(mesh)`")
+  num_devices = mesh.shape[expert_axis]
+  num_experts = w_in.shape[0]
+  if num_experts % num_devices or x.shape[0] % num_devices:
+    raise ValueError(f"`num_experts`={num_experts} and the token count {x.shape[0]} must "
+                     f"be multiples of the {num_devices} devices on {expert_axis!r}")
+  local_experts = num_experts // num_devices
+
+  def local(x, expert_ids, gates, w_in, w_out):
+    num_tokens, d = x.shape
+    top_k = expert_ids.shape[1]
+    num_assign = num_tokens * top_k
+    order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
+                                                              num_experts)
+    xs = _gather_tokens(x, order, inverse, top_k)  # [A_l, D] in expert order
+    device = sorted_ids // local_experts  # [A_l] destination of each row
+    per_device = group_sizes.reshape(num_devices, local_experts).sum(axis=1)  # [n]
+    slot = jnp.arange(num_assign) - (jnp.cumsum(per_device) - per_device)[device]
+    send = jnp.zeros((num_devices, num_assign, d), x.dtype).at[device, slot].set(xs)
+    send_ids = jnp.full((num_devices, num_assign), local_experts, jnp.int32).at[
+        device, slot].set(sorted_ids % local_experts)
+    recv = jax.lax.all_to_all(send, expert_axis, 0, 0)  # [n, A_l, D] by source
+    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0)
+    y_rows = _experts_on_rows(recv.reshape(-1, d), recv_ids.reshape(-1), w_in, w_out,
+                              activation=activation, impl=impl,
+                              gmm_implementation=gmm_implementation)
+    back = jax.lax.all_to_all(y_rows.reshape(num_devices, num_assign, d), expert_axis, 0, 0)
+    ys = back[device, slot]  # [A_l, D] in expert order
+    y = _unsort(ys, order, inverse).reshape(num_tokens, top_k, d)
+    return jnp.einsum("tk,tkd->td", gates.astype(x.dtype), y)
+
+  spec = P(expert_axis)
+  args = (x, expert_ids, gates, w_in, w_out)
+  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
+  if explicit:  # Explicit-sharding meshes want the inputs laid out as in_specs.
+    x_spec = jax.typeof(x).sharding.spec
+    args = [jax.reshard(a, spec) for a in args]
+  y = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec,
+                    check_vma=False)(*args)
+  return jax.reshard(y, x_spec) if explicit else y
+
+
+class MoELayer(hk.Module):
+  """Top-k mixture-of-experts MLP, `[..., D] -> [..., D]`.
+
+  Experts are bias-free MLPs (`w_in` [E, D, F] with GELU, or [E, D, 2F] with
+  SwiGLU; `w_out` [E, F, D]); parameters are float32 and the experts compute
+  in the input's dtype. The router computes in float32 whatever the input.
+
+  State written with `hk.set_state` on every call (use `hk.transform_with_state`)
+  so that a training loop can add `aux_loss` to its loss and log the rest:
+    aux_loss:            load_balance_loss_weight * load_balance_loss
+                         + router_z_loss_weight * router_z_loss   (scalar, f32)
+    load_balance_loss:   Switch's `E * sum_e f_e P_e` (1.0 when balanced)
+    router_z_loss:       mean squared logsumexp of the router logits
+    tokens_per_expert:   [E] f32 assignments routed to each expert (before drops)
+    dropped_tokens:      scalar int32 assignments dropped for capacity (0 when
+                         dropless)
+  """
+
+  def __init__(self, num_experts: int, top_k: int, d_hidden: int, *,
+               activation: Activation = "gelu", dropless_impl: DroplessImpl = "auto",
+               capacity_factor: float | None = None,
+               router_z_loss_weight: float = 1e-3,
+               load_balance_loss_weight: float = 1e-2,
+               expert_axis: str | None = None,
+               grouped_matmul_implementation: _backend.Implementation = None,
+               name: str | None = None):
+    """Constructs the layer.
+
+    Args:
+      num_experts: E >= 1.
+      top_k: experts per token, 1 <= top_k <= num_experts.
+      d_hidden: F, each expert's hidden width.
+      activation: 'gelu' or 'swiglu'.
+      dropless_impl: 'dense' | 'ragged_dot' | 'sort' | 'gmm' | 'auto' (module
+        docstring). With `capacity_factor`, 'dense' applies the drops to the
+        dense reference and every other value uses [E, C, D] buffers.
+      capacity_factor: None for dropless; else each expert takes
+        C = ceil(capacity_factor * T * k / E) assignments and drops the rest.
+      router_z_loss_weight, load_balance_loss_weight: weights in `aux_loss`.
+      expert_axis: mesh axis to shard experts (and tokens) over with
+        `shard_map` and all-to-all; call under `jax.set_mesh(mesh)`.
+      grouped_matmul_implementation: `implementation` of `ops.grouped_matmul`
+        on the 'gmm' path (None: Pallas on NVIDIA GPUs, XLA elsewhere).
+      name: module name.
+    """
+    super().__init__(name=name or "moe_layer")
+    if num_experts < 1:
+      raise ValueError(f"`num_experts` must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"`top_k` must be in [1, num_experts], got {top_k=} {num_experts=}")
+    if d_hidden < 1:
+      raise ValueError(f"`d_hidden` must be >= 1, got {d_hidden}")
+    if activation not in ("gelu", "swiglu"):
+      raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
+    if dropless_impl not in DROPLESS_IMPLS:
+      raise ValueError(f"`dropless_impl` must be one of {DROPLESS_IMPLS}, got "
+                       f"{dropless_impl!r}")
+    if capacity_factor is not None and not capacity_factor > 0:
+      raise ValueError(f"`capacity_factor` must be > 0 or None, got {capacity_factor}")
+    if capacity_factor is not None and expert_axis is not None:
+      raise ValueError("`capacity_factor` with `expert_axis` is not supported: the "
+                       "expert-parallel path is dropless")
+    self.num_experts = num_experts
+    self.top_k = top_k
+    self.d_hidden = d_hidden
+    self.activation = activation
+    self.dropless_impl = dropless_impl
+    self.capacity_factor = capacity_factor
+    self.router_z_loss_weight = router_z_loss_weight
+    self.load_balance_loss_weight = load_balance_loss_weight
+    self.expert_axis = expert_axis
+    self.grouped_matmul_implementation = grouped_matmul_implementation
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """Routes each token to its top-k experts and mixes their outputs.
+
+    Args:
+      x: [..., D] float32 or bfloat16.
+
+    Returns:
+      [..., D] in `x.dtype`.
+    """
+    d_model = x.shape[-1]
+    e, f = self.num_experts, self.d_hidden
+    x2 = x.reshape(-1, d_model)  # [T, D]
+    num_tokens = x2.shape[0]
+    w_router = hk.get_parameter("router", [d_model, e], jnp.float32,
+                                init=hk.initializers.TruncatedNormal(1.0 / math.sqrt(d_model)))
+    f_in = 2 * f if self.activation == "swiglu" else f
+    w_in = hk.get_parameter("w_in", [e, d_model, f_in], jnp.float32,
+                            init=hk.initializers.TruncatedNormal(1.0 / math.sqrt(d_model)))
+    w_out = hk.get_parameter("w_out", [e, f, d_model], jnp.float32,
+                             init=hk.initializers.TruncatedNormal(1.0 / math.sqrt(f)))
+    w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
+
+    routing = route(x2, w_router, self.top_k)  # float32
+    gates = routing.gates
+    impl = self.dropless_impl
+    if impl == "auto":
+      impl = choose_dropless_impl(num_tokens * self.top_k, e)
+    common = dict(activation=self.activation, impl=impl,
+                  gmm_implementation=self.grouped_matmul_implementation)
+    dropped = jnp.zeros((), jnp.int32)
+    if self.capacity_factor is not None:
+      capacity = max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / e))
+      slot, keep = capacity_positions(routing.expert_ids, e, capacity)
+      dropped = jnp.sum(~keep).astype(jnp.int32)
+      if impl == "dense":
+        y = _dropless_local(x2, routing.expert_ids, gates * keep, w_in, w_out, **common)
+      else:
+        y = _capacity_local(x2, routing.expert_ids, gates, slot, keep, w_in, w_out,
+                            capacity=capacity, activation=self.activation)
+    elif self.expert_axis is not None:
+      y = _expert_parallel(x2, routing.expert_ids, gates, w_in, w_out,
+                           expert_axis=self.expert_axis, **common)
+    else:
+      y = _dropless_local(x2, routing.expert_ids, gates, w_in, w_out, **common)
+
+    balance = load_balance_loss(routing, e)
+    z_loss = router_z_loss(routing)
+    hk.set_state("aux_loss", self.load_balance_loss_weight * balance
+                 + self.router_z_loss_weight * z_loss)
+    hk.set_state("load_balance_loss", balance)
+    hk.set_state("router_z_loss", z_loss)
+    hk.set_state("tokens_per_expert",
+                 jnp.sum(jax.nn.one_hot(routing.expert_ids, e), axis=(0, 1)))
+    hk.set_state("dropped_tokens", dropped)
+    return y.reshape(x.shape).astype(x.dtype)
