@@ -21,6 +21,10 @@ from probjax_hk.moe import MoELayer
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
+from probjax_hk.training import EarlyStopping
+from probjax_hk.training import fit
+from probjax_hk.training import fit_model
+from probjax_hk.training import FitResult
 from probjax_hk.transformer import Transformer
 
 __all__ = (
@@ -28,6 +32,10 @@ __all__ = (
     "choose_attention_implementation",
     "DiffusionTransformer",
     "dot_product_attention",
+    "EarlyStopping",
+    "fit",
+    "fit_model",
+    "FitResult",
     "LayerNorm",
     "Linear",
     "MLP",

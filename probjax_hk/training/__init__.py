@@ -1,0 +1,19 @@
+"""Training: `fit()` on arrays and streams, callbacks, checkpoints, sharding."""
+
+from probjax_hk.training.callbacks import Callback
+from probjax_hk.training.callbacks import EarlyStopping
+from probjax_hk.training.loop import fit
+from probjax_hk.training.loop import fit_model
+from probjax_hk.training.loop import FitResult
+from probjax_hk.training.loop import NonFiniteLossError
+from probjax_hk.training.sharding import default_mesh
+
+__all__ = (
+    "Callback",
+    "default_mesh",
+    "EarlyStopping",
+    "fit",
+    "fit_model",
+    "FitResult",
+    "NonFiniteLossError",
+)

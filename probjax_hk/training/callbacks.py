@@ -1,0 +1,117 @@
+"""Callbacks of `fit()`: see each step's metrics, stop the fit early.
+
+A callback is a `Callback` (override any of its hooks) or a plain function
+`fn(step, metrics) -> bool | None`, called after every training step and every
+validation pass. Returning True asks `fit()` to stop; None or False goes on.
+
+Metrics are host floats. After a training step: `loss`, `grad_norm`,
+`finite` (1.0 or 0.0), and every scalar of the loss's `aux` dict; after a
+validation pass (`on_eval_end`): `val_loss`.
+
+Timing: `fit()` reads a step's metrics while the next step already runs (it
+keeps the device busy), so a stop asked by `on_step_end` at step s ends the fit
+after step s + 1. `on_eval_end` runs between steps: a stop there ends the fit
+at exactly that step.
+"""
+
+import math
+from typing import Callable, Mapping
+
+from absl import logging
+
+Metrics = Mapping[str, float]
+
+
+class Callback:
+  """Base class: every hook does nothing and never stops the fit."""
+
+  def on_train_begin(self, step: int) -> None:
+    """Called once before the first step (`step` > 0 after a resume)."""
+
+  def on_step_end(self, step: int, metrics: Metrics) -> bool | None:
+    """Called with the metrics of training step `step` (1-based); True stops."""
+
+  def on_eval_end(self, step: int, metrics: Metrics) -> bool | None:
+    """Called after a validation pass at `step`; True stops."""
+
+  def on_train_end(self, step: int) -> None:
+    """Called once when the fit ends (also on an error or a stop)."""
+
+
+class _FunctionCallback(Callback):
+
+  def __init__(self, fn: Callable[[int, Metrics], bool | None]):
+    self._fn = fn
+
+  def on_step_end(self, step, metrics):
+    return self._fn(step, metrics)
+
+  def on_eval_end(self, step, metrics):
+    return self._fn(step, metrics)
+
+
+def as_callback(obj) -> Callback:
+  """A `Callback` as is; a function `fn(step, metrics)` wrapped in one."""
+  if isinstance(obj, Callback):
+    return obj
+  if callable(obj):
+    return _FunctionCallback(obj)
+  raise ValueError(f"`callbacks` entries must be Callbacks or functions"
+                   f" (step, metrics) -> bool | None, got {obj!r}")
+
+
+class EarlyStopping(Callback):
+  """Stops the fit when a monitored metric has stopped improving.
+
+  Args:
+    patience: how many evaluations without improvement are tolerated; the fit
+      stops at the `patience`-th one in a row.
+    monitor: the metric to watch: 'val_loss' (checked after each validation
+      pass) or a training metric such as 'loss' (checked after each step).
+    min_delta: an improvement must lower the best value by more than this.
+    mode: 'min' (lower is better) or 'max'.
+  """
+
+  def __init__(self, patience: int, *, monitor: str = "val_loss",
+               min_delta: float = 0.0, mode: str = "min"):
+    if patience < 1:
+      raise ValueError(f"`patience` must be >= 1, got {patience=}")
+    if mode not in ("min", "max"):
+      raise ValueError(f"`mode` must be 'min' or 'max', got {mode=}")
+    self.patience = patience
+    self.monitor = monitor
+    self.min_delta = min_delta
+    self.sign = 1.0 if mode == "min" else -1.0
+    self.best = math.inf
+    self.best_step = None
+    self.bad_evaluations = 0
+    self.stopped_step = None
+
+  def on_train_begin(self, step):
+    self.best, self.best_step, self.bad_evaluations = math.inf, None, 0
+    self.stopped_step = None
+
+  def _update(self, step, metrics):
+    if self.monitor not in metrics:
+      return None
+    value = self.sign * float(metrics[self.monitor])
+    if value < self.best - self.min_delta:
+      self.best, self.best_step, self.bad_evaluations = value, step, 0
+      return None
+    self.bad_evaluations += 1
+    if self.bad_evaluations >= self.patience:
+      self.stopped_step = step
+      logging.info("EarlyStopping: %s has not improved for %d evaluations"
+                   " (best %.6g at step %s); stopping at step %d",
+                   self.monitor, self.bad_evaluations, self.sign * self.best,
+                   self.best_step, step)
+      return True
+    return None
+
+  def on_step_end(self, step, metrics):
+    if self.monitor.startswith("val_"):
+      return None
+    return self._update(step, metrics)
+
+  def on_eval_end(self, step, metrics):
+    return self._update(step, metrics)

@@ -1,0 +1,261 @@
+"""The two kinds of training data `fit()` takes: in-memory arrays and streams.
+
+In-memory data is a pytree of arrays with a shared leading dimension N. It is
+copied once to every device; each epoch is a permutation drawn with a JAX key
+(`fold_in(data_key, epoch)`), and the compiled step gathers its batch from the
+device copy with that permutation, so no batch crosses the host. The batch of
+global step `s` is a pure function of `(data_key, s)`: a resumed fit sees the
+same batches as an uninterrupted one.
+
+A stream is any Python iterable of batches (numpy or JAX pytrees). A background
+thread converts each batch and places it on the mesh, staying `PREFETCH` (two)
+batches ahead of the step, so the host's data work overlaps the device's. The
+stream ending ends the fit.
+
+The last partial batch (an epoch's remainder, or a short batch from a stream)
+is dropped (`last_batch='drop'`) or padded to the full batch size
+(`last_batch='pad'`) with a boolean row mask passed to the loss as `mask=`, so
+the step keeps one shape and never recompiles.
+
+Glossary of shapes: N examples, B batch size.
+"""
+
+import functools
+import itertools
+import queue
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax_hk.training import sharding as sharding_lib
+
+PREFETCH = 2
+LAST_BATCH_MODES = ("drop", "pad")
+_END = object()
+
+
+def is_in_memory(data) -> bool:
+  """True for a pytree of arrays, False for an iterable of batches.
+
+  A top-level `list` is a sequence of batches; a dict, tuple, namedtuple or
+  array (of arrays) is in-memory data.
+  """
+  if isinstance(data, (list, Iterator)):
+    return False
+  leaves = jax.tree.leaves(data)
+  return bool(leaves) and all(
+      isinstance(x, (np.ndarray, jax.Array)) for x in leaves)
+
+
+def _path_name(path) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def leading_dim(tree, argname: str) -> int:
+  """The shared leading dimension of a pytree of arrays (ValueError if none)."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if not leaves:
+    raise ValueError(f"`{argname}` holds no arrays")
+  dims = {}
+  for path, x in leaves:
+    if np.ndim(x) == 0:
+      raise ValueError(f"`{argname}` leaf {_path_name(path)} is a scalar; every"
+                       " leaf needs a leading batch dimension")
+    dims[_path_name(path)] = np.shape(x)[0]
+  if len(set(dims.values())) > 1:
+    raise ValueError(f"`{argname}` leaves have mismatched leading dimensions:"
+                     f" {dims}")
+  return next(iter(dims.values()))
+
+
+def pad_rows(batch, size: int):
+  """Pads the leading axis of a host batch to `size` (edge rows repeated).
+
+  Returns:
+    (padded batch [size, ...], mask [size] bool, True on the real rows).
+  """
+  n = leading_dim(batch, "batch")
+  mask = np.arange(size) < n
+  if n == size:
+    return batch, mask
+  def pad(x):
+    x = np.asarray(x)
+    return np.concatenate([x, np.repeat(x[-1:], size - n, axis=0)])
+  return jax.tree.map(pad, batch), mask
+
+
+class ArrayData:
+  """A pytree of arrays [N, ...] on the mesh, batched by the compiled step."""
+
+  def __init__(self, data, *, batch_size: int | None, last_batch: str, mesh,
+               argname: str = "data"):
+    self.num_examples = leading_dim(data, argname)
+    if batch_size is None:
+      batch_size = self.num_examples
+    if batch_size > self.num_examples:
+      raise ValueError(f"`batch_size` must be <= the number of examples in"
+                       f" `{argname}`, got {batch_size=} and"
+                       f" {self.num_examples} examples")
+    self.batch_size = batch_size
+    self.last_batch = last_batch
+    if last_batch == "pad":
+      self.steps_per_epoch = -(-self.num_examples // batch_size)
+    else:
+      self.steps_per_epoch = self.num_examples // batch_size
+    self.arrays = sharding_lib.put_replicated(data, mesh)
+    self.mesh = mesh
+
+  def permutation(self, data_key, epoch: int) -> jax.Array:
+    """The epoch's example order, cut or padded to `steps_per_epoch * B`."""
+    return _permutation(data_key, jnp.int32(epoch), self.num_examples,
+                        self.steps_per_epoch * self.batch_size,
+                        sharding_lib.replicated(self.mesh))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _permutation(data_key, epoch, num_examples, length, out_sharding):
+  perm = jax.random.permutation(jax.random.fold_in(data_key, epoch),
+                                num_examples)
+  if length <= num_examples:  # 'drop': the remainder is left out
+    perm = perm[:length]
+  else:  # 'pad': the last batch's extra rows are masked out
+    perm = jnp.pad(perm, (0, length - num_examples))
+  return jax.lax.with_sharding_constraint(perm.astype(jnp.int32), out_sharding)
+
+
+class StreamData:
+  """An iterable of batches, placed on the mesh two batches ahead."""
+
+  def __init__(self, data: Iterable, *, batch_size: int | None,
+               last_batch: str, mesh, argname: str = "data"):
+    iterator = iter(data)
+    first = next(iterator, _END)
+    if first is _END:
+      raise ValueError(f"`{argname}` is an empty stream: it yielded no batch")
+    first_size = leading_dim(first, f"{argname} (first batch)")
+    local = jax.process_count()
+    if batch_size is None:
+      batch_size = first_size * local
+    if first_size > batch_size // local:
+      raise ValueError(f"`{argname}` yielded a batch of {first_size} rows per"
+                       f" process, larger than `batch_size`={batch_size}")
+    self.batch_size = batch_size
+    self.last_batch = last_batch
+    self.first = first
+    self.mesh = mesh
+    self._iterator = itertools.chain([first], iterator)
+    self._prefetcher = None
+
+  def _prepare(self, batch):
+    """Host batch -> (device batch, device mask or None); None to drop it."""
+    local_size = self.batch_size // jax.process_count()
+    n = leading_dim(batch, "batch")
+    if n > local_size:
+      raise ValueError(f"a stream batch has {n} rows, more than `batch_size`"
+                       f"={self.batch_size} (per process: {local_size})")
+    mask = None
+    if self.last_batch == "pad":
+      batch, mask = pad_rows(batch, local_size)
+      mask = sharding_lib.put_batch(mask, self.mesh)
+    elif n < local_size:
+      return None
+    return sharding_lib.put_batch(batch, self.mesh), mask
+
+  def __iter__(self):
+    self._prefetcher = Prefetcher(self._iterator, self._prepare)
+    return self._prefetcher
+
+  def close(self):
+    if self._prefetcher is not None:
+      self._prefetcher.close()
+
+
+class Prefetcher:
+  """Runs `prepare(item)` over an iterator in a thread, `size` items ahead.
+
+  Exceptions of the iterator or of `prepare` are re-raised by `__next__` in the
+  consuming thread; `prepare` returning None skips the item.
+  """
+
+  def __init__(self, iterator: Iterator, prepare: Callable[[Any], Any],
+               size: int = PREFETCH):
+    self._queue = queue.Queue(maxsize=size)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(
+        target=self._run, args=(iterator, prepare), daemon=True,
+        name="probjax_hk-prefetch")
+    self._thread.start()
+
+  def _put(self, item) -> bool:
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=0.1)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def _run(self, iterator, prepare):
+    try:
+      for item in iterator:
+        if self._stop.is_set():
+          return
+        prepared = prepare(item)
+        if prepared is not None and not self._put(prepared):
+          return
+    except BaseException as e:  # pylint: disable=broad-except
+      self._put(_Raised(e))
+      return
+    self._put(_END)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    item = self._queue.get()
+    if item is _END:
+      self._queue.put(_END)  # stays exhausted
+      raise StopIteration
+    if isinstance(item, _Raised):
+      raise item.error
+    return item
+
+  def close(self):
+    """Stops the thread (it may be blocked inside the user's iterator)."""
+    self._stop.set()
+    try:
+      while True:
+        self._queue.get_nowait()
+    except queue.Empty:
+      pass
+    self._thread.join(timeout=1.0)
+
+
+class _Raised:
+
+  def __init__(self, error: BaseException):
+    self.error = error
+
+
+def validation_batches(data, batch_size: int, argname: str = "validation_data"):
+  """Returns a function yielding host batches of `validation_data` each call.
+
+  Arrays are cut into batches of `min(batch_size, N)` rows, the remainder as a
+  smaller last batch (an exact mean needs no padding: batch losses are weighted
+  by their row count). Iterables must be re-iterable (a list of batches, not a
+  generator).
+  """
+  if is_in_memory(data):
+    n = leading_dim(data, argname)
+    size = min(batch_size, n)
+    def arrays():
+      for start in range(0, n, size):
+        yield jax.tree.map(lambda x: x[start:start + size], data)
+    return arrays
+  if isinstance(data, Iterator) or not isinstance(data, Iterable):
+    raise ValueError(f"`{argname}` must be a pytree of arrays or a re-iterable"
+                     f" collection of batches (e.g. a list), got {type(data)}")
+  return lambda: iter(data)

@@ -1,0 +1,557 @@
+"""`fit()`: one training loop for every model, on arrays and on streams.
+
+```python
+net = hk.transform(lambda batch: loss_of_my_model(batch))
+params = net.init(jax.random.key(0), example_batch)
+result = probjax_hk.fit(net.apply, params, (x, y), batch_size=64, epochs=10)
+result.params, result.history["loss"]
+```
+
+The loop is data parallel over a `jax.sharding.Mesh` (default: every device),
+dispatches each compiled step while the host reads the previous step's
+metrics, reuses its compiled step across calls (see `step.py`), checkpoints
+with orbax (see `checkpoints.py`) and never keeps a non-finite update.
+
+Glossary of shapes: N in-memory examples, B batch size.
+"""
+
+import dataclasses
+import difflib
+import inspect
+import math
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+from absl import logging
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+
+from probjax_hk.training import callbacks as callbacks_lib
+from probjax_hk.training import checkpoints as checkpoints_lib
+from probjax_hk.training import data as data_lib
+from probjax_hk.training import sharding as sharding_lib
+from probjax_hk.training import step as step_lib
+
+# One object, so that the default optimizer is the same cache key every call.
+DEFAULT_OPTIMIZER = optax.adam(1e-3)
+
+_FIT_ARGUMENTS = (
+    "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
+    "validation_data", "eval_every", "callbacks", "checkpoint_dir",
+    "checkpoint_every", "keep_checkpoints", "resume", "mesh", "donate",
+    "progress", "log_every", "last_batch", "on_nonfinite")
+
+
+@dataclasses.dataclass
+class FitResult:
+  """What `fit()` returns.
+
+  Attributes:
+    params: the trained parameters (replicated on the mesh).
+    opt_state: the optimizer state.
+    state: the Haiku state (None when `fit()` got none).
+    step: batches consumed in total (a resumed fit counts the earlier ones).
+    history: numpy arrays: `step`, `loss`, `grad_norm`, `finite` and every
+      scalar of the loss's aux dict, one entry per step (a resumed fit holds the
+      earlier steps too); `val_step`, `val_loss` per validation pass;
+      `nonfinite_steps`; `steps_per_sec` (one value: this call's steady-state
+      throughput, the first step's compile excluded).
+    stopped_early: a callback stopped the fit.
+    checkpoint_dir: where checkpoints were written, if anywhere.
+  """
+  params: Any
+  opt_state: Any
+  state: Any
+  step: int
+  history: dict[str, np.ndarray]
+  stopped_early: bool = False
+  checkpoint_dir: str | None = None
+
+  @property
+  def steps_per_sec(self) -> float:
+    return float(self.history["steps_per_sec"][0])
+
+
+class NonFiniteLossError(FloatingPointError):
+  """A step's loss, gradient or update was NaN or infinite.
+
+  Attributes:
+    step: the first such step (1-based).
+    result: the `FitResult` with the last finite parameters.
+  """
+
+  def __init__(self, message: str, step: int, result: FitResult):
+    super().__init__(message)
+    self.step = step
+    self.result = result
+
+
+def _check_unknown(unknown: dict, valid: Sequence[str], where: str) -> None:
+  if not unknown:
+    return
+  parts = []
+  for name in unknown:
+    close = difflib.get_close_matches(name, valid, n=1)
+    parts.append(f"`{name}`" + (f" (did you mean `{close[0]}`?)" if close else ""))
+  raise ValueError(f"{where} got unknown argument(s) {', '.join(parts)};"
+                   f" valid keyword arguments: {', '.join(valid)}")
+
+
+def _check_positive(**values) -> None:
+  for name, value in values.items():
+    if value is not None and (not isinstance(value, (int, np.integer))
+                              or isinstance(value, bool) or value < 1):
+      raise ValueError(f"`{name}` must be a positive integer or None, got"
+                       f" {name}={value!r}")
+
+
+def _as_raw_key(rng) -> jax.Array:
+  """None/int/typed key/raw key -> a raw uint32 [2] key."""
+  if rng is None:
+    rng = 0
+  if isinstance(rng, (int, np.integer)):
+    return jax.random.PRNGKey(int(rng))
+  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(rng)
+  if rng.dtype != jnp.uint32 or rng.shape != (2,):
+    raise ValueError(f"`rng` must be an int seed or a JAX key, got {rng!r}")
+  return rng
+
+
+def _accepts_mask(fn: Callable) -> bool:
+  try:
+    parameters = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return True  # cannot tell (a C function, a partial of one): trust it
+  return any(p.name == "mask" or p.kind == p.VAR_KEYWORD for p in parameters)
+
+
+def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
+  """Traces `loss_fn` once (no compile); returns has_aux, checks the loss."""
+  args = (params, state, rng, batch) if has_state else (params, rng, batch)
+  kwargs = {} if mask is None else {"mask": mask}
+  out = jax.eval_shape(lambda a, k: loss_fn(*a, **k), args, kwargs)
+  if has_state:
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise ValueError("`loss_fn` with a Haiku `state` must return"
+                       " (loss, new_state) or ((loss, aux), new_state)")
+    out = out[0]
+  has_aux = isinstance(out, (tuple, list)) and len(out) == 2
+  loss = out[0] if has_aux else out
+  if not hasattr(loss, "shape") or loss.shape != ():
+    raise ValueError(f"`loss_fn` must return a scalar loss (or (loss, aux)),"
+                     f" got {jax.tree.map(lambda x: x.shape, loss)}")
+  return has_aux
+
+
+def _jsonable(history: dict[str, list]) -> dict[str, list]:
+  return {k: [None if isinstance(v, float) and not math.isfinite(v) else v
+              for v in values] for k, values in history.items()}
+
+
+def fit(loss_fn: Callable[..., Any], params, data, *,
+        optimizer: optax.GradientTransformation | None = None,
+        batch_size: int | None = None,
+        num_steps: int | None = None,
+        epochs: int | None = None,
+        rng=None,
+        state=None,
+        validation_data=None,
+        eval_every: int | None = None,
+        callbacks: Sequence[Any] = (),
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        resume: bool = True,
+        mesh: jax.sharding.Mesh | None = None,
+        donate: bool = True,
+        progress: bool = True,
+        log_every: int | None = None,
+        last_batch: str = "drop",
+        on_nonfinite: str = "raise",
+        **unknown) -> FitResult:
+  """Trains `params` to minimise `loss_fn` over `data`.
+
+  Args:
+    loss_fn: `loss_fn(params, rng, batch) -> loss | (loss, aux)`, or with a
+      Haiku `state`: `loss_fn(params, state, rng, batch) -> (loss | (loss,
+      aux), new_state)` (the signature of `hk.transform(...).apply` and
+      `hk.transform_with_state(...).apply`). `loss` is a scalar; scalars in an
+      `aux` dict are recorded in the history. With `last_batch='pad'` it is
+      also called with `mask=` ([B] bool, True on real rows).
+    params: the initial parameters (copied, never donated).
+    data: in-memory data, a pytree of arrays [N, ...] (a dict, tuple or array;
+      not a list), or a stream: any iterable of batches (a list, a generator),
+      each a pytree of arrays [B, ...] (numpy or JAX).
+    optimizer: any `optax.GradientTransformation`; default Adam(1e-3).
+    batch_size: rows per step. In-memory: default all N. Stream: default the
+      first batch's size. Must be divisible by the mesh's device count.
+    num_steps: steps to train in total (a resumed fit counts earlier steps).
+    epochs: passes over in-memory data (exactly one of `num_steps`/`epochs`
+      for in-memory data; streams take neither or `num_steps`, and end when
+      the stream ends).
+    rng: an int seed or a JAX key; drives the data order and the loss's key.
+    state: the initial Haiku state, for a `loss_fn` that takes one.
+    validation_data: in-memory arrays, or a re-iterable collection of batches
+      (a list), evaluated with the same loss and a fixed key.
+    eval_every: evaluate every this many steps (default: each epoch for
+      in-memory data, else only at the end; always also at the end).
+    callbacks: `Callback`s or functions `(step, metrics) -> bool | None`;
+      True stops the fit (see callbacks.py for the timing).
+    checkpoint_dir: where to write orbax checkpoints (None: no checkpoints).
+    checkpoint_every: also save every this many steps (the end, a stop and
+      Ctrl-C always save when `checkpoint_dir` is set).
+    keep_checkpoints: how many of the newest checkpoints to keep.
+    resume: continue from the newest checkpoint in `checkpoint_dir` (its
+      state, step and key replace `params`, `state` and `rng`).
+    mesh: the device mesh; the batch is split over all its axes, everything
+      else replicated. Default: one axis over `jax.devices()`.
+    donate: donate the training state's buffers to the step (saves memory).
+    progress: show a tqdm bar with the loss and steps/s.
+    log_every: `absl.logging.info` a line every this many steps.
+    last_batch: 'drop' or 'pad' the last partial batch (pad: a row mask).
+    on_nonfinite: 'raise': the first step with a non-finite loss, gradient or
+      update ends the fit with `NonFiniteLossError` (naming the step; its
+      `result` and the checkpoint hold the last finite parameters). 'skip':
+      such steps are rejected (parameters unchanged), logged, listed in
+      `history['nonfinite_steps']`, and the fit goes on.
+
+  Returns:
+    A `FitResult`.
+
+  Raises:
+    ValueError: a bad argument, before anything is compiled.
+    NonFiniteLossError: see `on_nonfinite`.
+  """
+  _check_unknown(unknown, _FIT_ARGUMENTS, "fit()")
+  if last_batch not in data_lib.LAST_BATCH_MODES:
+    raise ValueError(f"`last_batch` must be one of {data_lib.LAST_BATCH_MODES},"
+                     f" got {last_batch=}")
+  if on_nonfinite not in step_lib.NONFINITE_MODES:
+    raise ValueError(f"`on_nonfinite` must be one of"
+                     f" {step_lib.NONFINITE_MODES}, got {on_nonfinite=}")
+  _check_positive(batch_size=batch_size, num_steps=num_steps, epochs=epochs,
+                  eval_every=eval_every, checkpoint_every=checkpoint_every,
+                  keep_checkpoints=keep_checkpoints, log_every=log_every)
+  if last_batch == "pad" and not _accepts_mask(loss_fn):
+    raise ValueError("`last_batch='pad'` passes `mask=` to `loss_fn`, which"
+                     " takes no `mask` argument")
+  if checkpoint_every is not None and checkpoint_dir is None:
+    raise ValueError("`checkpoint_every` needs a `checkpoint_dir`")
+  callbacks = [callbacks_lib.as_callback(c) for c in callbacks]
+  optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
+  mesh = sharding_lib.default_mesh() if mesh is None else mesh
+  rng = _as_raw_key(rng)
+
+  in_memory = data_lib.is_in_memory(data)
+  if in_memory:
+    if (num_steps is None) == (epochs is None):
+      raise ValueError(f"in-memory `data` needs exactly one of `num_steps` and"
+                       f" `epochs`, got {num_steps=} {epochs=}")
+    source = data_lib.ArrayData(data, batch_size=batch_size,
+                                last_batch=last_batch, mesh=mesh)
+    total = num_steps if num_steps else epochs * source.steps_per_epoch
+    example = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((source.batch_size,) + x.shape[1:],
+                                       x.dtype), data)
+  else:
+    if epochs is not None:
+      raise ValueError("`epochs` needs in-memory `data`; a stream trains until"
+                       " it ends or for `num_steps`")
+    if isinstance(data, Iterable) is False:
+      raise ValueError(f"`data` must be a pytree of arrays or an iterable of"
+                       f" batches, got {type(data)}")
+    source = data_lib.StreamData(data, batch_size=batch_size,
+                                 last_batch=last_batch, mesh=mesh)
+    total = num_steps
+    example = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((source.batch_size,) + np.shape(x)[1:],
+                                       np.asarray(x).dtype), source.first)
+  sharding_lib.check_batch_size(source.batch_size, mesh)
+  validation = None
+  if validation_data is not None:
+    validation = data_lib.validation_batches(validation_data, source.batch_size)
+
+  has_state = state is not None
+  mask_example = (jax.ShapeDtypeStruct((source.batch_size,), jnp.bool_)
+                  if last_batch == "pad" else None)
+  has_aux = _loss_structure(loss_fn, params, state, rng, example, mask_example,
+                            has_state)
+  spec = step_lib.StepSpec(
+      loss_fn=loss_fn, optimizer=optimizer, has_state=has_state,
+      has_aux=has_aux, use_mask=last_batch == "pad",
+      on_nonfinite=on_nonfinite, mesh=mesh, donate=donate)
+
+  # The training state: copies on the mesh, so donation never hits the caller.
+  ts = sharding_lib.put_replicated({
+      "params": params, "state": state if has_state else {},
+      "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
+      "first_nonfinite": np.int32(-1)}, mesh)
+  ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
+
+  history: dict[str, list] = {"step": []}
+  checkpointer = None
+  if checkpoint_dir is not None:
+    checkpointer = checkpoints_lib.Checkpointer(checkpoint_dir,
+                                                keep=keep_checkpoints)
+    latest = checkpointer.latest_step() if resume else None
+    if latest is not None:
+      ts, meta = checkpointer.restore(latest, ts,
+                                      sharding_lib.replicated(mesh))
+      history = {k: [np.nan if v is None else v for v in values]
+                 for k, values in meta["history"].items()}
+  loop = _Loop(spec, ts, history, callbacks, checkpointer, checkpoint_every,
+               progress, log_every, total)
+  try:
+    if in_memory:
+      loop.run_arrays(source, eval_every, validation)
+    else:
+      loop.run_stream(source, eval_every, validation)
+  finally:
+    if not in_memory:
+      source.close()
+    loop.finish()
+    if checkpointer is not None:
+      checkpointer.close()
+  return loop.result(checkpoint_dir)
+
+
+class _Loop:
+  """The host side of one fit: dispatch, metrics one step behind, events."""
+
+  def __init__(self, spec, ts, history, callbacks, checkpointer,
+               checkpoint_every, progress, log_every, total):
+    self.spec = spec
+    self.ts = ts
+    self.history = history
+    self.callbacks = callbacks
+    self.checkpointer = checkpointer
+    self.checkpoint_every = checkpoint_every
+    self.log_every = log_every
+    self.total = total
+    self.step = int(ts["step"])
+    self.pending = []  # [(step, device metrics)], at most 2
+    self.stop = False
+    self.stopped_early = False
+    self.nonfinite_step = None
+    self.last_eval_step = None
+    self.timer_start = None  # after the first processed step (compile)
+    self.timer_steps = 0
+    self.bar = tqdm.tqdm(total=total, initial=self.step, unit="step",
+                         disable=not progress, dynamic_ncols=True)
+    for callback in callbacks:
+      callback.on_train_begin(self.step)
+
+  # --- the two drivers -------------------------------------------------------
+
+  def run_arrays(self, source: data_lib.ArrayData, eval_every, validation):
+    step_fn = step_lib.array_step(self.spec)
+    key = step_lib.data_key(self.ts["rng"])
+    steps_per_epoch = source.steps_per_epoch
+    order = {}  # epoch -> permutation [steps_per_epoch * B], one at a time
+
+    def dispatch():
+      epoch = self.step // steps_per_epoch
+      if epoch not in order:
+        order.clear()
+        order[epoch] = source.permutation(key, epoch)
+      return step_fn(self.ts, source.arrays, order[epoch], source.batch_size,
+                     steps_per_epoch, source.num_examples)
+    if eval_every is None:
+      eval_every = steps_per_epoch
+    self._guard(self._run(dispatch, eval_every, validation))
+
+  def run_stream(self, source: data_lib.StreamData, eval_every, validation):
+    step_fn = step_lib.stream_step(self.spec)
+    batches = iter(source)
+
+    def dispatch():
+      item = next(batches, None)
+      if item is None:
+        return None
+      return step_fn(self.ts, *item)
+    self._guard(self._run(dispatch, eval_every, validation))
+
+  # --- the loop --------------------------------------------------------------
+
+  def _guard(self, run):
+    """Runs the loop; Ctrl-C saves a checkpoint before it propagates."""
+    try:
+      run()
+    except KeyboardInterrupt:
+      logging.warning("fit: interrupted at step %d", self.step)
+      self._flush()
+      self._save()
+      raise
+
+  def _run(self, dispatch, eval_every, validation):
+    def run():
+      while not self.stop and (self.total is None or self.step < self.total):
+        out = dispatch()
+        if out is None:  # the stream ended
+          break
+        self.ts, metrics = out
+        self.step += 1
+        self.pending.append((self.step, metrics))
+        if len(self.pending) > 1:
+          self._process(*self.pending.pop(0))
+        if validation is not None and eval_every and self.step % eval_every == 0:
+          self._flush()
+          self._evaluate(validation)
+        if self.checkpoint_every and self.step % self.checkpoint_every == 0:
+          self._flush()
+          self._save()
+      self._flush()
+      if validation is not None and self.last_eval_step != self.step:
+        self._evaluate(validation)
+      self._save()
+    return run
+
+  def _flush(self):
+    while self.pending:
+      self._process(*self.pending.pop(0))
+
+  def _process(self, step: int, device_metrics):
+    metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    now = time.perf_counter()
+    if self.timer_start is None:
+      self.timer_start = now
+    else:
+      self.timer_steps += 1
+    self.timer_end = now
+    self.history["step"].append(step)
+    for name, value in metrics.items():
+      self.history.setdefault(name, []).append(value)
+    if not metrics["finite"]:
+      self.history.setdefault("nonfinite_steps", []).append(step)
+      logging.warning("fit: step %d: non-finite loss/gradient/update (loss=%s);"
+                      " its update was rejected", step, metrics["loss"])
+      if self.spec.on_nonfinite == "raise" and self.nonfinite_step is None:
+        self.nonfinite_step = step
+        self.stop = True
+    self.bar.update(1)
+    if step % 10 == 0 or step == self.total:
+      self.bar.set_postfix(loss=f"{metrics['loss']:.4g}", refresh=False)
+    if self.log_every and step % self.log_every == 0:
+      logging.info("fit: step %d loss %.6g grad_norm %.4g %.1f steps/s", step,
+                   metrics["loss"], metrics["grad_norm"], self._rate())
+    for callback in self.callbacks:
+      if callback.on_step_end(step, metrics):
+        self.stop = True
+        self.stopped_early = True
+
+  def _rate(self) -> float:
+    if not self.timer_steps:
+      return float("nan")
+    return self.timer_steps / max(self.timer_end - self.timer_start, 1e-9)
+
+  def _evaluate(self, validation):
+    eval_fn = step_lib.eval_step(self.spec)
+    mesh = self.spec.mesh
+    total, rows = 0.0, 0
+    for batch in validation():
+      n = data_lib.leading_dim(batch, "validation_data batch")
+      if n % mesh.size == 0:
+        batch = sharding_lib.put_batch(batch, mesh)
+      else:
+        batch = jax.device_put(batch, sharding_lib.replicated(mesh))
+      loss = eval_fn(self.ts["params"], self.ts["state"], self.ts["rng"], batch)
+      total += float(loss) * n
+      rows += n
+    val_loss = total / max(rows, 1)
+    self.last_eval_step = self.step
+    self.history.setdefault("val_step", []).append(self.step)
+    self.history.setdefault("val_loss", []).append(val_loss)
+    logging.info("fit: step %d val_loss %.6g", self.step, val_loss)
+    for callback in self.callbacks:
+      if callback.on_eval_end(self.step, {"val_loss": val_loss}):
+        self.stop = True
+        self.stopped_early = True
+
+  def _save(self):
+    if self.checkpointer is None:
+      return
+    self.checkpointer.save(self.step, self.ts, {
+        "step": self.step, "history": _jsonable(self.history)})
+
+  def finish(self):
+    self.bar.close()
+    for callback in self.callbacks:
+      callback.on_train_end(self.step)
+
+  def result(self, checkpoint_dir) -> FitResult:
+    history = {k: np.asarray(v) for k, v in self.history.items()}
+    history["steps_per_sec"] = np.asarray([self._rate()])
+    result = FitResult(
+        params=self.ts["params"], opt_state=self.ts["opt_state"],
+        state=self.ts["state"] if self.spec.has_state else None,
+        step=self.step, history=history, stopped_early=self.stopped_early,
+        checkpoint_dir=checkpoint_dir)
+    if self.nonfinite_step is not None:
+      first = int(self.ts["first_nonfinite"])
+      raise NonFiniteLossError(
+          f"fit: non-finite loss, gradient or update at step {first}; its"
+          f" update was rejected and the fit stopped. The error's `result` (and"
+          f" the checkpoint, if any) holds the last finite parameters.",
+          first, result)
+    return result
+
+
+def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
+              params=None, state=None, rng=None, **fit_kwargs) -> FitResult:
+  """`fit()` for a transformed function that returns its own loss.
+
+  `transformed.apply(params, [state,] rng, batch)` must return the loss (or
+  `(loss, aux)`); `hk.transform_with_state` functions also return the state.
+  Missing `params` (and `state`) are initialised with `transformed.init` on the
+  first batch. `transformed.apply` is the loss function, so repeated calls on
+  the same transformed function reuse the compiled step.
+
+  Args:
+    transformed: `hk.transform(f)` or `hk.transform_with_state(f)` where
+      `f(batch)` returns the scalar loss.
+    data: as in `fit()`.
+    params, state: initial values (default: `transformed.init`).
+    rng: as in `fit()`; the initialisation uses `fold_in(rng, 3)`.
+    **fit_kwargs: the keyword arguments of `fit()`.
+
+  Returns:
+    `fit()`'s `FitResult`.
+  """
+  _check_unknown({k: v for k, v in fit_kwargs.items()
+                  if k not in _FIT_ARGUMENTS},
+                 _FIT_ARGUMENTS + ("params",), "fit_model()")
+  with_state = isinstance(transformed, hk.TransformedWithState)
+  if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
+    raise ValueError(f"`transformed` must be hk.transform(...) or"
+                     f" hk.transform_with_state(...), got {type(transformed)}")
+  key = _as_raw_key(rng)
+  if params is None or (with_state and state is None):
+    if data_lib.is_in_memory(data):
+      size = fit_kwargs.get("batch_size") or data_lib.leading_dim(data, "data")
+      example = jax.tree.map(lambda x: x[:size], data)
+    else:
+      iterator = iter(data)
+      example = next(iterator, None)
+      if example is None:
+        raise ValueError("`data` is an empty stream: it yielded no batch")
+      data = _chain_first(example, iterator)
+    init_out = transformed.init(jax.random.fold_in(key, 3), example)
+    if with_state:
+      init_params, init_state = init_out
+      params = init_params if params is None else params
+      state = init_state if state is None else state
+    else:
+      params = init_out
+  return fit(transformed.apply, params, data, rng=key,
+             state=state if with_state else None, **fit_kwargs)
+
+
+def _chain_first(first, iterator):
+  yield first
+  yield from iterator

@@ -1,0 +1,181 @@
+"""The compiled training step of `fit()` and the cache that keeps it.
+
+`fit()` asks this module for its jitted functions by a `StepSpec`: the loss
+function, the optimizer and the static options (Haiku state or not, aux or not,
+row mask or not, non-finite policy, mesh, donation). The spec keys a
+process-wide cache of `jax.jit` objects, and `jax.jit` itself keys the compiled
+executables on shapes, dtypes and shardings, so a second `fit()` with the same
+loss function, optimizer and data reuses everything and compiles nothing. A new
+function object (a lambda written inside a loop, a fresh `optax.adam(...)`)
+is a new key: define them once.
+
+The training state is a dict of pytrees, replicated over the mesh:
+
+  params, opt_state, state   the model's parameters, optimizer and Haiku state
+  step                       int32, batches consumed so far
+  rng                        the base key (raw uint32 [2]); step s uses
+                             fold_in(fold_in(rng, 1), s), epochs fold_in(rng, 0)
+  nonfinite                  int32, steps whose loss, gradient or update was
+                             not finite (their update was rejected)
+  first_nonfinite            int32, the first such step (1-based), or -1
+
+Glossary of shapes: B batch size, N in-memory examples.
+"""
+
+import collections
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from probjax_hk.training import sharding as sharding_lib
+
+NONFINITE_MODES = ("raise", "skip")
+_CACHE_SIZE = 32
+
+
+class StepSpec(NamedTuple):
+  """Everything a compiled step depends on beyond array shapes (hashable)."""
+  loss_fn: Callable[..., Any]
+  optimizer: optax.GradientTransformation
+  has_state: bool   # loss_fn(params, state, rng, batch) -> (out, new_state)
+  has_aux: bool     # out is (loss, aux) rather than loss
+  use_mask: bool    # loss_fn takes mask=[B] bool (last_batch='pad')
+  on_nonfinite: str  # 'raise': the first non-finite step freezes the state
+  mesh: jax.sharding.Mesh
+  donate: bool
+
+
+_cache: collections.OrderedDict = collections.OrderedDict()
+
+
+def _cached(kind: str, spec, build: Callable[[], Any]):
+  key = (kind, spec)
+  if key in _cache:
+    _cache.move_to_end(key)
+    return _cache[key]
+  value = _cache[key] = build()
+  while len(_cache) > _CACHE_SIZE:
+    _cache.popitem(last=False)
+  return value
+
+
+def step_key(rng, step):
+  """The key the loss sees at (0-based) step `step`."""
+  return jax.random.fold_in(jax.random.fold_in(rng, 1), step)
+
+
+def data_key(rng):
+  """The key of the in-memory data order (epoch e: fold_in(data_key, e))."""
+  return jax.random.fold_in(rng, 0)
+
+
+def eval_key(rng):
+  return jax.random.fold_in(rng, 2)
+
+
+def call_loss(spec: StepSpec, params, state, rng, batch, mask):
+  """Calls the user's loss; returns (loss f32 scalar, new_state, aux)."""
+  args = (params, state, rng, batch) if spec.has_state else (params, rng, batch)
+  kwargs = {"mask": mask} if spec.use_mask else {}
+  out = spec.loss_fn(*args, **kwargs)
+  new_state = state
+  if spec.has_state:
+    out, new_state = out
+  loss, aux = out if spec.has_aux else (out, None)
+  return jnp.asarray(loss, jnp.float32), new_state, aux
+
+
+def _scalar_aux(aux) -> dict[str, jax.Array]:
+  if not isinstance(aux, dict):
+    return {}
+  return {str(k): jnp.asarray(v, jnp.float32) for k, v in aux.items()
+          if jnp.ndim(v) == 0}
+
+
+def _train_step(spec: StepSpec, ts, batch, mask):
+  """One optimizer step on `batch`; rejects non-finite updates."""
+  rng = step_key(ts["rng"], ts["step"])
+
+  def loss_and_extras(params):
+    loss, new_state, aux = call_loss(spec, params, ts["state"], rng, batch,
+                                     mask)
+    return loss, (new_state, aux)
+
+  (loss, (new_state, aux)), grads = jax.value_and_grad(
+      loss_and_extras, has_aux=True)(ts["params"])
+  updates, new_opt_state = spec.optimizer.update(
+      grads, ts["opt_state"], ts["params"])
+  new_params = optax.apply_updates(ts["params"], updates)
+  grad_norm = optax.tree.norm(grads)
+  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            & jnp.isfinite(optax.tree.norm(updates)))
+  accept = finite
+  if spec.on_nonfinite == "raise":
+    accept = finite & (ts["nonfinite"] == 0)
+  keep = lambda new, old: jax.tree.map(
+      lambda a, b: jnp.where(accept, a, b), new, old)
+  step = ts["step"] + 1
+  new_ts = {
+      "params": keep(new_params, ts["params"]),
+      "opt_state": keep(new_opt_state, ts["opt_state"]),
+      "state": keep(new_state, ts["state"]),
+      "step": step,
+      "rng": ts["rng"],
+      "nonfinite": ts["nonfinite"] + (~finite).astype(jnp.int32),
+      "first_nonfinite": jnp.where(
+          (ts["first_nonfinite"] < 0) & ~finite, step, ts["first_nonfinite"]),
+  }
+  metrics = {"loss": loss, "grad_norm": grad_norm,
+             "finite": finite.astype(jnp.float32), **_scalar_aux(aux)}
+  return new_ts, metrics
+
+
+def stream_step(spec: StepSpec):
+  """jit(ts, batch [B, ...], mask [B] | None) -> (ts, metrics)."""
+  def build():
+    rep = sharding_lib.replicated(spec.mesh)
+    return jax.jit(functools.partial(_train_step, spec),
+                   donate_argnums=(0,) if spec.donate else (),
+                   out_shardings=(rep, rep))
+  return _cached("stream", spec, build)
+
+
+def array_step(spec: StepSpec):
+  """jit(ts, data [N, ...], perm [steps_per_epoch * B], batch_size,
+  steps_per_epoch, num_examples) -> (ts, metrics); gathers on the device."""
+  def step(ts, data, perm, batch_size, steps_per_epoch, num_examples):
+    start = (ts["step"] % steps_per_epoch) * batch_size
+    index = jax.lax.dynamic_slice_in_dim(perm, start, batch_size)  # [B]
+    batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
+    batch = jax.lax.with_sharding_constraint(
+        batch, sharding_lib.batch_sharding(spec.mesh))
+    mask = None
+    if spec.use_mask:
+      mask = start + jnp.arange(batch_size) < num_examples  # [B]
+    return _train_step(spec, ts, batch, mask)
+
+  def build():
+    rep = sharding_lib.replicated(spec.mesh)
+    return jax.jit(step, static_argnums=(3, 4, 5),
+                   donate_argnums=(0,) if spec.donate else (),
+                   out_shardings=(rep, rep))
+  return _cached("array", spec, build)
+
+
+def eval_step(spec: StepSpec):
+  """jit(params, state, rng, batch [b, ...]) -> mean loss over the b rows."""
+  def evaluate(params, state, rng, batch):
+    mask = None
+    if spec.use_mask:
+      mask = jnp.ones((jax.tree.leaves(batch)[0].shape[0],), bool)
+    return call_loss(spec, params, state, eval_key(rng), batch, mask)[0]
+  return _cached("eval", spec, lambda: jax.jit(evaluate))
+
+
+def init_optimizer(spec: StepSpec):
+  """jit(params) -> optimizer state, replicated on the mesh."""
+  return _cached("init", (spec.optimizer, spec.mesh), lambda: jax.jit(
+      spec.optimizer.init, out_shardings=sharding_lib.replicated(spec.mesh)))
