@@ -1,0 +1,91 @@
+"""`selective_scan`: the Mamba-1 (S6) selective state-space recurrence.
+
+Gu & Dao 2023, https://arxiv.org/abs/2312.00752. Time is on axis 1.
+
+Glossary of shapes: B batch, T time, D channels, S state size.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ops import _backend
+from ops.selective_scan import pallas as pallas_impl
+from ops.selective_scan.xla import selective_scan_xla
+
+_KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state):
+  if u.ndim != 3:
+    raise ValueError(f"`u` must be [B, T, D], got shape {u.shape}")
+  batch, time, width = u.shape
+  if delta.shape != u.shape:
+    raise ValueError(f"`delta` must have the shape of `u` {u.shape}, got {delta.shape}")
+  if A.ndim != 2 or A.shape[0] != width:
+    raise ValueError(f"`A` must be [D, S] with D = {width}, got shape {A.shape}")
+  state = A.shape[1]
+  for name, x in (("B", B), ("C", C)):
+    if x.ndim != 3:
+      raise ValueError(f"`{name}` must be [B, T, S] (per-group [B, T, G, S] is not "
+                       f"supported), got shape {x.shape}")
+    if x.shape != (batch, time, state):
+      raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)}, got "
+                       f"{x.shape} (T must match `u`)")
+  for name, x in (("D", D), ("delta_bias", delta_bias)):
+    if x is not None and x.shape != (width,):
+      raise ValueError(f"`{name}` must be [D] = ({width},), got {x.shape}")
+  if z is not None and z.shape != u.shape:
+    raise ValueError(f"`z` must have the shape of `u` {u.shape}, got {z.shape}")
+  if initial_state is not None and initial_state.shape != (batch, width, state):
+    raise ValueError(f"`initial_state` must be [B, D, S] = {(batch, width, state)}, "
+                     f"got {initial_state.shape}")
+
+
+def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
+                   C: jax.Array, *, D: jax.Array | None = None,
+                   z: jax.Array | None = None, delta_bias: jax.Array | None = None,
+                   delta_softplus: bool = False,
+                   initial_state: jax.Array | None = None, reverse: bool = False,
+                   implementation: _backend.Implementation = None
+                   ) -> tuple[jax.Array, jax.Array]:
+  """The selective scan.
+
+      delta = softplus(delta + delta_bias)           (each part optional)
+      h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t  # [B, D, S]
+      y_t = h_t C_t + D u_t;  y_t *= silu(z_t)
+
+  Args:
+    u: [B, T, D] input (float32, bfloat16 or float16).
+    delta: [B, T, D] step sizes.
+    A: [D, S] state matrix (negative entries decay).
+    B: [B, T, S] input projection.
+    C: [B, T, S] output projection.
+    D: [D] skip connection, or None.
+    z: [B, T, D] gate, or None.
+    delta_bias: [D] added to `delta`, or None.
+    delta_softplus: apply softplus to the biased `delta`.
+    initial_state: [B, D, S], the state before the first step processed.
+    reverse: scan from the last time step to the first (bidirectional models).
+    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+      'pallas' (the kernel; interpret mode off GPU) or 'xla'
+      (`lax.associative_scan`, materializes [B, T, D, S]).
+
+  Returns:
+    y: [B, T, D] in `u`'s dtype (accumulated in float32).
+    final_state: [B, D, S] float32, the state after the last step processed.
+  """
+  _validate(u, delta, A, B, C, D, z, delta_bias, initial_state)
+  dtypes = {name: jnp.dtype(x.dtype) for name, x in
+            (("u", u), ("delta", delta), ("B", B), ("C", C))}
+
+  def kernel_limit():
+    for name, dtype in dtypes.items():
+      if dtype not in _KERNEL_DTYPES:
+        return f"`{name}` dtype {dtype} is not one of float32, bfloat16, float16"
+    return None
+
+  backend = _backend.choose("selective_scan", implementation, kernel_limit)
+  fn = pallas_impl.selective_scan_pallas if backend == "pallas" else selective_scan_xla
+  return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+            delta_softplus=delta_softplus, initial_state=initial_state,
+            reverse=reverse)

@@ -1,0 +1,380 @@
+"""Pallas kernels for the selective scan, forward and backward.
+
+The state `h` ([block_d, S] per program) lives in registers and never goes to
+memory as a sequence; each program owns `block_d` channels of one batch row
+and one chunk of `chunk` time steps. Positions are counted in *processing
+order* (descending time when `reverse`), so the same kernels serve both
+directions.
+
+Forward, two launches:
+1. summary: each chunk runs from a zero state; it writes its end state and
+   the sum of its `delta`s (the chunk's decay is `exp(A sum delta)`).
+2. apply: each chunk folds the summaries of the chunks before it into its
+   start state, runs again, writes `y_t = h_t C_t` and, when a gradient is
+   needed, the state before every `unroll`-step block (the checkpoints,
+   `[B, T / unroll, D, S]`, `unroll` times smaller than the state sequence).
+
+Backward, two launches in the opposite order of time, on the adjoint
+`r = dL/dh` (`c_t = r + dy_t C_t`, `r <- exp(delta_t A) c_t`):
+1. summary: each chunk's adjoint from zero (it reads only `C`, `dy`, `delta`).
+2. apply: each chunk folds the later chunks' summaries into its adjoint, then
+   for each `unroll`-step block (last first) recomputes the block's states
+   from its checkpoint (unrolled, in registers) and walks back through them,
+   producing du, ddelta, dB and dC (per channel block, summed outside), dA
+   (per program, summed outside) and the adjoint of the initial state.
+
+With a single chunk the summary launches are skipped.
+
+Glossary of shapes: B batch, T time, D channels, S state size, C chunks,
+K checkpoints (= T / unroll).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import _backend
+from ops import _shapes
+from ops.selective_scan.reference import finish_output
+from ops.selective_scan.reference import prepare_delta
+
+_F32 = jnp.float32
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectiveScanBlocks:
+  """Tiling of the selective scan kernels."""
+  block_d: int = 32     # channels per program; a power of two
+  unroll: int = 16      # steps per loop iteration and per checkpoint; a power of two
+  chunk: int = 256      # time steps per program; a multiple of `unroll`
+  num_warps: int = 4    # warps per program
+
+  def __post_init__(self):
+    for name in ("block_d", "unroll", "num_warps"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"`{name}` must be a power of two, got {value}")
+    if self.chunk < 1 or self.chunk % self.unroll:
+      raise ValueError(f"`chunk` must be a positive multiple of {self.unroll=}, "
+                       f"got {self.chunk}")
+
+  @classmethod
+  def get_default(cls, batch: int, time: int, width: int,
+                  state: int) -> "SelectiveScanBlocks":
+    """About 16 state elements per thread, about a thousand programs."""
+    state = _next_pow2(state)
+    block_d = max(1, min(_next_pow2(width), 512 // state, 32))
+    num_warps = max(1, min(8, block_d * state // 128))
+    unroll = min(16 if state <= 32 else 8, _next_pow2(time))
+    chains = batch * _shapes.cdiv(width, block_d)
+    num_chunks = min(32, max(1, _shapes.cdiv(1024, chains)))
+    chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
+    return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=num_warps)
+
+
+def _col(ref, t):
+  """Row t of a [T, block_d] ref as a float32 [block_d, 1] column."""
+  return ref[pl.ds(t, 1), :].astype(_F32)[0][:, None]
+
+
+def _row(ref, t):
+  """Row t of a [T, S] ref as a float32 [1, S] row."""
+  return ref[pl.ds(t, 1), :].astype(_F32)
+
+
+def _position(p, chunk, reverse):
+  """Processing position -> time index inside the chunk."""
+  return chunk - 1 - p if reverse else p
+
+
+def _fold(h, k_end, end_ref, dsum_ref, A):
+  """Folds the summaries of chunks 0..k_end-1 (processing order) into `h`."""
+  def one(k, h):
+    return jnp.exp(_col(dsum_ref, k) * A) * h + end_ref[k].astype(_F32)
+  return jax.lax.fori_loop(0, k_end, one, h)
+
+
+def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
+                    mode, reverse, chunk, unroll, fold, save):
+  """mode 'summary': outputs (end [bd, S], dsum [1, bd]) from a zero state.
+  mode 'apply': inputs [end_all, dsum_all if fold]; outputs y, end, [ckpt]."""
+  A = A_ref[...].astype(_F32)                                   # [bd, S]
+  if mode == "apply":
+    if fold:
+      end_all, dsum_all, refs = refs[0], refs[1], refs[2:]
+      h = _fold(h0_ref[...], pl.program_id(2), end_all, dsum_all, A)
+    else:
+      h = h0_ref[...]
+    y_ref, end_ref = refs[0], refs[1]
+    ckpt_ref = refs[2] if save else None
+  else:
+    end_ref, dsum_ref = refs
+    h = jnp.zeros(A.shape, _F32)
+  dsum = jnp.zeros((A.shape[0], 1), _F32)
+
+  def body(j, carry):
+    h, dsum = carry
+    if save:
+      ckpt_ref[j] = h
+    for i in range(unroll):
+      t = _position(j * unroll + i, chunk, reverse)
+      delta = _col(delta_ref, t)                                # [bd, 1]
+      x = delta * _col(u_ref, t)                                # [bd, 1]
+      h = jnp.exp(delta * A) * h + x * _row(B_ref, t)           # [bd, S]
+      if mode == "apply":
+        y = jnp.sum(h * _row(C_ref, t), axis=1)                 # [bd]
+        y_ref[pl.ds(t, 1), :] = y[None, :].astype(y_ref.dtype)
+      else:
+        dsum = dsum + delta
+    return h, dsum
+
+  h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
+  end_ref[...] = h
+  if mode == "summary":
+    dsum_ref[...] = dsum[:, 0][None, :]
+
+
+def _backward_summary_kernel(delta_ref, A_ref, C_ref, dy_ref, end_ref, dsum_ref, *,
+                             reverse, chunk, unroll):
+  """The chunk's adjoint from zero, walking in backward order."""
+  A = A_ref[...].astype(_F32)
+  r = jnp.zeros(A.shape, _F32)
+  dsum = jnp.zeros((A.shape[0], 1), _F32)
+
+  def body(j, carry):
+    r, dsum = carry
+    for i in range(unroll):
+      t = _position(j * unroll + i, chunk, reverse)
+      delta = _col(delta_ref, t)
+      r = jnp.exp(delta * A) * (r + _col(dy_ref, t) * _row(C_ref, t))
+      dsum = dsum + delta
+    return r, dsum
+
+  r, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (r, dsum))
+  end_ref[...] = r
+  dsum_ref[...] = dsum[:, 0][None, :]
+
+
+def _backward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, dy_ref, dfinal_ref,
+                     ckpt_ref, *refs, reverse, chunk, unroll, fold):
+  """Per chunk (backward order): du, ddelta, dB/dC partials, dA partial, r.
+
+  `reverse` is the *forward* direction; this kernel walks the other way.
+  """
+  A = A_ref[...].astype(_F32)
+  if fold:
+    end_all, dsum_all, refs = refs[0], refs[1], refs[2:]
+    r = _fold(dfinal_ref[...], pl.program_id(2), end_all, dsum_all, A)
+  else:
+    r = dfinal_ref[...]
+  du_ref, ddelta_ref, dB_ref, dC_ref, dA_ref, r_ref = refs
+  num_blocks = chunk // unroll
+
+  def body(jb, carry):
+    r, dA_acc = carry
+    j = num_blocks - 1 - jb          # the block, in forward processing order
+    h = ckpt_ref[j]
+    hs, deltas, xs, us, bs, ts = [], [], [], [], [], []
+    for i in range(unroll):          # recompute the block's states
+      t = _position(j * unroll + i, chunk, reverse)
+      delta = _col(delta_ref, t)
+      u = _col(u_ref, t)
+      b = _row(B_ref, t)
+      x = delta * u
+      hs.append(h)                   # h before step i
+      h = jnp.exp(delta * A) * h + x * b
+      deltas.append(delta), xs.append(x), us.append(u), bs.append(b), ts.append(t)
+    for i in reversed(range(unroll)):
+      t, delta, x, b = ts[i], deltas[i], xs[i], bs[i]
+      dy = _col(dy_ref, t)                                      # [bd, 1]
+      decay = jnp.exp(delta * A)                                # [bd, S]
+      h_prev = hs[i]
+      h_t = h if i == unroll - 1 else hs[i + 1]
+      c = r + dy * _row(C_ref, t)                               # dL/dh_t
+      dC_ref[pl.ds(t, 1), :] = jnp.sum(dy * h_t, axis=0)[None, :]
+      dB_ref[pl.ds(t, 1), :] = jnp.sum(c * x, axis=0)[None, :]
+      dx = jnp.sum(c * b, axis=1)[:, None]                      # [bd, 1]
+      g = c * h_prev * decay                                    # dL/d(delta A)
+      ddelta = dx * us[i] + jnp.sum(g * A, axis=1)[:, None]
+      du_ref[pl.ds(t, 1), :] = (dx * delta)[:, 0][None, :]
+      ddelta_ref[pl.ds(t, 1), :] = ddelta[:, 0][None, :]
+      dA_acc = dA_acc + g * delta
+      r = decay * c
+      h = h_prev
+    return r, dA_acc
+
+  r, dA_acc = jax.lax.fori_loop(0, num_blocks, body, (r, jnp.zeros(A.shape, _F32)))
+  dA_ref[...] = dA_acc
+  r_ref[...] = r
+
+
+def _layout(batch, time, width, state, blocks):
+  bd, chunk = blocks.block_d, blocks.chunk
+  num_chunks = _shapes.cdiv(time, chunk)
+  padded_d = _shapes.round_up(width, bd)
+  return bd, chunk, num_chunks, padded_d, (batch, padded_d // bd, num_chunks)
+
+
+def _pad_seq(x, chunk, bd=None):
+  x = _shapes.pad_axis(x, 1, chunk)
+  return x if bd is None else _shapes.pad_axis(x, 2, bd)
+
+
+def _specs(chunk, bd, state, num_chunks, reverse, unroll):
+  """BlockSpecs over grid (batch, channel block, chunk in processing order)."""
+  def phys(c):
+    return num_chunks - 1 - c if reverse else c
+  return dict(
+      seq=pl.BlockSpec((None, chunk, bd), lambda i, d, c: (i, phys(c), d)),
+      seq_s=pl.BlockSpec((None, chunk, state), lambda i, d, c: (i, phys(c), 0)),
+      a=pl.BlockSpec((bd, state), lambda i, d, c: (d, 0)),
+      state=pl.BlockSpec((None, bd, state), lambda i, d, c: (i, d, 0)),
+      chunk_state=pl.BlockSpec((None, None, bd, state), lambda i, d, c: (i, c, d, 0)),
+      chunk_vec=pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, c, d)),
+      all_states=pl.BlockSpec((None, num_chunks, bd, state), lambda i, d, c: (i, 0, d, 0)),
+      all_vecs=pl.BlockSpec((None, num_chunks, bd), lambda i, d, c: (i, 0, d)),
+      ckpt=pl.BlockSpec((None, chunk // unroll, bd, state),
+                        lambda i, d, c: (i, c, d, 0)),
+      ckpt_rev=pl.BlockSpec((None, chunk // unroll, bd, state),
+                            lambda i, d, c: (i, num_chunks - 1 - c, d, 0)),
+      partial_s=pl.BlockSpec((None, None, chunk, state),
+                             lambda i, d, c: (i, d, phys(c), 0)),
+  )
+
+
+def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
+  """Core forward: y [B, T, D] f32, final state, checkpoints (or None)."""
+  batch, time, width = u.shape
+  state = A.shape[1]
+  bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
+  sp = _specs(chunk, bd, state, num_chunks, reverse, blocks.unroll)
+  u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
+  B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
+  A_p = _shapes.pad_axis(A, 0, bd)
+  h0_p = _shapes.pad_axis(h0, 1, bd)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  interpret = _backend.pallas_interpret()
+  kw = dict(reverse=reverse, chunk=chunk, unroll=blocks.unroll)
+  ins = (u_p, delta_p, A_p, B_p, C_p, h0_p)
+  in_specs = [sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"], sp["state"]]
+  states = jax.ShapeDtypeStruct((batch, num_chunks, padded_d, state), _F32)
+  vecs = jax.ShapeDtypeStruct((batch, num_chunks, padded_d), _F32)
+  fold = num_chunks > 1
+  summaries = ()
+  if fold:
+    summaries = pl.pallas_call(
+        functools.partial(_forward_kernel, mode="summary", fold=False, save=False, **kw),
+        grid=grid, in_specs=in_specs, out_specs=[sp["chunk_state"], sp["chunk_vec"]],
+        out_shape=[states, vecs], compiler_params=params, interpret=interpret,
+        name="selective_scan_summary")(*ins)
+  out_specs = [sp["seq"], sp["chunk_state"]]
+  out_shape = [jax.ShapeDtypeStruct(u_p.shape, _F32), states]
+  if save:
+    out_specs.append(sp["ckpt"])
+    out_shape.append(jax.ShapeDtypeStruct(
+        (batch, num_chunks * chunk // blocks.unroll, padded_d, state), _F32))
+  outs = pl.pallas_call(
+      functools.partial(_forward_kernel, mode="apply", fold=fold, save=save, **kw),
+      grid=grid, in_specs=in_specs + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
+      out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+      interpret=interpret, name="selective_scan")(*ins, *summaries)
+  y, ends = outs[0], outs[1]
+  ckpt = outs[2] if save else None
+  return y[:, :time, :width], ends[:, -1, :width], ckpt
+
+
+def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
+  """Core backward: (du, ddelta, dA, dB, dC, dh0), float32."""
+  batch, time, width = u.shape
+  state = A.shape[1]
+  bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
+  # The backward walks the other way; chunk c of the grid is forward chunk C-1-c.
+  sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll)
+  u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
+  dy_p = _pad_seq(dy.astype(_F32), chunk, bd)
+  B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
+  A_p = _shapes.pad_axis(A, 0, bd)
+  dfinal_p = _shapes.pad_axis(dfinal.astype(_F32), 1, bd)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  interpret = _backend.pallas_interpret()
+  kw = dict(chunk=chunk, unroll=blocks.unroll)
+  states = jax.ShapeDtypeStruct((batch, num_chunks, padded_d, state), _F32)
+  vecs = jax.ShapeDtypeStruct((batch, num_chunks, padded_d), _F32)
+  fold = num_chunks > 1
+  summaries = ()
+  if fold:
+    summaries = pl.pallas_call(
+        functools.partial(_backward_summary_kernel, reverse=not reverse, **kw),
+        grid=grid, in_specs=[sp["seq"], sp["a"], sp["seq_s"], sp["seq"]],
+        out_specs=[sp["chunk_state"], sp["chunk_vec"]], out_shape=[states, vecs],
+        compiler_params=params, interpret=interpret,
+        name="selective_scan_backward_summary")(delta_p, A_p, C_p, dy_p)
+  seq = jax.ShapeDtypeStruct(u_p.shape, _F32)
+  partial_s = jax.ShapeDtypeStruct((batch, padded_d // bd, u_p.shape[1], state), _F32)
+  du, ddelta, dB, dC, dA, r = pl.pallas_call(
+      functools.partial(_backward_kernel, reverse=reverse, fold=fold, **kw),
+      grid=grid,
+      in_specs=[sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"], sp["seq"],
+                sp["state"], sp["ckpt_rev"]]
+      + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
+      out_specs=[sp["seq"], sp["seq"], sp["partial_s"], sp["partial_s"],
+                 sp["chunk_state"], sp["chunk_state"]],
+      out_shape=[seq, seq, partial_s, partial_s, states, states],
+      compiler_params=params, interpret=interpret,
+      name="selective_scan_backward")(u_p, delta_p, A_p, B_p, C_p, dy_p, dfinal_p,
+                                      ckpt, *summaries)
+  return (du[:, :time, :width], ddelta[:, :time, :width],
+          jnp.sum(dA, axis=(0, 1))[:width], jnp.sum(dB, axis=1)[:, :time],
+          jnp.sum(dC, axis=1)[:, :time], r[:, -1, :width])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks):
+  y, final, _ = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
+                         save=False)
+  return y, final
+
+
+def _core_fwd(u, delta, A, B, C, h0, reverse, blocks):
+  y, final, ckpt = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
+                            save=True)
+  return (y, final), (u, delta, A, B, C, ckpt)
+
+
+def _core_bwd(reverse, blocks, residuals, cotangents):
+  u, delta, A, B, C, ckpt = residuals
+  dy, dfinal = cotangents
+  du, ddelta, dA, dB, dC, dh0 = _backward(u, delta, A, B, C, ckpt, dy, dfinal,
+                                          reverse=reverse, blocks=blocks)
+  return (du.astype(u.dtype), ddelta.astype(delta.dtype), dA.astype(A.dtype),
+          dB.astype(B.dtype), dC.astype(C.dtype), dh0)
+
+
+_selective_scan_core.defvjp(_core_fwd, _core_bwd)
+
+
+def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
+                          delta_softplus=False, initial_state=None, reverse=False,
+                          blocks: SelectiveScanBlocks | None = None):
+  """Same contract as `selective_scan_reference`, on the Pallas kernels.
+
+  `delta_bias`/softplus, the skip `D` and the gate `z` are elementwise XLA
+  around the kernel (differentiated by JAX); the kernels carry the recurrence.
+  """
+  batch, time, width = u.shape
+  state = A.shape[1]
+  if blocks is None:
+    blocks = SelectiveScanBlocks.get_default(batch, time, width, state)
+  delta = prepare_delta(delta, delta_bias, delta_softplus)
+  h0 = (jnp.zeros((batch, width, state), _F32) if initial_state is None
+        else initial_state.astype(_F32))
+  y, final = _selective_scan_core(u, delta, A.astype(_F32), B, C, h0, reverse, blocks)
+  return finish_output(y, u, D, z), final
