@@ -5,3 +5,5 @@ including `implementation=None | 'pallas' | 'xla'` (see each op's api.py).
 """
 
 from ops.grouped_matmul import grouped_matmul
+from ops.linear_scan import linear_scan
+from ops.selective_scan import selective_scan
