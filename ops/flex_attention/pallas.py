@@ -225,8 +225,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg):
       functools.partial(_fwd_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
-      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                           num_stages=cfg.num_stages),
+      compiler_params=_params(cfg),
   )(q, k, v, kv_len, q_seg, k_seg)
 
 
@@ -310,45 +309,48 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
-def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, out, lse, dout):
-  batch, seq_q, num_heads, hp = q.shape
-  seq_kv, num_kv = k.shape[1], k.shape[2]
-  g = st.groups
-  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
-  delta = jnp.transpose(delta, (0, 2, 1))  # [B, N, Tp]
-  params = lambda cfg: plgpu.CompilerParams(num_warps=cfg.num_warps,
-                                            num_stages=cfg.num_stages)
+def _params(cfg: configs.KernelConfig):
+  return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-  # dK, dV: grid over key tiles; q, dO, lse, delta of the whole group.
-  cfg = st.config.dkdv
+
+def _delta(out, dout):
+  """rowsum(dO * O) in f32, [B, Tp, N, Hp] -> [B, N, Tp]."""
+  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+  return jnp.transpose(delta, (0, 2, 1))
+
+
+def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
+  """dK, dV: grid over key tiles; q, dO, lse, delta of the whole head group."""
+  batch, seq_q, _, hp = q.shape
+  seq_kv, num_kv = k.shape[1], k.shape[2]
+  g, cfg = st.groups, st.config.dkdv
   bk = cfg.block_k
   grouped = lambda x: x.reshape(batch, seq_q, num_kv, g, hp)  # free reshape
   per_group = lambda x: x.reshape(batch, num_kv, g, seq_q)
-  in_specs = [
-      pl.BlockSpec((None, seq_q, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0)),
-      pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
-      pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0)),
-      pl.BlockSpec((None, seq_q, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0)),
-      pl.BlockSpec((None, None, g, seq_q), lambda j, b, h: (b, h, 0, 0)),
-      pl.BlockSpec((None, None, g, seq_q), lambda j, b, h: (b, h, 0, 0)),
-      pl.BlockSpec((None, 1), lambda j, b, h: (b, 0)),
-      *_seg_specs(st, (None, seq_q), (None, bk),
-                  lambda j, b, h: (b, 0), lambda j, b, h: (b, j)),
-  ]
   kv_spec = pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0))
-  dk, dv = pl.pallas_call(
+  group_spec = pl.BlockSpec((None, seq_q, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
+  row_spec = pl.BlockSpec((None, None, g, seq_q), lambda j, b, h: (b, h, 0, 0))
+  in_specs = [group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec,
+              pl.BlockSpec((None, 1), lambda j, b, h: (b, 0)),
+              *_seg_specs(st, (None, seq_q), (None, bk),
+                          lambda j, b, h: (b, 0), lambda j, b, h: (b, j))]
+  return pl.pallas_call(
       functools.partial(_dkdv_kernel, st=st),
       grid=(seq_kv // bk, batch, num_kv), in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=st.interpret, name="flex_attention_dkdv",
-      compiler_params=params(cfg),
+      compiler_params=_params(cfg),
   )(grouped(q), k, v, grouped(dout), per_group(lse), per_group(delta), kv_len,
     q_seg, k_seg)
 
-  # dQ: grid over query tiles, loop over key tiles (forward's ranges).
-  cfg = st.config.dq
+
+def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
+  """dQ: grid over query tiles, loop over key tiles (the forward's ranges)."""
+  batch, seq_q, num_heads, hp = q.shape
+  seq_kv = k.shape[1]
+  g, cfg = st.groups, st.config.dq
   bq = cfg.block_q
   nq = seq_q // bq
   rev = lambda i: nq - 1 - i
@@ -359,14 +361,20 @@ def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, out, lse, dout):
               pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
               *_seg_specs(st, (None, bq), (None, seq_kv),
                           lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0))]
-  dq = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dq_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=st.interpret, name="flex_attention_dq",
-      compiler_params=params(cfg),
+      compiler_params=_params(cfg),
   )(q, k, v, dout, lse, delta, kv_len, q_seg, k_seg)
-  return dq, dk, dv
+
+
+def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, out, lse, dout):
+  delta = _delta(out, dout)
+  args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
+  dk, dv = _dkdv_call(*args)
+  return _dq_call(*args), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -395,25 +403,14 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
-def flex_attention_pallas(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
-    is_causal: bool, window: tuple[int | None, int | None] | None,
-    q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
-    kv_seq_lengths: jax.Array | None, interpret: bool,
-    config: configs.FlexConfig | None = None) -> jax.Array:
-  """The kernel path of `ops.flex_attention` (inputs already validated).
-
-  Args:
-    q: [B, T, N, H]; k, v: [B, S, K, H].
-    scale: logit scale.
-    is_causal, window: the static part of the mask.
-    q_segment_ids: [B, T] int or None; kv_segment_ids: [B, S] int or None.
-    kv_seq_lengths: [B] int or None.
-    interpret: run the kernels in Pallas interpret mode.
-    config: tiling; default from `configs.get_config`.
+def prepare(q, k, v, *, scale: float, is_causal: bool, window,
+            q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
+            config: configs.FlexConfig | None = None):
+  """Pads to tile multiples and fixes the static description of the call.
 
   Returns:
-    [B, T, N, H] in q's dtype.
+    (static, (q [B, Tp, N, Hp], k, v [B, Sp, K, Hp], kv_len [B, 1],
+    q_seg [B, Tp] | None, k_seg [B, Sp] | None)).
   """
   batch, seq_q, num_heads, head_dim = q.shape
   seq_kv, num_kv = k.shape[1], k.shape[2]
@@ -444,5 +441,33 @@ def flex_attention_pallas(
   if st.segments:  # Padded queries see nothing (-1 matches no key).
     q_seg = _shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, tp, value=-1)
     k_seg = _shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp, value=-2)
-  out = _flex(st, q, k, v, kv_len, q_seg, k_seg)
+  return st, (q, k, v, kv_len, q_seg, k_seg)
+
+
+def flex_attention_pallas(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+    is_causal: bool, window: tuple[int | None, int | None] | None,
+    q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
+    kv_seq_lengths: jax.Array | None, interpret: bool,
+    config: configs.FlexConfig | None = None) -> jax.Array:
+  """The kernel path of `ops.flex_attention` (inputs already validated).
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H].
+    scale: logit scale.
+    is_causal, window: the static part of the mask.
+    q_segment_ids: [B, T] int or None; kv_segment_ids: [B, S] int or None.
+    kv_seq_lengths: [B] int or None.
+    interpret: run the kernels in Pallas interpret mode.
+    config: tiling; default from `configs.get_config`.
+
+  Returns:
+    [B, T, N, H] in q's dtype.
+  """
+  seq_q, head_dim = q.shape[1], q.shape[3]
+  st, args = prepare(q, k, v, scale=scale, is_causal=is_causal, window=window,
+                     q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                     kv_seq_lengths=kv_seq_lengths, interpret=interpret,
+                     config=config)
+  out = _flex(st, *args)
   return out[:, :seq_q, :, :head_dim]

@@ -1,0 +1,206 @@
+"""Attention kernels on one GPU: flex (ours) vs cuDNN, XLA and JAX's Pallas mha.
+
+Times the forward and the forward+backward (gradient of a scalar sum with
+respect to q, k and v) of every implementation on the shapes of ANCHORS.md,
+in one process, and writes JSON rows (harness format) with TFLOP/s and ratios
+against cuDNN and against JAX's Pallas `mha` at its best block sizes (a small
+sweep in the same run). With --check it first compares flex with the f32
+reference on the GPU (forward and gradients, masks, GQA, odd lengths).
+
+  python3 -m experiments.benchmark_kernel_attention --check \
+      --output docs/benchmarks/kernel_attention_h200.json
+"""
+
+import functools
+import json
+import time
+import warnings
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from ops.flex_attention import api as flex_api
+from ops.flex_attention import reference
+
+_OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
+_SHAPES = flags.DEFINE_list("shapes", None, "Subset of shape names (default: all).")
+_IMPLS = flags.DEFINE_list("impls", ["flex", "cudnn", "xla", "mha"], "Implementations.")
+_CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
+_MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after this.")
+
+# name: (B, N, T, H, causal values); keys = queries, K = N.
+SHAPES = {
+    "b8_n8_t4096_h32": (8, 8, 4096, 32, (False, True)),
+    "b8_n8_t1024_h32": (8, 8, 1024, 32, (False,)),
+    "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
+    "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
+}
+
+# JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
+# num_warps, num_stages); None = its defaults.
+_MHA_CONFIGS = {
+    "mha_default": None,
+    "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),
+    "mha_64x128": (64, 128, 128, 64, 64, 128, 4, 2),
+}
+
+
+def _flops(b, n, t, h, causal, mode):
+  fwd = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
+  return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _attention_fn(impl, h, causal):
+  """(q, k, v) -> out for one implementation."""
+  if impl == "flex":
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             implementation="pallas")
+  if impl in ("cudnn", "xla"):
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation=impl)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as mha_lib
+  cfg = _MHA_CONFIGS[impl]
+  if cfg is None:
+    return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal)
+  bq, bk, a, b, c, d, warps, stages = cfg
+  sizes = mha_lib.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=a, block_kv_dkv=b,
+                             block_q_dq=c, block_kv_dq=d)
+  return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal,
+                                     block_sizes=sizes, num_warps=warps,
+                                     num_stages=stages)
+
+
+def _build(impl, shape, causal, mode):
+  b, n, t, h = shape
+  def build():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+    fn = _attention_fn(impl, h, causal)
+    if mode == "fwd":
+      return jax.jit(fn), (q, k, v)
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
+  return build
+
+
+def _check_rows():
+  """flex vs the f32 reference on the GPU: forward and gradients."""
+  cases = [
+      # B, T, S, N, K, H, dtype, options
+      (2, 300, 300, 4, 2, 80, jnp.bfloat16, dict(is_causal=True, local_window_size=(64, 0),
+                                                  kv_seq_lengths=np.array([300, 211]))),
+      (1, 1, 33, 4, 1, 32, jnp.float32, {}),
+      (2, 256, 256, 8, 2, 64, jnp.bfloat16, dict(segment_ids=np.repeat(
+          np.array([[0] * 100 + [1] * 156]), 2, 0))),
+      (1, 512, 384, 2, 2, 128, jnp.float16, dict(is_causal=True)),
+      (1, 128, 128, 2, 1, 256, jnp.bfloat16, dict(local_window_size=(16, 16))),
+      (8, 1024, 1024, 8, 8, 32, jnp.bfloat16, dict(is_causal=True)),
+  ]
+  rows = []
+  for b, t, s, n, kh, h, dtype, opts in cases:
+    opts = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in opts.items()}
+    keys = jax.random.split(jax.random.PRNGKey(1), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    k = jax.random.normal(keys[1], (b, s, kh, h), dtype)
+    v = jax.random.normal(keys[2], (b, s, kh, h), dtype)
+    w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    def loss(fn, q, k, v):
+      return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+    flex = lambda q, k, v: flex_api.flex_attention(q, k, v, implementation="pallas", **opts)
+    ref = lambda q, k, v: reference.flex_attention_reference(
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
+    row = dict(kind="check", shape=[b, t, s, n, kh, h], dtype=jnp.dtype(dtype).name,
+               options=sorted(opts))
+    try:
+      out, grads = jax.jit(jax.value_and_grad(functools.partial(loss, flex), (0, 1, 2)))(q, k, v)
+      out_r, grads_r = jax.jit(jax.value_and_grad(functools.partial(loss, ref), (0, 1, 2)))(q, k, v)
+      fo = np.asarray(jax.jit(flex)(q, k, v), np.float32)
+      ro = np.asarray(jax.jit(ref)(q, k, v), np.float32)
+      rel = lambda a, r: float(np.linalg.norm(np.asarray(a, np.float32) - np.asarray(r, np.float32))
+                               / max(np.linalg.norm(np.asarray(r, np.float32)), 1e-30))
+      row.update(status="ok", fwd_rel=rel(fo, ro), nan=bool(np.isnan(fo).any()),
+                 dq_rel=rel(grads[0], grads_r[0]), dk_rel=rel(grads[1], grads_r[1]),
+                 dv_rel=rel(grads[2], grads_r[2]))
+    except Exception as exc:  # Record and go on: the timing still matters.
+      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:1500]}")
+    logging.info("check %s", row)
+    print(json.dumps(row), flush=True)
+    rows.append(row)
+  return rows
+
+
+def main(argv):
+  del argv
+  start = time.time()
+  rows = _check_rows() if _CHECK.value else []
+  names = _SHAPES.value or list(SHAPES)
+  impls = []
+  for impl in _IMPLS.value:
+    if impl == "mha":
+      impls += list(_MHA_CONFIGS) if _MHA_SWEEP.value else ["mha_default"]
+    else:
+      impls.append(impl)
+  for name in names:
+    b, n, t, h, causals = SHAPES[name]
+    for causal in causals:
+      for mode in ("fwd", "fwd+bwd"):
+        for impl in impls:
+          config = dict(kind="time", shape=name, B=b, N=n, T=t, H=h, causal=causal,
+                        mode=mode, impl=impl)
+          if time.time() - start > _BUDGET_S.value:
+            row = dict(config, status="unsup", message="time budget")
+          else:
+            iters = max(5, _ITERS.value // 2) if impl == "xla" else _ITERS.value
+            row = harness.run_case(config, _build(impl, (b, n, t, h), causal, mode),
+                                   iters=iters)
+          if row.get("status") == "ok":
+            row["tflops"] = _flops(b, n, t, h, causal, mode) / (row["median_ms"] * 1e9)
+          print(json.dumps({k: row.get(k) for k in ("shape", "causal", "mode", "impl",
+                                                     "status", "median_ms", "message")}),
+                flush=True)
+          rows.append(row)
+  _add_ratios(rows)
+  harness.write_rows(rows, _OUTPUT.value)
+  summary = [r for r in rows if r.get("kind") == "summary"]
+  print(harness.format_table(summary, ["shape", "causal", "mode", "flex_ms", "cudnn_ms",
+                                       "xla_ms", "mha_best_ms", "mha_best", "flex_tflops",
+                                       "flex_vs_cudnn", "flex_vs_mha_best"]))
+
+
+def _add_ratios(rows):
+  """One summary row per (shape, causal, mode): times and ratios of one run."""
+  groups = {}
+  for r in rows:
+    if r.get("kind") == "time" and r.get("status") == "ok":
+      groups.setdefault((r["shape"], r["causal"], r["mode"]), {})[r["impl"]] = r
+  for (shape, causal, mode), by_impl in groups.items():
+    s = dict(kind="summary", shape=shape, causal=causal, mode=mode)
+    for impl in ("flex", "cudnn", "xla"):
+      if impl in by_impl:
+        s[f"{impl}_ms"] = by_impl[impl]["median_ms"]
+    mhas = {k: v["median_ms"] for k, v in by_impl.items() if k.startswith("mha")}
+    if mhas:
+      s["mha_best"] = min(mhas, key=mhas.get)
+      s["mha_best_ms"] = mhas[s["mha_best"]]
+    if "flex" in by_impl:
+      s["flex_tflops"] = by_impl["flex"]["tflops"]
+      if "cudnn_ms" in s:
+        s["flex_vs_cudnn"] = s["flex_ms"] / s["cudnn_ms"]
+      if "mha_best_ms" in s:
+        s["flex_vs_mha_best"] = s["flex_ms"] / s["mha_best_ms"]
+    if "mha_best_ms" in s and "cudnn_ms" in s:
+      s["mha_best_vs_cudnn"] = s["mha_best_ms"] / s["cudnn_ms"]
+    rows.append(s)
+
+
+if __name__ == "__main__":
+  app.run(main)
