@@ -18,6 +18,8 @@ setuptools.setup(
         "numpy",
         "absl-py",
         "tqdm",
+        # fit()'s checkpoints; 0.12.8 installs beside jax 0.11.2 unchanged.
+        "orbax-checkpoint",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis"],

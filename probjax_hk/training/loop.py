@@ -292,19 +292,20 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       "params": params, "state": state if has_state else {},
       "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
       "first_nonfinite": np.int32(-1)}, mesh)
-  ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
-
   history: dict[str, list] = {"step": []}
-  checkpointer = None
+  checkpointer, latest = None, None
   if checkpoint_dir is not None:
     checkpointer = checkpoints_lib.Checkpointer(checkpoint_dir,
                                                 keep=keep_checkpoints)
     latest = checkpointer.latest_step() if resume else None
-    if latest is not None:
-      ts, meta = checkpointer.restore(latest, ts,
-                                      sharding_lib.replicated(mesh))
-      history = {k: [np.nan if v is None else v for v in values]
-                 for k, values in meta["history"].items()}
+  if latest is not None:  # the template's optimizer state is only traced
+    template = dict(ts, opt_state=jax.eval_shape(optimizer.init, params))
+    ts, meta = checkpointer.restore(latest, template,
+                                    sharding_lib.replicated(mesh))
+    history = {k: [np.nan if v is None else v for v in values]
+               for k, values in meta["history"].items()}
+  else:
+    ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
   loop = _Loop(spec, ts, history, callbacks, checkpointer, checkpoint_every,
                progress, log_every, total)
   try:

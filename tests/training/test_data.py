@@ -1,0 +1,86 @@
+"""Tests of the data layer: the prefetch thread, padding, data kinds."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from probjax_hk.training import data as data_lib
+from probjax_hk.training import sharding
+
+
+def test_prefetcher_stays_two_ahead_in_order_and_closes():
+  pulled = []
+  def source():
+    for i in range(10):
+      pulled.append(i)
+      yield i
+  prefetcher = data_lib.Prefetcher(source(), lambda x: x * 10)
+  deadline = time.time() + 5
+  while len(pulled) < 3 and time.time() < deadline:
+    time.sleep(0.01)
+  time.sleep(0.1)
+  # Two prepared items wait in the queue, a third is blocked on the put.
+  assert len(pulled) == 3
+  assert [next(prefetcher) for _ in range(4)] == [0, 10, 20, 30]
+  prefetcher.close()
+  assert not prefetcher._thread.is_alive()  # pylint: disable=protected-access
+  assert len(pulled) <= 7
+
+
+def test_prefetcher_runs_in_background_and_reraises():
+  threads = []
+  def source():
+    threads.append(threading.current_thread().name)
+    yield 1
+    raise KeyError("bad record")
+  prefetcher = data_lib.Prefetcher(source(), lambda x: x)
+  assert next(prefetcher) == 1
+  with pytest.raises(KeyError, match="bad record"):
+    next(prefetcher)
+  assert threads == ["probjax_hk-prefetch"]
+
+
+def test_prefetcher_skips_none_and_ends():
+  prefetcher = data_lib.Prefetcher(iter(range(5)),
+                                   lambda x: None if x % 2 else x)
+  assert list(prefetcher) == [0, 2, 4]
+  with pytest.raises(StopIteration):
+    next(prefetcher)
+
+
+def test_pad_rows_and_mask():
+  batch = {"x": np.arange(6.0).reshape(3, 2)}
+  padded, mask = data_lib.pad_rows(batch, 5)
+  assert padded["x"].shape == (5, 2)
+  np.testing.assert_array_equal(mask, [True, True, True, False, False])
+  np.testing.assert_array_equal(padded["x"][:3], batch["x"])
+
+
+def test_data_kinds():
+  x = np.zeros((4, 2))
+  assert data_lib.is_in_memory(x)
+  assert data_lib.is_in_memory({"x": x, "y": x[:, 0]})
+  assert data_lib.is_in_memory((x, x))
+  assert not data_lib.is_in_memory([{"x": x}])  # a list is batches
+  assert not data_lib.is_in_memory(iter([x]))
+  assert not data_lib.is_in_memory(b for b in [x])
+
+
+def test_stream_batches_land_on_the_mesh():
+  mesh = sharding.default_mesh()
+  stream = data_lib.StreamData(
+      ({"x": np.full((n, 3), n, np.float32)} for n in (4, 4, 2)),
+      batch_size=None, last_batch="pad", mesh=mesh)
+  items = list(stream)
+  stream.close()
+  assert stream.batch_size == 4 and len(items) == 3
+  batch, mask = items[-1]
+  assert isinstance(batch["x"], jax.Array)
+  assert batch["x"].sharding.is_equivalent_to(sharding.batch_sharding(mesh), 2)
+  np.testing.assert_array_equal(mask, [True, True, False, False])
+  with pytest.raises(ValueError, match="larger than `batch_size`"):
+    data_lib.StreamData(iter([{"x": x} for x in [np.zeros((8, 1))]]),
+                        batch_size=4, last_batch="drop", mesh=mesh)
