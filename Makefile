@@ -17,7 +17,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m experiments.demo
+	d=$$(mktemp -d) && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=200 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=300 --output_dir=$$d
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 -q tests
