@@ -131,8 +131,27 @@ def _accepts_mask(fn: Callable) -> bool:
   return any(p.name == "mask" or p.kind == p.VAR_KEYWORD for p in parameters)
 
 
+_structure_cache: dict = {}
+
+
+def _signature(tree):
+  leaves, treedef = jax.tree.flatten(tree)
+  return treedef, tuple((tuple(np.shape(x)), str(np.dtype(x.dtype)))
+                        for x in leaves)
+
+
 def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
-  """Traces `loss_fn` once (no compile); returns has_aux, checks the loss."""
+  """Traces `loss_fn` (no compile; cached); returns has_aux, checks the loss."""
+  key = (loss_fn, has_state, _signature((params, state, rng, batch, mask)))
+  if key not in _structure_cache:
+    if len(_structure_cache) > 64:
+      _structure_cache.clear()
+    _structure_cache[key] = _trace_loss_structure(
+        loss_fn, params, state, rng, batch, mask, has_state)
+  return _structure_cache[key]
+
+
+def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
   args = (params, state, rng, batch) if has_state else (params, rng, batch)
   kwargs = {} if mask is None else {"mask": mask}
   out = jax.eval_shape(lambda a, k: loss_fn(*a, **k), args, kwargs)

@@ -1,0 +1,157 @@
+r"""fit()'s training-loop overhead against a hand-written jitted optax loop.
+
+    python -m experiments.benchmark_fit --output=/tmp/fit.json
+
+One process, one model: a Transformer (D 256, 8 heads of 32, 4 layers) on
+batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
+
+  bare_step     one jitted step, synced after every call (harness.run_case).
+  bare_loop     a Python loop over the same jitted step with donated state,
+                batches already on the device, synced once at the end: the
+                fastest a loop can drive this step.
+  fit_memory    fit() on in-memory arrays (device-side shuffle and gather),
+                second call (its first compiled the step).
+  fit_stream    fit() on a generator of host numpy batches (prefetch thread).
+  fit_first / fit_second   the wall time of a first and a second fit() call
+                of `--calls_steps` steps: the second one compiles nothing.
+
+`steps_per_s` of a fit row is the call's whole wall time over its steps
+(setup, data placement, the last metrics read included); `steady_steps_per_s`
+is fit's own figure (first step excluded).
+"""
+
+import json
+import time
+
+from absl import app
+from absl import flags
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import probjax_hk as pk
+from experiments import harness
+
+_OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSON rows.")
+_STEPS = flags.DEFINE_integer("steps", 300, "Steps per timed loop.")
+_CALLS_STEPS = flags.DEFINE_integer("calls_steps", 20,
+                                    "Steps of the first/second-call rows.")
+_BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
+_MODEL_DIM = flags.DEFINE_integer("model_dim", 256, "Transformer width.")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.")
+_VOCAB = 256
+_NUM_EXAMPLES = 64
+
+
+def _loss(batch):
+  x = jax.nn.one_hot(batch["tokens"], _VOCAB, dtype=jnp.bfloat16)  # [B, T, V]
+  h = pk.Transformer(_MODEL_DIM.value, 8, _NUM_LAYERS.value, is_causal=True)(
+      x)  # [B, T, D]
+  logits = pk.Linear(_VOCAB, name="head")(h).astype(jnp.float32)  # [B, T, V]
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits, batch["targets"]).mean()
+
+
+NET = hk.transform(_loss)
+OPTIMIZER = optax.adam(1e-3)
+
+
+def _data(n):
+  rs = np.random.RandomState(0)
+  tokens = rs.randint(0, _VOCAB, (n, _SEQ_LEN.value)).astype(np.int32)
+  return {"tokens": tokens, "targets": np.roll(tokens, 1, axis=1)}
+
+
+def _bare_step(params, opt_state, rng, step, batch):
+  loss, grads = jax.value_and_grad(NET.apply)(
+      params, jax.random.fold_in(rng, step), batch)
+  updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state, loss
+
+
+def main(argv):
+  del argv
+  steps, bsz = _STEPS.value, _BATCH.value
+  data = _data(_NUM_EXAMPLES)
+  params = NET.init(jax.random.PRNGKey(0), {k: v[:bsz] for k, v in data.items()})
+  config = dict(batch=bsz, seq_len=_SEQ_LEN.value, model_dim=_MODEL_DIM.value,
+                num_layers=_NUM_LAYERS.value, dtype="bfloat16",
+                platform=jax.default_backend(), steps=steps)
+  rows = []
+
+  # bare_step: one call, synced (the harness' per-call median).
+  device_batches = [jax.device_put({k: v[i:i + bsz] for k, v in data.items()})
+                    for i in range(0, _NUM_EXAMPLES, bsz)]
+  rng = jax.random.PRNGKey(1)
+  opt_state = OPTIMIZER.init(params)
+  row = harness.run_case(dict(config, case="bare_step"), lambda: (
+      jax.jit(_bare_step), (params, opt_state, rng, 0, device_batches[0])),
+                         warmup=3, iters=50)
+  if row.get("status") == "ok":
+    row["steps_per_s"] = 1e3 / row["median_ms"]
+  rows.append(row)
+
+  # bare_loop: the hand-written loop, donated state, synced once.
+  step_fn = jax.jit(_bare_step, donate_argnums=(0, 1))
+  p = jax.tree.map(jnp.copy, params)
+  s = OPTIMIZER.init(p)
+  start = time.perf_counter()
+  p, s, loss = step_fn(p, s, rng, 0, device_batches[0])
+  jax.block_until_ready(loss)
+  compile_s = time.perf_counter() - start
+  for i in range(5):
+    p, s, loss = step_fn(p, s, rng, i, device_batches[i % len(device_batches)])
+  jax.block_until_ready((p, loss))
+  start = time.perf_counter()
+  for i in range(steps):
+    p, s, loss = step_fn(p, s, rng, i, device_batches[i % len(device_batches)])
+  jax.block_until_ready((p, loss))
+  wall = time.perf_counter() - start
+  rows.append(dict(config, case="bare_loop", status="ok",
+                   compile_s=compile_s, wall_s=wall, steps_per_s=steps / wall,
+                   final_loss=float(loss)))
+
+  def timed_fit(case, data_fn, num_steps, **kw):
+    start = time.perf_counter()
+    result = pk.fit(NET.apply, params, data_fn(), optimizer=OPTIMIZER,
+                    batch_size=bsz, num_steps=num_steps, progress=False,
+                    rng=1, **kw)
+    jax.block_until_ready(result.params)
+    wall = time.perf_counter() - start
+    return dict(config, case=case, status="ok", wall_s=wall, steps=num_steps,
+                steps_per_s=num_steps / wall,
+                steady_steps_per_s=result.steps_per_sec,
+                final_loss=float(result.history["loss"][-1]))
+
+  def stream():
+    rs = np.random.RandomState(2)
+    while True:
+      idx = rs.randint(0, _NUM_EXAMPLES, bsz)
+      yield {k: v[idx] for k, v in data.items()}
+
+  # First and second call (in-memory); then the steady-state rows.
+  rows.append(timed_fit("fit_first", lambda: data, _CALLS_STEPS.value))
+  rows.append(timed_fit("fit_second", lambda: data, _CALLS_STEPS.value))
+  rows.append(timed_fit("fit_memory", lambda: data, steps))
+  timed_fit("fit_stream_warmup", stream, 5)
+  rows.append(timed_fit("fit_stream", stream, steps))
+
+  bare = rows[1]["steps_per_s"]
+  for row in rows:
+    if "steps_per_s" in row:
+      row["bare_loop_time_ratio"] = bare / row["steps_per_s"]
+  rows[3]["second_over_first_wall"] = rows[3]["wall_s"] / rows[2]["wall_s"]
+  meta = harness.environment()
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as f:
+      json.dump({"environment": meta, "rows": rows}, f, indent=1)
+  print(harness.format_table(rows, [
+      "case", "status", "steps_per_s", "steady_steps_per_s",
+      "bare_loop_time_ratio", "wall_s", "compile_s", "final_loss"]))
+
+
+if __name__ == "__main__":
+  app.run(main)
