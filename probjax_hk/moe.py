@@ -157,16 +157,34 @@ def _unsort_bwd(residuals, dy):
 _unsort.defvjp(_unsort_fwd, _unsort_bwd)
 
 
-def _sort_by_expert(ids: jax.Array, num_experts: int):
+def _sort_by_expert(ids: jax.Array, num_experts: int, *, method: str = "counting"):
   """Stable sort of rows by expert id; ids == num_experts mark empty rows.
+
+  Args:
+    ids: [R] int32 in [0, num_experts].
+    num_experts: E.
+    method: 'counting' (a counting sort: one cumsum over a [R, E + 1] one-hot,
+      then a scatter of row numbers) or 'argsort' (`jnp.argsort`). Both give
+      the same stable order; the counting sort avoids a general sort on GPUs.
 
   Returns:
     order [R] (sorted position -> row), inverse [R] (row -> sorted position),
     group_sizes [E] int32 (empty rows counted in none), sorted_ids [R].
   """
-  order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [R]
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
-  group_sizes = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)  # [E]
+  num_rows = ids.shape[0]
+  rows = jnp.arange(num_rows, dtype=jnp.int32)
+  if method == "argsort":
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)  # [R]
+    inverse = jnp.zeros_like(order).at[order].set(rows)
+    group_sizes = jnp.sum(jax.nn.one_hot(ids, num_experts, dtype=jnp.int32), axis=0)
+  else:
+    onehot = jax.nn.one_hot(ids, num_experts + 1, dtype=jnp.int32)  # [R, E+1]
+    before = jnp.cumsum(onehot, axis=0) - onehot  # earlier rows of the same id
+    counts = jnp.sum(onehot, axis=0)  # [E+1]
+    starts = jnp.cumsum(counts) - counts
+    inverse = jnp.sum((before + starts[None, :]) * onehot, axis=1)  # [R]
+    order = jnp.zeros_like(inverse).at[inverse].set(rows, unique_indices=True)
+    group_sizes = counts[:num_experts]
   return order, inverse, group_sizes, ids[order]
 
 

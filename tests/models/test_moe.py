@@ -148,6 +148,15 @@ def test_capacity_positions_choice_major():
   np.testing.assert_array_equal(keep, [[True, True], [True, True], [True, False]])
 
 
+def test_counting_sort_matches_argsort():
+  ids = jax.random.randint(jax.random.PRNGKey(3), (300,), 0, E + 1)  # E marks empty rows
+  want = moe._sort_by_expert(ids, E, method="argsort")
+  got = moe._sort_by_expert(ids, E, method="counting")
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  np.testing.assert_array_equal(got[2], np.bincount(np.asarray(ids), minlength=E + 1)[:E])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_k=5), "top_k"),
     (dict(top_k=0), "top_k"),
