@@ -31,6 +31,7 @@ _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path
 _SHAPES = flags.DEFINE_list("shapes", None, "Subset of shape names (default: all).")
 _IMPLS = flags.DEFINE_list("impls", ["flex", "cudnn", "xla", "mha"], "Implementations.")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
+_CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after this.")
@@ -105,6 +106,8 @@ def _check_rows():
       (1, 128, 128, 2, 1, 256, jnp.bfloat16, dict(local_window_size=(16, 16))),
       (8, 1024, 1024, 8, 8, 32, jnp.bfloat16, dict(is_causal=True)),
   ]
+  if _CHECK_CASES.value:
+    cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = []
   for b, t, s, n, kh, h, dtype, opts in cases:
     opts = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in opts.items()}

@@ -9,9 +9,14 @@ Which kernel runs is decided in one place, `choose_attention_implementation`:
 * `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere.
 * `'cudnn'`: cuDNN's fused attention; needs an NVIDIA GPU and f16/bf16 inputs
   with H a multiple of 8 up to 128, and a window that does not look right.
+* `'flex'`: this library's Pallas flash kernel (`ops.flex_attention`); takes
+  f32/bf16/f16, H <= 256, causal, any window, GQA and key lengths, but no
+  dense `bias`/`mask` array and no `query_seq_lengths`. Compiled on NVIDIA
+  GPUs, Pallas interpret mode elsewhere (slow; for tests). A query row that
+  sees no key returns zeros (jax.nn's XLA path returns the mean of v there).
 * `None`: the fastest implementation that takes the inputs on this platform,
-  never an error for a valid input: cuDNN where it fits on an NVIDIA GPU,
-  otherwise XLA (always XLA on a CPU).
+  never an error for a valid input: 'flex' on an NVIDIA GPU when it takes the
+  inputs, else cuDNN where it fits, else XLA; always XLA on a CPU.
 """
 
 from typing import Callable, Literal
@@ -21,10 +26,11 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
+from ops.flex_attention import api as flex_api
 from probjax_hk import layers
 
-AttentionImplementation = Literal["xla", "cudnn"] | None
-IMPLEMENTATIONS = (None, "xla", "cudnn")
+AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
+IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
 
 
 def _normalize_window(local_window_size):
@@ -50,22 +56,49 @@ def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
   return None
 
 
+def _flex_limit(query, bias, mask, query_seq_lengths) -> str | None:
+  """None when the Pallas flex kernel takes these inputs, else why not."""
+  if bias is not None or mask is not None:
+    return "the flex kernel takes no dense `bias` or `mask` array (use is_causal, " \
+           "local_window_size, key_value_seq_lengths, or ops.flex_attention's segment_ids)"
+  if query_seq_lengths is not None:
+    return "the flex kernel takes no `query_seq_lengths`"
+  if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return f"the flex kernel takes float32, bfloat16 or float16, got query.dtype={query.dtype}"
+  return flex_api.kernel_limit(query)
+
+
 def choose_attention_implementation(
     query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
     mask: jax.Array | None = None, *, is_causal: bool = False,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: AttentionImplementation = None) -> str:
+    implementation: AttentionImplementation = None,
+    query_seq_lengths: jax.Array | None = None) -> str:
   """The implementation `dot_product_attention` runs for these arguments.
 
+  The one dispatch rule (table in BUILD_NOTES.md, "## flex_attention"):
+  explicit choices are honoured or raise; `None` on a CPU (or any non-NVIDIA
+  backend) is 'xla'; on an NVIDIA GPU it is 'flex' when the kernel takes the
+  inputs, else 'cudnn' when cuDNN does, else 'xla'.
+
   Returns:
-    'xla' or 'cudnn'. Raises a ValueError when an explicit `implementation`
-    cannot take the inputs (with the reason); never raises for `None`.
+    'xla', 'cudnn' or 'flex'. Raises a ValueError when an explicit
+    `implementation` cannot take the inputs (with the reason); never raises
+    for `None`.
   """
-  del value, mask  # Every implementation takes them.
+  del value  # Every implementation takes it.
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "xla":
     return "xla"
+  if implementation == "flex":
+    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths)
+    if flex_limit is not None:
+      raise ValueError(f"implementation='flex' is not available: {flex_limit}")
+    return "flex"
+  if (implementation is None and _backend.on_nvidia_gpu()
+      and _flex_limit(query, bias, mask, query_seq_lengths) is None):
+    return "flex"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
   if implementation == "cudnn":
     if cudnn_limit is not None:
@@ -115,8 +148,14 @@ def dot_product_attention(
   _check_shapes(query, key, value)
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
-      local_window_size=local_window_size, implementation=implementation)
+      local_window_size=local_window_size, implementation=implementation,
+      query_seq_lengths=query_seq_lengths)
   as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  if chosen == "flex":
+    return flex_api.flex_attention(
+        query, key, value, is_causal=bool(is_causal), scale=scale,
+        local_window_size=_normalize_window(local_window_size),
+        kv_seq_lengths=as_int32(key_value_seq_lengths), implementation="pallas")
   return jax.nn.dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=as_int32(query_seq_lengths),

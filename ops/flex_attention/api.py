@@ -8,6 +8,7 @@ reference.py.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ops import _backend
 from ops.flex_attention import pallas
@@ -78,7 +79,8 @@ def _validate(q, k, v, is_causal, scale, segment_ids, local_window_size,
     if not jnp.issubdtype(kv_seq_lengths.dtype, jnp.integer):
       raise ValueError(f"`kv_seq_lengths` must be integers, got {kv_seq_lengths.dtype}")
     if _is_concrete(kv_seq_lengths):
-      lo, hi = int(jnp.min(kv_seq_lengths)), int(jnp.max(kv_seq_lengths))
+      values = np.asarray(kv_seq_lengths)
+      lo, hi = int(values.min()), int(values.max())
       if lo < 0 or hi > seq_kv:
         raise ValueError(f"`kv_seq_lengths` must lie in [0, S={seq_kv}], got values in [{lo}, {hi}]")
   return window, q_ids, kv_ids

@@ -45,10 +45,14 @@ def _c(fwd, dkdv, dq) -> FlexConfig:
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
 # Keys: (padded head size, dtype name, generation). 'sm90' = Hopper (H100/H200).
+# H32 and H64: winners of `experiments/tune_flex_attention.py --small` on an
+# H200 (docs/benchmarks/kernel_attention_tune_h200.json), causal and not; the
+# dK/dV block_k is the program's key tile and block_q its loop tile.
+# H128/H256: not swept yet (the H64 winners, smaller tiles at 256).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
-    (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)),
-    (64, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)),
-    (128, "bfloat16", "sm90"): _c((128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2)),
+    (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3)),
+    (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
+    (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
     (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1)),
 }
 

@@ -1,0 +1,154 @@
+"""ops.flex_attention: the Pallas kernel (interpret mode on CPU) vs reference.py.
+
+Each case runs forward and backward in one jitted `jax.vjp`, so one compile
+checks the three kernels (forward, dK/dV, dQ) against the f32 reference.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import _backend
+from ops import flex_attention, flex_attention_reference
+from ops.flex_attention import api
+
+# Relative L2 error bounds, by input dtype (the reference runs in f32 on the
+# same, upcast inputs).
+_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.5e-2}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(shape_q, shape_kv, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], shape_q, jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], shape_kv, jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], shape_kv, jnp.float32).astype(dtype)
+  w = jax.random.normal(keys[3], shape_q, jnp.float32)  # output cotangent
+  return q, k, v, w
+
+
+def _vjp(fn, q, k, v, w):
+  out, pullback = jax.vjp(fn, q, k, v)
+  return out, pullback(w.astype(out.dtype))
+
+
+def _check(b, t, s, n, kh, h, dtype, **options):
+  q, k, v, w = _inputs((b, t, n, h), (b, s, kh, h), dtype)
+  kernel = lambda q, k, v: flex_attention(q, k, v, implementation="pallas", **options)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
+  out, grads = jax.jit(lambda *a: _vjp(kernel, *a))(q, k, v, w)
+  out_r, grads_r = jax.jit(lambda *a: _vjp(ref, *a))(q, k, v, w)
+  assert out.dtype == dtype and out.shape == (b, t, n, h)
+  assert all(g.dtype == dtype for g in grads)
+  for name, x in [("out", out), *zip(("dq", "dk", "dv"), grads)]:
+    assert not np.isnan(np.asarray(x, np.float32)).any(), name
+  tol = _TOL[dtype]
+  assert _rel(out, out_r) < tol, ("out", _rel(out, out_r))
+  for name, g, g_r in zip(("dq", "dk", "dv"), grads, grads_r):
+    assert _rel(g, g_r) < tol, (name, _rel(g, g_r))
+  return out, grads
+
+
+# b, t, s, n, kh, h, dtype, options: together they cover causal and not,
+# windows, segments, key lengths, GQA 8:2, 4:2 and MQA 4:1 / 8:1, cross
+# attention, T in {1, 17, 128, 300}, H in {32, 64, 80, 128}, f32 and bf16.
+_CASES = {
+    "causal_t17_h32_f32": (1, 17, 17, 2, 2, 32, jnp.float32, dict(is_causal=True)),
+    "gqa8to2_cross_h64_bf16": (1, 40, 72, 8, 2, 64, jnp.bfloat16, {}),
+    "mqa4to1_t1_h80_lengths_f32": (2, 1, 50, 4, 1, 80, jnp.float32,
+                                   dict(kv_seq_lengths=np.array([50, 9]))),
+    "window_causal_t128_h128_bf16": (1, 128, 128, 2, 1, 128, jnp.bfloat16,
+                                     dict(is_causal=True, local_window_size=(40, 0))),
+    "window_both_sides_lengths_f32": (2, 64, 64, 4, 2, 32, jnp.float32,
+                                      dict(local_window_size=(9, 5),
+                                           kv_seq_lengths=np.array([64, 23]))),
+    "segments_causal_t300_f32": (1, 300, 300, 1, 1, 32, jnp.float32,
+                                 dict(is_causal=True, segment_ids=np.repeat(
+                                     np.arange(3), [120, 101, 79])[None])),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_kernel_matches_reference(name):
+  b, t, s, n, kh, h, dtype, options = _CASES[name]
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  _check(b, t, s, n, kh, h, dtype, **options)
+
+
+def test_gqa_8_to_1_matches_repeated_heads():
+  """MQA 8:1 equals ordinary attention with K/V repeated over the 8 heads."""
+  q, k, v, _ = _inputs((1, 32, 8, 32), (1, 32, 1, 32), jnp.float32, seed=3)
+  out = flex_attention(q, k, v, is_causal=True, implementation="pallas")
+  rep = lambda x: jnp.repeat(x, 8, axis=2)
+  expected = flex_attention_reference(q, rep(k), rep(v), is_causal=True)
+  assert _rel(out, expected) < _TOL[jnp.float32]
+
+
+def test_empty_rows_give_zeros_and_finite_gradients():
+  """Zero key length, and a query segment no key shares: zeros, no NaN."""
+  b, t, h = 2, 32, 16
+  q, k, v, w = _inputs((b, t, 2, h), (b, t, 2, h), jnp.float32, seed=5)
+  q_ids = jnp.zeros((b, t), jnp.int32).at[:, 20:].set(7)  # segment 7: no keys
+  kv_ids = jnp.zeros((b, t), jnp.int32)
+  lengths = jnp.array([0, 32])
+  out, grads = _check(b, t, t, 2, 2, h, jnp.float32, segment_ids=(q_ids, kv_ids),
+                      kv_seq_lengths=lengths)
+  out = np.asarray(out)
+  assert (out[0] == 0).all() and (out[1, 20:] == 0).all()
+  assert np.abs(out[1, :20]).sum() > 0
+  assert (np.asarray(grads[0])[0] == 0).all()
+
+
+def test_head_sizes_16_and_256_forward():
+  for h in (16, 256):
+    q, k, v, _ = _inputs((1, 16, 1, h), (1, 20, 1, h), jnp.bfloat16, seed=h)
+    out = flex_attention(q, k, v, implementation="pallas")
+    ref = flex_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                   v.astype(jnp.float32))
+    assert _rel(out, ref) < _TOL[jnp.bfloat16], h
+
+
+def test_default_implementation_on_cpu_is_xla_and_matches_reference():
+  q, k, v, _ = _inputs((1, 16, 2, 32), (1, 16, 2, 32), jnp.float32)
+  kernel_limit = lambda: api.kernel_limit(q)
+  assert _backend.choose("flex_attention", None, kernel_limit) == (
+      "pallas" if _backend.on_nvidia_gpu() else "xla")
+  out = flex_attention(q, k, v, is_causal=True)
+  ref = flex_attention_reference(q, k, v, is_causal=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(q=(2, 8, 4, 32, 1)), "`q` must have rank 4"),
+    (dict(k=(2, 8, 3, 32), v=(2, 8, 3, 32)), "multiple of `k` heads"),
+    (dict(k=(2, 8, 2, 16), v=(2, 8, 2, 16)), "`k` head size"),
+    (dict(v=(2, 9, 2, 32)), "`k` and `v` must have the same shape"),
+    (dict(kv_seq_lengths=np.array([3, 9])), "`kv_seq_lengths` must lie in"),
+    (dict(kv_seq_lengths=np.array([3])), "`kv_seq_lengths` must have shape"),
+    (dict(local_window_size=(-1, 2)), "`local_window_size`"),
+    (dict(segment_ids=np.zeros((2, 7), np.int32)), "`segment_ids`"),
+    (dict(is_causal=1), "`is_causal`"),
+    (dict(implementation="triton"), "`implementation`"),
+    (dict(q=(2, 8, 4, 512), k=(2, 8, 2, 512), v=(2, 8, 2, 512),
+          implementation="pallas"), "head size must be <= 256"),
+])
+def test_bad_inputs_raise(kwargs, match):
+  shapes = dict(q=(2, 8, 4, 32), k=(2, 8, 2, 32), v=(2, 8, 2, 32))
+  args = {name: jnp.zeros(kwargs.pop(name, shape), jnp.float32)
+          for name, shape in shapes.items()}
+  kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+  with pytest.raises(ValueError, match=match):
+    flex_attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+def test_mixed_dtypes_raise():
+  q = jnp.zeros((1, 4, 1, 16), jnp.float32)
+  with pytest.raises(ValueError, match="share a dtype"):
+    flex_attention(q, q.astype(jnp.bfloat16), q.astype(jnp.bfloat16))
