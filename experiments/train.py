@@ -19,6 +19,13 @@ learns to do that. Only `--model=transformer` exists yet.
 Writes to `--output_dir`: `checkpoints/` (orbax, the last
 `--keep_checkpoints`), `history.json` (loss per step, validation loss) and,
 when matplotlib is installed, `loss.png`.
+
+Several hosts (one process per host, all devices of all hosts in one mesh;
+`--output_dir` on a file system every host sees):
+
+    python -m experiments.train --distributed \
+        --coordinator_address=host0:1234 --num_processes=2 --process_id=$RANK \
+        --output_dir=/shared/probjax_hk_train
 """
 
 import json
@@ -67,6 +74,13 @@ _RESUME = flags.DEFINE_bool("resume", True,
                             "Continue from the newest checkpoint, if any.")
 _SEED = flags.DEFINE_integer("seed", 0, "Drives data, init and order.")
 _PROGRESS = flags.DEFINE_bool("progress", False, "Show a tqdm progress bar.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() first (several"
+    " hosts; the coordinator flags below, or auto-detection on SLURM/TPU).")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.")
 
 
 def make_sorting_data(rng: np.random.RandomState, num_examples: int,
@@ -77,10 +91,15 @@ def make_sorting_data(rng: np.random.RandomState, num_examples: int,
 
 
 def sorting_stream(seed: int, batch_size: int, seq_len: int, vocab: int):
-  """An endless generator of fresh sorting batches (host numpy)."""
-  rng = np.random.RandomState(seed)
+  """An endless generator of fresh sorting batches (host numpy).
+
+  With several processes each one yields its own rows: batch_size / P of them,
+  from its own seed.
+  """
+  rng = np.random.RandomState([seed, jax.process_index()])
   while True:
-    yield make_sorting_data(rng, batch_size, seq_len, vocab)
+    yield make_sorting_data(rng, batch_size // jax.process_count(), seq_len,
+                            vocab)
 
 
 def make_loss(seq_len: int, vocab: int, model_dim: int, num_heads: int,
@@ -148,6 +167,9 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
+                               _PROCESS_ID.value)
   output_dir = _OUTPUT_DIR.value or tempfile.mkdtemp(prefix="probjax_hk_train_")
   os.makedirs(output_dir, exist_ok=True)
   seq_len, vocab = _SEQ_LEN.value, _VOCAB.value
