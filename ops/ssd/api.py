@@ -1,0 +1,90 @@
+"""`ssd`: the state-space dual (Mamba-2) linear recurrence with scalar decay.
+
+Dao & Gu 2024, https://arxiv.org/abs/2405.21060.
+
+Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
+K key size, V value size.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from ops import _backend
+from ops.ssd import pallas as pallas_impl
+from ops.ssd.xla import ssd_xla
+
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+
+def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
+  """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
+  if v.ndim != 4:
+    raise ValueError(f"{op}: `v` must be [B, T, N, V], got shape {v.shape}")
+  batch, time, heads, value = v.shape
+  if q.ndim != 4 or q.shape[:2] != (batch, time):
+    raise ValueError(f"{op}: `q` must be [B, T, N, K] or [B, T, G, K] with B, T = "
+                     f"{(batch, time)} of `v`, got shape {q.shape}")
+  groups, key = q.shape[2:]
+  if heads % groups:
+    raise ValueError(f"{op}: the heads of `v` ({heads}) must be a multiple of the "
+                     f"groups of `q` ({groups})")
+  if k.shape != q.shape:
+    raise ValueError(f"{op}: `k` must have the shape of `q` {q.shape}, got {k.shape}")
+  if log_decay.shape != (batch, time, heads):
+    raise ValueError(f"{op}: `log_decay` must be [B, T, N] = {(batch, time, heads)}, "
+                     f"got {log_decay.shape}")
+  for name, x in extra:
+    if x.shape != (batch, time, heads):
+      raise ValueError(f"{op}: `{name}` must be [B, T, N] = {(batch, time, heads)}, "
+                       f"got {x.shape}")
+  if initial_state is not None and initial_state.shape != (batch, heads, key, value):
+    raise ValueError(f"{op}: `initial_state` must be [B, N, K, V] = "
+                     f"{(batch, heads, key, value)}, got {initial_state.shape}")
+  for name, x in (("q", q), ("k", k), ("v", v), ("log_decay", log_decay)) + tuple(extra):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{op}: `{name}` must be floating point, got {x.dtype}")
+
+
+def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
+        initial_state: jax.Array | None = None, chunk_size: int | None = None,
+        implementation: _backend.Implementation = None
+        ) -> tuple[jax.Array, jax.Array]:
+  """SSD: `y_t = sum_{s<=t} exp(G_t - G_s) (q_t . k_s) v_s`, `G = cumsum(log_decay)`.
+
+  Equivalently `S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T`, `y_t = S_t^T q_t`.
+
+  Args:
+    q: [B, T, N, K] queries (Mamba-2's C), or [B, T, G, K] shared by N // G heads.
+    k: keys (Mamba-2's B), the shape of `q`.
+    v: [B, T, N, V] values (Mamba-2's dt * x); sets the output dtype.
+    log_decay: [B, T, N] log decay per step (Mamba-2's dt * A), <= 0.
+    initial_state: [B, N, K, V] state before the first token, or None (zeros).
+    chunk_size: tokens per chunk (None: 64 for the kernel, 128 for XLA); the
+      kernel takes a power of two >= 16.
+    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+      'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
+      einsum algorithm of xla.py).
+
+  Returns:
+    y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
+    final_state: [B, N, K, V] float32, the state after the last token.
+  """
+  validate("ssd", q, k, v, log_decay, initial_state)
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    raise ValueError(f"ssd: `chunk_size` must be a positive int, got {chunk_size!r}")
+  key, value = q.shape[-1], v.shape[-1]
+
+  def kernel_limit():
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      if jnp.dtype(x.dtype) not in _DTYPES:
+        return f"`{name}` dtype {x.dtype} is not one of float32, bfloat16, float16"
+    if key > pallas_impl.MAX_HEAD_SIZE or value > pallas_impl.MAX_HEAD_SIZE:
+      return (f"K = {key} and V = {value} must be <= {pallas_impl.MAX_HEAD_SIZE} "
+              "(the state tile lives in registers)")
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+      return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
+    return None
+
+  backend = _backend.choose("ssd", implementation, kernel_limit)
+  fn = pallas_impl.ssd_pallas if backend == "pallas" else ssd_xla
+  return fn(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)

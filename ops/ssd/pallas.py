@@ -1,0 +1,321 @@
+"""Pallas (Triton) kernels for SSD, forward and backward.
+
+Same algorithm as the chunked XLA tier (xla.py), split so that every launch
+keeps its per-chunk intermediates (the [L, L] score and decay matrices, the
+state tile) in registers and only chunk-boundary states touch memory:
+
+Forward, two launches:
+1. states: one program per (batch, head, K tile, V tile) walks the chunks in
+   order with the state tile in registers, `H_{c+1} = exp(b_L) H_c +
+   (K * exp(b_L - b))^T V`, writing the state *entering* every chunk
+   ([B, N, C, K, V], input dtype) and the final state (float32).
+2. output: one program per (batch, head, chunk, V tile), all in parallel:
+   `Y = ((Q K^T) * exp(b_i - b_j) [i >= j]) V + exp(b) * (Q H_c)`.
+
+Backward, two launches:
+1. states, reversed: the adjoint `dH_c = exp(b_L) dH_{c+1} + (Q * exp(b))^T dY`
+   with the same kernel walking the chunks backwards from `dfinal`, writing
+   the adjoint of the state *leaving* every chunk; its end is d initial_state.
+2. chunk gradients: one program per (batch, head, chunk) forms dQ, dK, dV and
+   the gradient of the chunk-local cumulative log-decay `b`,
+   `db_i = q_i . dq_i - k_i . dk_i` plus, at the chunk's last position,
+   `exp(b_L) <dH_{c+1}, H_c> + sum_j k_j . dk_j^{state}`.
+
+The chunk-local cumulative sum `b` of `log_decay` is formed (and differentiated)
+by XLA around the kernels; its cost is one pass over [B, T, N].
+
+Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
+V value size, C chunks, L tokens per chunk (`chunk`).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import _backend
+from ops import _shapes
+from ops.ssd.xla import chunk_cumsum
+
+_F32 = jnp.float32
+MAX_HEAD_SIZE = 256
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _is_pow2(n: int) -> bool:
+  return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDBlocks:
+  """Tiling of the SSD kernels."""
+  chunk: int = 64              # tokens per chunk (L); a power of two >= 16
+  state_block_k: int = 32      # K rows of the state tile in the states kernels
+  state_block_v: int = 32      # V columns of the state tile in the states kernels
+  output_block_v: int = 64     # V columns per program in the output kernel
+  num_warps: int = 4           # warps of the output and chunk-gradient kernels
+  state_num_warps: int = 2     # warps of the states kernels
+
+  def __post_init__(self):
+    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
+                 "num_warps", "state_num_warps"):
+      value = getattr(self, name)
+      if not _is_pow2(value):
+        raise ValueError(f"`{name}` must be a power of two, got {value}")
+    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v"):
+      if getattr(self, name) < 16:
+        raise ValueError(f"`{name}` must be >= 16 (a tensor-core tile), got "
+                         f"{getattr(self, name)}")
+
+  @classmethod
+  def get_default(cls, time: int, key: int, value: int,
+                  chunk: int | None = None) -> "SSDBlocks":
+    """Chunk 64 (shorter for short sequences), 32 x 32 state tiles."""
+    key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+    if chunk is None:
+      chunk = min(64, max(16, _next_pow2(time)))
+    big = key * value > 64 * 64
+    return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
+               output_block_v=min(64, value), num_warps=8 if big else 4,
+               state_num_warps=2)
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+  """fp32-accumulating tile product; full fp32 (no TF32) for fp32 tiles."""
+  allow_tf32 = False if a.dtype == _F32 else None
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
+
+
+def _last(b, chunk):
+  """The last entry of a [L] vector, as a scalar (a masked sum: no gather)."""
+  idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  return jnp.sum(jnp.where(idx == chunk - 1, b, 0.0))
+
+
+def _causal_decay(b, chunk):
+  """[L, L] float32 `exp(b_i - b_j)` for i >= j, else 0 (no overflow above)."""
+  row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+  causal = row >= col
+  diff = jnp.where(causal, b[:, None] - b[None, :], 0.0)
+  return jnp.where(causal, jnp.exp(diff), 0.0)
+
+
+def _states_kernel(x_ref, y_ref, b_ref, h0_ref, out_ref, final_ref, *, chunk,
+                   num_chunks, reverse):
+  """Walks the chunks with a [bk, bv] state tile in registers.
+
+  Forward (`reverse=False`): x = K, y = V, h <- exp(b_L) h + (x exp(b_L - b))^T y.
+  Backward (`reverse=True`): x = Q, y = dY, h <- exp(b_L) h + (x exp(b))^T y.
+  `out_ref[c]` is the tile *before* chunk c is folded in.
+  """
+  def body(step, h):
+    c = num_chunks - 1 - step if reverse else step
+    out_ref[c] = h.astype(out_ref.dtype)
+    rows = pl.ds(c * chunk, chunk)
+    x = x_ref[rows, :]                                          # [L, bk]
+    y = y_ref[rows, :]                                          # [L, bv]
+    b = b_ref[rows]                                             # [L]
+    b_last = _last(b, chunk)
+    w = jnp.exp(b) if reverse else jnp.exp(b_last - b)          # [L]
+    xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
+    return jnp.exp(b_last) * h + _dot(xw, y, trans_a=True)      # [bk, bv]
+
+  h = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
+  final_ref[...] = h
+
+
+def _output_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, y_ref, *, chunk):
+  """One chunk, one V tile: intra-chunk part plus the entering state's part."""
+  q, k, v = q_ref[...], k_ref[...], v_ref[...]                  # [L, K], [L, K], [L, bv]
+  b = b_ref[...]                                                # [L]
+  scores = _dot(q, k, trans_b=True) * _causal_decay(b, chunk)   # [L, L]
+  y = _dot(scores.astype(v.dtype), v)                           # [L, bv]
+  y += jnp.exp(b)[:, None] * _dot(q, h_ref[...].astype(q.dtype))
+  y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
+                       dq_ref, dk_ref, dv_ref, db_ref, *, chunk):
+  """dQ, dK, dV and d(b) of one chunk, given H_c and dH_{c+1}."""
+  q, k, v, dy = q_ref[...], k_ref[...], v_ref[...], dy_ref[...]
+  dtype = v.dtype
+  h, dh = h_ref[...].astype(dtype), dh_ref[...].astype(dtype)   # [K, V]
+  b = b_ref[...]                                                # [L]
+  b_last = _last(b, chunk)
+  decay = _causal_decay(b, chunk)                               # [L, L]
+  scores = (_dot(q, k, trans_b=True) * decay).astype(dtype)     # (q_i . k_j) decay
+  dscores = (_dot(dy, v, trans_b=True) * decay).astype(dtype)   # (dy_i . v_j) decay
+  w_state = jnp.exp(b_last - b)[:, None]                        # [L, 1]
+  dq = _dot(dscores, k) + jnp.exp(b)[:, None] * _dot(dy, h, trans_b=True)
+  dk_state = w_state * _dot(v, dh, trans_b=True)                # [L, K]
+  dk = _dot(dscores, q, trans_a=True) + dk_state
+  dv = _dot(scores, dy, trans_a=True) + w_state * _dot(k, dh)   # [L, V]
+  qf, kf = q.astype(_F32), k.astype(_F32)
+  db = jnp.sum(qf * dq, axis=1) - jnp.sum(kf * dk, axis=1)      # [L]
+  end = (jnp.exp(b_last) * jnp.sum(h.astype(_F32) * dh.astype(_F32))
+         + jnp.sum(kf * dk_state))
+  idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _states(x, y, b, h0, *, heads, blocks, reverse):
+  """x [B, T, G, K], y [B, T, N, V], b [B, N, T], h0 [B, N, K, V] f32 ->
+  (per-chunk tiles [B, N, C, K, V] in y's dtype, end [B, N, K, V] f32)."""
+  batch, time, groups, key = x.shape
+  value = y.shape[-1]
+  rep = heads // groups
+  bk, bv, chunk = blocks.state_block_k, blocks.state_block_v, blocks.chunk
+  num_chunks = time // chunk
+  grid = (batch, heads, key // bk, value // bv)
+  return pl.pallas_call(
+      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks,
+                        reverse=reverse),
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((None, time, None, bk), lambda i, n, a, c: (i, 0, n // rep, a)),
+          pl.BlockSpec((None, time, None, bv), lambda i, n, a, c: (i, 0, n, c)),
+          pl.BlockSpec((None, None, time), lambda i, n, a, c: (i, n, 0)),
+          pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c: (i, n, a, c)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, None, num_chunks, bk, bv),
+                       lambda i, n, a, c: (i, n, 0, a, c)),
+          pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c: (i, n, a, c)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), y.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.state_num_warps,
+                                           num_stages=2),
+      interpret=_backend.pallas_interpret(),
+      name="ssd_states_reverse" if reverse else "ssd_states")(x, y, b, h0)
+
+
+def _output(q, k, v, b, states, *, blocks):
+  batch, time, groups, key = q.shape
+  heads, value = v.shape[2], v.shape[3]
+  rep = heads // groups
+  chunk, bv = blocks.chunk, blocks.output_block_v
+  grid = (batch, heads, time // chunk, value // bv)
+  qk_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n // rep, 0))
+  v_spec = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, e: (i, c, n, e))
+  return pl.pallas_call(
+      functools.partial(_output_kernel, chunk=chunk),
+      grid=grid,
+      in_specs=[qk_spec, qk_spec, v_spec,
+                pl.BlockSpec((None, None, chunk), lambda i, n, c, e: (i, n, c)),
+                pl.BlockSpec((None, None, None, key, bv),
+                             lambda i, n, c, e: (i, n, c, 0, e))],
+      out_specs=v_spec,
+      out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2),
+      interpret=_backend.pallas_interpret(),
+      name="ssd_output")(q, k, v, b, states)
+
+
+def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
+  batch, time, groups, key = q.shape
+  heads, value = v.shape[2], v.shape[3]
+  rep = heads // groups
+  chunk = blocks.chunk
+  grid = (batch, heads, time // chunk)
+  qk_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0))
+  head_k = pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n, 0))
+  v_spec = pl.BlockSpec((None, chunk, None, value), lambda i, n, c: (i, c, n, 0))
+  b_spec = pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c))
+  s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
+  # Shared q/k: per-head partial gradients in float32, summed over the group outside.
+  dqk_dtype = q.dtype if rep == 1 else _F32
+  return pl.pallas_call(
+      functools.partial(_chunk_grad_kernel, chunk=chunk),
+      grid=grid,
+      in_specs=[qk_spec, qk_spec, v_spec, b_spec, s_spec, s_spec, v_spec],
+      out_specs=[head_k, head_k, v_spec, b_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
+                 jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(b.shape, _F32)],
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+      interpret=_backend.pallas_interpret(),
+      name="ssd_chunk_grads")(q, k, v, b, states, dstates, dy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ssd_core(q, k, v, b, h0, blocks):
+  """Padded inputs: q, k [B, T, G, K], v [B, T, N, V], b [B, N, T] f32, h0 f32."""
+  y, final, _ = _core_forward(q, k, v, b, h0, blocks)
+  return y, final
+
+
+def _core_forward(q, k, v, b, h0, blocks):
+  heads = v.shape[2]
+  states, final = _states(k, v, b, h0, heads=heads, blocks=blocks, reverse=False)
+  y = _output(q, k, v, b, states, blocks=blocks)
+  return y, final, states
+
+
+def _core_fwd(q, k, v, b, h0, blocks):
+  y, final, states = _core_forward(q, k, v, b, h0, blocks)
+  return (y, final), (q, k, v, b, states)
+
+
+def _core_bwd(blocks, residuals, cotangents):
+  q, k, v, b, states = residuals
+  dy, dfinal = cotangents
+  heads = v.shape[2]
+  groups = q.shape[2]
+  dy = dy.astype(v.dtype)
+  dstates, dh0 = _states(q, dy, b, dfinal.astype(_F32), heads=heads, blocks=blocks,
+                         reverse=True)
+  dq, dk, dv, db = _chunk_grads(q, k, v, b, states, dstates, dy, blocks=blocks)
+  if groups != heads:
+    batch, time, _, key = q.shape
+    fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
+    dq, dk = fold(dq), fold(dk)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dh0
+
+
+_ssd_core.defvjp(_core_fwd, _core_bwd)
+
+
+def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
+               blocks: SSDBlocks | None = None):
+  """Same contract as `ssd_reference`, on the Pallas kernels.
+
+  Pads T to a multiple of the chunk (log-decay 0, zero keys and values: the
+  padded steps leave the state unchanged) and K, V to powers of two >= 16.
+  """
+  batch, time, heads, value = v.shape
+  key = q.shape[-1]
+  if blocks is None:
+    blocks = SSDBlocks.get_default(time, key, value, chunk_size)
+  elif chunk_size is not None and chunk_size != blocks.chunk:
+    raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
+  chunk = blocks.chunk
+  key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+  blocks = dataclasses.replace(
+      blocks, state_block_k=min(blocks.state_block_k, key_p),
+      state_block_v=min(blocks.state_block_v, value_p),
+      output_block_v=min(blocks.output_block_v, value_p))
+  dtype = v.dtype
+  pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
+  q_p = pad(q.astype(dtype), key_p)
+  k_p = pad(k.astype(dtype), key_p)
+  v_p = pad(v, value_p)
+  g = _shapes.pad_axis(log_decay, 1, chunk)                       # [B, Tp, N]
+  b = chunk_cumsum(g, chunk).reshape(g.shape)                     # [B, Tp, N] f32
+  b = jnp.swapaxes(b, 1, 2)                                       # [B, N, Tp]
+  h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
+        else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
+                              3, value_p))
+  y, final = _ssd_core(q_p, k_p, v_p, b, h0, blocks)
+  return y[:, :time, :, :value], final[:, :, :key, :value]

@@ -1,0 +1,75 @@
+"""Step-by-step reference for SSD, the state-space dual of Mamba-2.
+
+Dao & Gu 2024, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality",
+https://arxiv.org/abs/2405.21060. With `G_t = sum_{s<=t} log_decay_s`:
+
+    y_t = sum_{s<=t} exp(G_t - G_s) (q_t . k_s) v_s
+
+which is the recurrence, one step per token,
+
+    S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T       # [K, V] per head
+    y_t = S_t^T q_t                                  # [V]
+
+The specification every faster tier is tested against: one `lax.scan` step per
+token, float32 throughout. It is also the decode step of the SSD cells.
+
+Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
+K key size, V value size.
+"""
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def expand_groups(x: jax.Array, num_heads: int) -> jax.Array:
+  """[B, T, G, K] -> [B, T, N, K]: head n reads group n // (N // G)."""
+  groups = x.shape[2]
+  if groups == num_heads:
+    return x
+  return jnp.repeat(x, num_heads // groups, axis=2)
+
+
+def ssd_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+             log_decay: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One token: (state [B, N, K, V] f32, q/k [B, N, K], v [B, N, V], log_decay [B, N])
+  -> (y [B, N, V] f32, new state [B, N, K, V] f32)."""
+  decay = jnp.exp(log_decay.astype(_F32))[..., None, None]             # [B, N, 1, 1]
+  state = decay * state + (k.astype(_F32)[..., :, None]
+                           * v.astype(_F32)[..., None, :])             # [B, N, K, V]
+  y = jnp.einsum("bnk,bnkv->bnv", q.astype(_F32), state)
+  return y, state
+
+
+def ssd_reference(q, k, v, log_decay, *, initial_state=None, chunk_size=None):
+  """SSD, one token at a time.
+
+  Args:
+    q: [B, T, N, K] or [B, T, G, K] queries (C in Mamba-2's notation).
+    k: keys, the shape of `q` (B in Mamba-2's notation).
+    v: [B, T, N, V] values (dt * x in Mamba-2's notation).
+    log_decay: [B, T, N] log of the per-step decay (dt * A, <= 0).
+    initial_state: [B, N, K, V] state before the first token, or None (zeros).
+    chunk_size: ignored (the reference has no chunks); accepted so every tier
+      shares one signature.
+
+  Returns:
+    y: [B, T, N, V] in `v`'s dtype.
+    final_state: [B, N, K, V] float32.
+  """
+  del chunk_size
+  batch, _, heads, value = v.shape
+  key = q.shape[-1]
+  q, k = expand_groups(q, heads), expand_groups(k, heads)
+  h0 = (jnp.zeros((batch, heads, key, value), _F32) if initial_state is None
+        else initial_state.astype(_F32))
+
+  def step(state, xs):
+    y, state = ssd_step(state, *xs)
+    return state, y
+
+  xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, log_decay))
+  final, y = jax.lax.scan(step, h0, xs)
+  return jnp.swapaxes(y, 0, 1).astype(v.dtype), final

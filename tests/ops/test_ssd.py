@@ -1,0 +1,163 @@
+"""ops.ssd: the chunked XLA tier and the Pallas kernels (interpret mode on CPU)
+against the step-by-step reference: outputs, final states and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops import _backend
+from ops.ssd import api
+from ops.ssd import ssd
+from ops.ssd import ssd_reference
+
+# Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
+_TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (3e-2, 5e-2)}
+# d log_decay sums q.dq - k.dk over a chunk's suffix: cancellation, so bf16 gets more.
+_LOG_DECAY_GRAD_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 1e-1}
+
+
+def _rel(x, ref):
+  x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(x).all()
+  return np.abs(x - ref).max() / max(1.0, np.abs(ref).max())
+
+
+def _inputs(batch, time, heads, groups, key, value, dtype, *, decay=None, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (batch, time, groups, key)).astype(dtype)
+  k = (jax.random.normal(ks[1], (batch, time, groups, key)) / key ** 0.5).astype(dtype)
+  v = jax.random.normal(ks[2], (batch, time, heads, value)).astype(dtype)
+  if decay is None:
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 1.0)
+  else:
+    g = jnp.full((batch, time, heads), decay)
+  h0 = jax.random.normal(ks[4], (batch, heads, key, value))
+  return q, k, v, g.astype(dtype), h0
+
+
+def _loss(fn, q, k, v, g, h0):
+  """Linear in (y, final) with fixed weights: the cotangents are exact in every dtype."""
+  y, final = fn(q, k, v, g, initial_state=h0)
+  wy = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+  wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32).reshape(final.shape))
+  return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(final * wf)
+
+
+@functools.lru_cache(maxsize=None)
+def _value_and_grad(implementation, chunk_size, with_state):
+  def fn(q, k, v, g, initial_state):
+    if implementation == "reference":
+      return ssd_reference(q, k, v, g, initial_state=initial_state)
+    return ssd(q, k, v, g, initial_state=initial_state, chunk_size=chunk_size,
+               implementation=implementation)
+  argnums = (0, 1, 2, 3, 4) if with_state else (0, 1, 2, 3)
+
+  def loss(q, k, v, g, h0):
+    return _loss(fn, q, k, v, g, h0 if with_state else None)
+  return jax.jit(jax.value_and_grad(loss, argnums=argnums)), jax.jit(fn)
+
+
+def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None):
+  q, k, v, g, h0 = _inputs(*shape, dtype, decay=decay)
+  grad_fn, fwd = _value_and_grad(implementation, chunk_size, with_state)
+  ref_grad, ref_fwd = _value_and_grad("reference", None, with_state)
+  h0 = h0 if with_state else None
+  y, final = fwd(q, k, v, g, h0)
+  y_ref, final_ref = ref_fwd(q, k, v, g, h0)
+  assert y.dtype == v.dtype and final.dtype == jnp.float32
+  assert y.shape == v.shape and final.shape == final_ref.shape
+  fwd_tol, grad_tol = _TOL[dtype]
+  assert _rel(y, y_ref) < fwd_tol
+  assert _rel(final, final_ref) < fwd_tol
+  _, grads = grad_fn(q, k, v, g, h0 if with_state else jnp.zeros(()))
+  _, grads_ref = ref_grad(q, k, v, g, h0 if with_state else jnp.zeros(()))
+  names = ("q", "k", "v", "log_decay", "initial_state")
+  for name, a, b in zip(names, grads, grads_ref):
+    assert a.shape == b.shape, name
+    tol = _LOG_DECAY_GRAD_TOL[dtype] if name == "log_decay" else grad_tol
+    assert _rel(a, b) < tol, name
+
+
+# (batch, time, heads, groups, key, value)
+@pytest.mark.parametrize("time, chunk, dtype, with_state", [
+    (1, None, jnp.float32, True),
+    (31, 16, jnp.float32, False),
+    (64, 32, jnp.bfloat16, True),
+    (200, 64, jnp.float32, True),
+    (200, None, jnp.bfloat16, False),
+])
+def test_xla_matches_reference(time, chunk, dtype, with_state):
+  _check("xla", chunk, dtype, (2, time, 4, 2, 16, 24), with_state=with_state)
+
+
+@pytest.mark.parametrize("time, chunk, dtype, shape_extra", [
+    (37, 16, jnp.float32, (4, 2, 16, 24)),    # grouped q/k, padded K/V/T
+    (64, 32, jnp.bfloat16, (2, 2, 32, 32)),   # one group per head
+])
+def test_pallas_matches_reference(time, chunk, dtype, shape_extra):
+  heads, groups, key, value = shape_extra
+  _check("pallas", chunk, dtype, (1, time, heads, groups, key, value))
+
+
+def test_pallas_t1_and_t200_forward():
+  for time, chunk in ((1, None), (200, 64)):
+    q, k, v, g, h0 = _inputs(1, time, 2, 1, 16, 16, jnp.float32, seed=time)
+    y, final = ssd(q, k, v, g, initial_state=h0, chunk_size=chunk,
+                   implementation="pallas")
+    y_ref, final_ref = ssd_reference(q, k, v, g, initial_state=h0)
+    assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5, time
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("decay", [-20.0, 0.0])
+def test_strong_and_no_decay_stay_finite(implementation, decay):
+  _check(implementation, 16, jnp.float32, (1, 40, 2, 2, 16, 16), decay=decay)
+
+
+def test_default_implementation_on_cpu_is_xla(monkeypatch):
+  called = []
+  real = api.ssd_xla
+  monkeypatch.setattr(api, "ssd_xla", lambda *a, **kw: called.append(1) or real(*a, **kw))
+  q, k, v, g, _ = _inputs(1, 8, 2, 2, 16, 16, jnp.float32)
+  ssd(q, k, v, g)
+  assert called == ([] if _backend.on_nvidia_gpu() else [1])
+  assert ops.ssd is ssd
+
+
+def test_vmap_over_a_leading_axis():
+  q, k, v, g, _ = _inputs(2, 12, 2, 2, 16, 16, jnp.float32)
+  fn = lambda q, k, v, g: ssd(q[None], k[None], v[None], g[None], implementation="xla")[0][0]
+  np.testing.assert_allclose(jax.vmap(fn)(q, k, v, g), ssd_reference(q, k, v, g)[0],
+                             atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(v=(2, 8, 3)), "`v` must be"),
+    (dict(q=(2, 9, 2, 16), k=(2, 9, 2, 16)), "`q` must be"),
+    (dict(q=(2, 8, 3, 16), k=(2, 8, 3, 16)), "multiple of the groups"),
+    (dict(k=(2, 8, 2, 8)), "`k` must have the shape"),
+    (dict(g=(2, 8, 3)), "`log_decay` must be"),
+    (dict(h0=(2, 4, 16, 15)), "`initial_state` must be"),
+])
+def test_bad_shapes_raise(change, match):
+  shapes = dict(q=(2, 8, 2, 16), k=(2, 8, 2, 16), v=(2, 8, 4, 16), g=(2, 8, 4),
+                h0=(2, 4, 16, 16))
+  shapes.update(change)
+  x = {name: jnp.zeros(s) for name, s in shapes.items()}
+  with pytest.raises(ValueError, match=match):
+    ssd(x["q"], x["k"], x["v"], x["g"], initial_state=x["h0"])
+
+
+def test_kernel_limits_raise_for_pallas_only():
+  q, k, v, g, _ = _inputs(1, 8, 2, 2, 16, 16, jnp.float32)
+  with pytest.raises(ValueError, match="chunk_size"):
+    ssd(q, k, v, g, chunk_size=24, implementation="pallas")
+  ssd(q, k, v, g, chunk_size=24, implementation="xla")
+  with pytest.raises(ValueError, match="implementation"):
+    ssd(q, k, v, g, implementation="triton")
+  with pytest.raises(ValueError, match="chunk_size"):
+    ssd(q, k, v, g, chunk_size=0)
