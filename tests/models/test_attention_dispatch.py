@@ -1,0 +1,95 @@
+"""Which backend `dot_product_attention` picks, by platform and inputs.
+
+`choose_attention_implementation` is the one dispatch rule; the platform is
+faked by patching `ops._backend.on_nvidia_gpu` (the rule reads nothing else
+about the machine), so every row of the BUILD_NOTES.md table runs on a CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import probjax_hk as pk
+from ops import _backend
+from ops import flex_attention_reference
+from probjax_hk import attention
+
+
+def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2):
+  q = jnp.zeros((2, t, n, head_dim), dtype)
+  kv = jnp.zeros((2, t, k, head_dim), dtype)
+  return q, kv, kv
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+
+
+# (inputs, options) -> the choice of `implementation=None` on an NVIDIA GPU.
+_GPU_CASES = [
+    ("plain bf16", dict(), {}, "flex"),
+    ("causal f32", dict(dtype=jnp.float32), dict(is_causal=True), "flex"),
+    ("head size 256", dict(head_dim=256), {}, "flex"),
+    ("right-looking window", dict(), dict(local_window_size=(4, 4)), "flex"),
+    ("key lengths", dict(), dict(key_value_seq_lengths=jnp.array([3, 16])), "flex"),
+    ("dense mask, bf16", dict(), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "cudnn"),
+    ("dense bias, bf16", dict(), dict(bias=jnp.zeros((1, 1, 16, 16), jnp.bfloat16)), "cudnn"),
+    ("query lengths", dict(), dict(query_seq_lengths=jnp.array([3, 16])), "cudnn"),
+    ("dense mask, f32", dict(dtype=jnp.float32), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "xla"),
+    ("head size 512", dict(head_dim=512), {}, "xla"),
+]
+
+
+@pytest.mark.parametrize("name, shapes, options, expected", _GPU_CASES,
+                         ids=[c[0] for c in _GPU_CASES])
+def test_default_on_nvidia_gpu(gpu, name, shapes, options, expected):
+  del gpu, name
+  q, k, v = _qkv(**shapes)
+  bias = options.pop("bias", None)
+  mask = options.pop("mask", None)
+  query_seq_lengths = options.pop("query_seq_lengths", None)
+  options.pop("key_value_seq_lengths", None)  # Every backend takes key lengths.
+  assert attention.choose_attention_implementation(
+      q, k, v, bias, mask, query_seq_lengths=query_seq_lengths, **options) == expected
+
+
+@pytest.mark.parametrize("options", [{}, dict(is_causal=True),
+                                     dict(mask=jnp.ones((1, 1, 16, 16), bool))])
+def test_default_on_cpu_is_xla(options):
+  assert not _backend.on_nvidia_gpu()  # The test suite runs with JAX_PLATFORMS=cpu.
+  q, k, v = _qkv()
+  mask = options.pop("mask", None)
+  assert attention.choose_attention_implementation(q, k, v, None, mask, **options) == "xla"
+
+
+def test_explicit_flex_rejects_what_it_cannot_take():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="flex.*bias"):
+    attention.choose_attention_implementation(
+        q, k, v, None, jnp.ones((1, 1, 16, 16), bool), implementation="flex")
+  with pytest.raises(ValueError, match="query_seq_lengths"):
+    attention.choose_attention_implementation(
+        q, k, v, implementation="flex", query_seq_lengths=jnp.array([1, 2]))
+  q, k, v = _qkv(head_dim=512)
+  with pytest.raises(ValueError, match="head size"):
+    pk.dot_product_attention(q, k, v, implementation="flex")
+
+
+def test_explicit_flex_runs_the_kernel_on_cpu():
+  """implementation='flex' on a CPU runs the Pallas kernel in interpret mode."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (1, 24, 4, 16), jnp.float32)
+  k = jax.random.normal(keys[1], (1, 24, 2, 16), jnp.float32)
+  v = jax.random.normal(keys[2], (1, 24, 2, 16), jnp.float32)
+  lengths = jnp.array([19])
+  out = pk.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                 local_window_size=(6, 0), implementation="flex")
+  expected = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                          key_value_seq_lengths=lengths,
+                                          local_window_size=(6, 0), implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-5, atol=2e-5)
+  ref = flex_attention_reference(q, k, v, is_causal=True, kv_seq_lengths=lengths,
+                                 local_window_size=(6, 0))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
