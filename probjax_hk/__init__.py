@@ -18,6 +18,9 @@ from probjax_hk.layers import rotary_embedding
 from probjax_hk.layers import sinusoidal_embedding
 from probjax_hk.layers import TimestepEmbedding
 from probjax_hk.moe import MoELayer
+from probjax_hk.ssm import LRUCell
+from probjax_hk.ssm import MambaCell
+from probjax_hk.ssm import SSMModel
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
@@ -37,7 +40,9 @@ __all__ = (
     "fit_model",
     "FitResult",
     "LayerNorm",
+    "LRUCell",
     "Linear",
+    "MambaCell",
     "MLP",
     "modulate",
     "MoELayer",
@@ -46,6 +51,7 @@ __all__ = (
     "RMSNorm",
     "rotary_embedding",
     "sinusoidal_embedding",
+    "SSMModel",
     "stack_layer_params",
     "TimestepEmbedding",
     "Transformer",

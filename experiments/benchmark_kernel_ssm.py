@@ -1,0 +1,268 @@
+"""SSM scan kernels (and SSMModel) on a GPU: Pallas vs `lax.associative_scan`.
+
+    python -m experiments.benchmark_kernel_ssm --output docs/benchmarks/kernel_ssm.json
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \
+        --output /tmp/kernel_ssm_cpu.json
+
+Shapes are those of ../shared/ANCHORS.md: the selective scan at B 8, T 4096,
+D 256, S 16 and 128 (float32), the complex64 linear scan at B 8, T 4096 and
+16384, D 256; `lax.scan` (the reference) only at a small T. Every case times
+the forward and the gradient of a scalar sum w.r.t. every input ("fwd+bwd").
+Before timing, each kernel is checked against the reference on this device.
+`--sweep` adds a few block-size variants of the Pallas kernels; `--models`
+times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
+"""
+
+import functools
+import math
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from ops.linear_scan import linear_scan_pallas
+from ops.linear_scan import linear_scan_reference
+from ops.linear_scan import linear_scan_xla
+from ops.linear_scan import LinearScanBlocks
+from ops.selective_scan import selective_scan_pallas
+from ops.selective_scan import selective_scan_reference
+from ops.selective_scan import selective_scan_xla
+from ops.selective_scan import SelectiveScanBlocks
+
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssm.json", "JSON output path.")
+_SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
+_SWEEP = flags.DEFINE_bool("sweep", False, "Also time block-size variants.")
+_KERNELS = flags.DEFINE_bool("kernels", True, "Time the scan ops.")
+_MODELS = flags.DEFINE_bool("models", False, "Time SSMModel per cell.")
+_MEMORY = flags.DEFINE_bool("memory", True, "Selective scan at T 16384, S 128: memory.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+
+_SELECTIVE = {"pallas": selective_scan_pallas, "xla": selective_scan_xla,
+              "lax.scan": selective_scan_reference}
+_LINEAR = {"pallas": linear_scan_pallas, "xla": linear_scan_xla,
+           "lax.scan": linear_scan_reference}
+
+
+def selective_inputs(batch, time, width, state, dtype=jnp.float32, seed=0):
+  k = jax.random.split(jax.random.key(seed), 5)
+  u = jax.random.normal(k[0], (batch, time, width), dtype)
+  delta = jax.nn.softplus(jax.random.normal(k[1], (batch, time, width)) - 2.0).astype(dtype)
+  A = -jnp.broadcast_to(jnp.arange(1, state + 1, dtype=jnp.float32), (width, state))
+  A = A * jnp.exp(0.1 * jax.random.normal(k[2], (width, state)))
+  B = jax.random.normal(k[3], (batch, time, state), dtype)
+  C = jax.random.normal(k[4], (batch, time, state), dtype)
+  return u, delta, A, B, C
+
+
+def linear_inputs(batch, time, width, seed=0):
+  k = jax.random.split(jax.random.key(seed), 4)
+  r = jax.random.uniform(k[0], (batch, time, width), minval=0.9, maxval=0.999)
+  theta = jax.random.uniform(k[1], (batch, time, width), maxval=0.3)
+  a = (r * jnp.exp(1j * theta)).astype(jnp.complex64)
+  b = (jax.random.normal(k[2], (batch, time, width))
+       + 1j * jax.random.normal(k[3], (batch, time, width))).astype(jnp.complex64)
+  return a, b
+
+
+def _loss(fn):
+  def loss(*args):
+    y, final = fn(*args)
+    return jnp.sum(jnp.real(y)) + jnp.sum(jnp.real(final))
+  return loss
+
+
+def _case_fns(fn, num_args):
+  fwd = jax.jit(fn)
+  grad = jax.jit(jax.grad(_loss(fn), argnums=tuple(range(num_args))))
+  return {"fwd": fwd, "fwd+bwd": grad}
+
+
+def _relerr(x, y):
+  x, y = np.asarray(x, np.complex128), np.asarray(y, np.complex128)
+  return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
+
+
+def check_numerics(small):
+  """Pallas vs the step reference on this device: forward and gradients."""
+  rows = []
+  shape = (2, 64, 16, 8) if small else (2, 1000, 64, 16)
+  args = selective_inputs(*shape, seed=1)
+  for reverse in (False, True):
+    fns = {name: functools.partial(f, reverse=reverse) for name, f in _SELECTIVE.items()}
+    ref_out = fns["lax.scan"](*args)
+    ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=tuple(range(5)))(*args)
+    for name in ("pallas", "xla"):
+      out = fns[name](*args)
+      grad = jax.grad(_loss(fns[name]), argnums=tuple(range(5)))(*args)
+      rows.append({"kind": "check", "op": "selective_scan", "impl": name,
+                   "shape": shape, "reverse": reverse,
+                   "err_y": _relerr(out[0], ref_out[0]),
+                   "err_final": _relerr(out[1], ref_out[1]),
+                   "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
+  shape = (2, 64, 16) if small else (2, 1000, 64)
+  args = linear_inputs(*shape, seed=1)
+  for reverse in (False, True):
+    fns = {name: functools.partial(f, reverse=reverse) for name, f in _LINEAR.items()}
+    ref_out = fns["lax.scan"](*args)
+    ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=(0, 1))(*args)
+    for name in ("pallas", "xla"):
+      out = fns[name](*args)
+      grad = jax.grad(_loss(fns[name]), argnums=(0, 1))(*args)
+      rows.append({"kind": "check", "op": "linear_scan", "impl": name,
+                   "shape": shape, "reverse": reverse,
+                   "err_y": _relerr(out[0], ref_out[0]),
+                   "err_final": _relerr(out[1], ref_out[1]),
+                   "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
+  for row in rows:
+    logging.info("%s", row)
+  return rows
+
+
+def _time(config, fn, args, iters):
+  row = harness.run_case(config, lambda: (fn, args), warmup=2, iters=iters)
+  logging.info("%s", {k: v for k, v in row.items() if k != "traceback"})
+  return row
+
+
+def time_kernels(small, sweep, iters):
+  rows = []
+  b, d = (2, 16) if small else (8, 256)
+  cases = []
+  for state in (16, 128):
+    t = 256 if small else 4096
+    cases.append(("selective_scan", (b, t, d, state), "pallas", None))
+    cases.append(("selective_scan", (b, t, d, state), "xla", None))
+    cases.append(("selective_scan", (b, 64 if small else 512, d, state), "lax.scan", None))
+    if sweep:
+      variants = ([(16, 16, 256, 2), (64, 16, 256, 4), (32, 8, 128, 4), (32, 16, 512, 4)]
+                  if state == 16 else
+                  [(8, 8, 1024, 8), (2, 8, 1024, 2), (4, 4, 512, 4), (8, 4, 256, 4)])
+      for v in variants:
+        cases.append(("selective_scan", (b, t, d, state), "pallas",
+                      SelectiveScanBlocks(*v)))
+  for t in ((256, 1024) if small else (4096, 16384)):
+    cases.append(("linear_scan", (b, t, d), "pallas", None))
+    cases.append(("linear_scan", (b, t, d), "xla", None))
+  cases.append(("linear_scan", (b, 64 if small else 512, d), "lax.scan", None))
+  if sweep:
+    for v in [(32, 16, 128, 1), (128, 16, 128, 4), (64, 32, 256, 2), (64, 8, 64, 2)]:
+      cases.append(("linear_scan", (b, 256 if small else 4096, d), "pallas",
+                    LinearScanBlocks(*v)))
+  for op, shape, impl, blocks in cases:
+    if op == "selective_scan":
+      args = selective_inputs(*shape)
+      fn = _SELECTIVE[impl]
+      default = SelectiveScanBlocks.get_default(*shape)
+    else:
+      args = linear_inputs(*shape)
+      fn = _LINEAR[impl]
+      default = LinearScanBlocks.get_default(*shape)
+    if blocks is not None:
+      fn = functools.partial(fn, blocks=blocks)
+    used = (blocks or default) if impl == "pallas" else None
+    for mode, f in _case_fns(fn, len(args)).items():
+      config = {"kind": "time", "op": op, "shape": shape, "impl": impl, "mode": mode,
+                "blocks": None if used is None else str(used),
+                "default_blocks": blocks is None}
+      rows.append(_time(config, f, args, iters))
+  return rows
+
+
+def memory_case(small, iters):
+  """T 16384, S 128: compiled temp memory and time, Pallas vs XLA, fwd+bwd."""
+  rows = []
+  shape = (2, 512, 16, 128) if small else (8, 16384, 256, 128)
+  args = selective_inputs(*shape)
+  for impl in ("pallas", "xla"):
+    grad = _case_fns(_SELECTIVE[impl], 5)["fwd+bwd"]
+    config = {"kind": "memory", "op": "selective_scan", "shape": shape, "impl": impl,
+              "mode": "fwd+bwd"}
+    try:
+      analysis = grad.lower(*args).compile().memory_analysis()
+      config["temp_mb"] = analysis.temp_size_in_bytes / 1e6
+      config["output_mb"] = analysis.output_size_in_bytes / 1e6
+      config["argument_mb"] = analysis.argument_size_in_bytes / 1e6
+    except Exception as exc:  # Record a compile-time OOM and move on.
+      config["temp_mb"] = None
+      config["compile_message"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    rows.append(_time(config, grad, args, min(iters, 5)))
+  return rows
+
+
+def time_models(small, iters):
+  import haiku as hk
+  import optax
+  import probjax_hk as pj
+  rows = []
+  batch, time = (2, 128) if small else (8, 4096)
+  for cell_name in ("lru", "mamba"):
+    for impl in ("pallas", "xla"):
+      for dtype in (jnp.bfloat16,):
+        def forward(x, cell_name=cell_name, impl=impl):
+          cell = {"lru": pj.LRUCell, "mamba": pj.MambaCell}[cell_name]
+          return pj.SSMModel(16, 128, 16, 4, cell=cell,
+                             cell_kwargs={"implementation": impl})(x)
+        model = hk.without_apply_rng(hk.transform(forward))
+        x = jax.random.normal(jax.random.key(0), (batch, time, 16), dtype)
+        params = model.init(jax.random.key(1), x)
+        opt = optax.adam(1e-3)
+        opt_state = opt.init(params)
+
+        def train_step(params, opt_state, x, model=model, opt=opt):
+          def loss(p):
+            return jnp.mean(jnp.square(model.apply(p, x).astype(jnp.float32) - 1.0))
+          value, grads = jax.value_and_grad(loss)(params)
+          updates, opt_state = opt.update(grads, opt_state, params)
+          return optax.apply_updates(params, updates), opt_state, value
+
+        base = {"kind": "model", "model": "SSMModel(16,128,16,4)", "cell": cell_name,
+                "impl": impl, "dtype": jnp.dtype(dtype).name, "batch": batch, "time": time}
+        rows.append(_time({**base, "mode": "fwd"}, jax.jit(model.apply), (params, x), iters))
+        rows.append(_time({**base, "mode": "train_step"}, jax.jit(train_step),
+                          (params, opt_state, x), iters))
+  return rows
+
+
+def summarize(rows):
+  """Ratios XLA / Pallas per (op, shape, mode), from this run."""
+  timed = {(r["op"], tuple(r["shape"]), r["impl"], r["mode"]): r.get("median_ms")
+           for r in rows if r.get("kind") == "time" and r.get("default_blocks")
+           and r.get("status") == "ok"}
+  out = []
+  for (op, shape, impl, mode), ms in sorted(timed.items()):
+    if impl != "pallas":
+      continue
+    xla = timed.get((op, shape, "xla", mode))
+    out.append({"kind": "ratio", "op": op, "shape": shape, "mode": mode,
+                "pallas_ms": ms, "xla_ms": xla,
+                "xla_over_pallas": None if not xla else xla / ms})
+  return out
+
+
+def main(argv):
+  del argv
+  small = _SMALL.value
+  rows = check_numerics(small)
+  if _KERNELS.value:
+    rows += time_kernels(small, _SWEEP.value, _ITERS.value)
+  if _MEMORY.value:
+    rows += memory_case(small, _ITERS.value)
+  if _MODELS.value:
+    rows += time_models(small, _ITERS.value)
+  rows += summarize(rows)
+  harness.write_rows(rows, _OUTPUT.value)
+  print(harness.format_table([r for r in rows if r["kind"] == "check"],
+                             ["op", "impl", "reverse", "err_y", "err_final", "err_grads"]))
+  print(harness.format_table([r for r in rows if r["kind"] in ("time", "memory", "model")],
+                             ["op", "cell", "shape", "impl", "mode", "blocks", "status",
+                              "median_ms", "temp_mb"]))
+  print(harness.format_table([r for r in rows if r["kind"] == "ratio"],
+                             ["op", "shape", "mode", "pallas_ms", "xla_ms", "xla_over_pallas"]))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,175 @@
+"""The Mamba (Mamba-1) block as an SSM cell.
+
+Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective State
+Spaces", https://arxiv.org/abs/2312.00752:
+
+    x, z = in_proj(u)                                   # [B, T, E] each, E = expand H
+    x = silu(causal_depthwise_conv(x))                  # width `conv_width`
+    dt_low, B, C = x_proj(x)                            # [dt_rank], [S], [S]
+    delta = softplus(dt_proj(dt_low) + dt_bias)         # [B, T, E]
+    y = selective_scan(x, delta, A, B, C, D, z)         # A = -exp(A_log): [E, S]
+    out = out_proj(y)                                   # [B, T, H]
+
+Glossary of shapes: B batch, T time, H model width, E inner width,
+S state size, W conv width, R dt rank.
+"""
+
+import math
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import ops
+from ops import _backend
+from ops.selective_scan.reference import finish_output
+from probjax_hk.layers import Linear
+
+
+class MambaCell(hk.Module):
+  """The Mamba block: `[B, T, H] -> [B, T, H]`, or one step at a time.
+
+  The decode state is `(conv_state [B, W - 1, E], ssm_state [B, E, S] f32)`.
+  """
+
+  def __init__(self, state_dim: int | None = None, *, model_dim: int | None = None,
+               expand: int = 2, conv_width: int = 4, dt_rank: int | str = "auto",
+               dt_min: float = 0.001, dt_max: float = 0.1,
+               implementation: _backend.Implementation = None,
+               name: str | None = None):
+    """Constructs the cell.
+
+    Args:
+      state_dim: S, the state size per channel; defaults to `model_dim`.
+      model_dim: H (SSMModel passes it; inferred from the input otherwise,
+        but `initial_state` needs it).
+      expand: E / H, an integer >= 1.
+      conv_width: W, the causal depthwise convolution's width (>= 1).
+      dt_rank: R, the rank of the delta projection; 'auto' is ceil(H / 16).
+      dt_min, dt_max: the range of the initial step sizes (log-uniform).
+      implementation: `ops.selective_scan`'s backend for the sequence path.
+      name: module name.
+    """
+    super().__init__(name=name)
+    if state_dim is not None and state_dim <= 0:
+      raise ValueError(f"`state_dim` must be positive, got {state_dim=}")
+    if model_dim is not None and model_dim <= 0:
+      raise ValueError(f"`model_dim` must be positive, got {model_dim=}")
+    if not isinstance(expand, int) or expand < 1:
+      raise ValueError(f"`expand` must be an integer >= 1, got {expand=}")
+    if conv_width < 1:
+      raise ValueError(f"`conv_width` must be >= 1, got {conv_width=}")
+    if dt_rank != "auto" and (not isinstance(dt_rank, int) or dt_rank < 1):
+      raise ValueError(f"`dt_rank` must be 'auto' or a positive integer, got {dt_rank=}")
+    if not 0 < dt_min <= dt_max:
+      raise ValueError(f"`dt_min`/`dt_max` must satisfy 0 < dt_min <= dt_max, "
+                       f"got {dt_min=} {dt_max=}")
+    self.state_dim = state_dim
+    self.model_dim = model_dim
+    self.expand = expand
+    self.conv_width = conv_width
+    self.dt_rank = dt_rank
+    self.dt_min, self.dt_max = dt_min, dt_max
+    self.implementation = implementation
+
+  def _dims(self, model_dim: int | None = None):
+    model_dim = model_dim or self.model_dim
+    if model_dim is None:
+      raise ValueError("MambaCell needs `model_dim` to build its state")
+    inner = self.expand * model_dim
+    state = self.state_dim or model_dim
+    rank = math.ceil(model_dim / 16) if self.dt_rank == "auto" else self.dt_rank
+    return model_dim, inner, state, rank
+
+  def _dt_bias_init(self, shape, dtype):
+    u = jax.random.uniform(hk.next_rng_key(), shape, dtype)
+    dt = jnp.exp(u * (math.log(self.dt_max) - math.log(self.dt_min))
+                 + math.log(self.dt_min))
+    dt = jnp.maximum(dt, 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus
+
+  @hk.transparent
+  def _conv_params(self, inner):
+    w = hk.get_parameter("conv_w", [self.conv_width, inner], jnp.float32,
+                         init=hk.initializers.RandomUniform(
+                             -1 / math.sqrt(self.conv_width), 1 / math.sqrt(self.conv_width)))
+    b = hk.get_parameter("conv_b", [inner], jnp.float32, init=jnp.zeros)
+    return w, b
+
+  @hk.transparent
+  def _ssm_params(self, inner, state):
+    a_log = hk.get_parameter(
+        "A_log", [inner, state], jnp.float32,
+        init=lambda s, d: jnp.log(jnp.broadcast_to(jnp.arange(1, state + 1, dtype=d), s)))
+    d = hk.get_parameter("D", [inner], jnp.float32, init=jnp.ones)
+    dt_bias = hk.get_parameter("dt_bias", [inner], jnp.float32, init=self._dt_bias_init)
+    return -jnp.exp(a_log), d, dt_bias
+
+  @hk.transparent
+  def _project(self, x, state, rank):
+    """x [..., E] -> (delta before bias [..., E], B [..., S], C [..., S])."""
+    x_dbl = Linear(rank + 2 * state, with_bias=False, name="x_proj")(x)
+    dt_low, b, c = jnp.split(x_dbl, [rank, rank + state], axis=-1)
+    delta = Linear(x.shape[-1], with_bias=False, name="dt_proj")(dt_low)
+    return delta, b, c
+
+  def __call__(self, x: jax.Array, *, reverse: bool = False) -> jax.Array:
+    """Sequence path.
+
+    Args:
+      x: [B, T, H].
+      reverse: run the block from the last step to the first (the
+        convolution then looks at later steps, the scan runs backwards).
+
+    Returns:
+      [B, T, H] in `x`'s dtype.
+    """
+    h, inner, state, rank = self._dims(x.shape[-1])
+    xz = Linear(2 * inner, with_bias=False, name="in_proj")(x)           # [B, T, 2E]
+    xi, z = jnp.split(xz, 2, axis=-1)
+    w, b = self._conv_params(inner)
+    width = self.conv_width
+    # y_t = sum_k w[k] x_{t - (W-1) + k}; reversed time mirrors the window.
+    pad = ((0, 0), (0, width - 1), (0, 0)) if reverse else ((0, 0), (width - 1, 0), (0, 0))
+    xp = jnp.pad(xi, pad)
+    time = x.shape[1]
+    conv = b.astype(x.dtype) + sum(
+        w[k].astype(x.dtype) * (xp[:, width - 1 - k:width - 1 - k + time] if reverse
+                                else xp[:, k:k + time])
+        for k in range(width))
+    xc = jax.nn.silu(conv)                                               # [B, T, E]
+    delta, bm, cm = self._project(xc, state, rank)
+    a, d, dt_bias = self._ssm_params(inner, state)
+    y, _ = ops.selective_scan(xc, delta, a, bm, cm, D=d, z=z, delta_bias=dt_bias,
+                              delta_softplus=True, reverse=reverse,
+                              implementation=self.implementation)
+    return Linear(h, with_bias=False, name="out_proj")(y)
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    """`(conv_state [B, W - 1, E] f32, ssm_state [B, E, S] f32)` zeros."""
+    _, inner, state, _ = self._dims()
+    return (jnp.zeros((batch_size, self.conv_width - 1, inner), jnp.float32),
+            jnp.zeros((batch_size, inner, state), jnp.float32))
+
+  @hk.name_like("__call__")
+  def step(self, x_t: jax.Array, state):
+    """One step: x_t [B, H] -> (y_t [B, H], state)."""
+    conv_state, ssm_state = state
+    h, inner, state_dim, rank = self._dims(x_t.shape[-1])
+    xz = Linear(2 * inner, with_bias=False, name="in_proj")(x_t)         # [B, 2E]
+    xi, z = jnp.split(xz, 2, axis=-1)
+    w, b = self._conv_params(inner)
+    window = jnp.concatenate([conv_state.astype(xi.dtype), xi[:, None]], axis=1)  # [B, W, E]
+    conv = b.astype(xi.dtype) + jnp.sum(window * w.astype(xi.dtype), axis=1)
+    xc = jax.nn.silu(conv)                                               # [B, E]
+    delta, bm, cm = self._project(xc, state_dim, rank)
+    a, d, dt_bias = self._ssm_params(inner, state_dim)
+    delta = jax.nn.softplus(delta.astype(jnp.float32) + dt_bias)          # [B, E]
+    xf = xc.astype(jnp.float32)
+    ssm_state = (jnp.exp(delta[..., None] * a) * ssm_state
+                 + (delta * xf)[..., None] * bm.astype(jnp.float32)[:, None, :])
+    y = jnp.einsum("bes,bs->be", ssm_state, cm.astype(jnp.float32))
+    y = finish_output(y, xc, d, z)
+    out = Linear(h, with_bias=False, name="out_proj")(y)
+    return out, (window[:, 1:].astype(jnp.float32), ssm_state)

@@ -1,0 +1,199 @@
+"""SSMModel: a stack of residual blocks around a sequence-mixing SSM cell.
+
+    x -> Linear(model_dim) -> num_layers x [x += cell(RMSNorm(x));
+                                           x += MLP_swiglu(RMSNorm(x))]
+      -> RMSNorm -> Linear(output_dim)
+
+The cell interface (every cell in this package, and the ones to come):
+
+* A cell is an `hk.Module` constructed as `cell(**cell_kwargs, model_dim=H,
+  name=...)`.
+* `cell(x, *, reverse=False) -> y`: the sequence path, `[B, T, H] -> [B, T, H]`
+  in `x`'s dtype; `reverse=True` runs it from the last step to the first
+  (what `bidirectional=True` uses).
+* `cell.initial_state(batch_size)`: a pytree of arrays, the state before the
+  first step.
+* `cell.step(x_t, state) -> (y_t, state)`: one step, `x_t, y_t: [B, H]`.
+  Decoding a sequence step by step gives the sequence path's output.
+
+Glossary of shapes: B batch, T time, I input width, H model width, O output width.
+"""
+
+from typing import Any, Callable
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from probjax_hk import stacking
+from probjax_hk.layers import Linear
+from probjax_hk.layers import MLP
+from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.lru import LRUCell
+
+_MLP_RATIO = 2  # swiglu hidden width / model width
+
+
+class SSMBlock(hk.Module):
+  """Pre-norm residual block: the cell (both directions when bidirectional),
+  then a SwiGLU MLP."""
+
+  def __init__(self, model_dim: int, cell: Callable[..., hk.Module],
+               cell_kwargs: dict[str, Any], *, bidirectional: bool = False,
+               dropout_rate: float = 0.0, name: str | None = None):
+    super().__init__(name=name)
+    self.model_dim = model_dim
+    self.cell = cell
+    self.cell_kwargs = cell_kwargs
+    self.bidirectional = bidirectional
+    self.dropout_rate = dropout_rate
+
+  @hk.transparent
+  def _cells(self):
+    make = lambda name: self.cell(**self.cell_kwargs, model_dim=self.model_dim, name=name)
+    return make("cell"), (make("cell_reverse") if self.bidirectional else None)
+
+  @hk.transparent
+  def _dropout(self, x, is_training):
+    if is_training and self.dropout_rate > 0:
+      return hk.dropout(hk.next_rng_key(), self.dropout_rate, x)
+    return x
+
+  @hk.transparent
+  def _mlp(self, x, is_training):
+    y = MLP(_MLP_RATIO * self.model_dim, activation="swiglu", name="mlp")(
+        RMSNorm(name="mlp_norm")(x))
+    return x + self._dropout(y, is_training)
+
+  def __call__(self, x: jax.Array, *, is_training: bool = False) -> jax.Array:
+    """[B, T, H] -> [B, T, H]."""
+    forward, backward = self._cells()
+    h = RMSNorm(name="cell_norm")(x)
+    y = forward(h)
+    if backward is not None:
+      y = y + backward(h, reverse=True)
+    return self._mlp(x + self._dropout(y, is_training), is_training)
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    forward, _ = self._cells()
+    return forward.initial_state(batch_size)
+
+  @hk.name_like("__call__")
+  def step(self, x_t: jax.Array, state):
+    """[B, H], state -> ([B, H], state)."""
+    forward, _ = self._cells()
+    y, state = forward.step(RMSNorm(name="cell_norm")(x_t), state)
+    return self._mlp(x_t + y, False), state
+
+
+class SSMModel(hk.Module):
+  """Input projection, `num_layers` SSM blocks, output projection."""
+
+  def __init__(self, input_dim: int, model_dim: int, output_dim: int, num_layers: int,
+               *, cell: Callable[..., hk.Module] = LRUCell,
+               cell_kwargs: dict[str, Any] | None = None, bidirectional: bool = False,
+               dropout_rate: float = 0.0, remat_policy: stacking.RematPolicy = None,
+               scan_layers: bool = False, name: str | None = None):
+    """Constructs the model.
+
+    Args:
+      input_dim: I, the input feature width.
+      model_dim: H, the residual width.
+      output_dim: O, the output width.
+      num_layers: number of blocks.
+      cell: the cell class (LRUCell, MambaCell, ...; see the module docstring).
+      cell_kwargs: keyword arguments of the cell (e.g. `state_dim`,
+        `implementation`); `model_dim` is passed by the model.
+      bidirectional: each block adds a second cell run in reverse (no decoding).
+      dropout_rate: dropout on each residual branch when `is_training`.
+      remat_policy: as for the Transformer (see probjax_hk/stacking.py).
+      scan_layers: build the blocks with `hk.layer_stack`.
+      name: module name.
+    """
+    super().__init__(name=name)
+    for arg, value in (("input_dim", input_dim), ("model_dim", model_dim),
+                       ("output_dim", output_dim), ("num_layers", num_layers)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
+    cell_kwargs = dict(cell_kwargs or {})
+    if "model_dim" in cell_kwargs:
+      raise ValueError("`cell_kwargs` must not set `model_dim`; the model passes it")
+    stacking.validate_remat_policy(remat_policy)
+    self.input_dim, self.model_dim, self.output_dim = input_dim, model_dim, output_dim
+    self.num_layers = num_layers
+    self.cell = cell
+    self.cell_kwargs = cell_kwargs
+    self.bidirectional = bidirectional
+    self.dropout_rate = dropout_rate
+    self.remat_policy = remat_policy
+    self.scan_layers = scan_layers
+    # Construct one cell now so that bad cell arguments raise here.
+    cell(**cell_kwargs, model_dim=model_dim, name="_validate")
+
+  @hk.transparent
+  def _block(self, name):
+    return SSMBlock(self.model_dim, self.cell, self.cell_kwargs,
+                    bidirectional=self.bidirectional, dropout_rate=self.dropout_rate,
+                    name=name)
+
+  def __call__(self, x: jax.Array, *, is_training: bool = False) -> jax.Array:
+    """Sequence path.
+
+    Args:
+      x: [B, T, input_dim].
+      is_training: apply dropout.
+
+    Returns:
+      [B, T, output_dim] in `x`'s dtype.
+    """
+    if x.ndim != 3 or x.shape[-1] != self.input_dim:
+      raise ValueError(f"`x` must be [B, T, input_dim={self.input_dim}], got {x.shape}")
+    h = Linear(self.model_dim, name="input_proj")(x)          # [B, T, H]
+
+    def make_block(name):
+      block = self._block(name)
+      return lambda h: (block(h, is_training=is_training),)
+
+    (h,) = stacking.apply_stack(make_block, self.num_layers, (h,),
+                                scan_layers=self.scan_layers,
+                                remat_policy=self.remat_policy)
+    return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h))
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    """Per-layer cell states (a list, or a pytree stacked on axis 0 when
+    `scan_layers`)."""
+    self._check_decodable()
+    if self.scan_layers:
+      state = self._block(stacking.SCANNED_BLOCK_NAME).initial_state(batch_size)
+      return jax.tree.map(lambda s: jnp.stack([s] * self.num_layers), state)
+    return [self._block(stacking.UNROLLED_BLOCK_NAME.format(i)).initial_state(batch_size)
+            for i in range(self.num_layers)]
+
+  @hk.name_like("__call__")
+  def step(self, x_t: jax.Array, state):
+    """One step: x_t [B, input_dim], state -> (y_t [B, output_dim], state)."""
+    self._check_decodable()
+    if x_t.ndim != 2 or x_t.shape[-1] != self.input_dim:
+      raise ValueError(f"`x_t` must be [B, input_dim={self.input_dim}], got {x_t.shape}")
+    h = Linear(self.model_dim, name="input_proj")(x_t)
+    if self.scan_layers:
+      def one_layer(h, layer_state):
+        return self._block(stacking.SCANNED_BLOCK_NAME).step(h, layer_state)
+      h, state = hk.layer_stack(self.num_layers, with_per_layer_inputs=True,
+                                name=stacking.SCANNED_STACK_NAME)(one_layer)(h, state)
+    else:
+      new_state = []
+      for i in range(self.num_layers):
+        h, s = self._block(stacking.UNROLLED_BLOCK_NAME.format(i)).step(h, state[i])
+        new_state.append(s)
+      state = new_state
+    return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h)), state
+
+  def _check_decodable(self):
+    if self.bidirectional:
+      raise ValueError("`bidirectional=True` models cannot decode step by step "
+                       "(the reverse cell needs the future)")
