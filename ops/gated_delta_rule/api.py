@@ -1,0 +1,56 @@
+"""`gated_delta_rule`: Gated DeltaNet's recurrence.
+
+Yang, Kautz & Hatamizadeh 2024, https://arxiv.org/abs/2412.06464.
+
+There is no Pallas kernel for this op yet: `implementation='pallas'` raises a
+ValueError saying so, and `None` always takes the chunked XLA tier.
+
+Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
+K key size, V value size.
+"""
+
+import jax
+
+from ops import _backend
+from ops.gated_delta_rule.xla import gated_delta_rule_xla
+from ops.ssd.api import validate
+
+NO_KERNEL = ("there is no Pallas kernel for the gated delta rule yet; use "
+             "implementation='xla' (the chunked WY form) or None")
+
+
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
+                     beta: jax.Array, *, scale: float | None = None,
+                     initial_state: jax.Array | None = None,
+                     chunk_size: int | None = None,
+                     implementation: _backend.Implementation = None
+                     ) -> tuple[jax.Array, jax.Array]:
+  """The gated delta rule, state `M = S^T` in the [K, V] layout of `ops.ssd`.
+
+      S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
+      y_t = scale * S_t q_t
+
+  Args:
+    q: [B, T, N, K] queries, or [B, T, G, K] shared by N // G heads.
+    k: keys, the shape of `q` (L2-normalize them: the rule assumes |k| = 1).
+    v: [B, T, N, V] values; sets the output dtype.
+    log_decay: [B, T, N] log of the decay gate alpha (<= 0).
+    beta: [B, T, N] write strength in [0, 1].
+    scale: output scale, default K ** -0.5.
+    initial_state: [B, N, K, V] state before the first token, or None (zeros).
+    chunk_size: tokens per chunk of the XLA tier (default 64).
+    implementation: None (the chunked XLA tier: no kernel yet), 'pallas'
+      (raises ValueError: not implemented) or 'xla'.
+
+  Returns:
+    y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
+    final_state: [B, N, K, V] float32.
+  """
+  validate("gated_delta_rule", q, k, v, log_decay, initial_state,
+           extra=(("beta", beta),))
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+    raise ValueError(f"gated_delta_rule: `chunk_size` must be a positive int, "
+                     f"got {chunk_size!r}")
+  _backend.choose("gated_delta_rule", implementation, lambda: NO_KERNEL)
+  return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
+                              initial_state=initial_state, chunk_size=chunk_size)

@@ -1,0 +1,123 @@
+"""ops.gated_delta_rule: the chunked (WY / UT-transform) XLA tier against the
+step-by-step reference: outputs, final states and gradients of every input.
+
+There is no Pallas kernel yet: `implementation='pallas'` must refuse loudly."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops.gated_delta_rule import gated_delta_rule
+from ops.gated_delta_rule import gated_delta_rule_reference
+
+# Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
+_TOL = {jnp.float32: (2e-5, 2e-4), jnp.bfloat16: (3e-2, 6e-2)}
+_NAMES = ("q", "k", "v", "log_decay", "beta", "initial_state")
+
+
+def _rel(x, ref):
+  x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(x).all()
+  return np.abs(x - ref).max() / max(1.0, np.abs(ref).max())
+
+
+def _inputs(batch, time, heads, key, value, dtype, *, decay=None, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (batch, time, heads, key))
+  k = jax.random.normal(ks[1], (batch, time, heads, key))
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(ks[2], (batch, time, heads, value))
+  if decay is None:
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 1.0)
+  else:
+    g = jnp.full((batch, time, heads), decay)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, time, heads)))
+  h0 = jax.random.normal(ks[5], (batch, heads, key, value))
+  return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
+
+
+@functools.lru_cache(maxsize=None)
+def _fns(implementation, chunk_size, with_state):
+  def fn(q, k, v, g, beta, h0):
+    h0 = h0 if with_state else None
+    if implementation == "reference":
+      return gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)
+    return gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size,
+                            implementation=implementation)
+
+  def loss(*args):
+    """Linear in (y, final): the cotangents are exact in every dtype."""
+    y, final = fn(*args)
+    wy = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32).reshape(final.shape))
+    return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(final * wf)
+  argnums = tuple(range(6 if with_state else 5))
+  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=argnums))
+
+
+def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None):
+  args = _inputs(*shape, dtype, decay=decay)
+  fwd, grad = _fns(implementation, chunk_size, with_state)
+  ref_fwd, ref_grad = _fns("reference", None, with_state)
+  (y, final), (y_ref, final_ref) = fwd(*args), ref_fwd(*args)
+  assert y.dtype == args[2].dtype and final.dtype == jnp.float32
+  fwd_tol, grad_tol = _TOL[dtype]
+  assert _rel(y, y_ref) < fwd_tol
+  assert _rel(final, final_ref) < fwd_tol
+  for name, a, b in zip(_NAMES, grad(*args), ref_grad(*args)):
+    assert a.shape == b.shape, name
+    assert _rel(a, b) < grad_tol, name
+
+
+# (batch, time, heads, key, value)
+@pytest.mark.parametrize("time, chunk, dtype, with_state", [
+    (1, None, jnp.float32, True),
+    (31, 16, jnp.float32, False),
+    (64, 32, jnp.bfloat16, True),
+    (200, None, jnp.float32, True),
+])
+def test_xla_matches_reference(time, chunk, dtype, with_state):
+  _check("xla", chunk, dtype, (2, time, 2, 16, 24), with_state=with_state)
+
+
+@pytest.mark.parametrize("decay", [-20.0, 0.0])
+def test_strong_and_no_decay_stay_finite(decay):
+  _check("xla", 16, jnp.float32, (1, 40, 2, 16, 16), decay=decay)
+
+
+def test_scale_and_shared_keys():
+  q, k, v, g, beta, h0 = _inputs(1, 20, 4, 16, 8, jnp.float32)
+  q, k = q[:, :, :2], k[:, :, :2]          # 2 groups shared by 4 heads
+  y, final = gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0,
+                              chunk_size=8)
+  y_ref, final_ref = gated_delta_rule_reference(q, k, v, g, beta, scale=0.3,
+                                                initial_state=h0)
+  assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5
+
+
+def test_default_is_xla_and_pallas_refuses():
+  args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
+  y, _ = gated_delta_rule(*args)
+  np.testing.assert_allclose(y, gated_delta_rule_reference(*args)[0], atol=2e-5)
+  with pytest.raises(ValueError, match="no Pallas kernel"):
+    gated_delta_rule(*args, implementation="pallas")
+  assert ops.gated_delta_rule is gated_delta_rule
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(beta=(2, 8, 3)), "`beta` must be"),
+    (dict(g=(2, 8, 4, 1)), "`log_decay` must be"),
+    (dict(k=(2, 8, 4, 8)), "`k` must have the shape"),
+    (dict(h0=(2, 4, 16, 8)), "`initial_state` must be"),
+])
+def test_bad_shapes_raise(change, match):
+  shapes = dict(q=(2, 8, 4, 16), k=(2, 8, 4, 16), v=(2, 8, 4, 16), g=(2, 8, 4),
+                beta=(2, 8, 4), h0=(2, 4, 16, 16))
+  shapes.update(change)
+  x = {name: jnp.zeros(s) for name, s in shapes.items()}
+  with pytest.raises(ValueError, match=match):
+    gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"])
