@@ -18,8 +18,11 @@ from probjax_hk.layers import rotary_embedding
 from probjax_hk.layers import sinusoidal_embedding
 from probjax_hk.layers import TimestepEmbedding
 from probjax_hk.moe import MoELayer
+from probjax_hk.ssm import GatedDeltaNetCell
 from probjax_hk.ssm import LRUCell
+from probjax_hk.ssm import Mamba2Cell
 from probjax_hk.ssm import MambaCell
+from probjax_hk.ssm import SSDCell
 from probjax_hk.ssm import SSMModel
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
@@ -39,10 +42,12 @@ __all__ = (
     "fit",
     "fit_model",
     "FitResult",
+    "GatedDeltaNetCell",
     "LayerNorm",
     "LRUCell",
     "Linear",
     "MambaCell",
+    "Mamba2Cell",
     "MLP",
     "modulate",
     "MoELayer",
@@ -51,6 +56,7 @@ __all__ = (
     "RMSNorm",
     "rotary_embedding",
     "sinusoidal_embedding",
+    "SSDCell",
     "SSMModel",
     "stack_layer_params",
     "TimestepEmbedding",

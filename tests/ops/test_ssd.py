@@ -85,10 +85,8 @@ def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=N
 # (batch, time, heads, groups, key, value)
 @pytest.mark.parametrize("time, chunk, dtype, with_state", [
     (1, None, jnp.float32, True),
-    (31, 16, jnp.float32, False),
     (64, 32, jnp.bfloat16, True),
-    (200, 64, jnp.float32, True),
-    (200, None, jnp.bfloat16, False),
+    (200, 64, jnp.float32, False),
 ])
 def test_xla_matches_reference(time, chunk, dtype, with_state):
   _check("xla", chunk, dtype, (2, time, 4, 2, 16, 24), with_state=with_state)

@@ -1,0 +1,158 @@
+"""Gated DeltaNet as an SSM cell, on `ops.gated_delta_rule`.
+
+Yang, Kautz & Hatamizadeh 2024, "Gated Delta Networks: Improving Mamba2 with
+Delta Rule", https://arxiv.org/abs/2412.06464:
+
+    q, k, v = silu(causal_depthwise_conv(W_{q,k,v} u))   # [N, P] each, width W
+    q, k = q / |q|, k / |k|                              # per head
+    log_alpha = -exp(A_log) softplus(W_a u + dt_bias)    # [N], the decay gate
+    beta = sigmoid(W_b u)                                # [N], the write strength
+    o = gated_delta_rule(q, k, v, log_alpha, beta)       # scale P ** -0.5
+    o = RMSNorm(o) * silu(W_g u)                         # per head; gate optional
+    out = out_proj(o)                                    # [B, T, H]
+
+Glossary of shapes: B batch, T time, H model width, N heads, P head size,
+W conv width.
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import ops
+from ops import _backend
+from ops.gated_delta_rule.reference import gated_delta_step
+from probjax_hk.layers import Linear
+from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.mamba2 import causal_conv
+from probjax_hk.ssm.mamba2 import causal_conv_step
+from probjax_hk.ssm.mamba2 import conv_params
+from probjax_hk.ssm.ssd import a_log_init
+from probjax_hk.ssm.ssd import dt_bias_init
+
+_F32 = jnp.float32
+
+
+def _l2_normalize(x, eps=1e-6):
+  xf = x.astype(_F32)
+  return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+class GatedDeltaNetCell(hk.Module):
+  """Gated DeltaNet: `[B, T, H] -> [B, T, H]`, or one step at a time.
+
+  The decode state is `(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])`,
+  both float32.
+  """
+
+  def __init__(self, num_heads: int, *, head_dim: int | None = None,
+               conv_width: int = 4, use_output_gate: bool = True,
+               model_dim: int | None = None, chunk_size: int | None = None,
+               implementation: _backend.Implementation = None,
+               name: str | None = None):
+    """Constructs the cell.
+
+    Args:
+      num_heads: N.
+      head_dim: P (key and value size per head); defaults to
+        `model_dim // num_heads`.
+      conv_width: W (>= 1), the short convolutions on q, k and v.
+      use_output_gate: multiply the normed output by `silu(W_g u)`.
+      model_dim: H (SSMModel passes it; inferred from the input otherwise,
+        but `initial_state` needs it or `head_dim`).
+      chunk_size: `ops.gated_delta_rule`'s chunk (None: its default).
+      implementation: `ops.gated_delta_rule`'s backend for the sequence path.
+      name: module name.
+    """
+    super().__init__(name=name)
+    for arg, value in (("num_heads", num_heads), ("conv_width", conv_width)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    if head_dim is not None and head_dim < 1:
+      raise ValueError(f"`head_dim` must be positive, got {head_dim=}")
+    if head_dim is None and model_dim is not None and model_dim % num_heads:
+      raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
+                       f"got {num_heads=} {model_dim=}")
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.conv_width = conv_width
+    self.use_output_gate = use_output_gate
+    self.model_dim = model_dim
+    self.chunk_size = chunk_size
+    self.implementation = implementation
+
+  def _dims(self, model_dim=None):
+    model_dim = model_dim or self.model_dim
+    head_dim = self.head_dim
+    if head_dim is None:
+      if model_dim is None:
+        raise ValueError("GatedDeltaNetCell needs `model_dim` or `head_dim` to build "
+                         "its state")
+      if model_dim % self.num_heads:
+        raise ValueError(f"`num_heads` must divide the model width, got "
+                         f"{self.num_heads=} {model_dim=}")
+      head_dim = model_dim // self.num_heads
+    return model_dim, self.num_heads, head_dim
+
+  @hk.transparent
+  def _gates(self, u, heads):
+    """u [..., H] -> (log_alpha [..., N] f32, beta [..., N] f32)."""
+    ab = Linear(2 * heads, with_bias=False, name="gate_proj")(u).astype(_F32)
+    a_raw, b_raw = jnp.split(ab, 2, axis=-1)
+    a_log = hk.get_parameter("A_log", [heads], _F32, init=a_log_init)
+    dt_bias = hk.get_parameter("dt_bias", [heads], _F32, init=dt_bias_init())
+    log_alpha = -jnp.exp(a_log) * jax.nn.softplus(a_raw + dt_bias)
+    return log_alpha, jax.nn.sigmoid(b_raw)
+
+  @hk.transparent
+  def _qkv(self, qkv, heads, p):
+    """silu'd conv output [..., 3 N P] -> q, k (unit norm), v: [..., N, P]."""
+    q, k, v = (t.reshape(*qkv.shape[:-1], heads, p) for t in jnp.split(qkv, 3, axis=-1))
+    return _l2_normalize(q), _l2_normalize(k), v
+
+  @hk.transparent
+  def _finish(self, o, u, model_dim):
+    """o [..., N, P] -> out [..., H] in u's dtype."""
+    o = RMSNorm(name="norm")(o.astype(u.dtype))                    # per head
+    o = o.reshape(*u.shape[:-1], -1)
+    if self.use_output_gate:
+      o = o * jax.nn.silu(Linear(o.shape[-1], with_bias=False, name="g_proj")(u))
+    return Linear(model_dim, with_bias=False, name="out_proj")(o)
+
+  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
+    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
+    if reverse:
+      return self._sequence(u[:, ::-1])[:, ::-1]
+    return self._sequence(u)
+
+  @hk.transparent
+  def _sequence(self, u: jax.Array) -> jax.Array:
+    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+    model_dim, heads, p = self._dims(u.shape[-1])
+    qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u)
+    w, b = conv_params(self.conv_width, qkv.shape[-1])
+    q, k, v = self._qkv(jax.nn.silu(causal_conv(qkv, w, b)), heads, p)
+    log_alpha, beta = self._gates(u, heads)
+    o, _ = ops.gated_delta_rule(q, k, v, log_alpha, beta, chunk_size=self.chunk_size,
+                                implementation=self.implementation)
+    return self._finish(o, u, model_dim)
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    """`(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])` float32 zeros."""
+    _, heads, p = self._dims()
+    return (jnp.zeros((batch_size, self.conv_width - 1, 3 * heads * p), _F32),
+            jnp.zeros((batch_size, heads, p, p), _F32))
+
+  @hk.name_like("__call__")
+  def step(self, u_t: jax.Array, state):
+    """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    conv_state, ssm_state = state
+    model_dim, heads, p = self._dims(u_t.shape[-1])
+    qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u_t)
+    w, b = conv_params(self.conv_width, qkv.shape[-1])
+    qkv, conv_state = causal_conv_step(qkv, conv_state, w, b)
+    q, k, v = self._qkv(jax.nn.silu(qkv), heads, p)
+    log_alpha, beta = self._gates(u_t, heads)
+    o, ssm_state = gated_delta_step(ssm_state, q, k, v, log_alpha, beta, scale=p ** -0.5)
+    return self._finish(o, u_t, model_dim), (conv_state, ssm_state)

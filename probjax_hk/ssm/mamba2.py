@@ -1,0 +1,176 @@
+"""The Mamba-2 block as an SSM cell, on `ops.ssd`.
+
+Dao & Gu 2024, "Transformers are SSMs", https://arxiv.org/abs/2405.21060:
+
+    z, xBC, dt = in_proj(u)                 # [E], [E + 2 G S], [N]
+    x, B, C = silu(causal_depthwise_conv(xBC))        # width `conv_width`
+    y = ssd(q=C, k=B, v=dt x, log_decay=dt A) + D x   # A = -exp(A_log) [N]
+    y = RMSNorm(y * silu(z))                          # gated norm
+    out = out_proj(y)                                 # [B, T, H]
+
+Glossary of shapes: B batch, T time, H model width, E inner width (expand H),
+N heads (E / P), P head size, G groups of B and C, S state size, W conv width.
+"""
+
+import math
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import ops
+from ops import _backend
+from probjax_hk.layers import Linear
+from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.ssd import decay_params
+from probjax_hk.ssm.ssd import ssd_decode_step
+from probjax_hk.ssm.ssd import ssd_inputs
+
+_F32 = jnp.float32
+
+
+def conv_params(width: int, channels: int, name: str = "conv"):
+  """Depthwise causal convolution weights [W, C] and bias [C], float32."""
+  bound = 1 / math.sqrt(width)
+  w = hk.get_parameter(f"{name}_w", [width, channels], _F32,
+                       init=hk.initializers.RandomUniform(-bound, bound))
+  b = hk.get_parameter(f"{name}_b", [channels], _F32, init=jnp.zeros)
+  return w, b
+
+
+def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
+  """`y_t = b + sum_k w[k] x_{t - (W-1) + k}`: x [B, T, C] -> [B, T, C] in x's dtype."""
+  width, time = w.shape[0], x.shape[1]
+  xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+  w = w.astype(x.dtype)
+  return b.astype(x.dtype) + sum(w[k] * xp[:, k:k + time] for k in range(width))
+
+
+def causal_conv_step(x_t: jax.Array, conv_state: jax.Array, w: jax.Array,
+                     b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One step: x_t [B, C], conv_state [B, W - 1, C] f32 (the last inputs)
+  -> (y_t [B, C] in x_t's dtype, new conv_state)."""
+  window = jnp.concatenate([conv_state.astype(x_t.dtype), x_t[:, None]], axis=1)
+  y = b.astype(x_t.dtype) + jnp.sum(window * w.astype(x_t.dtype), axis=1)
+  return y, window[:, 1:].astype(_F32)
+
+
+class Mamba2Cell(hk.Module):
+  """The Mamba-2 block: `[B, T, H] -> [B, T, H]`, or one step at a time.
+
+  The decode state is `(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])`,
+  both float32.
+  """
+
+  def __init__(self, *, expand: int = 2, head_dim: int = 64, state_dim: int = 64,
+               conv_width: int = 4, ngroups: int = 1, model_dim: int | None = None,
+               chunk_size: int | None = None,
+               implementation: _backend.Implementation = None,
+               name: str | None = None):
+    """Constructs the cell.
+
+    Args:
+      expand: E / H, an integer >= 1.
+      head_dim: P; must divide E.
+      state_dim: S.
+      conv_width: W (>= 1).
+      ngroups: G, the number of B/C groups; must divide the number of heads.
+      model_dim: H (SSMModel passes it; inferred from the input otherwise,
+        but `initial_state` needs it).
+      chunk_size: `ops.ssd`'s chunk (None: its default).
+      implementation: `ops.ssd`'s backend for the sequence path.
+      name: module name.
+    """
+    super().__init__(name=name)
+    for arg, value in (("expand", expand), ("head_dim", head_dim),
+                       ("state_dim", state_dim), ("conv_width", conv_width),
+                       ("ngroups", ngroups)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    self.expand, self.head_dim, self.state_dim = expand, head_dim, state_dim
+    self.conv_width, self.ngroups = conv_width, ngroups
+    self.model_dim = model_dim
+    self.chunk_size = chunk_size
+    self.implementation = implementation
+    if model_dim is not None:
+      self._dims(model_dim)
+
+  def _dims(self, model_dim=None):
+    model_dim = model_dim or self.model_dim
+    if model_dim is None:
+      raise ValueError("Mamba2Cell needs `model_dim` to build its state")
+    inner = self.expand * model_dim
+    if inner % self.head_dim:
+      raise ValueError(f"`head_dim` must divide expand * model_dim, got "
+                       f"{self.head_dim=} {inner=}")
+    heads = inner // self.head_dim
+    if heads % self.ngroups:
+      raise ValueError(f"`ngroups` must divide the number of heads, got "
+                       f"{self.ngroups=} {heads=}")
+    return model_dim, inner, heads
+
+  @hk.transparent
+  def _in_proj(self, u):
+    """u [..., H] -> z [..., E], xBC [..., E + 2 G S], dt [..., N]."""
+    _, inner, heads = self._dims(u.shape[-1])
+    conv_channels = inner + 2 * self.ngroups * self.state_dim
+    proj = Linear(inner + conv_channels + heads, with_bias=False, name="in_proj")(u)
+    return jnp.split(proj, [inner, inner + conv_channels], axis=-1)
+
+  @hk.transparent
+  def _split_xbc(self, xbc):
+    """silu'd conv output [..., E + 2 G S] -> x [..., N, P], b/c [..., G, S]."""
+    inner = xbc.shape[-1] - 2 * self.ngroups * self.state_dim
+    x, b, c = jnp.split(xbc, [inner, inner + self.ngroups * self.state_dim], axis=-1)
+    lead = xbc.shape[:-1]
+    return (x.reshape(*lead, inner // self.head_dim, self.head_dim),
+            b.reshape(*lead, self.ngroups, self.state_dim),
+            c.reshape(*lead, self.ngroups, self.state_dim))
+
+  @hk.transparent
+  def _finish(self, y, z, model_dim):
+    """y [..., N, P] f32, z [..., E] -> out [..., H] in z's dtype."""
+    y = y.reshape(*z.shape).astype(z.dtype)
+    y = RMSNorm(name="norm")(y * jax.nn.silu(z))
+    return Linear(model_dim, with_bias=False, name="out_proj")(y)
+
+  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
+    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
+    if reverse:
+      return self._sequence(u[:, ::-1])[:, ::-1]
+    return self._sequence(u)
+
+  @hk.transparent
+  def _sequence(self, u: jax.Array) -> jax.Array:
+    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+    model_dim, _, heads = self._dims(u.shape[-1])
+    z, xbc, dt = self._in_proj(u)
+    w, b = conv_params(self.conv_width, xbc.shape[-1])
+    x, bm, cm = self._split_xbc(jax.nn.silu(causal_conv(xbc, w, b)))
+    a, dt_bias, d = decay_params(heads)
+    q, k, v, log_decay = ssd_inputs(x, bm, cm, dt, a, dt_bias)
+    y, _ = ops.ssd(q, k, v, log_decay, chunk_size=self.chunk_size,
+                   implementation=self.implementation)             # [B, T, N, P]
+    y = y.astype(_F32) + d[:, None] * x.astype(_F32)
+    return self._finish(y, z, model_dim)
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    """`(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])` float32 zeros."""
+    _, inner, heads = self._dims()
+    channels = inner + 2 * self.ngroups * self.state_dim
+    return (jnp.zeros((batch_size, self.conv_width - 1, channels), _F32),
+            jnp.zeros((batch_size, heads, self.state_dim, self.head_dim), _F32))
+
+  @hk.name_like("__call__")
+  def step(self, u_t: jax.Array, state):
+    """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    conv_state, ssm_state = state
+    model_dim, _, heads = self._dims(u_t.shape[-1])
+    z, xbc, dt = self._in_proj(u_t)
+    w, b = conv_params(self.conv_width, xbc.shape[-1])
+    xbc, conv_state = causal_conv_step(xbc, conv_state, w, b)
+    x, bm, cm = self._split_xbc(jax.nn.silu(xbc))
+    a, dt_bias, d = decay_params(heads)
+    y, ssm_state = ssd_decode_step(ssm_state, x, bm, cm, dt, a, dt_bias, d)
+    return self._finish(y, z, model_dim), (conv_state, ssm_state)

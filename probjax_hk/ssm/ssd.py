@@ -1,0 +1,170 @@
+"""SSDCell: a multi-head SSD layer (the Mamba-2 core without its block).
+
+Dao & Gu 2024, "Transformers are SSMs", https://arxiv.org/abs/2405.21060:
+
+    x, B, C, dt = in_proj(u)                    # [N, P], [N, S], [N, S], [N]
+    dt = softplus(dt + dt_bias);  A = -exp(A_log)              # per head
+    y = ssd(q=C, k=B, v=dt x, log_decay=dt A) + D x            # ops.ssd
+    out = out_proj(y)                                          # [B, T, H]
+
+Glossary of shapes: B batch, T time, H model width, N heads, P head size,
+S state size.
+"""
+
+import math
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+import ops
+from ops import _backend
+from ops.ssd.reference import expand_groups
+from ops.ssd.reference import ssd_step
+from probjax_hk.layers import Linear
+
+_F32 = jnp.float32
+
+
+def dt_bias_init(dt_min: float = 1e-3, dt_max: float = 0.1):
+  """Initializer: softplus^-1 of step sizes log-uniform in [dt_min, dt_max]."""
+  def init(shape, dtype):
+    u = jax.random.uniform(hk.next_rng_key(), shape, dtype)
+    dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = jnp.maximum(dt, 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))
+  return init
+
+
+def a_log_init(shape, dtype):
+  """Initializer: log of decay rates uniform in [1, 16] (Mamba-2)."""
+  return jnp.log(jax.random.uniform(hk.next_rng_key(), shape, dtype, 1.0, 16.0))
+
+
+def decay_params(heads: int):
+  """`A = -exp(A_log)` [N], `dt_bias` [N] and the skip `D` [N], float32."""
+  a_log = hk.get_parameter("A_log", [heads], _F32, init=a_log_init)
+  dt_bias = hk.get_parameter("dt_bias", [heads], _F32, init=dt_bias_init())
+  d = hk.get_parameter("D", [heads], _F32, init=jnp.ones)
+  return -jnp.exp(a_log), dt_bias, d
+
+
+def ssd_inputs(x, b, c, dt, a, dt_bias):
+  """Mamba-2's parameterization -> `ops.ssd` inputs.
+
+  x [..., N, P], b/c [..., G, S], dt [..., N] -> (q, k, v, log_decay) with
+  `v = dt x` (x's dtype) and `log_decay = dt A` (float32).
+  """
+  dt = jax.nn.softplus(dt.astype(_F32) + dt_bias)                   # [..., N]
+  v = (x.astype(_F32) * dt[..., None]).astype(x.dtype)
+  return c, b, v, dt * a
+
+
+def ssd_decode_step(state, x, b, c, dt, a, dt_bias, d):
+  """One token of the SSD core: state [B, N, S, P] f32 -> (y [B, N, P] f32, state)."""
+  q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias)
+  heads = x.shape[-2]
+  q, k = (expand_groups(t[:, None], heads)[:, 0] for t in (q, k))
+  y, state = ssd_step(state, q, k, v, log_decay)
+  return y + d[:, None] * x.astype(_F32), state
+
+
+class SSDCell(hk.Module):
+  """Multi-head SSD: `[B, T, H] -> [B, T, H]`, or one step at a time.
+
+  The decode state is `[B, N, S, P]` float32.
+  """
+
+  def __init__(self, num_heads: int, *, head_dim: int | None = None,
+               state_dim: int = 64, model_dim: int | None = None,
+               chunk_size: int | None = None,
+               implementation: _backend.Implementation = None,
+               name: str | None = None):
+    """Constructs the cell.
+
+    Args:
+      num_heads: N.
+      head_dim: P; defaults to `model_dim // num_heads`.
+      state_dim: S, the key size of each head's state.
+      model_dim: H (SSMModel passes it; inferred from the input otherwise,
+        but `initial_state` needs it or `head_dim`).
+      chunk_size: `ops.ssd`'s chunk (None: its default).
+      implementation: `ops.ssd`'s backend for the sequence path.
+      name: module name.
+    """
+    super().__init__(name=name)
+    for arg, value in (("num_heads", num_heads), ("state_dim", state_dim)):
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    if head_dim is None and model_dim is not None and model_dim % num_heads:
+      raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
+                       f"got {num_heads=} {model_dim=}")
+    if head_dim is not None and head_dim < 1:
+      raise ValueError(f"`head_dim` must be positive, got {head_dim=}")
+    self.num_heads = num_heads
+    self.head_dim = head_dim
+    self.state_dim = state_dim
+    self.model_dim = model_dim
+    self.chunk_size = chunk_size
+    self.implementation = implementation
+
+  def _dims(self, model_dim=None):
+    model_dim = model_dim or self.model_dim
+    head_dim = self.head_dim
+    if head_dim is None:
+      if model_dim is None:
+        raise ValueError("SSDCell needs `model_dim` or `head_dim` to build its state")
+      if model_dim % self.num_heads:
+        raise ValueError(f"`num_heads` must divide the model width, got "
+                         f"{self.num_heads=} {model_dim=}")
+      head_dim = model_dim // self.num_heads
+    return model_dim, self.num_heads, head_dim, self.state_dim
+
+  @hk.transparent
+  def _project(self, u):
+    """u [..., H] -> x [..., N, P], b/c [..., N, S], dt [..., N]."""
+    _, heads, p, s = self._dims(u.shape[-1])
+    sizes = (heads * p, heads * s, heads * s, heads)
+    proj = Linear(sum(sizes), with_bias=False, name="in_proj")(u)
+    x, b, c, dt = jnp.split(proj, [sizes[0], sizes[0] + sizes[1],
+                                   sizes[0] + 2 * sizes[1]], axis=-1)
+    lead = u.shape[:-1]
+    return (x.reshape(*lead, heads, p), b.reshape(*lead, heads, s),
+            c.reshape(*lead, heads, s), dt)
+
+  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
+    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
+    if reverse:
+      return self._sequence(u[:, ::-1])[:, ::-1]
+    return self._sequence(u)
+
+  @hk.transparent
+  def _sequence(self, u: jax.Array) -> jax.Array:
+    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+    batch, time, model_dim = u.shape
+    _, heads, p, _ = self._dims(model_dim)
+    x, b, c, dt = self._project(u)
+    a, dt_bias, d = decay_params(heads)
+    q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias)
+    y, _ = ops.ssd(q, k, v, log_decay, chunk_size=self.chunk_size,
+                   implementation=self.implementation)             # [B, T, N, P]
+    y = y.astype(_F32) + d[:, None] * x.astype(_F32)
+    y = y.astype(u.dtype).reshape(batch, time, heads * p)
+    return Linear(model_dim, with_bias=False, name="out_proj")(y)
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int):
+    """`[B, N, S, P]` float32 zeros."""
+    _, heads, p, s = self._dims()
+    return jnp.zeros((batch_size, heads, s, p), _F32)
+
+  @hk.name_like("__call__")
+  def step(self, u_t: jax.Array, state):
+    """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    model_dim = u_t.shape[-1]
+    _, heads, p, _ = self._dims(model_dim)
+    x, b, c, dt = self._project(u_t)
+    a, dt_bias, d = decay_params(heads)
+    y, state = ssd_decode_step(state, x, b, c, dt, a, dt_bias, d)
+    y = y.astype(u_t.dtype).reshape(u_t.shape[0], heads * p)
+    return Linear(model_dim, with_bias=False, name="out_proj")(y), state
