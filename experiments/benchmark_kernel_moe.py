@@ -4,7 +4,9 @@
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --tokens 256 \
         --gmm_rows 1024 --iters 2 --output /tmp/kernel_moe_cpu.json
 
-Sections (one JSON row each, `section` says which):
+"fwd+bwd" is one `jax.vjp` with a fixed random cotangent (with a sum-of-outputs
+loss XLA rewrites a dense matmul's gradient into a reduction). Sections (one
+JSON row each, `section` says which):
 - check: on the device, `ops.grouped_matmul` (Pallas) against the fp32
   reference on values and both gradients (f32 and bf16, empty groups, M not a
   tile multiple), and MoELayer 'gmm' against 'dense' (bf16).
@@ -46,15 +48,15 @@ _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after t
 
 NUM_EXPERTS, TOP_K, D_MODEL, D_HIDDEN = 8, 2, 512, 1024
 IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
+_B = gmm_pallas.BlockSizes
 TILES = {
-    "default": gmm_pallas.BlockSizes(),
-    "m128_k64_n256": gmm_pallas.BlockSizes(block_n=256, num_stages=3,
-                                           tgmm_block_n=256),
-    "m128_k128_n128": gmm_pallas.BlockSizes(block_k=128, num_stages=3,
-                                            tgmm_block_m=128),
-    "m64_k64_n128_w4": gmm_pallas.BlockSizes(block_m=64, num_warps=4,
-                                             tgmm_block_m=32, tgmm_num_warps=4,
-                                             tgmm_num_stages=4),
+    "default": _B(),
+    "rows_fastest": _B(columns_fastest=False),
+    "stages4": _B(num_stages=4, tgmm_num_stages=4),
+    "m256_n128__tgmm_k256_n128": _B(block_m=256, block_n=128, tgmm_block_k=256,
+                                    tgmm_block_n=128),
+    "k32__tgmm_m32": _B(block_k=32, num_stages=4, tgmm_block_m=32, tgmm_num_stages=4),
+    "m128_k64_n128__tgmm_n128": _B(block_n=128, num_stages=4, tgmm_block_n=128),
 }
 _START = time.perf_counter()
 
@@ -143,6 +145,8 @@ def tile_rows(rows: int) -> list[dict]:
 
 def op_rows(rows: int) -> list[dict]:
   lhs, rhs, sizes = _op_inputs(rows)
+  # A random cotangent: with ones, XLA rewrites a dense matmul's gradient.
+  cotangent = jax.random.normal(jax.random.key(5), (rows, D_HIDDEN), jnp.bfloat16)
   flops = 2 * rows * D_MODEL * D_HIDDEN
   group_of_row = jnp.repeat(jnp.arange(NUM_EXPERTS), sizes, total_repeat_length=rows)
 
@@ -166,9 +170,9 @@ def op_rows(rows: int) -> list[dict]:
         case = lambda fn=fn: (fn, (lhs, rhs, sizes))
       else:
         def case(fn=fn):
-          grad = jax.grad(lambda a, b, s: jnp.sum(fn(a, b, s).astype(jnp.float32)),
-                          argnums=(0, 1))
-          return grad, (lhs, rhs, sizes)
+          def grad(a, b, s, cot):
+            return jax.vjp(lambda a, b: fn(a, b, s), a, b)[1](cot)
+          return grad, (lhs, rhs, sizes, cotangent)
       row = harness.run_case(dict(section="op", impl=name, mode=mode, rows=rows), case,
                              iters=_ITERS.value)
       if row["status"] == "ok":
@@ -209,6 +213,7 @@ def part_rows(tokens: int) -> list[dict]:
 def moe_rows(tokens: int) -> list[dict]:
   x = jax.random.normal(jax.random.key(0), (tokens, D_MODEL), jnp.bfloat16)
   params, state = _moe_model("dense").init(jax.random.key(1), x)
+  cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   out = []
   for mode in ("forward", "fwd+bwd"):
     for impl in IMPLS:
@@ -217,11 +222,13 @@ def moe_rows(tokens: int) -> list[dict]:
       model = _moe_model(impl)
       if mode == "forward":
         fn = lambda p, x, model=model: model.apply(p, state, None, x)[0]
+        args = (params, x)
       else:
-        fn = jax.grad(lambda p, x, model=model: jnp.sum(
-            model.apply(p, state, None, x)[0].astype(jnp.float32)), argnums=(0, 1))
+        def fn(p, x, cot, model=model):
+          return jax.vjp(lambda p, x: model.apply(p, state, None, x)[0], p, x)[1](cot)
+        args = (params, x, cotangent)
       row = harness.run_case(dict(section="moe", impl=impl, mode=mode, tokens=tokens),
-                             lambda fn=fn: (fn, (params, x)), iters=_ITERS.value)
+                             lambda fn=fn, args=args: (fn, args), iters=_ITERS.value)
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
   for r in out:

@@ -68,9 +68,27 @@ def route(x: jax.Array, w_router: jax.Array, top_k: int) -> Routing:
   logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)  # [T, E]
   probs = jax.nn.softmax(logits, axis=-1)
-  top_probs, expert_ids = jax.lax.top_k(probs, top_k)  # [T, k]
+  top_probs, expert_ids = _top_k(probs, top_k)  # [T, k]
   gates = top_probs / jnp.sum(top_probs, axis=-1, keepdims=True)
-  return Routing(logits, probs, expert_ids.astype(jnp.int32), gates)
+  return Routing(logits, probs, expert_ids, gates)
+
+
+def _top_k(probs: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k` over the last axis as k argmax passes (ties: lowest index).
+
+  For the few experts of a router this fuses into elementwise work, where the
+  general top-k is a separate, slower kernel on GPUs; the gradient flows
+  through one-hot products instead of a scatter.
+  """
+  remaining = probs
+  values, ids = [], []
+  for _ in range(top_k):
+    idx = jnp.argmax(remaining, axis=-1).astype(jnp.int32)  # [T]
+    pick = jax.nn.one_hot(idx, probs.shape[-1], dtype=probs.dtype)  # [T, E]
+    values.append(jnp.sum(probs * pick, axis=-1))
+    ids.append(idx)
+    remaining = jnp.where(pick > 0, -jnp.inf, remaining)
+  return jnp.stack(values, axis=-1), jnp.stack(ids, axis=-1)
 
 
 def load_balance_loss(routing: Routing, num_experts: int) -> jax.Array:

@@ -39,21 +39,25 @@ from ops import _shapes
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tile sizes of the three kernels (powers of two, >= 16)."""
+  # Defaults: the fastest of the configurations timed on an H200 at
+  # M = 131072, K = 512, N = 1024 (BUILD_NOTES.md, "## MoE").
   block_m: int = 128      # gmm: rows per tile
   block_k: int = 64       # gmm: contraction step
-  block_n: int = 128      # gmm: output columns per program
+  block_n: int = 256      # gmm: output columns per program
   num_warps: int = 8
-  num_stages: int = 4
+  num_stages: int = 3
   tgmm_block_m: int = 64  # tgmm: rows per reduction step
   tgmm_block_k: int = 128  # tgmm: rows of the [K, N] weight gradient per program
-  tgmm_block_n: int = 128  # tgmm: columns of the weight gradient per program
+  tgmm_block_n: int = 256  # tgmm: columns of the weight gradient per program
   tgmm_num_warps: int = 8
   tgmm_num_stages: int = 3
+  columns_fastest: bool = True  # gmm grid order: a row tile's column blocks
+                                # run back to back (its lhs rows stay in L2)
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name.startswith("block") or field.name.startswith("tgmm_block"):
+      if field.name.startswith(("block", "tgmm_block")):
         if value < 16 or value & (value - 1):
           raise ValueError(f"`{field.name}` must be a power of two >= 16, got {value}")
 
@@ -69,7 +73,8 @@ class BlockSizes:
                tgmm_block_m=fit(d.tgmm_block_m, num_rows),
                tgmm_block_k=fit(d.tgmm_block_k, k),
                tgmm_block_n=fit(d.tgmm_block_n, n),
-               tgmm_num_warps=d.tgmm_num_warps, tgmm_num_stages=d.tgmm_num_stages)
+               tgmm_num_warps=d.tgmm_num_warps, tgmm_num_stages=d.tgmm_num_stages,
+               columns_fastest=d.columns_fastest)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -114,8 +119,12 @@ def group_metadata(starts: jax.Array, ends: jax.Array, padded_rows: int,
 
 
 def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
-                *, num_groups, k_steps, block_m, block_k, block_n, transpose_rhs):
-  step, col_block = pl.program_id(0), pl.program_id(1)
+                *, num_groups, k_steps, block_m, block_k, block_n, transpose_rhs,
+                columns_fastest):
+  if columns_fastest:
+    col_block, step = pl.program_id(0), pl.program_id(1)
+  else:
+    step, col_block = pl.program_id(0), pl.program_id(1)
   group = group_ref[step]
   row0 = pl.multiple_of(tile_ref[step] * block_m, block_m)
   row_start, row_end = start_ref[step], end_ref[step]
@@ -170,11 +179,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
   steps = metadata[0].shape[0]
   kernel = functools.partial(
       _gmm_kernel, num_groups=num_groups, k_steps=padded_k // bk, block_m=bm,
-      block_k=bk, block_n=bn, transpose_rhs=transpose_rhs)
+      block_k=bk, block_n=bn, transpose_rhs=transpose_rhs,
+      columns_fastest=bs.columns_fastest)
+  grid = (steps, padded_n // bn)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((padded_rows, padded_n), lhs.dtype),
-      grid=(steps, padded_n // bn),
+      grid=grid[::-1] if bs.columns_fastest else grid,
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps,
                                            num_stages=bs.num_stages),
       interpret=interpret,

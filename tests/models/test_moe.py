@@ -148,6 +148,16 @@ def test_capacity_positions_choice_major():
   np.testing.assert_array_equal(keep, [[True, True], [True, True], [True, False]])
 
 
+def test_top_k_matches_lax_top_k_with_ties():
+  probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(4), (64, E)))
+  probs = probs.at[:8].set(1.0 / E)  # ties: lowest index first, as lax.top_k
+  for k in (1, TOP_K, E):
+    want = jax.lax.top_k(probs, k)
+    got = moe._top_k(probs, k)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=0)
+
+
 def test_counting_sort_matches_argsort():
   ids = jax.random.randint(jax.random.PRNGKey(3), (300,), 0, E + 1)  # E marks empty rows
   want = moe._sort_by_expert(ids, E, method="argsort")
