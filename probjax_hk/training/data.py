@@ -142,6 +142,10 @@ class StreamData:
     if first_size > batch_size // local:
       raise ValueError(f"`{argname}` yielded a batch of {first_size} rows per"
                        f" process, larger than `batch_size`={batch_size}")
+    if first_size < batch_size // local and last_batch == "drop":
+      raise ValueError(f"`{argname}`'s first batch has {first_size} rows per"
+                       f" process, fewer than `batch_size`={batch_size}: with"
+                       f" last_batch='drop' every such batch would be dropped")
     self.batch_size = batch_size
     self.last_batch = last_batch
     self.first = first

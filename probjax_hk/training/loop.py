@@ -282,7 +282,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     if epochs is not None:
       raise ValueError("`epochs` needs in-memory `data`; a stream trains until"
                        " it ends or for `num_steps`")
-    if isinstance(data, Iterable) is False:
+    if not isinstance(data, Iterable):
       raise ValueError(f"`data` must be a pytree of arrays or an iterable of"
                        f" batches, got {type(data)}")
     source = data_lib.StreamData(data, batch_size=batch_size,

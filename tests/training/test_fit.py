@@ -297,6 +297,9 @@ def test_bad_data_raises():
   with pytest.raises(ValueError, match="epochs"):
     fit(common.loss_fn, params, common.stream(data, 16), epochs=1,
         progress=False)
+  with pytest.raises(ValueError, match="fewer than `batch_size`"):
+    fit(common.loss_fn, params, common.stream(data, 16), batch_size=32,
+        progress=False)
   with pytest.raises(ValueError, match="scalar loss"):
     fit(lambda p, r, b: common.NET.apply(p, r, b) * jnp.ones(3), params, data,
         epochs=1, progress=False)
