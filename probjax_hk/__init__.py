@@ -32,6 +32,7 @@ from probjax_hk.training import fit
 from probjax_hk.training import fit_model
 from probjax_hk.training import FitResult
 from probjax_hk.transformer import Transformer
+from probjax_hk.unet import UNet
 
 __all__ = (
     "AdaLNModulation",
@@ -61,5 +62,6 @@ __all__ = (
     "stack_layer_params",
     "TimestepEmbedding",
     "Transformer",
+    "UNet",
     "unstack_layer_params",
 )
