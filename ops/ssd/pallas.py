@@ -159,8 +159,9 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
   dv = _dot(scores, dy, trans_a=True) + w_state * _dot(k, dh)   # [L, V]
   qf, kf = q.astype(_F32), k.astype(_F32)
   db = jnp.sum(qf * dq, axis=1) - jnp.sum(kf * dk, axis=1)      # [L]
-  end = (jnp.exp(b_last) * jnp.sum(h.astype(_F32) * dh.astype(_F32))
-         + jnp.sum(kf * dk_state))
+  total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)         # one axis at a time
+  end = (jnp.exp(b_last) * total(h.astype(_F32) * dh.astype(_F32))
+         + total(kf * dk_state))
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
   dq_ref[...] = dq.astype(dq_ref.dtype)

@@ -1,0 +1,218 @@
+"""SSD and the gated delta rule on a GPU: Pallas kernels vs the chunked XLA tier.
+
+    python -m experiments.benchmark_kernel_ssd --output docs/benchmarks/kernel_ssd.json
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \
+        --output /tmp/kernel_ssd_cpu.json
+
+Shapes are those of ../shared/ANCHORS.md ("Linear attention / SSD kernels"):
+(B, T, N, K, V) = (8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128) and
+(8, 16384, 4, 64, 64), bfloat16. Each case times the forward and the gradient
+of a scalar sum of the outputs w.r.t. every input ("fwd+bwd"). `ops.ssd` runs
+as 'pallas' (default chunk 64, and chunk 128) and 'xla' (the pure-JAX chunked
+SSD, chunk 128, the ANCHORS.md peer); `ops.gated_delta_rule` as 'xla' (no
+Pallas kernel yet: its row records the refusal). The Pallas rows carry
+`ratio_vs_xla`, from this same run. Before timing, the kernels are checked
+against the step-by-step reference on this device (`check` rows). `--models`
+adds SSMModel(16, 128, 16, 4) train steps (SGD) with each of the three cells,
+default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a
+CPU smoke test; the kernels run in Pallas interpret mode there).
+"""
+
+import functools
+import json
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from ops.gated_delta_rule import gated_delta_rule
+from ops.gated_delta_rule import gated_delta_rule_reference
+from ops.ssd import ssd
+from ops.ssd import ssd_reference
+
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssd.json", "JSON output path.")
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, few calls (CPU smoke test).")
+_MODELS = flags.DEFINE_bool("models", True, "Also time SSMModel train steps per cell.")
+_ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+
+# (B, T, N, K, V)
+SHAPES = ((8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128), (8, 16384, 4, 64, 64))
+QUICK_SHAPES = ((1, 64, 2, 16, 16),)
+# name -> (op, implementation, chunk_size)
+IMPLEMENTATIONS = {
+    "ssd/pallas": ("ssd", "pallas", None),
+    "ssd/pallas_chunk128": ("ssd", "pallas", 128),
+    "ssd/xla": ("ssd", "xla", 128),
+    "gated_delta_rule/pallas": ("gated_delta_rule", "pallas", None),
+    "gated_delta_rule/xla": ("gated_delta_rule", "xla", 64),
+}
+
+
+def make_inputs(batch, time, heads, key, value, dtype, seed=0):
+  """q, k (unit norm), v, log_decay, beta."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (batch, time, heads, key), jnp.float32)
+  k = jax.random.normal(ks[1], (batch, time, heads, key), jnp.float32)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(ks[2], (batch, time, heads, value), jnp.float32)
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 2.0)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, time, heads)))
+  return tuple(x.astype(dtype) for x in (q, k, v)) + (g, beta)
+
+
+def op_fn(op, implementation, chunk):
+  """(q, k, v, log_decay, beta) -> (y, final_state)."""
+  if op == "ssd":
+    return lambda q, k, v, g, beta: ssd(q, k, v, g, chunk_size=chunk,
+                                        implementation=implementation)
+  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, chunk_size=chunk,
+                                                   implementation=implementation)
+
+
+def scalar_loss(fn):
+  def loss(*args):
+    y, final = fn(*args)
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+  return loss
+
+
+def _rel(x, ref):
+  x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+  return float(np.abs(x - ref).max() / max(1.0, np.abs(ref).max()))
+
+
+def check_rows(quick):
+  """Pallas and XLA against the lax.scan reference on this device."""
+  rows = []
+  shape = (1, 64, 2, 16, 16) if quick else (2, 300, 4, 64, 64)
+  for op, reference in (("ssd", ssd_reference), ("gated_delta_rule",
+                                                  gated_delta_rule_reference)):
+    for dtype in (jnp.float32, jnp.bfloat16):
+      args = make_inputs(*shape, dtype, seed=1)
+      ref_args = args if op == "gated_delta_rule" else args[:4]
+      ref = jax.jit(reference)(*ref_args)
+      ref_grads = jax.jit(jax.grad(scalar_loss(reference), argnums=(0, 1, 2, 3)))(*ref_args)
+      for impl in ("pallas", "xla"):
+        row = dict(kind="check", op=op, implementation=impl, dtype=jnp.dtype(dtype).name,
+                   shape=shape)
+        try:
+          fn = op_fn(op, impl, 64)
+          y, final = jax.jit(fn)(*args)
+          grads = jax.jit(jax.grad(scalar_loss(fn), argnums=(0, 1, 2, 3)))(*args)
+          row.update(status="ok", y_err=_rel(y, ref[0]), final_err=_rel(final, ref[1]),
+                     grad_err=max(_rel(a, b) for a, b in zip(grads, ref_grads)))
+        except ValueError as exc:
+          row.update(status="unsup", message=str(exc)[:300])
+        except Exception as exc:  # A failing kernel is a result: record it, go on.
+          row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        logging.info("%s", row)
+        rows.append(row)
+  return rows
+
+
+def kernel_rows(shapes, iters, warmup):
+  rows = []
+  for shape in shapes:
+    batch, time, heads, key, value = shape
+    for name, (op, impl, chunk) in IMPLEMENTATIONS.items():
+      for mode in ("fwd", "fwd+bwd"):
+        config = dict(kind="op", op=op, implementation=impl, name=name, mode=mode,
+                      chunk_size=chunk, B=batch, T=time, N=heads, K=key, V=value,
+                      dtype="bfloat16")
+
+        def build(op=op, impl=impl, chunk=chunk, mode=mode):
+          args = make_inputs(*shape, jnp.bfloat16)
+          fn = op_fn(op, impl, chunk)
+          try:
+            jax.eval_shape(fn, *args)
+          except ValueError as exc:
+            raise harness.Unsupported(str(exc)) from exc
+          if mode == "fwd":
+            return jax.jit(fn), args
+          return jax.jit(jax.grad(scalar_loss(fn), argnums=(0, 1, 2, 3, 4))), args
+        row = harness.run_case(config, build, warmup=warmup, iters=iters)
+        logging.info("%s %s %s: %s %s", name, mode, shape, row["status"],
+                     row.get("median_ms"))
+        rows.append(row)
+  add_ratios(rows)
+  return rows
+
+
+def add_ratios(rows):
+  """Pallas rows get `ratio_vs_xla` (median over the same op's XLA median)."""
+  xla = {(r["op"], r["mode"], r["B"], r["T"], r["N"], r["K"]): r.get("median_ms")
+         for r in rows if r.get("kind") == "op" and r["implementation"] == "xla"}
+  for r in rows:
+    if r.get("kind") == "op" and r["implementation"] == "pallas" and r.get("median_ms"):
+      peer = xla.get((r["op"], r["mode"], r["B"], r["T"], r["N"], r["K"]))
+      if peer:
+        r["ratio_vs_xla"] = r["median_ms"] / peer
+
+
+def model_rows(quick, iters, warmup):
+  """SSMModel(16, 128, 16, 4) SGD train step per cell: default vs 'xla'."""
+  import haiku as hk
+  from probjax_hk.ssm import GatedDeltaNetCell
+  from probjax_hk.ssm import Mamba2Cell
+  from probjax_hk.ssm import SSDCell
+  from probjax_hk.ssm import SSMModel
+  batch, time = (1, 32) if quick else (8, 4096)
+  cells = {"SSDCell": (SSDCell, dict(num_heads=2, state_dim=64)),
+           "Mamba2Cell": (Mamba2Cell, dict()),
+           "GatedDeltaNetCell": (GatedDeltaNetCell, dict(num_heads=2))}
+  rows = []
+  for cell_name, (cell, kwargs) in cells.items():
+    for impl in (None, "xla"):
+      config = dict(kind="model", cell=cell_name, implementation=str(impl), B=batch,
+                    T=time, dtype="bfloat16", step="sgd")
+
+      def build(cell=cell, kwargs=kwargs, impl=impl):
+        model = hk.transform(lambda x: SSMModel(
+            16, 128, 16, 4, cell=cell,
+            cell_kwargs=dict(kwargs, implementation=impl))(x))
+        x = jax.random.normal(jax.random.key(0), (batch, time, 16), jnp.bfloat16)
+        params = model.init(jax.random.key(1), x)
+
+        def train_step(params, x):
+          loss = lambda p: jnp.mean(jnp.square(model.apply(p, None, x).astype(jnp.float32)))
+          value, grads = jax.value_and_grad(loss)(params)
+          return jax.tree.map(lambda p, g: p - 1e-3 * g, params, grads), value
+        return jax.jit(train_step), (params, x)
+      row = harness.run_case(config, build, warmup=warmup, iters=iters)
+      logging.info("%s %s: %s %s", cell_name, impl, row["status"], row.get("median_ms"))
+      rows.append(row)
+  default = {r["cell"]: r.get("median_ms") for r in rows if r["implementation"] == "None"}
+  for r in rows:
+    if r["implementation"] == "xla" and r.get("median_ms") and default.get(r["cell"]):
+      r["default_over_xla"] = default[r["cell"]] / r["median_ms"]
+  return rows
+
+
+def main(argv):
+  del argv
+  quick = _QUICK.value
+  iters, warmup = (2, 1) if quick else (_ITERS.value, 2)
+  rows = check_rows(quick)
+  harness.write_rows(rows, _OUTPUT.value)
+  rows += kernel_rows(QUICK_SHAPES if quick else SHAPES, iters, warmup)
+  harness.write_rows(rows, _OUTPUT.value)
+  if _MODELS.value:
+    rows += model_rows(quick, iters, warmup)
+    harness.write_rows(rows, _OUTPUT.value)
+  print(harness.format_table([r for r in rows if r["kind"] == "check"],
+                             ["op", "implementation", "dtype", "status", "y_err",
+                              "final_err", "grad_err"]))
+  print(harness.format_table([r for r in rows if r["kind"] == "op"],
+                             ["name", "mode", "B", "T", "N", "K", "status", "median_ms",
+                              "ratio_vs_xla", "compile_s"]))
+  print(harness.format_table([r for r in rows if r["kind"] == "model"],
+                             ["cell", "implementation", "status", "median_ms",
+                              "default_over_xla", "compile_s"]))
+
+
+if __name__ == "__main__":
+  app.run(main)
