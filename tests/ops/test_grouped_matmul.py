@@ -164,3 +164,17 @@ def test_group_metadata_visits_each_row_once():
     rows = np.arange(t * 16, t * 16 + 16)
     covered[rows[(rows >= s) & (rows < e)]] += 1
   np.testing.assert_array_equal(covered, 1)
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_vmap_over_batches_of_groupings(implementation):
+  lhs = jax.random.normal(jax.random.PRNGKey(0), (3, 40, 16))
+  rhs = jax.random.normal(jax.random.PRNGKey(1), (3, G, 16, 16))
+  sizes = jnp.asarray([[10, 0, 20, 10], [40, 0, 0, 0], [1, 2, 3, 4]])
+
+  def loss(fn):
+    return lambda a, b: jnp.sum(jnp.sin(jax.vmap(fn)(a, b, sizes)))
+  fn = functools.partial(ops.grouped_matmul, implementation=implementation)
+  got = jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1)))(lhs, rhs)
+  want = jax.value_and_grad(loss(grouped_matmul_reference), argnums=(0, 1))(lhs, rhs)
+  jax.tree.map(lambda g, w: _assert_close(g, w, jnp.float32), got, want)
