@@ -68,7 +68,7 @@ def _time(kernel, head_dim, causal, cand, base):
     out, lse = jax.jit(lambda *a: pallas._forward(st, *a))(*args)
     delta = pallas._delta(out, do)
     call = pallas._dkdv_call if kernel == "dkdv" else pallas._dq_call
-    return jax.jit(lambda *a: call(st, *a)), (*args, lse, delta, do)
+    return jax.jit(lambda *a: call(st, *a)), (*args[:6], lse, delta, do)
   row = harness.run_case(dict(kernel=kernel, H=head_dim, causal=causal, B=b, N=n, T=t,
                               block_q=cand[0], block_k=cand[1], num_warps=cand[2],
                               num_stages=cand[3]), build, warmup=1, iters=_ITERS.value)

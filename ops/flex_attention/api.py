@@ -99,8 +99,10 @@ def flex_attention(
     scale: float | None = None, segment_ids=None,
     local_window_size: int | tuple[int | None, int | None] | None = None,
     kv_seq_lengths: jax.Array | None = None,
+    mask_mod: reference.MaskMod | None = None,
+    score_mod: reference.ScoreMod | None = None,
     implementation: _backend.Implementation = None) -> jax.Array:
-  """Softmax attention with causal/window/segment/length masks.
+  """Softmax attention with causal/window/segment/length masks and mods.
 
   Args:
     q: [B, T, N, H] queries.
@@ -112,6 +114,16 @@ def flex_attention(
     local_window_size: `w` or `(left, right)`: t sees s in [t - left, t + right]
       (a None side is unbounded).
     kv_seq_lengths: [B] ints in [0, S]: keys s >= length are padding.
+    mask_mod: `mask_mod(b, n, t, s) -> bool` on broadcastable int32 index
+      arrays (b batch, n query head, t query, s key): False masks out. It is
+      evaluated densely once per call to list, per tile, the open and the
+      partly masked tiles (so empty tiles are skipped), and on tile indices
+      inside the kernel. It may not close over arrays (use segment_ids for
+      data-dependent documents).
+    score_mod: `score_mod(score, b, n, t, s) -> score`, elementwise in the
+      scaled f32 logit `score`, applied inside the kernel before the softmax;
+      gradients flow through it (its pullback runs in the backward kernels).
+      Same closure rule as mask_mod.
     implementation: None (the kernel on NVIDIA GPUs, XLA elsewhere), 'pallas'
       (the kernel; interpret mode off GPU) or 'xla' (the dense reference).
 
@@ -120,13 +132,17 @@ def flex_attention(
   """
   window, q_ids, kv_ids = _validate(q, k, v, is_causal, scale, segment_ids,
                                     local_window_size, kv_seq_lengths)
+  for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+    if fn is not None and not callable(fn):
+      raise ValueError(f"`{name}` must be callable or None, got {type(fn).__name__}")
   chosen = _backend.choose(_OP, implementation, lambda: kernel_limit(q))
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   if chosen == "xla":
     return reference.flex_attention_reference(
         q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
-        local_window_size=window, kv_seq_lengths=kv_seq_lengths)
+        local_window_size=window, kv_seq_lengths=kv_seq_lengths,
+        mask_mod=mask_mod, score_mod=score_mod)
   return pallas.flex_attention_pallas(
       q, k, v, scale=scale, is_causal=is_causal, window=window,
       q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=kv_seq_lengths,
-      interpret=_backend.pallas_interpret())
+      interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)

@@ -26,6 +26,7 @@ Speed notes:
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 from jax import lax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from ops import _shapes
 from ops.flex_attention import configs
+from ops.flex_attention import reference
 
 _LOG2E = math.log2(math.e)
 
@@ -50,11 +52,13 @@ class _Static:
   groups: int  # G query heads per key/value head
   config: configs.FlexConfig
   interpret: bool
+  mask_mod: Callable | None = None  # (b, n, t, s) -> bool, on tile indices
+  score_mod: Callable | None = None  # (score, b, n, t, s) -> score
 
   @property
   def any_mask(self) -> bool:
     return (self.left is not None or self.right is not None or self.kv_mask
-            or self.segments)
+            or self.segments or self.mask_mod is not None)
 
 
 def _div(a, b: int):
@@ -91,7 +95,7 @@ def _clip(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _open(st: _Static, q_idx, k_idx, kv_len, q_seg, k_seg):
+def _open(st: _Static, q_idx, k_idx, kv_len, q_seg, k_seg, b=None, n=None):
   """Boolean tile (broadcast of q_idx and k_idx): may query q_idx see k_idx?"""
   ok = None
   conj = lambda a, b: b if a is None else jnp.logical_and(a, b)
@@ -103,7 +107,17 @@ def _open(st: _Static, q_idx, k_idx, kv_len, q_seg, k_seg):
     ok = conj(ok, k_idx < kv_len)
   if st.segments:
     ok = conj(ok, q_seg == k_seg)
+  if st.mask_mod is not None:
+    ok = conj(ok, st.mask_mod(b, n, q_idx, k_idx))
   return ok
+
+
+def _score(st: _Static, s, b, n, q_idx, k_idx):
+  """Logits in base-2 units and their multiplier: (s, c) with p = 2^(s * c - m)."""
+  if st.score_mod is None:
+    return s, st.scale * _LOG2E
+  s = st.score_mod(s * st.scale, b, n, q_idx, k_idx).astype(jnp.float32)
+  return s, _LOG2E
 
 
 def _key_tiles(st: _Static, q0, bq: int, bk: int, kv_len, seq_kv: int):
@@ -160,11 +174,30 @@ def _three_loops(st: _Static, ranges, body, carry):
   return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
+def _tile_loop(st: _Static, ranges, lists, body, carry, group: int | None = None):
+  """Visits the tiles: from the mask's ranges, or from `mask_mod`'s lists.
+
+  `lists` (refs) holds, for this program, the count and the indices of the
+  fully open tiles and of the partly masked ones (computed in XLA from the
+  dense mask, `_tile_lists`); tiles on neither list are never visited.
+  `group` selects the row of [G, .] lists (dK/dV: one row per query head).
+  """
+  if lists is None:
+    return _three_loops(st, ranges, body, carry)
+  full_count, full_index, part_count, part_index = lists
+  at = (lambda i: (i,)) if group is None else (lambda i: (group, i))
+  for count, index, masked in ((full_count, full_index, False),
+                               (part_count, part_index, True)):
+    step = lambda t, c, index=index, masked=masked: body(index[at(t)], c, masked=masked)
+    carry = lax.fori_loop(0, count[at(0)], step, carry)
+  return carry
+
+
 # ----------------------------------------------------------------------------
 # Forward.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref,
+def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
                 o_ref, lse_ref, *, st: _Static, num_q_tiles: int):
   bq, hp = q_ref.shape
   bk = st.config.fwd.block_k
@@ -175,6 +208,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref,
   kv_len = kv_len_ref[0]
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]
   q_seg = q_seg_ref[...][:, None] if st.segments else None
+  b, n = pl.program_id(1), pl.program_id(2)
 
   def body(j, carry, masked):
     acc, m, l = carry  # [bq, Hp], [bq], [bq]
@@ -182,10 +216,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref,
     k = k_ref[pl.ds(k0, bk), :]  # [bk, Hp]
     v = v_ref[pl.ds(k0, bk), :]
     s = plgpu.dot(q, k, trans_b=True)  # [bq, bk] f32
+    k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    s, c = _score(st, s, b, n, q_idx, k_idx)
     if masked:
-      k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      s = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg), s, -jnp.inf)
+      s = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # base-2 running max
     if masked:  # A row with nothing open so far: keep exp2 away from inf - inf.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -199,8 +234,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref,
 
   carry = (jnp.zeros((bq, hp), jnp.float32),
            jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  ranges = _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  acc, m, l = _three_loops(st, ranges, body, carry)
+  ranges = None if lists else _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
+  acc, m, l = _tile_loop(st, ranges, lists, body, carry)
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
   # Base-2 log-sum-exp of the scaled logits; +inf marks an empty row so that
@@ -214,7 +249,18 @@ def _seg_specs(st, q_block, k_block, q_index, k_index):
   return [pl.BlockSpec(q_block, q_index), pl.BlockSpec(k_block, k_index)]
 
 
-def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg):
+def _row_list_specs(lists, num_q_tiles: int):
+  """Specs of the fwd/dQ tile lists ([B, N, nq, 1] counts, [B, N, nq, nk])."""
+  if lists is None:
+    return None
+  rev = lambda i: num_q_tiles - 1 - i
+  count = pl.BlockSpec((None, None, None, 1), lambda i, b, n: (b, n, rev(i), 0))
+  index = pl.BlockSpec((None, None, None, lists[1].shape[-1]),
+                       lambda i, b, n: (b, n, rev(i), 0))
+  return (count, index, count, index)
+
+
+def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
@@ -229,6 +275,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg):
       pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
       *_seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
+      _row_list_specs(lists, nq),
   ]
   out_specs = [
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
@@ -241,7 +288,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg):
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
       compiler_params=_params(cfg),
-  )(q, k, v, kv_len, q_seg, k_seg)
+  )(q, k, v, kv_len, q_seg, k_seg, lists)
 
 
 # ----------------------------------------------------------------------------
@@ -250,7 +297,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg):
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
-                 q_seg_ref, k_seg_ref, dk_ref, dv_ref, *, st: _Static):
+                 q_seg_ref, k_seg_ref, lists, dk_ref, dv_ref, *, st: _Static):
   bk, hp = k_ref.shape
   seq_q = q_ref.shape[0]
   bq = st.config.dkdv.block_q
@@ -261,37 +308,46 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   kv_len = kv_len_ref[0]
   k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
   k_seg = k_seg_ref[...][:, None] if st.segments else None
-  ranges = _query_tiles(st, k0, bq, bk, kv_len, seq_q)
+  ranges = None if lists else _query_tiles(st, k0, bq, bk, kv_len, seq_q)
+  b, kv_head = pl.program_id(1), pl.program_id(2)  # (Read outside loops.)
 
   def body(i, carry, masked, g):
     dk, dv = carry
+    n = kv_head * st.groups + g
     q0 = i * bq
     q = q_ref[pl.ds(q0, bq), g, :]  # [bq, Hp]
     do = do_ref[pl.ds(q0, bq), g, :]
     lse = lse_ref[g, pl.ds(q0, bq)]  # [bq]
     delta = delta_ref[g, pl.ds(q0, bq)]
     s_t = plgpu.dot(k, q, trans_b=True)  # [bk, bq]: logits, transposed
-    p_t = _exp2(st, s_t * c - lse[None, :])
+    q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[None, :]
+    if st.score_mod is None:
+      p_t = _exp2(st, s_t * c - lse[None, :])
+    else:  # Keep the pullback of score_mod for dS.
+      mod = lambda x: st.score_mod(x, b, n, q_idx, k_idx).astype(jnp.float32)
+      z_t, mod_vjp = jax.vjp(mod, s_t * st.scale)
+      p_t = _exp2(st, z_t * _LOG2E - lse[None, :])
     if masked:
-      q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[None, :]
       q_seg = q_seg_ref[pl.ds(q0, bq)][None, :] if st.segments else None
-      p_t = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg), p_t, 0.0)
+      p_t = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p_t, 0.0)
     dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
     dp_t = plgpu.dot(v, do, trans_b=True)  # [bk, bq]
     ds_t = p_t * (dp_t - delta[None, :])
+    if st.score_mod is not None:
+      ds_t = mod_vjp(ds_t)[0]
     dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
   carry = (jnp.zeros((bk, hp), jnp.float32), jnp.zeros((bk, hp), jnp.float32))
   for g in range(st.groups):  # The query heads sharing this key/value head.
-    carry = _three_loops(st, ranges, functools.partial(body, g=g), carry)
+    carry = _tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g)
   dk, dv = carry
   dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
-               q_seg_ref, k_seg_ref, dq_ref, *, st: _Static, num_q_tiles: int):
+               q_seg_ref, k_seg_ref, lists, dq_ref, *, st: _Static, num_q_tiles: int):
   bq, hp = q_ref.shape
   seq_kv = k_ref.shape[0]
   bk = st.config.dq.block_k
@@ -304,23 +360,31 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   kv_len = kv_len_ref[0]
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
   q_seg = q_seg_ref[...][:, None] if st.segments else None
+  b, n = pl.program_id(1), pl.program_id(2)
 
   def body(j, dq, masked):
     k0 = j * bk
     k = k_ref[pl.ds(k0, bk), :]  # [bk, Hp]
     v = v_ref[pl.ds(k0, bk), :]
     s = plgpu.dot(q, k, trans_b=True)  # [bq, bk]
-    p = _exp2(st, s * c - lse)
+    k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
+    if st.score_mod is None:
+      p = _exp2(st, s * c - lse)
+    else:  # Keep the pullback of score_mod for dS.
+      mod = lambda x: st.score_mod(x, b, n, q_idx, k_idx).astype(jnp.float32)
+      z, mod_vjp = jax.vjp(mod, s * st.scale)
+      p = _exp2(st, z * _LOG2E - lse)
     if masked:
-      k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      p = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg), p, 0.0)
+      p = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p, 0.0)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
     ds = p * (dp - delta)
+    if st.score_mod is not None:
+      ds = mod_vjp(ds)[0]
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-  ranges = _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  dq = _three_loops(st, ranges, body, jnp.zeros((bq, hp), jnp.float32))
+  ranges = None if lists else _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
+  dq = _tile_loop(st, ranges, lists, body, jnp.zeros((bq, hp), jnp.float32))
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
@@ -334,7 +398,8 @@ def _delta(out, dout):
   return jnp.transpose(delta, (0, 2, 1))
 
 
-def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
+def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
+               lists=None):
   """dK, dV: grid over key tiles; q, dO, lse, delta of the whole head group."""
   batch, seq_q, _, hp = q.shape
   seq_kv, num_kv = k.shape[1], k.shape[2]
@@ -349,6 +414,13 @@ def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
               pl.BlockSpec((None, 1), lambda j, b, h: (b, 0)),
               *_seg_specs(st, (None, seq_q), (None, bk),
                           lambda j, b, h: (b, 0), lambda j, b, h: (b, j))]
+  if lists is None:
+    in_specs.append(None)
+  else:  # [B, K, G, nk, 1] counts, [B, K, G, nk, nq] indices.
+    count = pl.BlockSpec((None, None, g, None, 1), lambda j, b, h: (b, h, 0, j, 0))
+    index = pl.BlockSpec((None, None, g, None, lists[1].shape[-1]),
+                         lambda j, b, h: (b, h, 0, j, 0))
+    in_specs.append((count, index, count, index))
   return pl.pallas_call(
       functools.partial(_dkdv_kernel, st=st),
       grid=(seq_kv // bk, batch, num_kv), in_specs=in_specs,
@@ -358,10 +430,11 @@ def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
       interpret=st.interpret, name="flex_attention_dkdv",
       compiler_params=_params(cfg),
   )(grouped(q), k, v, grouped(dout), per_group(lse), per_group(delta), kv_len,
-    q_seg, k_seg)
+    q_seg, k_seg, lists)
 
 
-def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
+def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
+             lists=None):
   """dQ: grid over query tiles, loop over key tiles (the forward's ranges)."""
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
@@ -375,37 +448,40 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout):
   in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
               pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
               *_seg_specs(st, (None, bq), (None, seq_kv),
-                          lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0))]
+                          lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
+              _row_list_specs(lists, nq)]
   return pl.pallas_call(
       functools.partial(_dq_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=st.interpret, name="flex_attention_dq",
       compiler_params=_params(cfg),
-  )(q, k, v, dout, lse, delta, kv_len, q_seg, k_seg)
+  )(q, k, v, dout, lse, delta, kv_len, q_seg, k_seg, lists)
 
 
-def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, out, lse, dout):
+def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout):
   delta = _delta(out, dout)
   args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
-  dk, dv = _dkdv_call(*args)
-  return _dq_call(*args), dk, dv
+  dk, dv = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
+  return _dq_call(*args, lists=None if lists is None else lists["dq"]), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flex(st, q, k, v, kv_len, q_seg, k_seg):
-  return _forward(st, q, k, v, kv_len, q_seg, k_seg)[0]
+def _flex(st, q, k, v, kv_len, q_seg, k_seg, lists):
+  return _forward(st, q, k, v, kv_len, q_seg, k_seg,
+                  None if lists is None else lists["fwd"])[0]
 
 
-def _flex_fwd(st, q, k, v, kv_len, q_seg, k_seg):
-  out, lse = _forward(st, q, k, v, kv_len, q_seg, k_seg)
-  return out, (q, k, v, kv_len, q_seg, k_seg, out, lse)
+def _flex_fwd(st, q, k, v, kv_len, q_seg, k_seg, lists):
+  out, lse = _forward(st, q, k, v, kv_len, q_seg, k_seg,
+                      None if lists is None else lists["fwd"])
+  return out, (q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
 
 
 def _flex_bwd(st, residuals, dout):
-  q, k, v, kv_len, q_seg, k_seg, out, lse = residuals
-  dq, dk, dv = _backward(st, q, k, v, kv_len, q_seg, k_seg, out, lse, dout)
-  return dq, dk, dv, None, None, None
+  q, k, v, kv_len, q_seg, k_seg, lists, out, lse = residuals
+  dq, dk, dv = _backward(st, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout)
+  return dq, dk, dv, None, None, None, None
 
 
 _flex.defvjp(_flex_fwd, _flex_bwd)
@@ -418,14 +494,47 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
+def _tile_lists(dense, bq: int, bk: int, batch: int, num_heads: int, *,
+                groups: int | None = None):
+  """Per-program lists of open and partly masked tiles, from the dense mask.
+
+  Args:
+    dense: [B or 1, N or 1, Tp, Sp] bool, the whole mask.
+    bq, bk: the kernel's tiles.
+    batch, num_heads: B and N to broadcast to.
+    groups: None for the query-tile kernels (forward, dQ): lists over key
+      tiles per query tile, [B, N, nq, .]. G for dK/dV: lists over query tiles
+      per key tile, [B, K, G, nk, .].
+
+  Returns:
+    (full_count [..., 1], full_index [..., n], part_count, part_index) int32;
+    the first `count` entries of an index row are the tiles to visit.
+  """
+  b_, n_, tp, sp = dense.shape
+  tiles = dense.reshape(b_, n_, tp // bq, bq, sp // bk, bk)
+  any_open, all_open = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
+  if groups is not None:
+    any_open, all_open = (jnp.swapaxes(x, 2, 3) for x in (any_open, all_open))
+  out = []
+  for flag in (all_open, any_open & ~all_open):
+    flag = jnp.broadcast_to(flag, (batch, num_heads) + flag.shape[2:])
+    out.append(jnp.sum(flag, axis=-1, keepdims=True, dtype=jnp.int32))
+    out.append(jnp.argsort(~flag, axis=-1, stable=True).astype(jnp.int32))
+  if groups is not None:
+    out = [x.reshape(batch, num_heads // groups, groups, *x.shape[2:]) for x in out]
+  return tuple(out)
+
+
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
             q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
-            config: configs.FlexConfig | None = None):
+            config: configs.FlexConfig | None = None, mask_mod=None,
+            score_mod=None):
   """Pads to tile multiples and fixes the static description of the call.
 
   Returns:
     (static, (q [B, Tp, N, Hp], k, v [B, Sp, K, Hp], kv_len [B, 1],
-    q_seg [B, Tp] | None, k_seg [B, Sp] | None)).
+    q_seg [B, Tp] | None, k_seg [B, Sp] | None, lists)); `lists` is None
+    unless `mask_mod` is given (then the per-kernel tile lists).
   """
   batch, seq_q, num_heads, head_dim = q.shape
   seq_kv, num_kv = k.shape[1], k.shape[2]
@@ -444,7 +553,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   st = _Static(scale=float(scale), left=left, right=right,
                kv_mask=kv_seq_lengths is not None or sp != seq_kv,
                segments=q_segment_ids is not None, groups=num_heads // num_kv,
-               config=config, interpret=interpret)
+               config=config, interpret=interpret, mask_mod=mask_mod,
+               score_mod=score_mod)
 
   pad = lambda x, n: _shapes.pad_axis(_shapes.pad_axis(x, 1, n), 3, hp)
   q, k, v = pad(q, tp), pad(k, sp), pad(v, sp)
@@ -456,7 +566,20 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   if st.segments:  # Padded queries see nothing (-1 matches no key).
     q_seg = _shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, tp, value=-1)
     k_seg = _shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp, value=-2)
-  return st, (q, k, v, kv_len, q_seg, k_seg)
+  lists = None
+  if mask_mod is not None:  # The block mask: built once per call, in XLA.
+    dense = reference.allowed_mask(
+        batch, num_heads, tp, sp, is_causal=is_causal,
+        segment_ids=None if q_seg is None else (q_seg, k_seg),
+        local_window_size=window, mask_mod=mask_mod,
+        kv_seq_lengths=kv_len[:, 0] if st.kv_mask else None)
+    lists = {
+        "fwd": _tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
+        "dq": _tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
+        "dkdv": _tile_lists(dense, config.dkdv.block_q, config.dkdv.block_k, batch,
+                            num_heads, groups=st.groups),
+    }
+  return st, (q, k, v, kv_len, q_seg, k_seg, lists)
 
 
 def flex_attention_pallas(
@@ -464,7 +587,8 @@ def flex_attention_pallas(
     is_causal: bool, window: tuple[int | None, int | None] | None,
     q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
     kv_seq_lengths: jax.Array | None, interpret: bool,
-    config: configs.FlexConfig | None = None) -> jax.Array:
+    config: configs.FlexConfig | None = None, mask_mod=None,
+    score_mod=None) -> jax.Array:
   """The kernel path of `ops.flex_attention` (inputs already validated).
 
   Args:
@@ -475,6 +599,8 @@ def flex_attention_pallas(
     kv_seq_lengths: [B] int or None.
     interpret: run the kernels in Pallas interpret mode.
     config: tiling; default from `configs.get_config`.
+    mask_mod: `(b, n, t, s) -> bool` on broadcastable int32 index arrays.
+    score_mod: `(score, b, n, t, s) -> score`, elementwise in `score`.
 
   Returns:
     [B, T, N, H] in q's dtype.
@@ -483,6 +609,6 @@ def flex_attention_pallas(
   st, args = prepare(q, k, v, scale=scale, is_causal=is_causal, window=window,
                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      kv_seq_lengths=kv_seq_lengths, interpret=interpret,
-                     config=config)
+                     config=config, mask_mod=mask_mod, score_mod=score_mod)
   out = _flex(st, *args)
   return out[:, :seq_q, :, :head_dim]
