@@ -29,7 +29,10 @@ from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Subset of shape names (default: all).")
-_IMPLS = flags.DEFINE_list("impls", ["flex", "cudnn", "xla", "mha"], "Implementations.")
+_IMPLS = flags.DEFINE_list(
+    "impls", ["flex", "cudnn", "xla", "mha"],
+    "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
+    "512-token documents), timed against plain flex on the same shapes.")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
@@ -63,6 +66,16 @@ def _attention_fn(impl, h, causal):
   if impl == "flex":
     return functools.partial(flex_api.flex_attention, is_causal=causal,
                              implementation="pallas")
+  if impl == "flex_alibi":
+    def alibi(score, b, n, t, s):
+      del b
+      return score + jnp.exp2(-(n + 1).astype(jnp.float32)) * (s - t).astype(jnp.float32)
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             score_mod=alibi, implementation="pallas")
+  if impl == "flex_documents":
+    documents = lambda b, n, t, s: (t // 512) == (s // 512)
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             mask_mod=documents, implementation="pallas")
   if impl in ("cudnn", "xla"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              implementation=impl)

@@ -21,6 +21,14 @@ Speed notes:
     indices).
   * Query tiles run in reverse order so that, under a causal mask, the
     longest programs start first.
+  * `exp2` is the bare `ex2.approx.ftz.f32` instruction when compiled.
+
+`mask_mod(b, n, t, s)` and `score_mod(score, b, n, t, s)` run inside the
+kernels on tile indices. With a `mask_mod`, the loops follow per-program lists
+of fully open and of partly masked tiles, computed once per call in XLA from
+the dense mask (`_tile_lists`); tiles on neither list are never visited.
+`score_mod` rewrites the scaled f32 logits in all three kernels; the backward
+kernels trace its pullback (`jax.vjp`) in place to turn dP into dS.
 """
 
 import dataclasses
