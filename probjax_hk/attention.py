@@ -56,8 +56,10 @@ def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
   return None
 
 
-def _flex_limit(query, bias, mask, query_seq_lengths) -> str | None:
+def _flex_limit(query, bias, mask, query_seq_lengths, scale=None) -> str | None:
   """None when the Pallas flex kernel takes these inputs, else why not."""
+  if isinstance(scale, jax.core.Tracer):
+    return "the flex kernel needs a static `scale` (a Python or NumPy number)"
   if bias is not None or mask is not None:
     return "the flex kernel takes no dense `bias` or `mask` array (use is_causal, " \
            "local_window_size, key_value_seq_lengths, or ops.flex_attention's segment_ids)"
@@ -73,7 +75,7 @@ def choose_attention_implementation(
     mask: jax.Array | None = None, *, is_causal: bool = False,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: AttentionImplementation = None,
-    query_seq_lengths: jax.Array | None = None) -> str:
+    query_seq_lengths: jax.Array | None = None, scale=None) -> str:
   """The implementation `dot_product_attention` runs for these arguments.
 
   The one dispatch rule (table in BUILD_NOTES.md, "## flex_attention"):
@@ -92,12 +94,12 @@ def choose_attention_implementation(
   if implementation == "xla":
     return "xla"
   if implementation == "flex":
-    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths)
+    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale)
     if flex_limit is not None:
       raise ValueError(f"implementation='flex' is not available: {flex_limit}")
     return "flex"
   if (implementation is None and _backend.on_nvidia_gpu()
-      and _flex_limit(query, bias, mask, query_seq_lengths) is None):
+      and _flex_limit(query, bias, mask, query_seq_lengths, scale) is None):
     return "flex"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
   if implementation == "cudnn":
@@ -149,11 +151,12 @@ def dot_product_attention(
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
       local_window_size=local_window_size, implementation=implementation,
-      query_seq_lengths=query_seq_lengths)
+      query_seq_lengths=query_seq_lengths, scale=scale)
   as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
   if chosen == "flex":
     return flex_api.flex_attention(
-        query, key, value, is_causal=bool(is_causal), scale=scale,
+        query, key, value, is_causal=bool(is_causal),
+        scale=None if scale is None else float(scale),
         local_window_size=_normalize_window(local_window_size),
         kv_seq_lengths=as_int32(key_value_seq_lengths), implementation="pallas")
   return jax.nn.dot_product_attention(

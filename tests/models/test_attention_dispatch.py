@@ -55,6 +55,16 @@ def test_default_on_nvidia_gpu(gpu, name, shapes, options, expected):
       q, k, v, bias, mask, query_seq_lengths=query_seq_lengths, **options) == expected
 
 
+def test_traced_scale_on_nvidia_gpu_is_not_flex(gpu):
+  del gpu
+  q, k, v = _qkv()
+  chosen = []
+  jax.jit(lambda scale: chosen.append(attention.choose_attention_implementation(
+      q, k, v, scale=scale)))(0.5)
+  assert chosen == ["cudnn"]
+  assert attention.choose_attention_implementation(q, k, v, scale=0.5) == "flex"
+
+
 @pytest.mark.parametrize("options", [{}, dict(is_causal=True),
                                      dict(mask=jnp.ones((1, 1, 16, 16), bool))])
 def test_default_on_cpu_is_xla(options):
