@@ -118,7 +118,7 @@ def main(argv):
                                                    tokens, dtype), iters=_ITERS.value)
             logging.info("%s", row)
             rows.append(row)
-  harness.write_rows(rows, _OUTPUT.value)
+            harness.write_rows(rows, _OUTPUT.value)  # A killed run keeps its rows.
   print(harness.format_table(rows, ["model", "attention", "dtype", "tokens", "mode",
                                     "status", "median_ms", "compile_s"]))
 

@@ -49,6 +49,7 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     start = time.perf_counter()
     compiled = jitted.lower(*args).compile()
     row["compile_s"] = time.perf_counter() - start
+    row["planned_peak_mb"] = planned_peak_mb(compiled)
     stage = "run"
     for _ in range(warmup):
       jax.block_until_ready(compiled(*args))
@@ -65,6 +66,21 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     if row["status"] == "error":
       row["traceback"] = traceback.format_exc()[-4000:]
   return row
+
+
+def planned_peak_mb(compiled) -> float | None:
+  """XLA's buffer plan for one call: arguments + outputs + temporaries - aliases.
+
+  Unlike the device's peak counter this needs no fresh process, so every row
+  of a grid gets it.
+  """
+  try:
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+  except Exception:  # Not every backend reports a plan.
+    return None
+  return total / 1e6
 
 
 def peak_memory_mb() -> float | None:
