@@ -38,8 +38,14 @@ def _classify(exc: BaseException, stage: str) -> str:
 
 
 def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
-             warmup: int = 2, iters: int = 20) -> dict:
-  """Runs one case. `build()` returns (fn, args); any failure becomes a row."""
+             warmup: int = 2, iters: int = 20, carry_outputs: int = 0) -> dict:
+  """Runs one case. `build()` returns (fn, args); any failure becomes a row.
+
+  With `carry_outputs=n`, the first n outputs of each call replace the first n
+  arguments of the next one: a train step `(params, opt_state, batch) ->
+  (params, opt_state, loss)` with `donate_argnums=(0, 1)` then runs as in
+  training, its donated buffers never reused.
+  """
   row = dict(config)
   stage = "build"
   try:
@@ -51,12 +57,17 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     row["compile_s"] = time.perf_counter() - start
     row["planned_peak_mb"] = planned_peak_mb(compiled)
     stage = "run"
+
+    def call(args):
+      out = jax.block_until_ready(compiled(*args))
+      return (*out[:carry_outputs], *args[carry_outputs:]) if carry_outputs else args
+
     for _ in range(warmup):
-      jax.block_until_ready(compiled(*args))
+      args = call(args)
     times = []
     for _ in range(iters):
       start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
+      args = call(args)
       times.append((time.perf_counter() - start) * 1e3)
     row.update(status="ok", median_ms=statistics.median(times), min_ms=min(times),
                iters=iters)
