@@ -2,21 +2,19 @@
 
 Yang, Kautz & Hatamizadeh 2024, https://arxiv.org/abs/2412.06464.
 
-There is no Pallas kernel for this op yet: `implementation='pallas'` raises a
-ValueError saying so, and `None` always takes the chunked XLA tier.
-
 Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
 K key size, V value size.
 """
 
 import jax
+import jax.numpy as jnp
 
 from ops import _backend
+from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import validate
 
-NO_KERNEL = ("there is no Pallas kernel for the gated delta rule yet; use "
-             "implementation='xla' (the chunked WY form) or None")
+_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
@@ -38,9 +36,11 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
     beta: [B, T, N] write strength in [0, 1].
     scale: output scale, default K ** -0.5.
     initial_state: [B, N, K, V] state before the first token, or None (zeros).
-    chunk_size: tokens per chunk of the XLA tier (default 64).
-    implementation: None (the chunked XLA tier: no kernel yet), 'pallas'
-      (raises ValueError: not implemented) or 'xla'.
+    chunk_size: tokens per chunk (default 64; the kernel takes a power of
+      two >= 16).
+    implementation: None (the Pallas kernels on NVIDIA GPUs, else XLA),
+      'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
+      WY form of xla.py).
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
@@ -51,6 +51,21 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"gated_delta_rule: `chunk_size` must be a positive int, "
                      f"got {chunk_size!r}")
-  _backend.choose("gated_delta_rule", implementation, lambda: NO_KERNEL)
-  return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
-                              initial_state=initial_state, chunk_size=chunk_size)
+  key, value = q.shape[-1], v.shape[-1]
+
+  def kernel_limit():
+    for name, x in (("q", q), ("k", k), ("v", v)):
+      if jnp.dtype(x.dtype) not in _DTYPES:
+        return f"`{name}` dtype {x.dtype} is not one of float32, bfloat16, float16"
+    if key > pallas_impl.MAX_HEAD_SIZE or value > pallas_impl.MAX_HEAD_SIZE:
+      return (f"K = {key} and V = {value} must be <= {pallas_impl.MAX_HEAD_SIZE} "
+              "(a chunk's [K, V] state and gradients live in registers)")
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+      return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
+    return None
+
+  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit)
+  fn = (pallas_impl.gated_delta_rule_pallas if backend == "pallas"
+        else gated_delta_rule_xla)
+  return fn(q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
+            chunk_size=chunk_size)

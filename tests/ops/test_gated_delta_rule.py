@@ -1,7 +1,6 @@
-"""ops.gated_delta_rule: the chunked (WY / UT-transform) XLA tier against the
-step-by-step reference: outputs, final states and gradients of every input.
-
-There is no Pallas kernel yet: `implementation='pallas'` must refuse loudly."""
+"""ops.gated_delta_rule: the chunked (WY / UT-transform) XLA tier and the Pallas
+kernels (interpret mode on CPU) against the step-by-step reference: outputs,
+final states and gradients of every input."""
 
 import functools
 
@@ -11,6 +10,8 @@ import numpy as np
 import pytest
 
 import ops
+from ops import _backend
+from ops.gated_delta_rule import api
 from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 
@@ -25,10 +26,11 @@ def _rel(x, ref):
   return np.abs(x - ref).max() / max(1.0, np.abs(ref).max())
 
 
-def _inputs(batch, time, heads, key, value, dtype, *, decay=None, seed=0):
+def _inputs(batch, time, heads, key, value, dtype, *, decay=None, seed=0, groups=None):
   ks = jax.random.split(jax.random.key(seed), 6)
-  q = jax.random.normal(ks[0], (batch, time, heads, key))
-  k = jax.random.normal(ks[1], (batch, time, heads, key))
+  groups = groups or heads
+  q = jax.random.normal(ks[0], (batch, time, groups, key))
+  k = jax.random.normal(ks[1], (batch, time, groups, key))
   k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
   v = jax.random.normal(ks[2], (batch, time, heads, value))
   if decay is None:
@@ -59,8 +61,9 @@ def _fns(implementation, chunk_size, with_state):
   return jax.jit(fn), jax.jit(jax.grad(loss, argnums=argnums))
 
 
-def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None):
-  args = _inputs(*shape, dtype, decay=decay)
+def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None,
+           groups=None):
+  args = _inputs(*shape, dtype, decay=decay, groups=groups)
   fwd, grad = _fns(implementation, chunk_size, with_state)
   ref_fwd, ref_grad = _fns("reference", None, with_state)
   (y, final), (y_ref, final_ref) = fwd(*args), ref_fwd(*args)
@@ -83,9 +86,28 @@ def test_xla_matches_reference(time, chunk, dtype, with_state):
   _check("xla", chunk, dtype, (2, time, 2, 16, 24), with_state=with_state)
 
 
+@pytest.mark.parametrize("time, chunk, dtype, groups, with_state", [
+    (37, 16, jnp.float32, 2, True),       # shared q/k, padded K/V/T
+    (64, 32, jnp.bfloat16, None, False),
+])
+def test_pallas_matches_reference(time, chunk, dtype, groups, with_state):
+  _check("pallas", chunk, dtype, (1, time, 4, 16, 24), groups=groups,
+         with_state=with_state)
+
+
+def test_pallas_t1_and_t200_forward():
+  for time, chunk in ((1, None), (200, 64)):
+    args = _inputs(1, time, 2, 16, 16, jnp.float32, seed=time)
+    y, final = gated_delta_rule(*args[:5], initial_state=args[5], chunk_size=chunk,
+                                implementation="pallas")
+    y_ref, final_ref = gated_delta_rule_reference(*args[:5], initial_state=args[5])
+    assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5, time
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("decay", [-20.0, 0.0])
-def test_strong_and_no_decay_stay_finite(decay):
-  _check("xla", 16, jnp.float32, (1, 40, 2, 16, 16), decay=decay)
+def test_strong_and_no_decay_stay_finite(implementation, decay):
+  _check(implementation, 16, jnp.float32, (1, 40, 2, 16, 16), decay=decay)
 
 
 def test_scale_and_shared_keys():
@@ -98,13 +120,26 @@ def test_scale_and_shared_keys():
   assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5
 
 
-def test_default_is_xla_and_pallas_refuses():
+def test_default_implementation_on_cpu_is_xla(monkeypatch):
+  called = []
+  real = api.gated_delta_rule_xla
+  monkeypatch.setattr(api, "gated_delta_rule_xla",
+                      lambda *a, **kw: called.append(1) or real(*a, **kw))
   args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
   y, _ = gated_delta_rule(*args)
+  assert called == ([] if _backend.on_nvidia_gpu() else [1])
   np.testing.assert_allclose(y, gated_delta_rule_reference(*args)[0], atol=2e-5)
-  with pytest.raises(ValueError, match="no Pallas kernel"):
-    gated_delta_rule(*args, implementation="pallas")
   assert ops.gated_delta_rule is gated_delta_rule
+
+
+def test_kernel_limits_raise_for_pallas_only():
+  args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
+  with pytest.raises(ValueError, match="chunk_size"):
+    gated_delta_rule(*args, chunk_size=24, implementation="pallas")
+  gated_delta_rule(*args, chunk_size=24, implementation="xla")
+  big = _inputs(1, 4, 1, 256, 16, jnp.float32)[:5]
+  with pytest.raises(ValueError, match="must be <= 128"):
+    gated_delta_rule(*big, implementation="pallas")
 
 
 @pytest.mark.parametrize("change, match", [

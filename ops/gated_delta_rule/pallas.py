@@ -1,0 +1,422 @@
+"""Pallas (Triton) kernels for the gated delta rule, forward and backward.
+
+The chunked WY / UT form of xla.py, split so that the [L, L] matrices (the
+decays, `A`, its inverse `T`, the scores) live only in registers and only the
+per-token `W`, `U~` and the chunk-boundary states go through memory. With `b`
+the chunk-local cumulative log-decay, `D_ij = exp(b_i - b_j)` (i >= j):
+
+Forward, three launches:
+1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)`,
+   `T = (I + A)^-1` by forward substitution in registers, `W = T (beta e^b K)`,
+   `U~ = T (beta V)`, written in the input dtype.
+2. states (one program per batch, head and V tile; V columns of the state
+   evolve independently): per chunk `U = U~ - W M0`,
+   `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes the state entering each chunk.
+3. output (parallel over chunks and V tiles):
+   `Y = scale (e^b (Q M0) + ((Q K^T) * D) U)`.
+
+Backward, two launches:
+1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
+   K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes the
+   adjoint of the state leaving each chunk; its end is d initial_state.
+2. chunk gradients (parallel over chunks): dQ, dK, dV, d beta and d b of the
+   chunk, recomputing `T` and `U` (the gradient through the inverse is
+   `dA = -T^T dT T^T`).
+
+Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
+V value size, C chunks, L tokens per chunk.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ops import _backend
+from ops import _shapes
+from ops.ssd.pallas import _causal_decay
+from ops.ssd.pallas import _dot
+from ops.ssd.pallas import _is_pow2
+from ops.ssd.pallas import _last
+from ops.ssd.pallas import _next_pow2
+from ops.ssd.xla import chunk_cumsum
+
+_F32 = jnp.float32
+MAX_HEAD_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaBlocks:
+  """Tiling of the gated delta rule kernels."""
+  chunk: int = 64              # tokens per chunk (L); a power of two >= 16
+  block_v: int = 32            # V columns per program in the states/output kernels
+  num_warps: int = 4           # warps of the prepare/output/gradient kernels
+  state_num_warps: int = 4     # warps of the states kernels
+
+  def __post_init__(self):
+    for name in ("chunk", "block_v", "num_warps", "state_num_warps"):
+      if not _is_pow2(getattr(self, name)):
+        raise ValueError(f"`{name}` must be a power of two, got {getattr(self, name)}")
+    for name in ("chunk", "block_v"):
+      if getattr(self, name) < 16:
+        raise ValueError(f"`{name}` must be >= 16, got {getattr(self, name)}")
+
+  @classmethod
+  def get_default(cls, time: int, key: int, value: int,
+                  chunk: int | None = None) -> "GatedDeltaBlocks":
+    key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+    if chunk is None:
+      chunk = min(64, max(16, _next_pow2(time)))
+    big = key * value > 64 * 64
+    return cls(chunk=chunk, block_v=min(32, value), num_warps=8 if big else 4,
+               state_num_warps=4)
+
+
+def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
+  """Tile product with both operands cast to `dtype`, float32 accumulation."""
+  return _dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a, trans_b=trans_b)
+
+
+def _masks(chunk):
+  row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+  return row, col
+
+
+def _unit_lower_inverse(a, chunk):
+  """`(I + a)^-1` for a strictly lower-triangular [L, L] float32 `a`.
+
+  Forward substitution, one row per step: `T_i = e_i - sum_{j<i} a_ij T_j`
+  (rows j >= i of T are still identity rows then, and a_ij = 0 there).
+  """
+  row, col = _masks(chunk)
+  eye = (row == col).astype(_F32)
+
+  def body(i, t):
+    a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)           # [L]: a[i, :]
+    new = jnp.sum(a_i[:, None] * t, axis=0)                      # [L]: a[i, :] @ t
+    return jnp.where(row == i, eye - new[None, :], t)
+
+  return jax.lax.fori_loop(1, chunk, body, eye)
+
+
+def _ut(k, b, beta, chunk):
+  """(D [L, L], k.k^T [L, L], T = (I + A)^-1 [L, L]), float32."""
+  row, col = _masks(chunk)
+  decay = _causal_decay(b, chunk)
+  kk = _mm(k, k, k.dtype, trans_b=True)
+  a = jnp.where(row > col, beta[:, None] * decay * kk, 0.0)
+  return decay, kk, _unit_lower_inverse(a, chunk)
+
+
+def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *, chunk):
+  k, v = k_ref[...], v_ref[...]
+  b, beta = b_ref[...], beta_ref[...]
+  dtype = v.dtype
+  _, _, t = _ut(k, b, beta, chunk)
+  rw = (beta * jnp.exp(b))[:, None] * k.astype(_F32)             # [L, K]
+  ru = beta[:, None] * v.astype(_F32)                            # [L, V]
+  w_ref[...] = _mm(t, rw, dtype).astype(w_ref.dtype)
+  u_ref[...] = _mm(t, ru, dtype).astype(u_ref.dtype)
+
+
+def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
+                   chunk, num_chunks):
+  """Forward state walk, one [K, bv] tile of M per program."""
+  dtype = u_ref.dtype
+
+  def body(c, h):
+    out_ref[c] = h.astype(out_ref.dtype)
+    rows = pl.ds(c * chunk, chunk)
+    k, w, u_t = k_ref[rows, :], w_ref[rows, :], u_ref[rows, :]
+    b = b_ref[rows]
+    b_last = _last(b, chunk)
+    u = u_t.astype(_F32) - _mm(w, h, dtype)                      # [L, bv]
+    k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)       # [L, K]
+    return jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
+
+  final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
+
+
+def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *, chunk, scale):
+  q, k, w, u_t = q_ref[...], k_ref[...], w_ref[...], u_ref[...]
+  dtype = u_t.dtype
+  b = b_ref[...]
+  h = h_ref[...]                                                 # [K, bv]
+  u = u_t.astype(_F32) - _mm(w, h, dtype)                        # [L, bv]
+  scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
+  y = jnp.exp(b)[:, None] * _mm(q, h, dtype) + _mm(scores, u, dtype)
+  y_ref[...] = (scale * y).astype(y_ref.dtype)
+
+
+def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
+                       dh0_ref, *, chunk, num_chunks, scale):
+  """Backward state walk: the adjoint of M, one [K, bv] tile per program."""
+  dtype = dy_ref.dtype
+
+  def body(step, g):
+    c = num_chunks - 1 - step
+    out_ref[c] = g.astype(out_ref.dtype)
+    rows = pl.ds(c * chunk, chunk)
+    q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
+    b = b_ref[rows]
+    b_last = _last(b, chunk)
+    scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)   # [L, L]
+    k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
+    du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, g, dtype)
+    q_in = jnp.exp(b)[:, None] * q.astype(_F32)
+    return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
+            - _mm(w, du, dtype, trans_a=True))
+
+  dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
+
+
+def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref,
+                       dh_ref, dy_ref, dq_ref, dk_ref, dv_ref, db_ref, dbeta_ref, *,
+                       chunk, scale):
+  q, k, v, w, u_t, dy = (r[...] for r in (q_ref, k_ref, v_ref, w_ref, u_ref, dy_ref))
+  dtype = v.dtype
+  b, beta = b_ref[...], beta_ref[...]
+  m0, dm1 = h_ref[...], dh_ref[...]                              # [K, V]
+  row, col = _masks(chunk)
+  b_last = _last(b, chunk)
+  eb = jnp.exp(b)
+  e_end = jnp.exp(b_last - b)
+  qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
+  decay, kk, t = _ut(k, b, beta, chunk)
+  u = u_t.astype(_F32) - _mm(w, m0, dtype)                       # [L, V]
+  qk = _mm(q, k, dtype, trans_b=True)
+  scores = qk * decay                                            # [L, L], lower
+  k_end = e_end[:, None] * kf                                    # [L, K]
+  # Through Y = scale (e^b Q M0 + S U) and M1 = e^{b_L} M0 + K~^T U.
+  du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, dm1, dtype)
+  ds = jnp.where(row >= col, scale * _mm(dy, u, dtype, trans_b=True), 0.0)
+  dw = -_mm(du, m0, dtype, trans_b=True)                         # [L, K]
+  dk_end = _mm(u, dm1, dtype, trans_b=True)                      # [L, K]
+  dq_inter = scale * eb[:, None] * _mm(dy, m0, dtype, trans_b=True)
+  dsd = ds * decay
+  dq = dq_inter + _mm(dsd, k, dtype)
+  dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
+  # Through W = T R_w, U~ = T R_u and T = (I + A)^-1.
+  rw = (beta * eb)[:, None] * kf
+  ru = beta[:, None] * vf
+  drw = _mm(t, dw, dtype, trans_a=True)                          # T^T dW
+  dru = _mm(t, du, dtype, trans_a=True)                          # T^T dU
+  dt = _mm(dw, rw, dtype, trans_b=True) + _mm(du, ru, dtype, trans_b=True)
+  da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
+  da = jnp.where(row > col, da, 0.0)
+  dk += (beta * eb)[:, None] * drw
+  dv = beta[:, None] * dru
+  dkk = da * beta[:, None] * decay
+  dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
+  dbeta = (jnp.sum(drw * eb[:, None] * kf, axis=1) + jnp.sum(dru * vf, axis=1)
+           + jnp.sum(da * decay * kk, axis=1))
+  # d b: through D (in A and S), e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
+  p = (da * beta[:, None] * kk + ds * qk) * decay
+  db = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
+  db += jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
+  end_terms = jnp.sum(dk_end * k_end, axis=1)                    # [L]
+  db -= end_terms
+  total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)
+  end = jnp.sum(end_terms) + jnp.exp(b_last) * total(dm1.astype(_F32) * m0.astype(_F32))
+  idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+  db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
+  dbeta_ref[...] = dbeta
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _params(num_warps, num_stages=1):
+  return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _specs(chunk, key, rep, grid_rank):
+  """BlockSpecs on grid (batch, head, chunk[, V tile])."""
+  if grid_rank == 3:
+    return dict(
+        qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
+        vec=pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c)))
+  return dict(
+      qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n // rep, 0)),
+      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c, e: (i, n, c)))
+
+
+def _prepare(k, v, b, beta, blocks):
+  batch, time, groups, key = k.shape
+  heads, value = v.shape[2:]
+  chunk = blocks.chunk
+  sp = _specs(chunk, key, heads // groups, 3)
+  head = lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0))
+  return pl.pallas_call(
+      functools.partial(_prepare_kernel, chunk=chunk),
+      grid=(batch, heads, time // chunk),
+      in_specs=[sp["qk"], head(value), sp["vec"], sp["vec"]],
+      out_specs=[head(key), head(value)],
+      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), v.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=_params(blocks.num_warps), interpret=_backend.pallas_interpret(),
+      name="gated_delta_prepare")(k, v, b, beta)
+
+
+def _seq_specs(time, key, rep, bv):
+  """Whole-sequence BlockSpecs on grid (batch, head, V tile)."""
+  return dict(
+      qk=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n // rep, 0)),
+      w=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n, 0)),
+      v=pl.BlockSpec((None, time, None, bv), lambda i, n, e: (i, 0, n, e)),
+      vec=pl.BlockSpec((None, None, time), lambda i, n, e: (i, n, 0)),
+      state=pl.BlockSpec((None, None, key, bv), lambda i, n, e: (i, n, 0, e)))
+
+
+def _states(k, w, u, b, h0, blocks):
+  batch, time, groups, key = k.shape
+  heads, value = u.shape[2:]
+  chunk, bv = blocks.chunk, blocks.block_v
+  num_chunks = time // chunk
+  sp = _seq_specs(time, key, heads // groups, bv)
+  return pl.pallas_call(
+      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks),
+      grid=(batch, heads, value // bv),
+      in_specs=[sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
+      out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
+                              lambda i, n, e: (i, n, 0, 0, e)), sp["state"]],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), u.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+      compiler_params=_params(blocks.state_num_warps, 2),
+      interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, w, u, b, h0)
+
+
+def _output(q, k, w, u, b, states, scale, blocks):
+  batch, time, groups, key = q.shape
+  heads, value = u.shape[2:]
+  chunk, bv = blocks.chunk, blocks.block_v
+  sp = _specs(chunk, key, heads // groups, 4)
+  w_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n, 0))
+  v_spec = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, e: (i, c, n, e))
+  return pl.pallas_call(
+      functools.partial(_output_kernel, chunk=chunk, scale=scale),
+      grid=(batch, heads, time // chunk, value // bv),
+      in_specs=[sp["qk"], sp["qk"], w_spec, v_spec, sp["vec"],
+                pl.BlockSpec((None, None, None, key, bv),
+                             lambda i, n, c, e: (i, n, c, 0, e))],
+      out_specs=v_spec, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
+      compiler_params=_params(blocks.num_warps, 2),
+      interpret=_backend.pallas_interpret(),
+      name="gated_delta_output")(q, k, w, u, b, states)
+
+
+def _states_bwd(q, k, w, dy, b, dfinal, scale, blocks):
+  batch, time, groups, key = q.shape
+  heads, value = dy.shape[2:]
+  chunk, bv = blocks.chunk, blocks.block_v
+  num_chunks = time // chunk
+  sp = _seq_specs(time, key, heads // groups, bv)
+  return pl.pallas_call(
+      functools.partial(_states_bwd_kernel, chunk=chunk, num_chunks=num_chunks,
+                        scale=scale),
+      grid=(batch, heads, value // bv),
+      in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
+      out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
+                              lambda i, n, e: (i, n, 0, 0, e)), sp["state"]],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
+                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+      compiler_params=_params(blocks.state_num_warps, 2),
+      interpret=_backend.pallas_interpret(),
+      name="gated_delta_states_reverse")(q, k, w, dy, b, dfinal)
+
+
+def _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy, scale, blocks):
+  batch, time, groups, key = q.shape
+  heads, value = v.shape[2:]
+  rep = heads // groups
+  chunk = blocks.chunk
+  sp = _specs(chunk, key, rep, 3)
+  head = lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0))
+  s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
+  dqk_dtype = q.dtype if rep == 1 else _F32
+  return pl.pallas_call(
+      functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale),
+      grid=(batch, heads, time // chunk),
+      in_specs=[sp["qk"], sp["qk"], head(value), head(key), head(value), sp["vec"],
+                sp["vec"], s_spec, s_spec, head(value)],
+      out_specs=[head(key), head(key), head(value), sp["vec"], sp["vec"]],
+      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
+                 jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(b.shape, _F32),
+                 jax.ShapeDtypeStruct(b.shape, _F32)],
+      compiler_params=_params(blocks.num_warps),
+      interpret=_backend.pallas_interpret(),
+      name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, states, dstates, dy)
+
+
+def _core_forward(q, k, v, b, beta, h0, scale, blocks):
+  w, u = _prepare(k, v, b, beta, blocks)
+  states, final = _states(k, w, u, b, h0, blocks)
+  y = _output(q, k, w, u, b, states, scale, blocks)
+  return y, final, (w, u, states)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _gdr_core(q, k, v, b, beta, h0, scale, blocks):
+  """Padded: q, k [B, T, G, K], v [B, T, N, V], b/beta [B, N, T] f32, h0 f32."""
+  y, final, _ = _core_forward(q, k, v, b, beta, h0, scale, blocks)
+  return y, final
+
+
+def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
+  y, final, (w, u, states) = _core_forward(q, k, v, b, beta, h0, scale, blocks)
+  return (y, final), (q, k, v, b, beta, w, u, states)
+
+
+def _core_bwd(scale, blocks, residuals, cotangents):
+  q, k, v, b, beta, w, u, states = residuals
+  dy, dfinal = cotangents
+  dy = dy.astype(v.dtype)
+  dstates, dh0 = _states_bwd(q, k, w, dy, b, dfinal.astype(_F32), scale, blocks)
+  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy,
+                                       scale, blocks)
+  groups, heads = q.shape[2], v.shape[2]
+  if groups != heads:
+    batch, time, _, key = q.shape
+    fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
+    dq, dk = fold(dq), fold(dk)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dbeta, dh0
+
+
+_gdr_core.defvjp(_core_fwd, _core_bwd)
+
+
+def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_state=None,
+                            chunk_size=None, blocks: GatedDeltaBlocks | None = None):
+  """Same contract as `gated_delta_rule_reference`, on the Pallas kernels.
+
+  Pads T to a multiple of the chunk (log-decay 0, beta 0, zero k and v: the
+  padded steps leave the state unchanged) and K, V to powers of two >= 16.
+  """
+  batch, time, heads, value = v.shape
+  key = q.shape[-1]
+  scale = float(key ** -0.5 if scale is None else scale)
+  if blocks is None:
+    blocks = GatedDeltaBlocks.get_default(time, key, value, chunk_size)
+  elif chunk_size is not None and chunk_size != blocks.chunk:
+    raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
+  chunk = blocks.chunk
+  key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+  blocks = dataclasses.replace(blocks, block_v=min(blocks.block_v, value_p))
+  dtype = v.dtype
+  pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
+  q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
+  v_p = pad(v, value_p)
+  g = _shapes.pad_axis(log_decay, 1, chunk)                       # [B, Tp, N]
+  b = jnp.swapaxes(chunk_cumsum(g, chunk).reshape(g.shape), 1, 2)  # [B, N, Tp] f32
+  beta_p = jnp.swapaxes(_shapes.pad_axis(beta.astype(_F32), 1, chunk), 1, 2)
+  h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
+        else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
+                              3, value_p))
+  y, final = _gdr_core(q_p, k_p, v_p, b, beta_p, h0, scale, blocks)
+  return y[:, :time, :, :value], final[:, :, :key, :value]
