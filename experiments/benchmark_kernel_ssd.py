@@ -9,9 +9,10 @@ Shapes are those of ../shared/ANCHORS.md ("Linear attention / SSD kernels"):
 (8, 16384, 4, 64, 64), bfloat16. Each case times the forward and the gradient
 of a scalar sum of the outputs w.r.t. every input ("fwd+bwd"). `ops.ssd` runs
 as 'pallas' (default chunk 64, and chunk 128) and 'xla' (the pure-JAX chunked
-SSD, chunk 128, the ANCHORS.md peer); `ops.gated_delta_rule` as 'xla' (no
-Pallas kernel yet: its row records the refusal). The Pallas rows carry
-`ratio_vs_xla`, from this same run. Before timing, the kernels are checked
+SSD, chunk 128, the ANCHORS.md peer); `ops.gated_delta_rule` as 'pallas'
+(chunk 64, and chunk 32) and 'xla' (the chunked WY form, chunk 64). The Pallas
+rows carry `ratio_vs_xla`, from this same run; ANCHORS.md has the Triton peers
+(flash-linear-attention) measured separately. Before timing, the kernels are checked
 against the step-by-step reference on this device (`check` rows). `--models`
 adds SSMModel(16, 128, 16, 4) train steps (SGD) with each of the three cells,
 default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a
@@ -48,6 +49,7 @@ IMPLEMENTATIONS = {
     "ssd/pallas_chunk128": ("ssd", "pallas", 128),
     "ssd/xla": ("ssd", "xla", 128),
     "gated_delta_rule/pallas": ("gated_delta_rule", "pallas", None),
+    "gated_delta_rule/pallas_chunk32": ("gated_delta_rule", "pallas", 32),
     "gated_delta_rule/xla": ("gated_delta_rule", "xla", 64),
 }
 
