@@ -1,0 +1,153 @@
+"""ops.selective_scan: the associative XLA tier and the Pallas kernels
+(interpret mode on CPU) against the step-by-step reference: outputs, final
+states and gradients of every input, forward and reverse."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops.selective_scan import selective_scan
+from ops.selective_scan import selective_scan_pallas
+from ops.selective_scan import selective_scan_reference
+from ops.selective_scan import SelectiveScanBlocks
+
+# Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
+_TOL = {"float32": (1e-5, 1e-4), "bfloat16": (3e-2, 6e-2)}
+_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
+
+
+def _rel(x, ref):
+  x, ref = np.asarray(x, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(x).all()
+  return np.abs(x - ref).max() / max(1.0, np.abs(ref).max())
+
+
+def _inputs(batch, time, width, state, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 9)
+  u = jax.random.normal(ks[0], (batch, time, width)).astype(dtype)
+  delta = jax.nn.softplus(jax.random.normal(ks[1], (batch, time, width)) - 1.0).astype(dtype)
+  A = -jnp.exp(0.5 * jax.random.normal(ks[2], (width, state)))
+  B = jax.random.normal(ks[3], (batch, time, state)).astype(dtype)
+  C = jax.random.normal(ks[4], (batch, time, state)).astype(dtype)
+  D = jax.random.normal(ks[5], (width,))
+  z = jax.random.normal(ks[6], (batch, time, width)).astype(dtype)
+  bias = 0.1 * jax.random.normal(ks[7], (width,))
+  h0 = jax.random.normal(ks[8], (batch, width, state))
+  return u, delta, A, B, C, D, z, bias, h0
+
+
+def _impl(implementation, reverse, full, blocks=None):
+  """full: D, z, delta_bias, softplus and initial_state; else the bare scan."""
+  def fn(u, delta, A, B, C, D, z, bias, h0):
+    kwargs = dict(D=D, z=z, delta_bias=bias, delta_softplus=True,
+                  initial_state=h0) if full else {}
+    if implementation == "reference":
+      return selective_scan_reference(u, delta, A, B, C, reverse=reverse, **kwargs)
+    if blocks is not None:
+      return selective_scan_pallas(u, delta, A, B, C, reverse=reverse, blocks=blocks,
+                                   **kwargs)
+    return selective_scan(u, delta, A, B, C, reverse=reverse,
+                          implementation=implementation, **kwargs)
+  return fn
+
+
+def _loss(fn):
+  """Linear in (y, final) with fixed weights, so cotangents are exact in bf16."""
+  def loss(*args):
+    y, final = fn(*args)
+    wy = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
+    wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32).reshape(final.shape))
+    return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(final * wf)
+  return loss
+
+
+def _check(implementation, dtype, time, reverse, full, blocks=None,
+           shape=(2, 12, 4)):
+  batch, width, state = shape
+  args = _inputs(batch, time, width, state, dtype)
+  if not full:
+    args = args[:5] + (None,) * 4
+  fn = _impl(implementation, reverse, full, blocks)
+  ref = _impl("reference", reverse, full)
+  fwd_tol, grad_tol = _TOL[dtype]
+  (y, final), (y_ref, final_ref) = fn(*args), ref(*args)
+  assert y.dtype == jnp.dtype(dtype) and y.shape == (batch, time, width)
+  assert final.dtype == jnp.float32 and final.shape == (batch, width, state)
+  assert _rel(y, y_ref) < fwd_tol
+  assert _rel(final, final_ref) < fwd_tol
+  argnums = tuple(i for i, x in enumerate(args) if x is not None)
+  grads = jax.grad(_loss(fn), argnums=argnums)(*args)
+  grads_ref = jax.grad(_loss(ref), argnums=argnums)(*args)
+  for i, g, g_ref in zip(argnums, grads, grads_ref):
+    assert g.dtype == g_ref.dtype, _NAMES[i]
+    assert _rel(g, g_ref) < grad_tol, _NAMES[i]
+
+
+# Small kernel tiles keep interpret mode fast; T 257 in chunks of 64 makes five
+# chunks (the last padded) whose summaries fold in both passes, and D 12 pads
+# to 16 channels. T 1 goes through `selective_scan`'s default tiling.
+_SMALL = SelectiveScanBlocks(block_d=8, unroll=4, chunk=16, num_warps=1)
+_CHUNKED = SelectiveScanBlocks(block_d=8, unroll=4, chunk=64, num_warps=1)
+
+# (implementation, dtype, T, reverse, full options, blocks): T in {1, 7, 64, 257}.
+_CASES = [
+    ("xla", "float32", 7, False, True, None),
+    ("xla", "float32", 64, True, False, None),
+    ("xla", "bfloat16", 64, False, True, None),
+    ("pallas", "float32", 7, False, True, _SMALL),
+    ("pallas", "float32", 257, True, True, _CHUNKED),
+    ("pallas", "float32", 1, False, False, None),
+    ("pallas", "bfloat16", 64, False, True, _SMALL),
+]
+
+
+@pytest.mark.parametrize("implementation,dtype,time,reverse,full,blocks", _CASES)
+def test_matches_reference(implementation, dtype, time, reverse, full, blocks):
+  _check(implementation, dtype, time, reverse, full, blocks)
+
+
+def _has_pallas_call(fn, *args):
+  return "pallas_call" in str(jax.make_jaxpr(fn)(*args))
+
+
+def test_default_backend_on_cpu_is_xla():
+  u, delta, A, B, C = _inputs(1, 8, 4, 2, "float32")[:5]
+  assert jax.default_backend() == "cpu"
+  assert not _has_pallas_call(lambda *a: selective_scan(*a), u, delta, A, B, C)
+  assert _has_pallas_call(lambda *a: selective_scan(*a, implementation="pallas"),
+                          u, delta, A, B, C)
+
+
+def test_jit_and_vmap():
+  u, delta, A, B, C = _inputs(3, 16, 4, 2, "float32")[:5]
+  one = lambda u, d, b, c: selective_scan(u[None], d[None], A, b[None], c[None],
+                                          implementation="pallas")[0][0]
+  y = jax.jit(jax.vmap(one))(u, delta, B, C)
+  assert _rel(y, selective_scan_reference(u, delta, A, B, C)[0]) < 1e-5
+
+
+def test_bad_arguments_raise():
+  u, delta, A, B, C, D, z, bias, h0 = _inputs(2, 8, 4, 2, "float32")
+  with pytest.raises(ValueError, match="`u`"):
+    selective_scan(u[0], delta, A, B, C)
+  with pytest.raises(ValueError, match="`delta`"):
+    selective_scan(u, delta[:, :5], A, B, C)
+  with pytest.raises(ValueError, match="`A`"):
+    selective_scan(u, delta, A[:3], B, C)
+  with pytest.raises(ValueError, match="`B`.*T must match"):
+    selective_scan(u, delta, A, B[:, :5], C)
+  with pytest.raises(ValueError, match="`C`"):
+    selective_scan(u, delta, A, B, C[..., None])
+  with pytest.raises(ValueError, match="`D`"):
+    selective_scan(u, delta, A, B, C, D=D[:3])
+  with pytest.raises(ValueError, match="`z`"):
+    selective_scan(u, delta, A, B, C, z=z[:, :3])
+  with pytest.raises(ValueError, match="`delta_bias`"):
+    selective_scan(u, delta, A, B, C, delta_bias=bias[None])
+  with pytest.raises(ValueError, match="`initial_state`"):
+    selective_scan(u, delta, A, B, C, initial_state=h0[:, :, :1])
+  with pytest.raises(ValueError, match="`u`"):
+    selective_scan(u.astype(jnp.int32), delta, A, B, C, implementation="pallas")
+  with pytest.raises(ValueError, match="power of two"):
+    SelectiveScanBlocks(block_d=3)
