@@ -23,5 +23,7 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis"],
+        # experiments/benchmark_figures.py only.
+        "figures": ["matplotlib"],
     },
 )
