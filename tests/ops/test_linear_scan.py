@@ -64,14 +64,14 @@ def _check(implementation, dtype, time, reverse, with_state, blocks=None,
   fn = _impl(implementation, reverse, with_state, blocks)
   ref = _impl("reference", reverse, with_state)
   fwd_tol, grad_tol = _TOL[dtype]
-  (h, final), (h_ref, final_ref) = fn(a, b, h0), ref(a, b, h0)
+  (h, final), (h_ref, final_ref) = jax.jit(fn)(a, b, h0), jax.jit(ref)(a, b, h0)
   assert h.dtype == h_ref.dtype == jnp.dtype(dtype)
   assert h.shape == (batch, time, width) and final.shape == (batch, width)
   assert _rel(h, h_ref) < fwd_tol
   assert _rel(final, final_ref) < fwd_tol
   argnums = (0, 1, 2) if with_state else (0, 1)
-  grads = jax.grad(_loss(fn), argnums=argnums)(a, b, h0)
-  grads_ref = jax.grad(_loss(ref), argnums=argnums)(a, b, h0)
+  grads = jax.jit(jax.grad(_loss(fn), argnums=argnums))(a, b, h0)
+  grads_ref = jax.jit(jax.grad(_loss(ref), argnums=argnums))(a, b, h0)
   for g, g_ref in zip(grads, grads_ref):
     assert g.dtype == g_ref.dtype
     assert _rel(g, g_ref) < grad_tol

@@ -71,14 +71,14 @@ def _check(implementation, dtype, time, reverse, full, blocks=None,
   fn = _impl(implementation, reverse, full, blocks)
   ref = _impl("reference", reverse, full)
   fwd_tol, grad_tol = _TOL[dtype]
-  (y, final), (y_ref, final_ref) = fn(*args), ref(*args)
+  (y, final), (y_ref, final_ref) = jax.jit(fn)(*args), jax.jit(ref)(*args)
   assert y.dtype == jnp.dtype(dtype) and y.shape == (batch, time, width)
   assert final.dtype == jnp.float32 and final.shape == (batch, width, state)
   assert _rel(y, y_ref) < fwd_tol
   assert _rel(final, final_ref) < fwd_tol
   argnums = tuple(i for i, x in enumerate(args) if x is not None)
-  grads = jax.grad(_loss(fn), argnums=argnums)(*args)
-  grads_ref = jax.grad(_loss(ref), argnums=argnums)(*args)
+  grads = jax.jit(jax.grad(_loss(fn), argnums=argnums))(*args)
+  grads_ref = jax.jit(jax.grad(_loss(ref), argnums=argnums))(*args)
   for i, g, g_ref in zip(argnums, grads, grads_ref):
     assert g.dtype == g_ref.dtype, _NAMES[i]
     assert _rel(g, g_ref) < grad_tol, _NAMES[i]
