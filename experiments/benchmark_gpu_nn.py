@@ -26,7 +26,9 @@ from experiments import harness
 import probjax_hk as pk
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gpu_nn.json", "JSON output path.")
-_MODELS = flags.DEFINE_list("models", ["transformer", "dit"], "Models to run.")
+_MODELS = flags.DEFINE_list("models", ["transformer", "dit"],
+                            "Models to run: transformer, dit, ssm_lru, ssm_mamba, "
+                            "ssm_ssd, ssm_mamba2, ssm_gated_delta_net.")
 _ATTENTION = flags.DEFINE_list("attention", ["default", "xla", "cudnn"],
                                "Attention implementations ('default' = None).")
 _DTYPE = flags.DEFINE_list("dtype", ["bfloat16", "float32"], "Input dtypes.")
@@ -38,7 +40,7 @@ MODEL_DIM, NUM_HEADS, NUM_LAYERS = 256, 8, 4
 
 
 def _attention_fn(attention: str) -> Callable:
-  implementation = None if attention == "default" else attention
+  implementation = None if attention in ("default", "none") else attention
   return functools.partial(pk.dot_product_attention, implementation=implementation)
 
 
@@ -56,12 +58,36 @@ def dit_case(attention_fn, batch, tokens, dtype):
   return model, (x, jax.random.uniform(jax.random.key(2), (batch,)) * 1000)
 
 
+def ssm_case(cell_name, **cell_kwargs):
+  """SSMModel(16, 128, 16, 4), the SSM benchmark profile, with one cell."""
+  def case(attention_fn, batch, tokens, dtype):
+    del attention_fn
+    cell = getattr(pk, cell_name)
+    model = hk.transform(lambda x, t: pk.SSMModel(16, 128, 16, 4, cell=cell,
+                                                  cell_kwargs=cell_kwargs)(x))
+    x = jax.random.normal(jax.random.key(1), (batch, tokens, 16), dtype)
+    return model, (x, jnp.zeros((batch,)))
+  return case
+
+
 # name -> (attention_fn, batch, tokens, dtype) -> (transformed model, inputs).
-MODELS = {"transformer": transformer_case, "dit": dit_case}
+MODELS = {
+    "transformer": transformer_case,
+    "dit": dit_case,
+    "ssm_lru": ssm_case("LRUCell"),
+    "ssm_mamba": ssm_case("MambaCell"),
+    "ssm_ssd": ssm_case("SSDCell", num_heads=2),  # heads of 64
+    "ssm_mamba2": ssm_case("Mamba2Cell"),
+    "ssm_gated_delta_net": ssm_case("GatedDeltaNetCell", num_heads=2),
+}
+# Models with attention run once per --attention value; the others once.
+ATTENTION_MODELS = ("transformer", "dit")
 
 
 def _check_attention(attention, tokens, batch, dtype):
   """Raises harness.Unsupported when the attention cannot take this case."""
+  if attention == "none":
+    return
   implementation = None if attention == "default" else attention
   q = jax.ShapeDtypeStruct((batch, tokens, NUM_HEADS, MODEL_DIM // NUM_HEADS), dtype)
   try:
@@ -109,7 +135,8 @@ def main(argv):
     for dtype_name in _DTYPE.value:
       dtype = jnp.dtype(dtype_name)
       for tokens in map(int, _TOKENS.value):
-        for attention in _ATTENTION.value:
+        attentions = _ATTENTION.value if model_name in ATTENTION_MODELS else ["none"]
+        for attention in attentions:
           for mode, builder in (("forward", build_forward), ("train_step", build_train_step)):
             config = dict(model=model_name, attention=attention, dtype=dtype_name,
                           tokens=tokens, batch=_BATCH.value, mode=mode)
