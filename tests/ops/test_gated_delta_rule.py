@@ -43,13 +43,13 @@ def _inputs(batch, time, heads, key, value, dtype, *, decay=None, seed=0, groups
 
 
 @functools.lru_cache(maxsize=None)
-def _fns(implementation, chunk_size, with_state):
+def _fns(implementation, chunk_size, with_state, scale=None):
   def fn(q, k, v, g, beta, h0):
     h0 = h0 if with_state else None
     if implementation == "reference":
-      return gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)
-    return gated_delta_rule(q, k, v, g, beta, initial_state=h0, chunk_size=chunk_size,
-                            implementation=implementation)
+      return gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=h0)
+    return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0,
+                            chunk_size=chunk_size, implementation=implementation)
 
   def loss(*args):
     """Linear in (y, final): the cotangents are exact in every dtype."""
@@ -62,10 +62,10 @@ def _fns(implementation, chunk_size, with_state):
 
 
 def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None,
-           groups=None):
+           groups=None, scale=None):
   args = _inputs(*shape, dtype, decay=decay, groups=groups)
-  fwd, grad = _fns(implementation, chunk_size, with_state)
-  ref_fwd, ref_grad = _fns("reference", None, with_state)
+  fwd, grad = _fns(implementation, chunk_size, with_state, scale)
+  ref_fwd, ref_grad = _fns("reference", None, with_state, scale)
   (y, final), (y_ref, final_ref) = fwd(*args), ref_fwd(*args)
   assert y.dtype == args[2].dtype and final.dtype == jnp.float32
   fwd_tol, grad_tol = _TOL[dtype]
@@ -76,30 +76,27 @@ def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=N
     assert _rel(a, b) < grad_tol, name
 
 
-# (batch, time, heads, key, value)
-@pytest.mark.parametrize("time, chunk, dtype, with_state", [
-    (1, None, jnp.float32, True),
-    (64, 32, jnp.bfloat16, False),
-    (200, None, jnp.float32, True),
-])
-def test_xla_matches_reference(time, chunk, dtype, with_state):
-  _check("xla", chunk, dtype, (2, time, 2, 16, 24), with_state=with_state)
+# (time, chunk, dtype, q/k groups, with initial state, scale); batch 1, 4 heads,
+# K 16, V 24. Both tiers run the same cases: the reference compiles once per case.
+_CASES = [
+    (37, 16, jnp.float32, 2, True, 0.3),      # shared q/k, padded K/V/T, own scale
+    (64, 32, jnp.bfloat16, None, False, None),
+]
 
 
-@pytest.mark.parametrize("time, chunk, dtype, groups, with_state", [
-    (37, 16, jnp.float32, 2, True),       # shared q/k, padded K/V/T
-    (64, 32, jnp.bfloat16, None, False),
-])
-def test_pallas_matches_reference(time, chunk, dtype, groups, with_state):
-  _check("pallas", chunk, dtype, (1, time, 4, 16, 24), groups=groups,
-         with_state=with_state)
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("time, chunk, dtype, groups, with_state, scale", _CASES)
+def test_matches_reference(implementation, time, chunk, dtype, groups, with_state, scale):
+  _check(implementation, chunk, dtype, (1, time, 4, 16, 24), groups=groups,
+         with_state=with_state, scale=scale)
 
 
-def test_pallas_t1_and_t200_forward():
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_t1_and_t200_forward(implementation):
   for time, chunk in ((1, None), (200, 64)):
     args = _inputs(1, time, 2, 16, 16, jnp.float32, seed=time)
     y, final = gated_delta_rule(*args[:5], initial_state=args[5], chunk_size=chunk,
-                                implementation="pallas")
+                                implementation=implementation)
     y_ref, final_ref = gated_delta_rule_reference(*args[:5], initial_state=args[5])
     assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5, time
 
@@ -108,16 +105,6 @@ def test_pallas_t1_and_t200_forward():
 @pytest.mark.parametrize("decay", [-20.0, 0.0])
 def test_strong_and_no_decay_stay_finite(implementation, decay):
   _check(implementation, 16, jnp.float32, (1, 40, 2, 16, 16), decay=decay)
-
-
-def test_scale_and_shared_keys():
-  q, k, v, g, beta, h0 = _inputs(1, 20, 4, 16, 8, jnp.float32)
-  q, k = q[:, :, :2], k[:, :, :2]          # 2 groups shared by 4 heads
-  y, final = gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0,
-                              chunk_size=8)
-  y_ref, final_ref = gated_delta_rule_reference(q, k, v, g, beta, scale=0.3,
-                                                initial_state=h0)
-  assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5
 
 
 def test_default_implementation_on_cpu_is_xla(monkeypatch):

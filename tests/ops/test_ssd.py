@@ -82,30 +82,26 @@ def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=N
     assert _rel(a, b) < tol, name
 
 
-# (batch, time, heads, groups, key, value)
-@pytest.mark.parametrize("time, chunk, dtype, with_state", [
-    (1, None, jnp.float32, True),
-    (64, 32, jnp.bfloat16, True),
-    (200, 64, jnp.float32, False),
-])
-def test_xla_matches_reference(time, chunk, dtype, with_state):
-  _check("xla", chunk, dtype, (2, time, 4, 2, 16, 24), with_state=with_state)
+# (time, chunk, dtype, (heads, groups, key, value), with initial state); batch 1.
+# Both tiers run the same cases, so the reference compiles once per case.
+_CASES = [
+    (37, 16, jnp.float32, (4, 2, 16, 24), True),     # shared q/k, padded K/V/T
+    (64, 32, jnp.bfloat16, (2, 2, 32, 32), False),   # one group per head
+]
 
 
-@pytest.mark.parametrize("time, chunk, dtype, shape_extra", [
-    (37, 16, jnp.float32, (4, 2, 16, 24)),    # grouped q/k, padded K/V/T
-    (64, 32, jnp.bfloat16, (2, 2, 32, 32)),   # one group per head
-])
-def test_pallas_matches_reference(time, chunk, dtype, shape_extra):
-  heads, groups, key, value = shape_extra
-  _check("pallas", chunk, dtype, (1, time, heads, groups, key, value))
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("time, chunk, dtype, dims, with_state", _CASES)
+def test_matches_reference(implementation, time, chunk, dtype, dims, with_state):
+  _check(implementation, chunk, dtype, (1, time) + dims, with_state=with_state)
 
 
-def test_pallas_t1_and_t200_forward():
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_t1_and_t200_forward(implementation):
   for time, chunk in ((1, None), (200, 64)):
     q, k, v, g, h0 = _inputs(1, time, 2, 1, 16, 16, jnp.float32, seed=time)
     y, final = ssd(q, k, v, g, initial_state=h0, chunk_size=chunk,
-                   implementation="pallas")
+                   implementation=implementation)
     y_ref, final_ref = ssd_reference(q, k, v, g, initial_state=h0)
     assert _rel(y, y_ref) < 2e-5 and _rel(final, final_ref) < 2e-5, time
 
@@ -116,21 +112,16 @@ def test_strong_and_no_decay_stay_finite(implementation, decay):
   _check(implementation, 16, jnp.float32, (1, 40, 2, 2, 16, 16), decay=decay)
 
 
-def test_default_implementation_on_cpu_is_xla(monkeypatch):
+def test_default_implementation_on_cpu_is_xla_and_vmaps(monkeypatch):
   called = []
   real = api.ssd_xla
   monkeypatch.setattr(api, "ssd_xla", lambda *a, **kw: called.append(1) or real(*a, **kw))
-  q, k, v, g, _ = _inputs(1, 8, 2, 2, 16, 16, jnp.float32)
-  ssd(q, k, v, g)
-  assert called == ([] if _backend.on_nvidia_gpu() else [1])
-  assert ops.ssd is ssd
-
-
-def test_vmap_over_a_leading_axis():
   q, k, v, g, _ = _inputs(2, 12, 2, 2, 16, 16, jnp.float32)
-  fn = lambda q, k, v, g: ssd(q[None], k[None], v[None], g[None], implementation="xla")[0][0]
-  np.testing.assert_allclose(jax.vmap(fn)(q, k, v, g), ssd_reference(q, k, v, g)[0],
-                             atol=2e-5, rtol=2e-5)
+  fn = lambda q, k, v, g: ssd(q[None], k[None], v[None], g[None])[0][0]
+  y = jax.vmap(fn)(q, k, v, g)                      # over a leading (batch) axis
+  assert called == ([] if _backend.on_nvidia_gpu() else [1])
+  np.testing.assert_allclose(y, ssd_reference(q, k, v, g)[0], atol=2e-5, rtol=2e-5)
+  assert ops.ssd is ssd
 
 
 @pytest.mark.parametrize("change, match", [
