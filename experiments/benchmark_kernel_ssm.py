@@ -8,17 +8,17 @@ Shapes are those of ../shared/ANCHORS.md: the selective scan at B 8, T 4096,
 D 256, S 16 and 128 (float32), the complex64 linear scan at B 8, T 4096 and
 16384, D 256; `lax.scan` (the reference) only at a small T. Every case times
 the forward and the gradient of a scalar sum w.r.t. every input ("fwd+bwd").
-Before timing, each kernel is checked against the reference on this device.
+After the timings, each kernel is checked against the reference on this device.
+Rows are printed and the JSON rewritten as each case completes.
 `--sweep` adds a few block-size variants of the Pallas kernels; `--models`
 times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
 """
 
 import functools
-import math
+import json
 
 from absl import app
 from absl import flags
-from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,41 +117,39 @@ def check_numerics(small):
                    "err_y": _relerr(out[0], ref_out[0]),
                    "err_final": _relerr(out[1], ref_out[1]),
                    "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
-  for row in rows:
-    logging.info("%s", row)
   return rows
 
 
 def _time(config, fn, args, iters):
-  row = harness.run_case(config, lambda: (fn, args), warmup=2, iters=iters)
-  logging.info("%s", {k: v for k, v in row.items() if k != "traceback"})
-  return row
+  return harness.run_case(config, lambda: (fn, args), warmup=2, iters=iters)
 
 
-def time_kernels(small, sweep, iters):
-  rows = []
+def kernel_cases(small, sweep):
+  """(op, shape, impl, blocks) of the main grid, or of the block-size sweep."""
   b, d = (2, 16) if small else (8, 256)
+  t = 256 if small else 4096
   cases = []
+  if sweep:
+    for v in [(16, 16, 256, 2), (64, 16, 256, 4), (32, 8, 128, 4), (32, 16, 512, 4)]:
+      cases.append(("selective_scan", (b, t, d, 16), "pallas", SelectiveScanBlocks(*v)))
+    for v in [(8, 8, 1024, 8), (2, 8, 1024, 2), (4, 4, 512, 4), (8, 4, 256, 4)]:
+      cases.append(("selective_scan", (b, t, d, 128), "pallas", SelectiveScanBlocks(*v)))
+    for v in [(32, 16, 128, 1), (128, 16, 128, 4), (64, 32, 256, 2), (64, 8, 64, 2)]:
+      cases.append(("linear_scan", (b, t, d), "pallas", LinearScanBlocks(*v)))
+    return cases
   for state in (16, 128):
-    t = 256 if small else 4096
     cases.append(("selective_scan", (b, t, d, state), "pallas", None))
     cases.append(("selective_scan", (b, t, d, state), "xla", None))
-    cases.append(("selective_scan", (b, 64 if small else 512, d, state), "lax.scan", None))
-    if sweep:
-      variants = ([(16, 16, 256, 2), (64, 16, 256, 4), (32, 8, 128, 4), (32, 16, 512, 4)]
-                  if state == 16 else
-                  [(8, 8, 1024, 8), (2, 8, 1024, 2), (4, 4, 512, 4), (8, 4, 256, 4)])
-      for v in variants:
-        cases.append(("selective_scan", (b, t, d, state), "pallas",
-                      SelectiveScanBlocks(*v)))
-  for t in ((256, 1024) if small else (4096, 16384)):
-    cases.append(("linear_scan", (b, t, d), "pallas", None))
-    cases.append(("linear_scan", (b, t, d), "xla", None))
+  for time in ((256, 1024) if small else (4096, 16384)):
+    cases.append(("linear_scan", (b, time, d), "pallas", None))
+    cases.append(("linear_scan", (b, time, d), "xla", None))
+  cases.append(("selective_scan", (b, 64 if small else 512, d, 16), "lax.scan", None))
   cases.append(("linear_scan", (b, 64 if small else 512, d), "lax.scan", None))
-  if sweep:
-    for v in [(32, 16, 128, 1), (128, 16, 128, 4), (64, 32, 256, 2), (64, 8, 64, 2)]:
-      cases.append(("linear_scan", (b, 256 if small else 4096, d), "pallas",
-                    LinearScanBlocks(*v)))
+  return cases
+
+
+def time_kernels(cases, iters, sink):
+  rows = []
   for op, shape, impl, blocks in cases:
     if op == "selective_scan":
       args = selective_inputs(*shape)
@@ -168,7 +166,7 @@ def time_kernels(small, sweep, iters):
       config = {"kind": "time", "op": op, "shape": shape, "impl": impl, "mode": mode,
                 "blocks": None if used is None else str(used),
                 "default_blocks": blocks is None}
-      rows.append(_time(config, f, args, iters))
+      rows.append(sink(_time(config, f, args, iters)))
   return rows
 
 
@@ -224,6 +222,7 @@ def time_models(small, iters):
         rows.append(_time({**base, "mode": "fwd"}, jax.jit(model.apply), (params, x), iters))
         rows.append(_time({**base, "mode": "train_step"}, jax.jit(train_step),
                           (params, opt_state, x), iters))
+        print(json.dumps(rows[-2:], default=str)[:500], flush=True)
   return rows
 
 
@@ -246,15 +245,30 @@ def summarize(rows):
 def main(argv):
   del argv
   small = _SMALL.value
-  rows = check_numerics(small)
+  rows = []
+
+  def sink(row):
+    """Prints each row as it completes and rewrites the JSON (a run cut short
+    still leaves every finished row behind)."""
+    rows.append(row)
+    print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    harness.write_rows(rows, _OUTPUT.value)
+    return row
+
   if _KERNELS.value:
-    rows += time_kernels(small, _SWEEP.value, _ITERS.value)
+    time_kernels(kernel_cases(small, sweep=False), _ITERS.value, sink)
   if _MEMORY.value:
-    rows += memory_case(small, _ITERS.value)
+    for row in memory_case(small, _ITERS.value):
+      sink(row)
+  for row in check_numerics(small):
+    sink(row)
   if _MODELS.value:
-    rows += time_models(small, _ITERS.value)
-  rows += summarize(rows)
-  harness.write_rows(rows, _OUTPUT.value)
+    for row in time_models(small, _ITERS.value):
+      sink(row)
+  if _SWEEP.value:
+    time_kernels(kernel_cases(small, sweep=True), _ITERS.value, sink)
+  for row in summarize(rows):
+    sink(row)
   print(harness.format_table([r for r in rows if r["kind"] == "check"],
                              ["op", "impl", "reverse", "err_y", "err_final", "err_grads"]))
   print(harness.format_table([r for r in rows if r["kind"] in ("time", "memory", "model")],
