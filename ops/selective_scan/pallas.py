@@ -376,5 +376,9 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   delta = prepare_delta(delta, delta_bias, delta_softplus)
   h0 = (jnp.zeros((batch, width, state), _F32) if initial_state is None
         else initial_state.astype(_F32))
-  y, final = _selective_scan_core(u, delta, A.astype(_F32), B, C, h0, reverse, blocks)
-  return finish_output(y, u, D, z), final
+  # Triton tiles are powers of two: pad S with inert states (A = B = C = h0 = 0
+  # keeps them at zero and out of y).
+  padded = _next_pow2(state)
+  A, B, C, h0 = (_shapes.pad_axis(x, x.ndim - 1, padded) for x in (A.astype(_F32), B, C, h0))
+  y, final = _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks)
+  return finish_output(y, u, D, z), final[..., :state]

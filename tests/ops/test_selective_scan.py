@@ -63,7 +63,7 @@ def _loss(fn):
 
 
 def _check(implementation, dtype, time, reverse, full, blocks=None,
-           shape=(2, 12, 4)):
+           shape=(2, 12, 3)):
   batch, width, state = shape
   args = _inputs(batch, time, width, state, dtype)
   if not full:
@@ -86,7 +86,7 @@ def _check(implementation, dtype, time, reverse, full, blocks=None,
 
 # Small kernel tiles keep interpret mode fast; T 257 in chunks of 64 makes five
 # chunks (the last padded) whose summaries fold in both passes, and D 12 pads
-# to 16 channels. T 1 goes through `selective_scan`'s default tiling.
+# to 16 channels, S 3 to 4 states. T 1 goes through `selective_scan`'s default tiling.
 _SMALL = SelectiveScanBlocks(block_d=8, unroll=4, chunk=16, num_warps=1)
 _CHUNKED = SelectiveScanBlocks(block_d=8, unroll=4, chunk=64, num_warps=1)
 
