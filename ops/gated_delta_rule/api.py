@@ -17,6 +17,9 @@ from ops.ssd.api import validate
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
+# Flip once a GPU run has compiled the kernel and measured it against XLA.
+_PALLAS_IS_GPU_DEFAULT = False
+
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
                      beta: jax.Array, *, scale: float | None = None,
                      initial_state: jax.Array | None = None,
@@ -64,7 +67,10 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
       return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
     return None
 
-  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit)
+  # Not yet compiled on a GPU (BUILD_NOTES.md): `None` stays on XLA until a
+  # GPU run shows the kernel compiles and wins.
+  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit,
+                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
   fn = (pallas_impl.gated_delta_rule_pallas if backend == "pallas"
         else gated_delta_rule_xla)
   return fn(q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,

@@ -16,6 +16,9 @@ from ops.ssd.xla import ssd_xla
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
+# Flip once a GPU run has compiled the kernel and measured it against XLA.
+_PALLAS_IS_GPU_DEFAULT = False
+
 def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
   if v.ndim != 4:
@@ -85,6 +88,9 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
       return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
     return None
 
-  backend = _backend.choose("ssd", implementation, kernel_limit)
+  # Not yet compiled on a GPU (BUILD_NOTES.md): `None` stays on XLA until a
+  # GPU run shows the kernel compiles and wins.
+  backend = _backend.choose("ssd", implementation, kernel_limit,
+                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
   fn = pallas_impl.ssd_pallas if backend == "pallas" else ssd_xla
   return fn(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)
