@@ -16,6 +16,9 @@ from ops.linear_scan.xla import linear_scan_xla
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 
+# Flip once a GPU run has compiled the kernel and measured it against XLA.
+_PALLAS_IS_GPU_DEFAULT = False
+
 
 def _validate(a, b, initial_state):
   if a.ndim != 3:
@@ -43,7 +46,8 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     initial_state: [B, D], the state before the first step processed (zeros
       when None).
     reverse: run from the last time step to the first.
-    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+    implementation: None (XLA until the kernel is measured on a GPU; see
+      `_PALLAS_IS_GPU_DEFAULT`),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
       (`lax.associative_scan`).
 
@@ -60,7 +64,10 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
     return None
 
-  backend = _backend.choose("linear_scan", implementation, kernel_limit)
+  # Not yet compiled on a GPU (BUILD_NOTES.md, "SSM scans"): `None` stays on
+  # XLA until a GPU run shows the kernel compiles and wins.
+  backend = _backend.choose("linear_scan", implementation, kernel_limit,
+                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
   if backend == "pallas":
     return pallas_impl.linear_scan_pallas(a, b, initial_state=initial_state,
                                           reverse=reverse)

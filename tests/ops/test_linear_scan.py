@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ops import _backend
+from ops.linear_scan import api
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
@@ -121,6 +123,17 @@ def test_default_backend_on_cpu_is_xla():
   assert jax.default_backend() == "cpu"
   assert not _has_pallas_call(lambda a, b: linear_scan(a, b), a, b)
   assert _has_pallas_call(lambda a, b: linear_scan(a, b, implementation="pallas"), a, b)
+
+
+
+@pytest.mark.parametrize("gpu_default", [False, True])
+def test_default_backend_on_gpu_follows_the_flag(monkeypatch, gpu_default):
+  # Until a GPU run has measured the kernel, `None` stays on XLA on GPUs too.
+  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setattr(api, "_PALLAS_IS_GPU_DEFAULT", gpu_default)
+  a, b, _ = _inputs(1, 8, 4, "float32")
+  args = (a, b)
+  assert _has_pallas_call(lambda a, b: linear_scan(a, b), *args) == gpu_default
 
 
 def test_jit_and_vmap():
