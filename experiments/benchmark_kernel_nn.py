@@ -12,10 +12,19 @@ default attention, plus einsum attention (`implementation='xla'`) unrolled
 without remat and scanned with 'nothing_saveable'. With `--peak` every case
 runs in its own process so that its device memory peak
 (`memory_stats()['peak_bytes_in_use']`) is its own.
+
+`--sections` adds the other benchmark programs, each run in its own process
+and writing `<output stem>_<section>.json`: unet (plain / remat / donated
+train steps), fit (training-loop overhead), attention, ssm, ssd and moe (the
+kernel benchmarks of their issues). On `--device cpu` they get their small
+smoke-test flags.
 """
 
 import functools
 import json
+import os
+import subprocess
+import sys
 import time
 
 from absl import app
@@ -33,6 +42,20 @@ _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
 _PEAK = flags.DEFINE_bool("peak", False, "Run each case in a fresh process and record its peak.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed steps per case.")
 _SINGLE_CASE = flags.DEFINE_string("single_case", None, "Internal: run one JSON config, print its row.")
+_SECTIONS = flags.DEFINE_list("sections", ["scan_remat"],
+                              "scan_remat and any of: " + ", ".join(
+                                  ["unet", "fit", "attention", "ssm", "ssd", "moe"]))
+
+# section -> (program, extra flags per device).
+SECTION_PROGRAMS = {
+    "unet": ("experiments.benchmark_unet", {"cpu": ["--quick"]}),
+    "fit": ("experiments.benchmark_fit", {"cpu": ["--steps=20", "--calls_steps=5",
+                                                   "--seq_len=64", "--model_dim=64"]}),
+    "attention": ("experiments.benchmark_kernel_attention", {"gpu": ["--check"]}),
+    "ssm": ("experiments.benchmark_kernel_ssm", {"cpu": ["--small"], "gpu": ["--models"]}),
+    "ssd": ("experiments.benchmark_kernel_ssd", {"cpu": ["--quick"]}),
+    "moe": ("experiments.benchmark_kernel_moe", {"cpu": ["--tokens=256", "--gmm_rows=512"]}),
+}
 
 NUM_LAYERS, MODEL_DIM, NUM_HEADS, BATCH = 24, 512, 8, 2
 TOKENS = {"gpu": 4096, "cpu": 512}
@@ -85,6 +108,30 @@ def main(argv):
   if _SINGLE_CASE.value:
     print(json.dumps(run_stack_case(json.loads(_SINGLE_CASE.value))))
     return
+  unknown = set(_SECTIONS.value) - {"scan_remat", *SECTION_PROGRAMS}
+  if unknown:
+    raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from "
+                     f"{['scan_remat', *SECTION_PROGRAMS]}")
+  for section in _SECTIONS.value:
+    if section in SECTION_PROGRAMS:
+      _run_section_program(section)
+  if "scan_remat" in _SECTIONS.value:
+    _run_scan_remat()
+
+
+def _run_section_program(section: str) -> None:
+  """Runs another benchmark program in its own process, next to --output."""
+  program, extra = SECTION_PROGRAMS[section]
+  stem = os.path.splitext(_OUTPUT.value or f"/tmp/kernel_nn_{_DEVICE.value}.json")[0]
+  command = [sys.executable, "-m", program, f"--output={stem}_{section}.json",
+             *extra.get(_DEVICE.value, [])]
+  print("running", " ".join(command), flush=True)
+  result = subprocess.run(command)
+  if result.returncode:
+    print(f"section {section} exited with status {result.returncode}", flush=True)
+
+
+def _run_scan_remat() -> None:
   tokens = TOKENS[_DEVICE.value]
   rows = []
   for attention, policy, scan in CASES:
