@@ -28,12 +28,14 @@ def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state):
     raise ValueError(f"`A` must be [D, S] with D = {width}, got shape {A.shape}")
   state = A.shape[1]
   for name, x in (("B", B), ("C", C)):
-    if x.ndim != 3:
-      raise ValueError(f"`{name}` must be [B, T, S] (per-group [B, T, G, S] is not "
-                       f"supported), got shape {x.shape}")
-    if x.shape != (batch, time, state):
-      raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)}, got "
-                       f"{x.shape} (T must match `u`)")
+    if x.ndim not in (3, 4) or x.shape[:2] != (batch, time) or x.shape[-1] != state:
+      raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)} or per "
+                       f"group [B, T, G, S], got {x.shape} (T must match `u`)")
+    if x.ndim == 4 and width % x.shape[2]:
+      raise ValueError(f"`{name}`: the group count G = {x.shape[2]} must divide "
+                       f"D = {width}")
+  if B.shape != C.shape:
+    raise ValueError(f"`B` and `C` must have one shape, got {B.shape} and {C.shape}")
   for name, x in (("D", D), ("delta_bias", delta_bias)):
     if x is not None and x.shape != (width,):
       raise ValueError(f"`{name}` must be [D] = ({width},), got {x.shape}")
@@ -61,8 +63,9 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
     u: [B, T, D] input (float32, bfloat16 or float16).
     delta: [B, T, D] step sizes.
     A: [D, S] state matrix (negative entries decay).
-    B: [B, T, S] input projection.
-    C: [B, T, S] output projection.
+    B: [B, T, S] input projection, or per group [B, T, G, S] (G divides D;
+      channel d uses group d // (D / G)).
+    C: [B, T, S] output projection, same shape as `B`.
     D: [D] skip connection, or None.
     z: [B, T, D] gate, or None.
     delta_bias: [D] added to `delta`, or None.

@@ -223,18 +223,32 @@ def _layout(batch, time, width, state, blocks):
   return bd, chunk, num_chunks, padded_d, (batch, padded_d // bd, num_chunks)
 
 
+def _per_group(u, B):
+  """Channels per group for [B, T, G, S] projections, else None."""
+  return u.shape[2] // B.shape[2] if B.ndim == 4 else None
+
+
 def _pad_seq(x, chunk, bd=None):
   x = _shapes.pad_axis(x, 1, chunk)
   return x if bd is None else _shapes.pad_axis(x, 2, bd)
 
 
-def _specs(chunk, bd, state, num_chunks, reverse, unroll):
-  """BlockSpecs over grid (batch, channel block, chunk in processing order)."""
+def _specs(chunk, bd, state, num_chunks, reverse, unroll, per_group=None):
+  """BlockSpecs over grid (batch, channel block, chunk in processing order).
+
+  per_group: channels per group when B and C are [B, T, G, S] (a multiple of
+  `bd`: each channel block reads its group's row), else None.
+  """
   def phys(c):
     return num_chunks - 1 - c if reverse else c
+  if per_group is None:
+    seq_s = pl.BlockSpec((None, chunk, state), lambda i, d, c: (i, phys(c), 0))
+  else:
+    seq_s = pl.BlockSpec((None, chunk, None, state),
+                         lambda i, d, c: (i, phys(c), d * bd // per_group, 0))
   return dict(
       seq=pl.BlockSpec((None, chunk, bd), lambda i, d, c: (i, phys(c), d)),
-      seq_s=pl.BlockSpec((None, chunk, state), lambda i, d, c: (i, phys(c), 0)),
+      seq_s=seq_s,
       a=pl.BlockSpec((bd, state), lambda i, d, c: (d, 0)),
       state=pl.BlockSpec((None, bd, state), lambda i, d, c: (i, d, 0)),
       chunk_state=pl.BlockSpec((None, None, bd, state), lambda i, d, c: (i, c, d, 0)),
@@ -255,7 +269,7 @@ def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
   batch, time, width = u.shape
   state = A.shape[1]
   bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
-  sp = _specs(chunk, bd, state, num_chunks, reverse, blocks.unroll)
+  sp = _specs(chunk, bd, state, num_chunks, reverse, blocks.unroll, _per_group(u, B))
   u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
   B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
   A_p = _shapes.pad_axis(A, 0, bd)
@@ -297,7 +311,8 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   state = A.shape[1]
   bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
   # The backward walks the other way; chunk c of the grid is forward chunk C-1-c.
-  sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll)
+  per_group = _per_group(u, B)
+  sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll, per_group)
   u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
   dy_p = _pad_seq(dy.astype(_F32), chunk, bd)
   B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
@@ -331,9 +346,16 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
       compiler_params=params, interpret=interpret,
       name="selective_scan_backward")(u_p, delta_p, A_p, B_p, C_p, dy_p, dfinal_p,
                                       ckpt, *summaries)
+  if per_group is None:
+    dB, dC = jnp.sum(dB, axis=1), jnp.sum(dC, axis=1)          # [B, T, S]
+  else:
+    groups = B.shape[2]
+    def by_group(x):  # [B, D / bd, T, S] -> [B, T, G, S]
+      x = x.reshape(batch, groups, -1, *x.shape[2:]).sum(axis=2)
+      return jnp.swapaxes(x, 1, 2)
+    dB, dC = by_group(dB), by_group(dC)
   return (du[:, :time, :width], ddelta[:, :time, :width],
-          jnp.sum(dA, axis=(0, 1))[:width], jnp.sum(dB, axis=1)[:, :time],
-          jnp.sum(dC, axis=1)[:, :time], r[:, -1, :width])
+          jnp.sum(dA, axis=(0, 1))[:width], dB[:, :time], dC[:, :time], r[:, -1, :width])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -373,6 +395,13 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   state = A.shape[1]
   if blocks is None:
     blocks = SelectiveScanBlocks.get_default(batch, time, width, state)
+    if B.ndim == 4:  # a channel block must not straddle two groups
+      per_group = width // B.shape[2]
+      blocks = dataclasses.replace(
+          blocks, block_d=min(blocks.block_d, per_group & -per_group))
+  elif B.ndim == 4 and (width // B.shape[2]) % blocks.block_d:
+    raise ValueError(f"`blocks.block_d`={blocks.block_d} must divide the channels per "
+                     f"group, {width // B.shape[2]}")
   delta = prepare_delta(delta, delta_bias, delta_softplus)
   h0 = (jnp.zeros((batch, width, state), _F32) if initial_state is None
         else initial_state.astype(_F32))

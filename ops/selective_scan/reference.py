@@ -47,8 +47,9 @@ def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
     u: [B, T, D] input.
     delta: [B, T, D] step sizes (before `delta_bias` and softplus).
     A: [D, S] state matrix (diagonal per channel; negative for decay).
-    B: [B, T, S] input projection.
-    C: [B, T, S] output projection.
+    B: [B, T, S] input projection, or per group [B, T, G, S] (D % G == 0;
+      channel d uses group d // (D / G)).
+    C: [B, T, S] output projection, or per group [B, T, G, S].
     D: [D] skip, or None.
     z: [B, T, D] gate, or None.
     delta_bias: [D], or None.
@@ -67,11 +68,14 @@ def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
   h0 = (jnp.zeros((batch, width, state), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
 
+  def per_channel(x):  # [B, S] or per-group [B, G, S] -> broadcasts to [B, D, S]
+    return jnp.repeat(x, width // x.shape[1], axis=1) if x.ndim == 3 else x[:, None, :]
+
   def step(h, xs):
-    u_t, delta_t, b_t, c_t = xs  # [B, D], [B, D], [B, S], [B, S]
+    u_t, delta_t, b_t, c_t = xs  # [B, D], [B, D], [B, (G,) S], [B, (G,) S]
     decay = jnp.exp(delta_t[:, :, None] * A)                     # [B, D, S]
-    h = decay * h + (delta_t * u_t)[:, :, None] * b_t[:, None, :]
-    return h, jnp.einsum("bds,bs->bd", h, c_t)
+    h = decay * h + (delta_t * u_t)[:, :, None] * per_channel(b_t)
+    return h, jnp.sum(h * per_channel(c_t), axis=-1)
 
   xs = tuple(jnp.swapaxes(x.astype(jnp.float32), 0, 1) for x in (u, delta, B, C))
   final, y = jax.lax.scan(step, h0, xs, reverse=reverse)

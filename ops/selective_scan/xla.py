@@ -25,12 +25,17 @@ def selective_scan_xla(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   """Same contract as `selective_scan_reference`, computed associatively."""
   delta = prepare_delta(delta, delta_bias, delta_softplus)              # [B, T, D]
   decay = jnp.exp(delta[..., None] * A.astype(jnp.float32))              # [B, T, D, S]
-  x = ((delta * u.astype(jnp.float32))[..., None]
-       * B.astype(jnp.float32)[:, :, None, :])                           # [B, T, D, S]
+  width = u.shape[2]
+
+  def per_channel(x):  # [B, T, S] or [B, T, G, S] -> broadcasts to [B, T, D, S]
+    x = x.astype(jnp.float32)
+    return jnp.repeat(x, width // x.shape[2], axis=2) if x.ndim == 4 else x[:, :, None, :]
+
+  x = (delta * u.astype(jnp.float32))[..., None] * per_channel(B)      # [B, T, D, S]
   first = -1 if reverse else 0
   if initial_state is not None:
     x = x.at[:, first].add(decay[:, first] * initial_state.astype(jnp.float32))
   _, h = jax.lax.associative_scan(_combine, (decay, x), axis=1, reverse=reverse)
-  y = jnp.einsum("btds,bts->btd", h, C.astype(jnp.float32))
+  y = jnp.sum(h * per_channel(C), axis=-1)                              # [B, T, D]
   final = h[:, 0] if reverse else h[:, -1]
   return finish_output(y, u, D, z), final

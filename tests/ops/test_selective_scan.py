@@ -25,13 +25,14 @@ def _rel(x, ref):
   return np.abs(x - ref).max() / max(1.0, np.abs(ref).max())
 
 
-def _inputs(batch, time, width, state, dtype, seed=0):
+def _inputs(batch, time, width, state, dtype, seed=0, groups=None):
   ks = jax.random.split(jax.random.key(seed), 9)
   u = jax.random.normal(ks[0], (batch, time, width)).astype(dtype)
   delta = jax.nn.softplus(jax.random.normal(ks[1], (batch, time, width)) - 1.0).astype(dtype)
   A = -jnp.exp(0.5 * jax.random.normal(ks[2], (width, state)))
-  B = jax.random.normal(ks[3], (batch, time, state)).astype(dtype)
-  C = jax.random.normal(ks[4], (batch, time, state)).astype(dtype)
+  proj = (batch, time, state) if groups is None else (batch, time, groups, state)
+  B = jax.random.normal(ks[3], proj).astype(dtype)
+  C = jax.random.normal(ks[4], proj).astype(dtype)
   D = jax.random.normal(ks[5], (width,))
   z = jax.random.normal(ks[6], (batch, time, width)).astype(dtype)
   bias = 0.1 * jax.random.normal(ks[7], (width,))
@@ -64,10 +65,10 @@ def _loss(fn):
   return loss
 
 
-def _check(implementation, dtype, time, reverse, full, blocks=None,
+def _check(implementation, dtype, time, reverse, full, blocks=None, groups=None,
            shape=(2, 12, 3)):
   batch, width, state = shape
-  args = _inputs(batch, time, width, state, dtype)
+  args = _inputs(batch, time, width, state, dtype, groups=groups)
   if not full:
     args = args[:5] + (None,) * 4
   fn = _impl(implementation, reverse, full, blocks)
@@ -107,6 +108,22 @@ _CASES = [
 @pytest.mark.parametrize("implementation,dtype,time,reverse,full,blocks", _CASES)
 def test_matches_reference(implementation, dtype, time, reverse, full, blocks):
   _check(implementation, dtype, time, reverse, full, blocks)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_per_group_projections(implementation):
+  # B, C: [B, T, G, S] with G 3 over D 12: four channels per group, so the
+  # default 8-channel kernel tile shrinks to 4 (a tile never straddles groups).
+  _check(implementation, "float32", 7, True, True, groups=3)
+
+
+def test_per_group_equals_repeated_channels():
+  u, delta, A, B, C = _inputs(2, 5, 12, 3, "float32", groups=3)[:5]
+  y = selective_scan(u, delta, A, B, C, implementation="xla")[0]
+  for d in (0, 5, 11):  # channel d alone, with its group's projections
+    y_d = selective_scan_reference(u[:, :, d:d + 1], delta[:, :, d:d + 1], A[d:d + 1],
+                                   B[:, :, d // 4], C[:, :, d // 4])[0]
+    np.testing.assert_allclose(y[:, :, d:d + 1], y_d, atol=1e-5)
 
 
 def _has_pallas_call(fn, *args):
@@ -151,6 +168,13 @@ def test_bad_arguments_raise():
     selective_scan(u, delta, A, B[:, :5], C)
   with pytest.raises(ValueError, match="`C`"):
     selective_scan(u, delta, A, B, C[..., None])
+  with pytest.raises(ValueError, match="`B`: the group count"):
+    selective_scan(u, delta, A, jnp.stack([B] * 3, 2), jnp.stack([C] * 3, 2))
+  with pytest.raises(ValueError, match="`B` and `C`"):
+    selective_scan(u, delta, A, jnp.stack([B] * 2, 2), C)
+  with pytest.raises(ValueError, match="block_d"):
+    selective_scan_pallas(u, delta, A, jnp.stack([B] * 2, 2), jnp.stack([C] * 2, 2),
+                          blocks=SelectiveScanBlocks(block_d=4))
   with pytest.raises(ValueError, match="`D`"):
     selective_scan(u, delta, A, B, C, D=D[:3])
   with pytest.raises(ValueError, match="`z`"):
