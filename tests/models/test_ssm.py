@@ -166,3 +166,18 @@ def test_jit_grad_vmap_and_dropout():
 def test_bad_arguments_raise(build, argument):
   with pytest.raises(ValueError, match=f"`{argument}`"):
     hk.transform(build).init(jax.random.key(0))
+
+
+@pytest.mark.parametrize("cell", ["lru", "mamba"])
+def test_pallas_cells_match_xla(cell):
+  # The cells' sequence path on the Pallas kernels (interpret mode here),
+  # both directions through a bidirectional model.
+  cls, cell_kwargs = _CELLS[cell]
+  outputs = []
+  for implementation in ("xla", "pallas"):
+    kwargs = {**cell_kwargs, "implementation": implementation}
+    f = hk.without_apply_rng(hk.transform(lambda x: pj.SSMModel(
+        D_IN, D, D_OUT, 1, cell=cls, cell_kwargs=kwargs, bidirectional=True)(x)))
+    x = _x()
+    outputs.append(f.apply(f.init(jax.random.key(1), x), x))
+  np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
