@@ -20,3 +20,15 @@ def pad_axis(x: jnp.ndarray, axis: int, multiple: int, value=0) -> jnp.ndarray:
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths, constant_values=value)
+
+
+def check_time_blocks(blocks) -> None:
+  """Checks a time-blocked scan kernel's block config (`block_d`, `unroll`,
+  `num_warps` powers of two; `chunk` a positive multiple of `unroll`)."""
+  for name in ("block_d", "unroll", "num_warps"):
+    value = getattr(blocks, name)
+    if value < 1 or value & (value - 1):
+      raise ValueError(f"`{name}` must be a power of two, got {value}")
+  if blocks.chunk < 1 or blocks.chunk % blocks.unroll:
+    raise ValueError(f"`chunk` must be a positive multiple of {blocks.unroll=}, "
+                     f"got {blocks.chunk}")

@@ -47,13 +47,7 @@ class LinearScanBlocks:
   num_warps: int = 2    # warps per program
 
   def __post_init__(self):
-    for name in ("block_d", "unroll", "num_warps"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"`{name}` must be a power of two, got {value}")
-    if self.chunk < 1 or self.chunk % self.unroll:
-      raise ValueError(f"`chunk` must be a positive multiple of {self.unroll=}, "
-                       f"got {self.chunk}")
+    _shapes.check_time_blocks(self)
 
   @classmethod
   def get_default(cls, batch: int, time: int, width: int) -> "LinearScanBlocks":

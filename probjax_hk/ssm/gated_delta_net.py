@@ -29,6 +29,8 @@ from probjax_hk.ssm.mamba2 import causal_conv_step
 from probjax_hk.ssm.mamba2 import conv_params
 from probjax_hk.ssm.ssd import a_log_init
 from probjax_hk.ssm.ssd import dt_bias_init
+from probjax_hk.ssm.ssd import head_size
+from probjax_hk.ssm.ssd import time_reversed
 
 _F32 = jnp.float32
 
@@ -83,15 +85,7 @@ class GatedDeltaNetCell(hk.Module):
 
   def _dims(self, model_dim=None):
     model_dim = model_dim or self.model_dim
-    head_dim = self.head_dim
-    if head_dim is None:
-      if model_dim is None:
-        raise ValueError("GatedDeltaNetCell needs `model_dim` or `head_dim` to build "
-                         "its state")
-      if model_dim % self.num_heads:
-        raise ValueError(f"`num_heads` must divide the model width, got "
-                         f"{self.num_heads=} {model_dim=}")
-      head_dim = model_dim // self.num_heads
+    head_dim = head_size("GatedDeltaNetCell", self.num_heads, self.head_dim, model_dim)
     return model_dim, self.num_heads, head_dim
 
   @hk.transparent
@@ -121,9 +115,7 @@ class GatedDeltaNetCell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    if reverse:
-      return self._sequence(u[:, ::-1])[:, ::-1]
-    return self._sequence(u)
+    return time_reversed(self._sequence, u, reverse)
 
   @hk.transparent
   def _sequence(self, u: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
 from probjax_hk.ssm.ssd import ssd_inputs
+from probjax_hk.ssm.ssd import time_reversed
 
 _F32 = jnp.float32
 
@@ -136,9 +137,7 @@ class Mamba2Cell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    if reverse:
-      return self._sequence(u[:, ::-1])[:, ::-1]
-    return self._sequence(u)
+    return time_reversed(self._sequence, u, reverse)
 
   @hk.transparent
   def _sequence(self, u: jax.Array) -> jax.Array:

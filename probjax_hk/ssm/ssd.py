@@ -69,6 +69,26 @@ def ssd_decode_step(state, x, b, c, dt, a, dt_bias, d):
   return y + d[:, None] * x.astype(_F32), state
 
 
+
+def head_size(cell: str, num_heads: int, head_dim: int | None, model_dim: int | None) -> int:
+  """P: `head_dim`, or the model width split over `num_heads` (multi-head cells)."""
+  if head_dim is not None:
+    return head_dim
+  if model_dim is None:
+    raise ValueError(f"{cell} needs `model_dim` or `head_dim` to build its state")
+  if model_dim % num_heads:
+    raise ValueError(f"`num_heads` must divide the model width, got {num_heads=} {model_dim=}")
+  return model_dim // num_heads
+
+
+def time_reversed(sequence_fn, u: jax.Array, reverse: bool) -> jax.Array:
+  """Runs a forward-in-time sequence path [B, T, H] -> [B, T, H], from the
+  last step to the first when `reverse` (the backward half of a
+  bidirectional model)."""
+  if reverse:
+    return sequence_fn(u[:, ::-1])[:, ::-1]
+  return sequence_fn(u)
+
 class SSDCell(hk.Module):
   """Multi-head SSD: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
@@ -110,14 +130,7 @@ class SSDCell(hk.Module):
 
   def _dims(self, model_dim=None):
     model_dim = model_dim or self.model_dim
-    head_dim = self.head_dim
-    if head_dim is None:
-      if model_dim is None:
-        raise ValueError("SSDCell needs `model_dim` or `head_dim` to build its state")
-      if model_dim % self.num_heads:
-        raise ValueError(f"`num_heads` must divide the model width, got "
-                         f"{self.num_heads=} {model_dim=}")
-      head_dim = model_dim // self.num_heads
+    head_dim = head_size("SSDCell", self.num_heads, self.head_dim, model_dim)
     return model_dim, self.num_heads, head_dim, self.state_dim
 
   @hk.transparent
@@ -134,9 +147,7 @@ class SSDCell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    if reverse:
-      return self._sequence(u[:, ::-1])[:, ::-1]
-    return self._sequence(u)
+    return time_reversed(self._sequence, u, reverse)
 
   @hk.transparent
   def _sequence(self, u: jax.Array) -> jax.Array:
