@@ -4,9 +4,30 @@ Every op is one function with arrays positional and options keyword-only,
 including `implementation=None | 'pallas' | 'xla'` (see each op's api.py).
 """
 
-from ops.flex_attention import flex_attention, flex_attention_reference
+from ops.flex_attention import flex_attention
+from ops.flex_attention import flex_attention_reference
 from ops.gated_delta_rule import gated_delta_rule
+from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.grouped_matmul import grouped_matmul
+from ops.grouped_matmul import grouped_matmul_reference
 from ops.linear_scan import linear_scan
+from ops.linear_scan import linear_scan_reference
 from ops.selective_scan import selective_scan
+from ops.selective_scan import selective_scan_reference
 from ops.ssd import ssd
+from ops.ssd import ssd_reference
+
+__all__ = (
+    "flex_attention",
+    "flex_attention_reference",
+    "gated_delta_rule",
+    "gated_delta_rule_reference",
+    "grouped_matmul",
+    "grouped_matmul_reference",
+    "linear_scan",
+    "linear_scan_reference",
+    "selective_scan",
+    "selective_scan_reference",
+    "ssd",
+    "ssd_reference",
+)
