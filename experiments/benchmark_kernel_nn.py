@@ -15,7 +15,8 @@ runs in its own process so that its device memory peak
 
 `--sections` adds the other benchmark programs, each run in its own process
 and writing `<output stem>_<section>.json`: unet (plain / remat / donated
-train steps), fit (training-loop overhead), attention, ssm, ssd and moe (the
+train steps), training_loop (fit() against a bare jitted step; `--part` is an
+alias of `--sections`), attention, ssm, ssd and moe (the
 kernel benchmarks of their issues). On `--device cpu` they get their small
 smoke-test flags.
 """
@@ -44,12 +45,14 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed steps per case.")
 _SINGLE_CASE = flags.DEFINE_string("single_case", None, "Internal: run one JSON config, print its row.")
 _SECTIONS = flags.DEFINE_list("sections", ["scan_remat"],
                               "scan_remat and any of: " + ", ".join(
-                                  ["unet", "fit", "attention", "ssm", "ssd", "moe"]))
+                                  ["unet", "training_loop", "attention", "ssm", "ssd",
+                                   "moe"]))
+flags.DEFINE_alias("part", "sections")
 
 # section -> (program, extra flags per device).
 SECTION_PROGRAMS = {
     "unet": ("experiments.benchmark_unet", {"cpu": ["--quick"]}),
-    "fit": ("experiments.benchmark_fit", {"cpu": ["--steps=20", "--calls_steps=5",
+    "training_loop": ("experiments.benchmark_fit", {"cpu": ["--steps=20", "--calls_steps=5",
                                                    "--seq_len=64", "--model_dim=64"]}),
     "attention": ("experiments.benchmark_kernel_attention", {"gpu": ["--check"]}),
     "ssm": ("experiments.benchmark_kernel_ssm", {"cpu": ["--small"], "gpu": ["--models"]}),
@@ -123,6 +126,7 @@ def _run_section_program(section: str) -> None:
   """Runs another benchmark program in its own process, next to --output."""
   program, extra = SECTION_PROGRAMS[section]
   stem = os.path.splitext(_OUTPUT.value or f"/tmp/kernel_nn_{_DEVICE.value}.json")[0]
+  os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
   command = [sys.executable, "-m", program, f"--output={stem}_{section}.json",
              *extra.get(_DEVICE.value, [])]
   print("running", " ".join(command), flush=True)
