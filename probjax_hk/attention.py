@@ -15,8 +15,10 @@ Which kernel runs is decided in one place, `choose_attention_implementation`:
   GPUs, Pallas interpret mode elsewhere (slow; for tests). A query row that
   sees no key returns zeros (jax.nn's XLA path returns the mean of v there).
 * `None`: the fastest implementation that takes the inputs on this platform,
-  never an error for a valid input: 'flex' on an NVIDIA GPU when it takes the
-  inputs, else cuDNN where it fits, else XLA; always XLA on a CPU.
+  never an error for a valid input. On an NVIDIA GPU: 'flex' when it takes
+  the inputs and either H <= 32 (where it was measured faster than cuDNN) or
+  cuDNN cannot take them; else cuDNN where it fits; else XLA. Always XLA on a
+  CPU.
 """
 
 from typing import Callable, Literal
@@ -31,6 +33,13 @@ from probjax_hk import layers
 
 AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
 IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
+
+# Where both fit, `None` picks flex over cuDNN only up to this head size: on
+# the H200 flex beat cuDNN at H = 32 (forward 0.81-0.89 x, fwd+bwd 0.74-0.79 x)
+# and lost at H = 64 (1.05-1.14 x) and H = 128 (1.33-1.59 x); BUILD_NOTES.md,
+# "## flex_attention". Above it flex still runs where cuDNN cannot (f32, H > 128,
+# a window looking right).
+FLEX_PREFERRED_MAX_HEAD_DIM = 32
 
 
 def _normalize_window(local_window_size):
@@ -81,7 +90,8 @@ def choose_attention_implementation(
   The one dispatch rule (table in BUILD_NOTES.md, "## flex_attention"):
   explicit choices are honoured or raise; `None` on a CPU (or any non-NVIDIA
   backend) is 'xla'; on an NVIDIA GPU it is 'flex' when the kernel takes the
-  inputs, else 'cudnn' when cuDNN does, else 'xla'.
+  inputs and H <= FLEX_PREFERRED_MAX_HEAD_DIM (or cuDNN cannot take them),
+  else 'cudnn' when cuDNN does, else 'xla'.
 
   Returns:
     'xla', 'cudnn' or 'flex'. Raises a ValueError when an explicit
@@ -98,10 +108,11 @@ def choose_attention_implementation(
     if flex_limit is not None:
       raise ValueError(f"implementation='flex' is not available: {flex_limit}")
     return "flex"
-  if (implementation is None and _backend.on_nvidia_gpu()
-      and _flex_limit(query, bias, mask, query_seq_lengths, scale) is None):
-    return "flex"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
+  if (implementation is None and _backend.on_nvidia_gpu()
+      and _flex_limit(query, bias, mask, query_seq_lengths, scale) is None
+      and (query.shape[-1] <= FLEX_PREFERRED_MAX_HEAD_DIM or cudnn_limit is not None)):
+    return "flex"
   if implementation == "cudnn":
     if cudnn_limit is not None:
       raise ValueError(f"implementation='cudnn' is not available: {cudnn_limit}")
