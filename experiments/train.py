@@ -1,7 +1,28 @@
-r"""The main training job: a small Transformer learns to sort, with `fit()`.
+r"""The main training job: one of the package's models on a generated task, with `fit()`.
 
-    JAX_PLATFORMS=cpu python -m experiments.train --steps=300 \
-        --output_dir=/tmp/probjax_hk_train
+    JAX_PLATFORMS=cpu python -m experiments.train --model=transformer \
+        --steps=300 --output_dir=/tmp/probjax_hk_train
+
+`--model` picks the model and its task; none needs a download:
+
+  transformer  a bidirectional `Transformer` learns to sort: each example is
+               `--seq_len` random tokens from a vocabulary of `--vocab`, the
+               target at position t is the t-th smallest token. It must count,
+               over the whole sequence, how many tokens lie below each value, so
+               the per-token cross-entropy falls from log(vocab) (chance)
+               towards zero only as attention learns to do that.
+  moe          the same sorting task with a Transformer-like stack whose MLPs
+               are top-k `MoELayer`s (`hk.transform_with_state`: the layers'
+               `aux_loss` state is added to the loss, the load-balance loss is
+               logged).
+  ssm          a causal `SSMModel` (`--ssm_cell=lru|mamba`) learns to copy:
+               `--seq_len` random tokens, then as many blanks, during which it
+               must emit the tokens again (loss on the second half only).
+  dit          a `DiffusionTransformer` over the 4x4 patches (tokens) of
+               `--image_size`^2 grey images of random rectangles, discs and
+               gradients, drawn procedurally; DDPM noise prediction (cosine
+               schedule); samples with a deterministic DDIM sampler.
+  unet         a `UNet` (NHWC) on the same images and objective.
 
 Run the same command again with a larger `--steps` (e.g. 600) and it resumes
 from the newest checkpoint in `--output_dir/checkpoints`, continuing the step
@@ -9,16 +30,10 @@ count, the data order and the loss history exactly where they stopped
 (Ctrl-C also leaves a checkpoint). `--stream` feeds freshly generated batches
 through `fit()`'s prefetching stream instead of an in-memory data set.
 
-The task needs no download: each example is `--seq_len` random tokens from a
-vocabulary of `--vocab`, and the target at position t is the t-th smallest
-token (the sequence sorted). A bidirectional Transformer must count, over the
-whole sequence, how many tokens lie below each value, so the per-token
-cross-entropy falls from log(vocab) (chance) towards zero only as attention
-learns to do that. Only `--model=transformer` exists yet.
-
 Writes to `--output_dir`: `checkpoints/` (orbax, the last
-`--keep_checkpoints`), `history.json` (loss per step, validation loss) and,
-when matplotlib is installed, `loss.png`.
+`--keep_checkpoints`; the final one is the trained model), `history.json`
+(loss per step, validation loss), `loss.png` and, for dit and unet,
+`samples.png` (training images beside `--num_samples` samples).
 
 Several hosts (one process per host, all devices of all hosts in one mesh;
 `--output_dir` on a file system every host sees):
@@ -28,10 +43,14 @@ Several hosts (one process per host, all devices of all hosts in one mesh;
         --output_dir=/shared/probjax_hk_train
 """
 
+import dataclasses
+import functools
 import json
+import math
 import os
 import tempfile
 import time
+from typing import Any, Callable
 
 from absl import app
 from absl import flags
@@ -44,26 +63,42 @@ import optax
 
 import probjax_hk as pk
 
-_MODEL = flags.DEFINE_enum("model", "transformer", ["transformer"],
-                           "Which model to train.")
+MODELS = ("transformer", "moe", "ssm", "dit", "unet")
+_MODEL = flags.DEFINE_enum("model", "transformer", MODELS,
+                           "Which model (and task) to train.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Total training steps.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Sequences per step.")
+_BATCH_SIZE = flags.DEFINE_integer(
+    "batch_size", None, "Examples per step (default 64; unet 32).")
 _OUTPUT_DIR = flags.DEFINE_string(
-    "output_dir", None, "Checkpoints and history; default a new temp dir.")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 16, "Tokens per sequence.")
+    "output_dir", None, "Checkpoints, history and pictures; default a new temp"
+    " dir.")
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", 16, "Tokens per sequence (ssm: tokens to copy).")
 _VOCAB = flags.DEFINE_integer("vocab", 8, "Number of token values.")
+_IMAGE_SIZE = flags.DEFINE_integer(
+    "image_size", 16, "Side of the square images (dit, unet; a multiple of 4).")
 _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", 8192, "In-memory training set size (without --stream).")
 _STREAM = flags.DEFINE_bool(
     "stream", False, "Train on an endless generated stream instead.")
-_MODEL_DIM = flags.DEFINE_integer("model_dim", 64, "Transformer width D.")
+_MODEL_DIM = flags.DEFINE_integer(
+    "model_dim", None, "Width D (default 64; unet: the first level's"
+    " channels, default 16, doubled at the second level).")
 _NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
-_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Transformer blocks.")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Blocks (not unet).")
+_NUM_EXPERTS = flags.DEFINE_integer("num_experts", 4, "moe: experts per layer.")
+_TOP_K = flags.DEFINE_integer("top_k", 2, "moe: experts per token.")
+_SSM_CELL = flags.DEFINE_enum("ssm_cell", "lru", ["lru", "mamba"],
+                              "ssm: the recurrent cell.")
 _LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Adam's peak rate.")
 _DECAY_STEPS = flags.DEFINE_integer(
     "decay_steps", 2000, "Length of the warmup-cosine learning-rate schedule.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Activation dtype (parameters stay float32).")
+_SAMPLE_STEPS = flags.DEFINE_integer(
+    "sample_steps", 50, "dit/unet: DDIM steps of the sampler.")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", 16,
+                                    "dit/unet: samples drawn at the end.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between evals.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Steps between printouts.")
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
@@ -82,6 +117,10 @@ _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.")
 
+PATCH = 4  # dit: pixels per side of a patch (token)
+
+
+# --- data ---------------------------------------------------------------------
 
 def make_sorting_data(rng: np.random.RandomState, num_examples: int,
                       seq_len: int, vocab: int) -> dict[str, np.ndarray]:
@@ -90,37 +129,262 @@ def make_sorting_data(rng: np.random.RandomState, num_examples: int,
   return {"tokens": tokens, "targets": np.sort(tokens, axis=1)}
 
 
-def sorting_stream(seed: int, batch_size: int, seq_len: int, vocab: int):
-  """An endless generator of fresh sorting batches (host numpy).
+def make_copy_data(rng: np.random.RandomState, num_examples: int,
+                   seq_len: int, vocab: int) -> dict[str, np.ndarray]:
+  """tokens [N, 2T]: T tokens in 1..vocab-1 then T blanks (0); targets [N, 2T]:
+  blanks, then the first T tokens again."""
+  first = rng.randint(1, vocab, size=(num_examples, seq_len)).astype(np.int32)
+  blank = np.zeros_like(first)
+  return {"tokens": np.concatenate([first, blank], axis=1),
+          "targets": np.concatenate([blank, first], axis=1)}
 
-  With several processes each one yields its own rows: batch_size / P of them,
-  from its own seed.
+
+def make_shape_images(rng: np.random.RandomState, num_examples: int,
+                      size: int) -> dict[str, np.ndarray]:
+  """images [N, size, size, 1] float32 in [-1, 1]: a faint linear gradient and
+  one to three axis-aligned rectangles or discs of random grey levels."""
+  yy, xx = np.meshgrid(np.linspace(0, 1, size), np.linspace(0, 1, size),
+                       indexing="ij")  # [S, S]
+  n = num_examples
+  angle = rng.uniform(0, 2 * np.pi, (n, 1, 1))
+  amplitude = rng.uniform(0.0, 0.4, (n, 1, 1))
+  images = amplitude * (np.cos(angle) * xx + np.sin(angle) * yy)  # [N, S, S]
+  images = images - images.min(axis=(1, 2), keepdims=True)
+  for k in range(3):
+    present = (rng.uniform(size=(n, 1, 1)) < (1.0 if k == 0 else 0.5))
+    level = rng.uniform(0.4, 1.0, (n, 1, 1))
+    cy, cx = rng.uniform(0.15, 0.85, (2, n, 1, 1))
+    hy, hx = rng.uniform(0.08, 0.3, (2, n, 1, 1))
+    rect = (np.abs(yy - cy) <= hy) & (np.abs(xx - cx) <= hx)
+    disc = (yy - cy) ** 2 + (xx - cx) ** 2 <= hy ** 2
+    is_disc = rng.uniform(size=(n, 1, 1)) < 0.5
+    shape = np.where(is_disc, disc, rect) & present
+    images = np.where(shape, level, images)
+  images = np.clip(images, 0.0, 1.0) * 2.0 - 1.0
+  return {"images": images[..., None].astype(np.float32)}
+
+
+def patchify(images: jax.Array) -> jax.Array:
+  """[B, S, S, C] -> [B, (S/P)^2, P*P*C] tokens."""
+  b, s, _, c = images.shape
+  g = s // PATCH
+  x = images.reshape(b, g, PATCH, g, PATCH, c).transpose(0, 1, 3, 2, 4, 5)
+  return x.reshape(b, g * g, PATCH * PATCH * c)
+
+
+def unpatchify(tokens: jax.Array, size: int) -> jax.Array:
+  """The inverse of `patchify`."""
+  b, _, d = tokens.shape
+  g, c = size // PATCH, d // (PATCH * PATCH)
+  x = tokens.reshape(b, g, g, PATCH, PATCH, c).transpose(0, 1, 3, 2, 4, 5)
+  return x.reshape(b, size, size, c)
+
+
+# --- diffusion ----------------------------------------------------------------
+
+def alpha_bar(t: jax.Array) -> jax.Array:
+  """The cosine schedule (Nichol & Dhariwal 2021): signal fraction at t in [0, 1]."""
+  return jnp.clip(jnp.cos((t + 0.008) / 1.008 * jnp.pi / 2) ** 2, 1e-5, 1.0)
+
+
+def diffusion_loss(predict_noise: Callable[[jax.Array, jax.Array], jax.Array],
+                   x0: jax.Array) -> jax.Array:
+  """Mean squared error of the predicted noise at a random t per example."""
+  t_key, noise_key = jax.random.split(hk.next_rng_key())
+  t = jax.random.uniform(t_key, (x0.shape[0],))  # [B]
+  noise = jax.random.normal(noise_key, x0.shape, x0.dtype)
+  ab = alpha_bar(t).reshape((-1,) + (1,) * (x0.ndim - 1))
+  x_t = jnp.sqrt(ab) * x0 + jnp.sqrt(1.0 - ab) * noise
+  predicted = predict_noise(x_t, t * 1000.0).astype(jnp.float32)
+  return jnp.mean((predicted - noise) ** 2)
+
+
+def ddim_sample(predict_noise, params, rng, shape, num_steps: int) -> jax.Array:
+  """Deterministic DDIM (eta 0) from pure noise at t=1 to t=0; [shape] in [-1, 1].
+
+  `predict_noise(params, x_t, t_steps)` is a pure function (t in [0, 1000]).
   """
-  rng = np.random.RandomState([seed, jax.process_index()])
-  while True:
-    yield make_sorting_data(rng, batch_size // jax.process_count(), seq_len,
-                            vocab)
+  times = jnp.linspace(1.0, 0.0, num_steps + 1)
+  x = jax.random.normal(rng, shape, jnp.float32)
+
+  def body(i, x):
+    t, s = times[i], times[i + 1]
+    ab_t, ab_s = alpha_bar(t), alpha_bar(s)
+    noise = predict_noise(params, x, jnp.full((shape[0],), t * 1000.0))
+    x0 = jnp.clip((x - jnp.sqrt(1.0 - ab_t) * noise) / jnp.sqrt(ab_t), -1, 1)
+    return jnp.sqrt(ab_s) * x0 + jnp.sqrt(1.0 - ab_s) * noise
+  x = jax.lax.fori_loop(0, num_steps, body, x)
+  return jnp.clip(x, -1.0, 1.0)
+
+
+# --- the tasks ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class Task:
+  """A model with its generated data.
+
+  Attributes:
+    description: one line for the log.
+    make_data: (np RandomState, N) -> a dict of arrays [N, ...].
+    net: the `hk.transform[_with_state]` of batch -> (loss, aux dict).
+    loss_fn: what `fit()` gets (None: `fit_model(net)`).
+    loss_label: the y-axis of loss.png.
+    sample: (params, rng) -> images [K, S, S, 1] in [-1, 1], for diffusion.
+  """
+  description: str
+  make_data: Callable[[np.random.RandomState, int], dict[str, np.ndarray]]
+  net: Any
+  loss_fn: Callable[..., Any] | None = None
+  loss_label: str = "cross-entropy"
+  sample: Callable[..., jax.Array] | None = None
+
+
+def _cross_entropy(logits, labels, weights=None):
+  """(mean cross-entropy, {'accuracy'}) over the positions with weight 1."""
+  logits = logits.astype(jnp.float32)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [B, T]
+  correct = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+  if weights is None:
+    return jnp.mean(ce), {"accuracy": jnp.mean(correct)}
+  total = jnp.sum(weights)
+  return (jnp.sum(ce * weights) / total,
+          {"accuracy": jnp.sum(correct * weights) / total})
+
+
+def _embed_tokens(tokens, seq_len, vocab, model_dim, dtype):
+  x = jax.nn.one_hot(tokens, vocab, dtype=dtype)  # [B, T, V]
+  position = hk.get_parameter("position", [seq_len, model_dim], jnp.float32,
+                              init=hk.initializers.TruncatedNormal(0.02))
+  return pk.Linear(model_dim, name="embed")(x) + position.astype(dtype)
 
 
 def make_loss(seq_len: int, vocab: int, model_dim: int, num_heads: int,
               num_layers: int, dtype) -> hk.Transformed:
-  """hk.transform of batch -> (mean cross-entropy, {'accuracy'})."""
+  """The sorting Transformer: hk.transform of batch -> (mean CE, {'accuracy'})."""
 
   def loss(batch):
-    x = jax.nn.one_hot(batch["tokens"], vocab, dtype=dtype)  # [B, T, V]
-    position = hk.get_parameter("position", [seq_len, model_dim], jnp.float32,
-                                init=hk.initializers.TruncatedNormal(0.02))
-    x = pk.Linear(model_dim, name="embed")(x) + position.astype(dtype)
+    x = _embed_tokens(batch["tokens"], seq_len, vocab, model_dim, dtype)
     h = pk.Transformer(model_dim, num_heads, num_layers, is_causal=False)(
         x, is_training=True)  # [B, T, D]
-    logits = pk.Linear(vocab, name="head")(h).astype(jnp.float32)  # [B, T, V]
-    labels = batch["targets"]  # [B, T]
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
-    return jnp.mean(ce), {"accuracy": accuracy}
+    return _cross_entropy(pk.Linear(vocab, name="head")(h), batch["targets"])
 
   return hk.transform(loss)
 
+
+def make_moe_loss(seq_len: int, vocab: int, model_dim: int, num_heads: int,
+                  num_layers: int, num_experts: int, top_k: int, dtype):
+  """The sorting task with MoE blocks.
+
+  Returns:
+    (net, loss_fn): `net = hk.transform_with_state(batch -> (CE, aux))` and
+    `loss_fn(params, state, rng, batch) -> ((CE + sum of the layers' aux_loss,
+    aux), new_state)` for `fit()`.
+  """
+
+  def forward(batch):
+    x = _embed_tokens(batch["tokens"], seq_len, vocab, model_dim, dtype)
+    for i in range(num_layers):  # pre-norm blocks: attention, then MoE MLP
+      h = pk.RMSNorm(name=f"attention_norm_{i}")(x)
+      x = x + pk.MultiHeadAttention(num_heads, name=f"attention_{i}")(h)
+      h = pk.RMSNorm(name=f"moe_norm_{i}")(x)
+      x = x + pk.MoELayer(num_experts, top_k, 2 * model_dim,
+                          name=f"moe_{i}")(h)  # [B, T, D]
+    x = pk.RMSNorm(name="final_norm")(x)
+    return _cross_entropy(pk.Linear(vocab, name="head")(x), batch["targets"])
+
+  net = hk.transform_with_state(forward)
+
+  def loss_fn(params, state, rng, batch):
+    (ce, aux), new_state = net.apply(params, state, rng, batch)
+    layers = [s for s in new_state.values() if "aux_loss" in s]
+    aux_loss = sum(s["aux_loss"] for s in layers)
+    balance = sum(s["load_balance_loss"] for s in layers) / len(layers)
+    return (ce + aux_loss, dict(aux, cross_entropy=ce,
+                                load_balance_loss=balance)), new_state
+
+  return net, loss_fn
+
+
+def make_ssm_loss(seq_len: int, vocab: int, model_dim: int, num_layers: int,
+                  cell: str, dtype) -> hk.Transformed:
+  """The copy task: a causal SSMModel, CE on the second half."""
+  cell_cls = {"lru": pk.LRUCell, "mamba": pk.MambaCell}[cell]
+
+  def loss(batch):
+    x = jax.nn.one_hot(batch["tokens"], vocab, dtype=dtype)  # [B, 2T, V]
+    logits = pk.SSMModel(vocab, model_dim, vocab, num_layers, cell=cell_cls)(
+        x, is_training=True)  # [B, 2T, V]
+    weights = (jnp.arange(2 * seq_len) >= seq_len).astype(jnp.float32)  # [2T]
+    weights = jnp.broadcast_to(weights, batch["targets"].shape)
+    return _cross_entropy(logits, batch["targets"], weights)
+
+  return hk.transform(loss)
+
+
+def make_diffusion(model: str, image_size: int, model_dim: int,
+                   num_heads: int, num_layers: int, dtype):
+  """(net: batch -> (noise MSE, {}), predict_noise(params, x_t, t))."""
+
+  def predict(x_t, t):  # [B, S, S, 1], [B] -> [B, S, S, 1]
+    x_t = x_t.astype(dtype)
+    if model == "dit":
+      out = pk.DiffusionTransformer(model_dim, num_heads, num_layers,
+                                    name="dit")(patchify(x_t), t)
+      return unpatchify(out, image_size)
+    groups = min(8, model_dim)
+    return pk.UNet(1, (model_dim, 2 * model_dim), num_res_blocks=1,
+                   num_heads=num_heads, norm_groups=groups, name="unet")(x_t, t)
+
+  def loss(batch):
+    return diffusion_loss(predict, batch["images"]), {}
+
+  predictor = hk.without_apply_rng(hk.transform(predict))
+  return hk.transform(loss), predictor.apply
+
+
+def make_task(model: str) -> Task:
+  """The `Task` of `--model`, from the flags."""
+  seq_len, vocab = _SEQ_LEN.value, _VOCAB.value
+  dtype = jnp.dtype(_DTYPE.value)
+  heads, layers = _NUM_HEADS.value, _NUM_LAYERS.value
+  dim = _MODEL_DIM.value or (16 if model == "unet" else 64)
+  if model == "transformer":
+    return Task(
+        f"sorting {seq_len} tokens of {vocab} values with a Transformer;"
+        f" chance loss {math.log(vocab):.3f}",
+        functools.partial(make_sorting_data, seq_len=seq_len, vocab=vocab),
+        make_loss(seq_len, vocab, dim, heads, layers, dtype))
+  if model == "moe":
+    net, loss_fn = make_moe_loss(seq_len, vocab, dim, heads, layers,
+                                 _NUM_EXPERTS.value, _TOP_K.value, dtype)
+    return Task(
+        f"sorting {seq_len} tokens of {vocab} values with {layers} MoE blocks"
+        f" ({_NUM_EXPERTS.value} experts, top-{_TOP_K.value}); chance loss"
+        f" {math.log(vocab):.3f}",
+        functools.partial(make_sorting_data, seq_len=seq_len, vocab=vocab),
+        net, loss_fn, "cross-entropy + router losses")
+  if model == "ssm":
+    return Task(
+        f"copying {seq_len} tokens of {vocab - 1} values with a causal"
+        f" SSMModel ({_SSM_CELL.value}); chance loss {math.log(vocab - 1):.3f}",
+        functools.partial(make_copy_data, seq_len=seq_len, vocab=vocab),
+        make_ssm_loss(seq_len, vocab, dim, layers, _SSM_CELL.value, dtype))
+  size = _IMAGE_SIZE.value
+  if size % PATCH:
+    raise app.UsageError(f"--image_size must be a multiple of {PATCH}")
+  net, predict_noise = make_diffusion(model, size, dim, heads, layers, dtype)
+  num_samples, sample_steps = _NUM_SAMPLES.value, _SAMPLE_STEPS.value
+  sampler = jax.jit(lambda params, rng: ddim_sample(
+      predict_noise, params, rng, (num_samples, size, size, 1), sample_steps))
+  return Task(
+      f"denoising {size}x{size} images of rectangles and discs with a"
+      f" {'DiffusionTransformer' if model == 'dit' else 'UNet'}; noise MSE"
+      " starts near 1",
+      functools.partial(make_shape_images, size=size),
+      net, loss_label="noise MSE", sample=sampler)
+
+
+# --- output -------------------------------------------------------------------
 
 class _PrintLoss(pk.training.Callback):
   """Prints the loss every `every` steps and each validation loss."""
@@ -135,53 +399,87 @@ class _PrintLoss(pk.training.Callback):
 
   def on_step_end(self, step, metrics):
     if step % self.every == 0:
-      print(f"step {step:5d}  loss {metrics['loss']:.4f}  accuracy"
-            f" {metrics['accuracy']:.3f}  ({time.perf_counter() - self.start:.1f}"
-            " s)", flush=True)
+      extra = (f"  accuracy {metrics['accuracy']:.3f}" if "accuracy" in metrics
+               else "")
+      print(f"step {step:5d}  loss {metrics['loss']:.4f}{extra}"
+            f"  ({time.perf_counter() - self.start:.1f} s)", flush=True)
 
   def on_eval_end(self, step, metrics):
     print(f"step {step:5d}  validation loss {metrics['val_loss']:.4f}",
           flush=True)
 
 
-def _write_plot(history: dict, path: str) -> bool:
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return False
+def _pyplot():
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt
+
+
+def write_loss_plot(history: dict, path: str, title: str, label: str) -> None:
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot(history["step"], history["loss"], label="train")
+  ax.plot(history["step"], history["loss"], label="train", lw=0.8)
   if "val_loss" in history:
     ax.plot(history["val_step"], history["val_loss"], "o-", label="validation")
   ax.set_xlabel("step")
-  ax.set_ylabel("cross-entropy")
+  ax.set_ylabel(label)
+  ax.set_title(title, fontsize=9)
   ax.legend()
   fig.savefig(path, dpi=100, bbox_inches="tight")
   plt.close(fig)
-  return True
 
 
-def main(argv):
-  del argv
+def _grid(images: np.ndarray, columns: int) -> np.ndarray:
+  """[K, S, S, 1] -> one [rows*(S+1), columns*(S+1)] picture (1px gaps)."""
+  k, s = images.shape[:2]
+  rows = -(-k // columns)
+  out = np.ones((rows * (s + 1) - 1, columns * (s + 1) - 1), np.float32)
+  for i in range(k):
+    r, c = divmod(i, columns)
+    out[r * (s + 1):r * (s + 1) + s, c * (s + 1):c * (s + 1) + s] = images[i, ..., 0]
+  return out
+
+
+def write_samples(data: np.ndarray, samples: np.ndarray, path: str,
+                  title: str) -> None:
+  """Training images beside model samples, both in [-1, 1]."""
+  plt = _pyplot()
+  columns = max(1, int(math.ceil(math.sqrt(len(samples)))))
+  fig, axes = plt.subplots(1, 2, figsize=(8, 4.4))
+  for ax, images, name in ((axes[0], data, "training data"),
+                           (axes[1], samples, "samples (DDIM)")):
+    ax.imshow(_grid((images + 1) / 2, columns), cmap="gray", vmin=0, vmax=1,
+              interpolation="nearest")
+    ax.set_title(name)
+    ax.axis("off")
+  fig.suptitle(title, fontsize=9)
+  fig.savefig(path, dpi=100, bbox_inches="tight")
+  plt.close(fig)
+
+
+def train() -> pk.FitResult:
+  """Runs the job the flags describe; returns fit()'s result."""
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
     logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value:
     jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value,
                                _PROCESS_ID.value)
+  model = _MODEL.value
   output_dir = _OUTPUT_DIR.value or tempfile.mkdtemp(prefix="probjax_hk_train_")
   os.makedirs(output_dir, exist_ok=True)
-  seq_len, vocab = _SEQ_LEN.value, _VOCAB.value
-  dtype = jnp.dtype(_DTYPE.value)
-  net = make_loss(seq_len, vocab, _MODEL_DIM.value, _NUM_HEADS.value,
-                  _NUM_LAYERS.value, dtype)
+  batch_size = _BATCH_SIZE.value or (32 if model == "unet" else 64)
+  task = make_task(model)
   rng = np.random.RandomState(_SEED.value)
-  validation = make_sorting_data(rng, 512, seq_len, vocab)
+  validation = task.make_data(rng, 512)
   if _STREAM.value:
-    data = sorting_stream(_SEED.value + 1, _BATCH_SIZE.value, seq_len, vocab)
+    def stream(seed):  # with several processes each yields its own rows
+      rs = np.random.RandomState([seed, jax.process_index()])
+      while True:
+        yield task.make_data(rs, batch_size // jax.process_count())
+    data = stream(_SEED.value + 1)
   else:
-    data = make_sorting_data(rng, _NUM_EXAMPLES.value, seq_len, vocab)
+    data = task.make_data(rng, _NUM_EXAMPLES.value)
   # Independent of --steps: a resumed run with more steps follows the same
   # schedule as one uninterrupted run.
   schedule = optax.warmup_cosine_decay_schedule(
@@ -189,33 +487,54 @@ def main(argv):
       _LEARNING_RATE.value / 10)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 
-  print(f"sorting task: {seq_len} tokens of {vocab} values, chance loss"
-        f" {np.log(vocab):.3f}; {jax.device_count()} {jax.default_backend()}"
-        f" device(s); output in {output_dir}", flush=True)
-  result = pk.fit_model(
-      net, data, rng=_SEED.value, optimizer=optimizer,
-      batch_size=_BATCH_SIZE.value, num_steps=_STEPS.value,
-      validation_data=validation, eval_every=_EVAL_EVERY.value,
-      callbacks=[_PrintLoss(_LOG_EVERY.value)],
+  print(f"{model}: {task.description}; {jax.device_count()}"
+        f" {jax.default_backend()} device(s); output in {output_dir}",
+        flush=True)
+  kwargs = dict(
+      rng=_SEED.value, optimizer=optimizer, batch_size=batch_size,
+      num_steps=_STEPS.value, validation_data=validation,
+      eval_every=_EVAL_EVERY.value, callbacks=[_PrintLoss(_LOG_EVERY.value)],
       checkpoint_dir=os.path.join(output_dir, "checkpoints"),
       checkpoint_every=_CHECKPOINT_EVERY.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value,
       progress=_PROGRESS.value, log_every=_LOG_EVERY.value)  # logs with -v 0
+  if task.loss_fn is None:
+    result = pk.fit_model(task.net, data, **kwargs)
+  else:  # a Haiku-state model whose loss_fn wraps net.apply
+    example = jax.tree.map(lambda x: x[:batch_size], validation)
+    params, state = task.net.init(
+        jax.random.fold_in(jax.random.PRNGKey(_SEED.value), 3), example)
+    result = pk.fit(task.loss_fn, params, data, state=state, **kwargs)
 
   history = {k: v.tolist() for k, v in result.history.items()}
   with open(os.path.join(output_dir, "history.json"), "w") as f:
     json.dump(history, f)
-  plotted = _write_plot(history, os.path.join(output_dir, "loss.png"))
+  pictures = [os.path.join(output_dir, "loss.png")]
+  write_loss_plot(history, pictures[0], f"{model}: {task.description}",
+                  task.loss_label)
+  if task.sample is not None:
+    samples = np.asarray(task.sample(result.params,
+                                     jax.random.PRNGKey(_SEED.value + 7)))
+    pictures.append(os.path.join(output_dir, "samples.png"))
+    write_samples(validation["images"][:len(samples)], samples, pictures[1],
+                  f"{model}, step {result.step}: {_SAMPLE_STEPS.value} DDIM"
+                  " steps from noise")
   loss = result.history["loss"]
-  first = loss[: max(1, _LOG_EVERY.value)].mean() if len(loss) else float("nan")
-  last = loss[-max(1, _LOG_EVERY.value):].mean() if len(loss) else float("nan")
+  n = max(1, min(_LOG_EVERY.value, len(loss) // 2))
+  first = loss[:n].mean() if len(loss) else float("nan")
+  last = loss[-n:].mean() if len(loss) else float("nan")
   print(f"done: step {result.step}, loss {first:.4f} -> {last:.4f} (mean of"
-        f" first/last {_LOG_EVERY.value} steps), {result.steps_per_sec:.1f}"
-        f" steps/s", flush=True)
-  print(f"checkpoints: {output_dir}/checkpoints; history:"
-        f" {output_dir}/history.json"
-        + (f"; loss curve: {output_dir}/loss.png" if plotted else
-           " (install matplotlib for loss.png)"), flush=True)
+        f" first/last {n} steps), {result.steps_per_sec:.1f} steps/s",
+        flush=True)
+  print(f"checkpoints: {output_dir}/checkpoints (final: step {result.step});"
+        f" history: {output_dir}/history.json", flush=True)
+  print("pictures: " + " ".join(pictures), flush=True)
+  return result
+
+
+def main(argv):
+  del argv
+  train()
 
 
 if __name__ == "__main__":
