@@ -20,10 +20,12 @@ setuptools.setup(
         "tqdm",
         # fit()'s checkpoints; 0.12.8 installs beside jax 0.11.2 unchanged.
         "orbax-checkpoint",
+        # experiments/train.py's loss curve and sample grid (3.11 beside jax 0.11.2).
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest", "pytest-xdist", "hypothesis"],
-        # experiments/benchmark_figures.py only.
+        # experiments/benchmark_figures.py (matplotlib is now a requirement).
         "figures": ["matplotlib"],
     },
 )
