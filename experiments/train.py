@@ -79,6 +79,8 @@ _IMAGE_SIZE = flags.DEFINE_integer(
     "image_size", 16, "Side of the square images (dit, unet; a multiple of 4).")
 _NUM_EXAMPLES = flags.DEFINE_integer(
     "num_examples", 8192, "In-memory training set size (without --stream).")
+_NUM_VALIDATION = flags.DEFINE_integer("num_validation", 512,
+                                       "Validation set size.")
 _STREAM = flags.DEFINE_bool(
     "stream", False, "Train on an endless generated stream instead.")
 _MODEL_DIM = flags.DEFINE_integer(
@@ -207,14 +209,15 @@ def ddim_sample(predict_noise, params, rng, shape, num_steps: int) -> jax.Array:
   times = jnp.linspace(1.0, 0.0, num_steps + 1)
   x = jax.random.normal(rng, shape, jnp.float32)
 
-  def body(i, x):
+  def body(i, carry):
+    x, _ = carry
     t, s = times[i], times[i + 1]
     ab_t, ab_s = alpha_bar(t), alpha_bar(s)
     noise = predict_noise(params, x, jnp.full((shape[0],), t * 1000.0))
     x0 = jnp.clip((x - jnp.sqrt(1.0 - ab_t) * noise) / jnp.sqrt(ab_t), -1, 1)
-    return jnp.sqrt(ab_s) * x0 + jnp.sqrt(1.0 - ab_s) * noise
-  x = jax.lax.fori_loop(0, num_steps, body, x)
-  return jnp.clip(x, -1.0, 1.0)
+    return jnp.sqrt(ab_s) * x0 + jnp.sqrt(1.0 - ab_s) * noise, x0
+  # The last step returns its prediction of x0 (alpha_bar(0) < 1 leaves noise).
+  return jax.lax.fori_loop(0, num_steps, body, (x, x))[1]
 
 
 # --- the tasks ----------------------------------------------------------------
@@ -471,7 +474,7 @@ def train() -> pk.FitResult:
   batch_size = _BATCH_SIZE.value or (32 if model == "unet" else 64)
   task = make_task(model)
   rng = np.random.RandomState(_SEED.value)
-  validation = task.make_data(rng, 512)
+  validation = task.make_data(rng, _NUM_VALIDATION.value)
   if _STREAM.value:
     def stream(seed):  # with several processes each yields its own rows
       rs = np.random.RandomState([seed, jax.process_index()])
@@ -498,12 +501,14 @@ def train() -> pk.FitResult:
       checkpoint_every=_CHECKPOINT_EVERY.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value,
       progress=_PROGRESS.value, log_every=_LOG_EVERY.value)  # logs with -v 0
+  # A jitted init: op-by-op, a UNet's init compiles hundreds of small kernels.
+  example = jax.tree.map(lambda x: x[:batch_size], validation)
+  init = jax.jit(task.net.init)(
+      jax.random.fold_in(jax.random.PRNGKey(_SEED.value), 3), example)
   if task.loss_fn is None:
-    result = pk.fit_model(task.net, data, **kwargs)
+    result = pk.fit_model(task.net, data, params=init, **kwargs)
   else:  # a Haiku-state model whose loss_fn wraps net.apply
-    example = jax.tree.map(lambda x: x[:batch_size], validation)
-    params, state = task.net.init(
-        jax.random.fold_in(jax.random.PRNGKey(_SEED.value), 3), example)
+    params, state = init
     result = pk.fit(task.loss_fn, params, data, state=state, **kwargs)
 
   history = {k: v.tolist() for k, v in result.history.items()}
