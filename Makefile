@@ -17,7 +17,7 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 demo: $(STAMP)
-	d=$$(mktemp -d) && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=200 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=300 --output_dir=$$d
+	d=$$(mktemp -d) && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=200 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=300 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --model=unet --steps=300 --output_dir=$$d/unet
 
 test: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 -q tests

@@ -18,9 +18,20 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
 `steps_per_s` of a fit row is the call's whole wall time over its steps
 (setup, data placement, the last metrics read included); `steady_steps_per_s`
 is fit's own figure (first step excluded).
+
+`--repeats=R` runs bare_loop, fit_memory and fit_stream R times, interleaved
+(round r times all three), so a shared machine's load drifts across all rows
+alike; each row then reports the median over rounds and `ratio_min`/`ratio_max`,
+the spread of the per-round time ratio to that round's bare_loop.
+
+`--model=mlp` swaps the Transformer for a 3-hidden-layer MLP of width
+`--model_dim` on `--seq_len` features (the issue's benchmark): the step is then
+dominated by the optimizer's elementwise passes, the worst case for fit's
+non-finite guard.
 """
 
 import json
+import statistics
 import time
 
 from absl import app
@@ -42,11 +53,19 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
 _MODEL_DIM = flags.DEFINE_integer("model_dim", 256, "Transformer width.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.")
+_MODEL = flags.DEFINE_enum("model", "transformer", ["transformer", "mlp"],
+                           "The model whose training step is timed.")
+_REPEATS = flags.DEFINE_integer(
+    "repeats", 1, "Interleaved rounds of bare_loop/fit_memory/fit_stream.")
 _VOCAB = 256
 _NUM_EXAMPLES = 64
 
 
 def _loss(batch):
+  if _MODEL.value == "mlp":  # [B, F] features -> [B] regression
+    width = _MODEL_DIM.value
+    pred = hk.nets.MLP([width, width, width, 1])(batch["x"])[:, 0]
+    return jnp.mean((pred - batch["y"]) ** 2)
   x = jax.nn.one_hot(batch["tokens"], _VOCAB, dtype=jnp.bfloat16)  # [B, T, V]
   # jax.nn's attention (cuDNN on the GPU): this measures the loop, not kernels.
   h = pk.Transformer(_MODEL_DIM.value, 8, _NUM_LAYERS.value, is_causal=True,
@@ -62,6 +81,9 @@ OPTIMIZER = optax.adam(1e-3)
 
 def _data(n):
   rs = np.random.RandomState(0)
+  if _MODEL.value == "mlp":
+    x = rs.randn(n, _SEQ_LEN.value).astype(np.float32)
+    return {"x": x, "y": np.tanh(x.sum(1) / 8).astype(np.float32)}
   tokens = rs.randint(0, _VOCAB, (n, _SEQ_LEN.value)).astype(np.int32)
   return {"tokens": tokens, "targets": np.roll(tokens, 1, axis=1)}
 
@@ -78,9 +100,11 @@ def main(argv):
   steps, bsz = _STEPS.value, _BATCH.value
   data = _data(_NUM_EXAMPLES)
   params = NET.init(jax.random.PRNGKey(0), {k: v[:bsz] for k, v in data.items()})
-  config = dict(batch=bsz, seq_len=_SEQ_LEN.value, model_dim=_MODEL_DIM.value,
-                num_layers=_NUM_LAYERS.value, dtype="bfloat16",
-                platform=jax.default_backend(), steps=steps)
+  config = dict(model=_MODEL.value, batch=bsz, seq_len=_SEQ_LEN.value,
+                model_dim=_MODEL_DIM.value, num_layers=_NUM_LAYERS.value,
+                dtype="bfloat16" if _MODEL.value == "transformer" else
+                "float32", platform=jax.default_backend(), steps=steps,
+                repeats=_REPEATS.value)
   rows = []
 
   # bare_step: one call, synced (the harness' per-call median).
@@ -97,23 +121,26 @@ def main(argv):
 
   # bare_loop: the hand-written loop, donated state, synced once.
   step_fn = jax.jit(_bare_step, donate_argnums=(0, 1))
-  p = jax.tree.map(jnp.copy, params)
-  s = OPTIMIZER.init(p)
-  start = time.perf_counter()
-  p, s, loss = step_fn(p, s, rng, 0, device_batches[0])
-  jax.block_until_ready(loss)
-  compile_s = time.perf_counter() - start
-  for i in range(5):
-    p, s, loss = step_fn(p, s, rng, i, device_batches[i % len(device_batches)])
-  jax.block_until_ready((p, loss))
-  start = time.perf_counter()
-  for i in range(steps):
-    p, s, loss = step_fn(p, s, rng, i, device_batches[i % len(device_batches)])
-  jax.block_until_ready((p, loss))
-  wall = time.perf_counter() - start
-  rows.append(dict(config, case="bare_loop", status="ok",
-                   compile_s=compile_s, wall_s=wall, steps_per_s=steps / wall,
-                   final_loss=float(loss)))
+
+  def bare_loop():
+    p = jax.tree.map(jnp.copy, params)
+    s = OPTIMIZER.init(p)
+    start = time.perf_counter()
+    p, s, loss = step_fn(p, s, rng, 0, device_batches[0])
+    jax.block_until_ready(loss)
+    compile_s = time.perf_counter() - start
+    for i in range(5):
+      p, s, loss = step_fn(p, s, rng, i,
+                           device_batches[i % len(device_batches)])
+    jax.block_until_ready((p, loss))
+    start = time.perf_counter()
+    for i in range(steps):
+      p, s, loss = step_fn(p, s, rng, i,
+                           device_batches[i % len(device_batches)])
+    jax.block_until_ready((p, loss))
+    wall = time.perf_counter() - start
+    return dict(config, case="bare_loop", status="ok", compile_s=compile_s,
+                wall_s=wall, steps_per_s=steps / wall, final_loss=float(loss))
 
   def timed_fit(case, data_fn, num_steps, **kw):
     start = time.perf_counter()
@@ -133,25 +160,41 @@ def main(argv):
       idx = rs.randint(0, _NUM_EXAMPLES, bsz)
       yield {k: v[idx] for k, v in data.items()}
 
-  # First and second call (in-memory); then the steady-state rows.
-  rows.append(timed_fit("fit_first", lambda: data, _CALLS_STEPS.value))
-  rows.append(timed_fit("fit_second", lambda: data, _CALLS_STEPS.value))
-  rows.append(timed_fit("fit_memory", lambda: data, steps))
+  # First and second call (in-memory); then the steady-state rows, in
+  # interleaved rounds.
+  first = timed_fit("fit_first", lambda: data, _CALLS_STEPS.value)
+  second = timed_fit("fit_second", lambda: data, _CALLS_STEPS.value)
+  second["second_over_first_wall"] = second["wall_s"] / first["wall_s"]
   timed_fit("fit_stream_warmup", stream, 5)
-  rows.append(timed_fit("fit_stream", stream, steps))
-
-  bare = rows[1]["steps_per_s"]
-  for row in rows:
+  rounds = []
+  for _ in range(_REPEATS.value):
+    rounds.append((bare_loop(), timed_fit("fit_memory", lambda: data, steps),
+                   timed_fit("fit_stream", stream, steps)))
+  steady = []
+  for i in range(3):
+    runs = [r[i] for r in rounds]
+    ratios = [r[0]["steps_per_s"] / r[i]["steps_per_s"] for r in rounds]
+    row = dict(runs[0], steps_per_s=statistics.median(
+        x["steps_per_s"] for x in runs), wall_s=statistics.median(
+            x["wall_s"] for x in runs), bare_loop_time_ratio=statistics.median(
+                ratios), ratio_min=min(ratios), ratio_max=max(ratios))
+    if "steady_steps_per_s" in row:
+      row["steady_steps_per_s"] = statistics.median(
+          x["steady_steps_per_s"] for x in runs)
+    steady.append(row)
+  bare = steady[0]["steps_per_s"]
+  for row in (rows[0], first, second):
     if "steps_per_s" in row:
       row["bare_loop_time_ratio"] = bare / row["steps_per_s"]
-  rows[3]["second_over_first_wall"] = rows[3]["wall_s"] / rows[2]["wall_s"]
+  rows = [rows[0], steady[0], first, second] + steady[1:]
   meta = harness.environment()
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
       json.dump({"environment": meta, "rows": rows}, f, indent=1)
   print(harness.format_table(rows, [
       "case", "status", "steps_per_s", "steady_steps_per_s",
-      "bare_loop_time_ratio", "wall_s", "compile_s", "final_loss"]))
+      "bare_loop_time_ratio", "ratio_min", "ratio_max", "wall_s", "compile_s",
+      "second_over_first_wall"]))
 
 
 if __name__ == "__main__":

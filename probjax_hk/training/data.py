@@ -33,6 +33,7 @@ import numpy as np
 from probjax_hk.training import sharding as sharding_lib
 
 PREFETCH = 2
+BLOCK_STEPS = 64  # in-memory data: epochs' orders are drawn >= this many steps at a time
 LAST_BATCH_MODES = ("drop", "pad")
 _END = object()
 
@@ -108,22 +109,35 @@ class ArrayData:
     self.arrays = sharding_lib.put_replicated(data, mesh)
     self.mesh = mesh
 
-  def permutation(self, data_key, epoch: int) -> jax.Array:
-    """The epoch's example order, cut or padded to `steps_per_epoch * B`."""
-    return _permutation(data_key, jnp.int32(epoch), self.num_examples,
+    # Orders are drawn a block of epochs at a time, at least BLOCK_STEPS steps'
+    # worth: with one or a few steps per epoch, a host call per epoch would
+    # cost more than the step itself.
+    self.epochs_per_block = -(-BLOCK_STEPS // self.steps_per_epoch)
+
+  def permutation(self, data_key, block: int) -> jax.Array:
+    """The example order of epochs `block * E ... block * E + E - 1`
+    (E = `epochs_per_block`), each cut or padded to `steps_per_epoch * B`,
+    concatenated: [E * steps_per_epoch * B]. Epoch e's order depends only on
+    `(data_key, e)`, whatever the block size."""
+    first = np.int32(block * self.epochs_per_block)
+    return _permutation(data_key, first, self.epochs_per_block,
+                        self.num_examples,
                         self.steps_per_epoch * self.batch_size,
                         sharding_lib.replicated(self.mesh))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _permutation(data_key, epoch, num_examples, length, out_sharding):
-  perm = jax.random.permutation(jax.random.fold_in(data_key, epoch),
-                                num_examples)
-  if length <= num_examples:  # 'drop': the remainder is left out
-    perm = perm[:length]
-  else:  # 'pad': the last batch's extra rows are masked out
-    perm = jnp.pad(perm, (0, length - num_examples))
-  return jax.lax.with_sharding_constraint(perm.astype(jnp.int32), out_sharding)
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _permutation(data_key, first_epoch, num_epochs, num_examples, length,
+                 out_sharding):
+  def one(epoch):
+    perm = jax.random.permutation(jax.random.fold_in(data_key, epoch),
+                                  num_examples)
+    if length <= num_examples:  # 'drop': the remainder is left out
+      return perm[:length]
+    return jnp.pad(perm, (0, length - num_examples))  # 'pad': masked rows
+  perms = jax.vmap(one)(first_epoch + jnp.arange(num_epochs, dtype=jnp.int32))
+  return jax.lax.with_sharding_constraint(
+      perms.reshape(-1).astype(jnp.int32), out_sharding)
 
 
 class StreamData:

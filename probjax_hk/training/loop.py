@@ -373,14 +373,15 @@ class _Loop:
     step_fn = step_lib.array_step(self.spec)
     key = step_lib.data_key(self.ts["rng"])
     steps_per_epoch = source.steps_per_epoch
-    order = {}  # epoch -> permutation [steps_per_epoch * B], one at a time
+    steps_per_block = steps_per_epoch * source.epochs_per_block
+    order = {}  # block -> the orders of its epochs (one block at a time)
 
     def dispatch():
-      epoch = self.step // steps_per_epoch
-      if epoch not in order:
+      block = self.step // steps_per_block
+      if block not in order:
         order.clear()
-        order[epoch] = source.permutation(key, epoch)
-      return step_fn(self.ts, source.arrays, order[epoch], source.batch_size,
+        order[block] = source.permutation(key, block)
+      return step_fn(self.ts, source.arrays, order[block], source.batch_size,
                      steps_per_epoch, source.num_examples)
     if eval_every is None:
       eval_every = steps_per_epoch

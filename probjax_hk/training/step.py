@@ -144,11 +144,18 @@ def stream_step(spec: StepSpec):
 
 
 def array_step(spec: StepSpec):
-  """jit(ts, data [N, ...], perm [steps_per_epoch * B], batch_size,
-  steps_per_epoch, num_examples) -> (ts, metrics); gathers on the device."""
+  """jit(ts, data [N, ...], perm [E * steps_per_epoch * B], batch_size,
+  steps_per_epoch, num_examples) -> (ts, metrics); gathers on the device.
+
+  `perm` holds the orders of E consecutive epochs (a block, see
+  `data.ArrayData.permutation`), the one of ts['step'] among them.
+  """
   def step(ts, data, perm, batch_size, steps_per_epoch, num_examples):
-    start = (ts["step"] % steps_per_epoch) * batch_size
-    index = jax.lax.dynamic_slice_in_dim(perm, start, batch_size)  # [B]
+    epoch_length = steps_per_epoch * batch_size
+    epochs_in_block = perm.shape[0] // epoch_length
+    start = (ts["step"] % steps_per_epoch) * batch_size  # within the epoch
+    offset = ((ts["step"] // steps_per_epoch) % epochs_in_block) * epoch_length
+    index = jax.lax.dynamic_slice_in_dim(perm, offset + start, batch_size)
     batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
     batch = jax.lax.with_sharding_constraint(
         batch, sharding_lib.batch_sharding(spec.mesh))
