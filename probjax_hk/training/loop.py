@@ -141,7 +141,11 @@ def _signature(tree):
 
 
 def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
-  """Traces `loss_fn` (no compile; cached); returns has_aux, checks the loss."""
+  """Traces `loss_fn` (no compile; cached); checks the loss.
+
+  Returns:
+    (has_aux, the step's metric names).
+  """
   key = (loss_fn, has_state, _signature((params, state, rng, batch, mask)))
   if key not in _structure_cache:
     if len(_structure_cache) > 64:
@@ -165,7 +169,7 @@ def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
   if not hasattr(loss, "shape") or loss.shape != ():
     raise ValueError(f"`loss_fn` must return a scalar loss (or (loss, aux)),"
                      f" got {jax.tree.map(lambda x: x.shape, loss)}")
-  return has_aux
+  return has_aux, step_lib.metric_names(out[1] if has_aux else None)
 
 
 def _jsonable(history: dict[str, list]) -> dict[str, list]:
@@ -299,12 +303,13 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
   has_state = state is not None
   mask_example = (jax.ShapeDtypeStruct((source.batch_size,), jnp.bool_)
                   if last_batch == "pad" else None)
-  has_aux = _loss_structure(loss_fn, params, state, rng, example, mask_example,
-                            has_state)
+  has_aux, names = _loss_structure(loss_fn, params, state, rng, example,
+                                   mask_example, has_state)
   spec = step_lib.StepSpec(
       loss_fn=loss_fn, optimizer=optimizer, has_state=has_state,
       has_aux=has_aux, use_mask=last_batch == "pad",
-      on_nonfinite=on_nonfinite, mesh=mesh, donate=donate)
+      on_nonfinite=on_nonfinite, mesh=mesh, donate=donate,
+      metric_names=names)
 
   # The training state: copies on the mesh, so donation never hits the caller.
   ts = sharding_lib.put_replicated({
@@ -438,7 +443,8 @@ class _Loop:
       self._process(*self.pending.pop(0))
 
   def _process(self, step: int, device_metrics):
-    metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+    values = np.asarray(device_metrics).tolist()  # [M], the one host copy
+    metrics = dict(zip(self.spec.metric_names, values))
     now = time.perf_counter()
     if self.timer_start is None:
       self.timer_start = now

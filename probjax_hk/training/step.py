@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from probjax_hk.training import sharding as sharding_lib
@@ -46,6 +47,21 @@ class StepSpec(NamedTuple):
   on_nonfinite: str  # 'raise': the first non-finite step freezes the state
   mesh: jax.sharding.Mesh
   donate: bool
+  # The step's metrics, packed into one f32 vector in this order (one
+  # device-to-host copy per step); None: a dict (see `metric_names`).
+  metric_names: tuple[str, ...] | None = None
+
+
+BASE_METRICS = ("loss", "grad_norm", "finite")
+
+
+def metric_names(aux) -> tuple[str, ...]:
+  """The metric names of a step whose loss returns `aux` (arrays or
+  ShapeDtypeStructs): the base metrics, then the aux dict's scalars."""
+  names = BASE_METRICS
+  if isinstance(aux, dict):
+    names += tuple(str(k) for k, v in aux.items() if not np.shape(v))
+  return tuple(dict.fromkeys(names))
 
 
 _cache: collections.OrderedDict = collections.OrderedDict()
@@ -92,7 +108,7 @@ def _scalar_aux(aux) -> dict[str, jax.Array]:
   if not isinstance(aux, dict):
     return {}
   return {str(k): jnp.asarray(v, jnp.float32) for k, v in aux.items()
-          if jnp.ndim(v) == 0}
+          if not np.shape(v)}
 
 
 def _train_step(spec: StepSpec, ts, batch, mask):
@@ -130,6 +146,8 @@ def _train_step(spec: StepSpec, ts, batch, mask):
   }
   metrics = {"loss": loss, "grad_norm": grad_norm,
              "finite": finite.astype(jnp.float32), **_scalar_aux(aux)}
+  if spec.metric_names is not None:  # [M] f32, one host copy
+    metrics = jnp.stack([metrics[k] for k in spec.metric_names])
   return new_ts, metrics
 
 

@@ -305,3 +305,20 @@ def test_bad_data_raises():
         epochs=1, progress=False)
   with pytest.raises(ValueError, match="unknown argument"):
     probjax_hk.fit_model(common.NET, data, epochs=1, lerning_rate=1.0)
+
+
+def _loss_with_aux(params, rng, batch):
+  """(mse, aux): scalars are recorded, arrays are not; an aux 'loss' wins."""
+  pred = common.NET.apply(params, rng, batch)
+  return pred, {"twice": 2.0 * pred, "rows": batch["y"], "loss": pred + 1.0}
+
+
+def test_scalar_aux_metrics_reach_the_history_and_callbacks():
+  seen = []
+  r = fit(_loss_with_aux, common.init_params(), common.make_data(),
+          batch_size=16, num_steps=3, progress=False,
+          callbacks=[lambda step, metrics: seen.append(sorted(metrics))])
+  assert seen[0] == ["finite", "grad_norm", "loss", "twice"]
+  np.testing.assert_allclose(r.history["twice"], 2 * (r.history["loss"] - 1),
+                             rtol=1e-6)
+  assert "rows" not in r.history
