@@ -53,16 +53,13 @@ def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path,
   if model == "moe":  # the router's state reaches the loss and the history
     assert "load_balance_loss" in history and result.state is not None
     assert history["loss"][0] > history["cross_entropy"][0]
-
-
-def test_a_second_run_resumes_from_the_checkpoint(tmp_path, capsys):
-  argv = _TINY + ["--model=transformer", f"--output_dir={tmp_path}"]
-  _run(argv)
-  result = _run(argv + ["--steps=5"])
-  assert result.step == 5
-  assert "resumed from the checkpoint at step 3" in capsys.readouterr().out
-  with open(tmp_path / "history.json") as f:
-    assert json.load(f)["step"] == [1, 2, 3, 4, 5]
+  if model == "transformer":  # the same command with more steps resumes
+    result = _run(_TINY + [f"--model={model}", f"--output_dir={tmp_path}",
+                           "--steps=5"])
+    assert result.step == 5
+    assert "resumed from the checkpoint at step 3" in capsys.readouterr().out
+    with open(tmp_path / "history.json") as f:
+      assert json.load(f)["step"] == [1, 2, 3, 4, 5]
 
 
 def test_tasks_are_what_the_docstring_says():
