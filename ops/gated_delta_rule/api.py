@@ -7,18 +7,16 @@ K key size, V value size.
 """
 
 import jax
-import jax.numpy as jnp
 
 from ops import _backend
 from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
+from ops.ssd.api import chunked_kernel_limit
 from ops.ssd.api import validate
-
-_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
-
 
 # Flip once a GPU run has compiled the kernel and measured it against XLA.
 _PALLAS_IS_GPU_DEFAULT = False
+
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
                      beta: jax.Array, *, scale: float | None = None,
@@ -54,18 +52,10 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"gated_delta_rule: `chunk_size` must be a positive int, "
                      f"got {chunk_size!r}")
-  key, value = q.shape[-1], v.shape[-1]
 
   def kernel_limit():
-    for name, x in (("q", q), ("k", k), ("v", v)):
-      if jnp.dtype(x.dtype) not in _DTYPES:
-        return f"`{name}` dtype {x.dtype} is not one of float32, bfloat16, float16"
-    if key > pallas_impl.MAX_HEAD_SIZE or value > pallas_impl.MAX_HEAD_SIZE:
-      return (f"K = {key} and V = {value} must be <= {pallas_impl.MAX_HEAD_SIZE} "
-              "(a chunk's [K, V] state and gradients live in registers)")
-    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
-      return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
-    return None
+    return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
+                                "a chunk's [K, V] state and gradients live in registers")
 
   # Not yet compiled on a GPU (BUILD_NOTES.md): `None` stays on XLA until a
   # GPU run shows the kernel compiles and wins.

@@ -48,6 +48,21 @@ def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
       raise ValueError(f"{op}: `{name}` must be floating point, got {x.dtype}")
 
 
+
+def chunked_kernel_limit(q, k, v, chunk_size: int | None, max_head_size: int,
+                         why: str) -> str | None:
+  """The limits the chunked Pallas kernels (ssd, gated_delta_rule) share:
+  None when they take the inputs, else the argument and the limit."""
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if jnp.dtype(x.dtype) not in _DTYPES:
+      return f"`{name}` dtype {x.dtype} is not one of float32, bfloat16, float16"
+  key, value = k.shape[-1], v.shape[-1]
+  if key > max_head_size or value > max_head_size:
+    return f"K = {key} and V = {value} must be <= {max_head_size} ({why})"
+  if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+    return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
+  return None
+
 def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         initial_state: jax.Array | None = None, chunk_size: int | None = None,
         implementation: _backend.Implementation = None
@@ -75,18 +90,10 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   validate("ssd", q, k, v, log_decay, initial_state)
   if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
     raise ValueError(f"ssd: `chunk_size` must be a positive int, got {chunk_size!r}")
-  key, value = q.shape[-1], v.shape[-1]
 
   def kernel_limit():
-    for name, x in (("q", q), ("k", k), ("v", v)):
-      if jnp.dtype(x.dtype) not in _DTYPES:
-        return f"`{name}` dtype {x.dtype} is not one of float32, bfloat16, float16"
-    if key > pallas_impl.MAX_HEAD_SIZE or value > pallas_impl.MAX_HEAD_SIZE:
-      return (f"K = {key} and V = {value} must be <= {pallas_impl.MAX_HEAD_SIZE} "
-              "(the state tile lives in registers)")
-    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
-      return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
-    return None
+    return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
+                                "the state tile lives in registers")
 
   # Not yet compiled on a GPU (BUILD_NOTES.md): `None` stays on XLA until a
   # GPU run shows the kernel compiles and wins.
