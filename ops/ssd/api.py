@@ -19,6 +19,7 @@ _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 # Flip once a GPU run has compiled the kernel and measured it against XLA.
 _PALLAS_IS_GPU_DEFAULT = False
 
+
 def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
   if v.ndim != 4:
