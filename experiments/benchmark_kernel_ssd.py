@@ -19,8 +19,6 @@ default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a
 CPU smoke test; the kernels run in Pallas interpret mode there).
 """
 
-import functools
-import json
 
 from absl import app
 from absl import flags

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 

@@ -84,9 +84,7 @@ class DiffusionTransformer(hk.Module):
     """
     super().__init__(name=name)
     transformer.check_model_args(model_dim, num_heads, num_layers, num_kv_heads,
-                                 dropout_rate, remat_policy)
-    if scan_unroll < 1:
-      raise ValueError(f"`scan_unroll` must be >= 1, got {scan_unroll=}")
+                                 dropout_rate, remat_policy, scan_unroll)
     self.model_dim = model_dim
     self.num_heads = num_heads
     self.num_layers = num_layers

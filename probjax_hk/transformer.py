@@ -8,7 +8,6 @@ N query heads, K key/value heads, H = D / N head size.
 
 import haiku as hk
 import jax
-import jax.numpy as jnp
 
 from probjax_hk import attention
 from probjax_hk import layers
@@ -17,7 +16,7 @@ from probjax_hk import stacking
 
 def check_model_args(model_dim: int, num_heads: int, num_layers: int,
                      num_kv_heads: int | None, dropout_rate: float,
-                     remat_policy: stacking.RematPolicy) -> None:
+                     remat_policy: stacking.RematPolicy, scan_unroll: int) -> None:
   """The constructor checks the Transformer and DiffusionTransformer share."""
   if model_dim <= 0 or num_heads <= 0 or num_layers <= 0:
     raise ValueError(f"`model_dim`, `num_heads` and `num_layers` must be positive, "
@@ -29,6 +28,8 @@ def check_model_args(model_dim: int, num_heads: int, num_layers: int,
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
   stacking.validate_remat_policy(remat_policy)
+  if scan_unroll < 1:
+    raise ValueError(f"`scan_unroll` must be >= 1, got {scan_unroll=}")
 
 
 def check_tokens(x: jax.Array, name: str = "x") -> None:
@@ -115,9 +116,7 @@ class Transformer(hk.Module):
     """
     super().__init__(name=name)
     check_model_args(model_dim, num_heads, num_layers, num_kv_heads, dropout_rate,
-                     remat_policy)
-    if scan_unroll < 1:
-      raise ValueError(f"`scan_unroll` must be >= 1, got {scan_unroll=}")
+                     remat_policy, scan_unroll)
     self.model_dim = model_dim
     self.num_heads = num_heads
     self.num_layers = num_layers

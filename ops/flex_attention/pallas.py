@@ -211,7 +211,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   bk = st.config.fwd.block_k
   seq_kv = k_ref.shape[0]
   q0 = (num_q_tiles - 1 - pl.program_id(0)) * bq
-  c = st.scale * _LOG2E
   q = q_ref[...]  # [bq, Hp]
   kv_len = kv_len_ref[0]
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]

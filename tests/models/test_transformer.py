@@ -1,6 +1,5 @@
 """Transformer and DiffusionTransformer: stacking, remat, dtypes, masking, errors."""
 
-import functools
 
 import chex
 import haiku as hk
