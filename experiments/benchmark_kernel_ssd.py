@@ -10,7 +10,7 @@ Shapes are those of ../shared/ANCHORS.md ("Linear attention / SSD kernels"):
 of a scalar sum of the outputs w.r.t. every input ("fwd+bwd"). `ops.ssd` runs
 as 'pallas' (default chunk 64, and chunk 128) and 'xla' (the pure-JAX chunked
 SSD, chunk 128, the ANCHORS.md peer); `ops.gated_delta_rule` as 'pallas'
-(chunk 64, and chunk 32) and 'xla' (the chunked WY form, chunk 64). The Pallas
+(default chunk 32, and chunk 64) and 'xla' (the chunked WY form, chunk 64). The Pallas
 rows carry `ratio_vs_xla`, from this same run; ANCHORS.md has the Triton peers
 (flash-linear-attention) measured separately. Before timing, the kernels are checked
 against the step-by-step reference on this device (`check` rows). `--models`
@@ -37,6 +37,8 @@ _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssd.json", "JSON
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, few calls (CPU smoke test).")
 _MODELS = flags.DEFINE_bool("models", True, "Also time SSMModel train steps per cell.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_CHECK = flags.DEFINE_bool("check", True, "Check the kernels against the reference first.")
+_SHAPES = flags.DEFINE_list("shapes", None, "Indices into SHAPES to time (default: all).")
 
 # (B, T, N, K, V)
 SHAPES = ((8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128), (8, 16384, 4, 64, 64))
@@ -47,7 +49,7 @@ IMPLEMENTATIONS = {
     "ssd/pallas_chunk128": ("ssd", "pallas", 128),
     "ssd/xla": ("ssd", "xla", 128),
     "gated_delta_rule/pallas": ("gated_delta_rule", "pallas", None),
-    "gated_delta_rule/pallas_chunk32": ("gated_delta_rule", "pallas", 32),
+    "gated_delta_rule/pallas_chunk64": ("gated_delta_rule", "pallas", 64),
     "gated_delta_rule/xla": ("gated_delta_rule", "xla", 64),
 }
 
@@ -114,7 +116,8 @@ def check_rows(quick):
   return rows
 
 
-def kernel_rows(shapes, iters, warmup):
+def kernel_rows(shapes, iters, warmup, sink):
+  """Times every implementation at every shape; `sink` takes each row."""
   rows = []
   for shape in shapes:
     batch, time, heads, key, value = shape
@@ -138,6 +141,7 @@ def kernel_rows(shapes, iters, warmup):
         logging.info("%s %s %s: %s %s", name, mode, shape, row["status"],
                      row.get("median_ms"))
         rows.append(row)
+        sink(row)
   add_ratios(rows)
   return rows
 
@@ -153,7 +157,7 @@ def add_ratios(rows):
         r["ratio_vs_xla"] = r["median_ms"] / peer
 
 
-def model_rows(quick, iters, warmup):
+def model_rows(quick, iters, warmup, sink):
   """SSMModel(16, 128, 16, 4) SGD train step per cell: default vs 'xla'."""
   import haiku as hk
   from probjax_hk.ssm import GatedDeltaNetCell
@@ -185,6 +189,7 @@ def model_rows(quick, iters, warmup):
       row = harness.run_case(config, build, warmup=warmup, iters=iters)
       logging.info("%s %s: %s %s", cell_name, impl, row["status"], row.get("median_ms"))
       rows.append(row)
+      sink(row)
   default = {r["cell"]: r.get("median_ms") for r in rows if r["implementation"] == "None"}
   for r in rows:
     if r["implementation"] == "xla" and r.get("median_ms") and default.get(r["cell"]):
@@ -196,13 +201,23 @@ def main(argv):
   del argv
   quick = _QUICK.value
   iters, warmup = (2, 1) if quick else (_ITERS.value, 2)
-  rows = check_rows(quick)
-  harness.write_rows(rows, _OUTPUT.value)
-  rows += kernel_rows(QUICK_SHAPES if quick else SHAPES, iters, warmup)
-  harness.write_rows(rows, _OUTPUT.value)
-  if _MODELS.value:
-    rows += model_rows(quick, iters, warmup)
+  rows = []
+
+  def sink(row):
+    """Rewrites the JSON after every row: a run cut short keeps what it measured."""
+    rows.append(row)
     harness.write_rows(rows, _OUTPUT.value)
+
+  if _CHECK.value:
+    for row in check_rows(quick):
+      sink(row)
+  shapes = QUICK_SHAPES if quick else SHAPES
+  if _SHAPES.value:
+    shapes = [SHAPES[int(i)] for i in _SHAPES.value]
+  kernel_rows(shapes, iters, warmup, sink)  # Adds the ratios to the rows in place.
+  if _MODELS.value:
+    model_rows(quick, iters, warmup, sink)
+  harness.write_rows(rows, _OUTPUT.value)
   print(harness.format_table([r for r in rows if r["kind"] == "check"],
                              ["op", "implementation", "dtype", "status", "y_err",
                               "final_err", "grad_err"]))

@@ -51,7 +51,7 @@ MAX_HEAD_SIZE = 128
 @dataclasses.dataclass(frozen=True)
 class GatedDeltaBlocks:
   """Tiling of the gated delta rule kernels."""
-  chunk: int = 64              # tokens per chunk (L); a power of two >= 16
+  chunk: int = 32              # tokens per chunk (L); a power of two >= 16
   block_v: int = 32            # V columns per program in the states/output kernels
   num_warps: int = 4           # warps of the prepare/output/gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
@@ -69,7 +69,7 @@ class GatedDeltaBlocks:
                   chunk: int | None = None) -> "GatedDeltaBlocks":
     key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
     if chunk is None:
-      chunk = min(64, max(16, _next_pow2(time)))
+      chunk = min(32, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
     return cls(chunk=chunk, block_v=min(32, value), num_warps=8 if big else 4,
                state_num_warps=4)

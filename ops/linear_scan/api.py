@@ -16,7 +16,9 @@ from ops.linear_scan.xla import linear_scan_xla
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 
-# Flip once a GPU run has compiled the kernel and measured it against XLA.
+# Measured on an H200 (BUILD_NOTES.md, "SSM scans"): at B 8, D 256 the kernel
+# loses to `lax.associative_scan` at T 4096 (forward and fwd+bwd) and wins
+# only fwd+bwd at T 16384, so `None` stays on XLA; 'pallas' selects it.
 _PALLAS_IS_GPU_DEFAULT = False
 
 
@@ -46,7 +48,7 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     initial_state: [B, D], the state before the first step processed (zeros
       when None).
     reverse: run from the last time step to the first.
-    implementation: None (XLA until the kernel is measured on a GPU; see
+    implementation: None (XLA: the kernel measured slower on an H200; see
       `_PALLAS_IS_GPU_DEFAULT`),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
       (`lax.associative_scan`).
@@ -64,8 +66,6 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
     return None
 
-  # Not yet compiled on a GPU (BUILD_NOTES.md, "SSM scans"): `None` stays on
-  # XLA until a GPU run shows the kernel compiles and wins.
   backend = _backend.choose("linear_scan", implementation, kernel_limit,
                             default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
   if backend == "pallas":

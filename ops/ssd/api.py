@@ -16,10 +16,6 @@ from ops.ssd.xla import ssd_xla
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-# Flip once a GPU run has compiled the kernel and measured it against XLA.
-_PALLAS_IS_GPU_DEFAULT = False
-
-
 def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
   if v.ndim != 4:
@@ -64,6 +60,7 @@ def chunked_kernel_limit(q, k, v, chunk_size: int | None, max_head_size: int,
     return f"`chunk_size` must be a power of two >= 16, got {chunk_size}"
   return None
 
+
 def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         initial_state: jax.Array | None = None, chunk_size: int | None = None,
         implementation: _backend.Implementation = None
@@ -96,9 +93,8 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
                                 "the state tile lives in registers")
 
-  # Not yet compiled on a GPU (BUILD_NOTES.md): `None` stays on XLA until a
-  # GPU run shows the kernel compiles and wins.
-  backend = _backend.choose("ssd", implementation, kernel_limit,
-                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
+  # Measured on an H200 (BUILD_NOTES.md, "SSD and the gated delta rule"): the
+  # kernels beat the chunked XLA form at every measured shape.
+  backend = _backend.choose("ssd", implementation, kernel_limit)
   fn = pallas_impl.ssd_pallas if backend == "pallas" else ssd_xla
   return fn(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)

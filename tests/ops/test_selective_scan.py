@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from ops import _backend
-from ops.selective_scan import api
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_pallas
 from ops.selective_scan import selective_scan_reference
@@ -138,14 +137,11 @@ def test_default_backend_on_cpu_is_xla():
                           u, delta, A, B, C)
 
 
-
-@pytest.mark.parametrize("gpu_default", [False, True])
-def test_default_backend_on_gpu_follows_the_flag(monkeypatch, gpu_default):
-  # Until a GPU run has measured the kernel, `None` stays on XLA on GPUs too.
+def test_default_backend_on_gpu_is_the_kernel(monkeypatch):
+  # Measured faster than XLA on an H200 (BUILD_NOTES.md), so `None` picks it.
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
-  monkeypatch.setattr(api, "_PALLAS_IS_GPU_DEFAULT", gpu_default)
   args = _inputs(1, 8, 4, 2, "float32")[:5]
-  assert _has_pallas_call(lambda *a: selective_scan(*a), *args) == gpu_default
+  assert _has_pallas_call(lambda *a: selective_scan(*a), *args)
 
 
 def test_jit_and_vmap():
