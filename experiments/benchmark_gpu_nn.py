@@ -5,7 +5,7 @@
         --output /tmp/gpu_nn_cpu.json
 
 Standard profile: batch 8, width 256, 8 heads of 32, 4 layers. One JSON row
-per (model, attention, dtype, tokens, mode) with `status` in
+per (model, attention or op implementation, dtype, tokens, mode) with `status` in
 ok | OOM | fail | unsup | error; a failing case records its row and the grid
 moves on. The train step is `jax.value_and_grad` of a mean-square loss plus an
 Adam update, with the parameter and optimizer buffers donated.
@@ -31,6 +31,9 @@ _MODELS = flags.DEFINE_list("models", ["transformer", "dit"],
                             "ssm_ssd, ssm_mamba2, ssm_gated_delta_net.")
 _ATTENTION = flags.DEFINE_list("attention", ["default", "xla", "cudnn"],
                                "Attention implementations ('default' = None).")
+_SSM_IMPLEMENTATION = flags.DEFINE_list(
+    "ssm_implementation", ["default", "xla"],
+    "SSM op implementations ('default' = None, 'pallas', 'xla').")
 _DTYPE = flags.DEFINE_list("dtype", ["bfloat16", "float32"], "Input dtypes.")
 _TOKENS = flags.DEFINE_list("tokens", ["1024", "4096"], "Sequence lengths.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Batch size.")
@@ -39,9 +42,13 @@ _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 MODEL_DIM, NUM_HEADS, NUM_LAYERS = 256, 8, 4
 
 
+def _implementation(name: str) -> str | None:
+  """A flag value ('default', 'pallas', 'xla', ...) as an `implementation` argument."""
+  return None if name == "default" else name
+
+
 def _attention_fn(attention: str) -> Callable:
-  implementation = None if attention in ("default", "none") else attention
-  return functools.partial(pk.dot_product_attention, implementation=implementation)
+  return functools.partial(pk.dot_product_attention, implementation=_implementation(attention))
 
 
 def transformer_case(attention_fn, batch, tokens, dtype):
@@ -59,18 +66,23 @@ def dit_case(attention_fn, batch, tokens, dtype):
 
 
 def ssm_case(cell_name, **cell_kwargs):
-  """SSMModel(16, 128, 16, 4), the SSM benchmark profile, with one cell."""
-  def case(attention_fn, batch, tokens, dtype):
-    del attention_fn
+  """SSMModel(16, 128, 16, 4), the SSM benchmark profile, with one cell.
+
+  The case's `implementation` ('default', 'pallas', 'xla') goes to the cell's
+  scan op.
+  """
+  def case(implementation, batch, tokens, dtype):
     cell = getattr(pk, cell_name)
+    kwargs = dict(cell_kwargs, implementation=_implementation(implementation))
     model = hk.transform(lambda x, t: pk.SSMModel(16, 128, 16, 4, cell=cell,
-                                                  cell_kwargs=cell_kwargs)(x))
+                                                  cell_kwargs=kwargs)(x))
     x = jax.random.normal(jax.random.key(1), (batch, tokens, 16), dtype)
     return model, (x, jnp.zeros((batch,)))
   return case
 
 
-# name -> (attention_fn, batch, tokens, dtype) -> (transformed model, inputs).
+# name -> (attention_fn or SSM implementation, batch, tokens, dtype)
+#      -> (transformed model, inputs).
 MODELS = {
     "transformer": transformer_case,
     "dit": dit_case,
@@ -80,35 +92,39 @@ MODELS = {
     "ssm_mamba2": ssm_case("Mamba2Cell"),
     "ssm_gated_delta_net": ssm_case("GatedDeltaNetCell", num_heads=2),
 }
-# Models with attention run once per --attention value; the others once.
+# Models with attention run once per --attention value, the SSMs once per
+# --ssm_implementation value.
 ATTENTION_MODELS = ("transformer", "dit")
 
 
 def _check_attention(attention, tokens, batch, dtype):
   """Raises harness.Unsupported when the attention cannot take this case."""
-  if attention == "none":
-    return
-  implementation = None if attention == "default" else attention
   q = jax.ShapeDtypeStruct((batch, tokens, NUM_HEADS, MODEL_DIM // NUM_HEADS), dtype)
   try:
-    pk.choose_attention_implementation(q, q, q, implementation=implementation)
+    pk.choose_attention_implementation(q, q, q, implementation=_implementation(attention))
   except ValueError as e:
     raise harness.Unsupported(str(e)) from e
 
 
-def build_forward(model_name, attention, batch, tokens, dtype):
+def _make_case(model_name, choice, batch, tokens, dtype):
+  """`choice`: the attention implementation or, for an SSM, the op implementation."""
+  if model_name in ATTENTION_MODELS:
+    _check_attention(choice, tokens, batch, dtype)
+    choice = _attention_fn(choice)
+  return MODELS[model_name](choice, batch, tokens, dtype)
+
+
+def build_forward(model_name, choice, batch, tokens, dtype):
   def build():
-    _check_attention(attention, tokens, batch, dtype)
-    model, inputs = MODELS[model_name](_attention_fn(attention), batch, tokens, dtype)
+    model, inputs = _make_case(model_name, choice, batch, tokens, dtype)
     params = model.init(jax.random.key(0), *inputs)
     return jax.jit(lambda p, *a: model.apply(p, None, *a)), (params, *inputs)
   return build
 
 
-def build_train_step(model_name, attention, batch, tokens, dtype):
+def build_train_step(model_name, choice, batch, tokens, dtype):
   def build():
-    _check_attention(attention, tokens, batch, dtype)
-    model, inputs = MODELS[model_name](_attention_fn(attention), batch, tokens, dtype)
+    model, inputs = _make_case(model_name, choice, batch, tokens, dtype)
     params = model.init(jax.random.key(0), *inputs)
     optimizer = optax.adam(1e-4)
     opt_state = optimizer.init(params)
@@ -135,19 +151,21 @@ def main(argv):
     for dtype_name in _DTYPE.value:
       dtype = jnp.dtype(dtype_name)
       for tokens in map(int, _TOKENS.value):
-        attentions = _ATTENTION.value if model_name in ATTENTION_MODELS else ["none"]
-        for attention in attentions:
+        # The attention implementation, or the SSM cell's op implementation.
+        is_attention = model_name in ATTENTION_MODELS
+        key = "attention" if is_attention else "implementation"
+        for choice in _ATTENTION.value if is_attention else _SSM_IMPLEMENTATION.value:
           for mode, builder in (("forward", build_forward), ("train_step", build_train_step)):
-            config = dict(model=model_name, attention=attention, dtype=dtype_name,
-                          tokens=tokens, batch=_BATCH.value, mode=mode)
-            row = harness.run_case(config, builder(model_name, attention, _BATCH.value,
+            config = dict(model=model_name, dtype=dtype_name, tokens=tokens,
+                          batch=_BATCH.value, mode=mode, **{key: choice})
+            row = harness.run_case(config, builder(model_name, choice, _BATCH.value,
                                                    tokens, dtype), iters=_ITERS.value,
                                    carry_outputs=2 if mode == "train_step" else 0)
             logging.info("%s", row)
             rows.append(row)
             harness.write_rows(rows, _OUTPUT.value)  # A killed run keeps its rows.
-  print(harness.format_table(rows, ["model", "attention", "dtype", "tokens", "mode",
-                                    "status", "median_ms", "compile_s"]))
+  print(harness.format_table(rows, ["model", "attention", "implementation", "dtype",
+                                    "tokens", "mode", "status", "median_ms", "compile_s"]))
 
 
 if __name__ == "__main__":
