@@ -346,6 +346,14 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
   return loop.result(checkpoint_dir)
 
 
+def _copy_metrics_early() -> bool:
+  """On an accelerator, each step's metrics start their copy to the host as
+  soon as the step is dispatched, so that reading them a step later does not
+  wait for a transfer that could have overlapped. On CPU there is no transfer
+  to hide and the extra call measured slower (about 40 us a step)."""
+  return jax.default_backend() != "cpu"
+
+
 class _Loop:
   """The host side of one fit: dispatch, metrics one step behind, events."""
 
@@ -361,6 +369,7 @@ class _Loop:
     self.total = total
     self.step = int(ts["step"])
     self.pending = []  # [(step, device metrics)], at most 2
+    self.copy_metrics_early = _copy_metrics_early()
     self.stop = False
     self.stopped_early = False
     self.nonfinite_step = None
@@ -422,6 +431,8 @@ class _Loop:
         if out is None:  # the stream ended
           break
         self.ts, metrics = out
+        if self.copy_metrics_early:
+          metrics.copy_to_host_async()
         self.step += 1
         self.pending.append((self.step, metrics))
         if len(self.pending) > 1:

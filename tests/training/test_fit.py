@@ -172,6 +172,17 @@ def test_validation_history_and_early_stopping():
 _ZERO_LR = optax.sgd(0.0)
 
 
+def test_early_metric_copies_give_the_same_history(monkeypatch):
+  # The accelerator path (copy_to_host_async after each dispatch) on CPU.
+  args = (common.loss_fn, common.init_params(), common.make_data())
+  kwargs = dict(batch_size=16, num_steps=8, optimizer=common.OPTIMIZER, progress=False)
+  plain = fit(*args, **kwargs)
+  monkeypatch.setattr(fit_lib, "_copy_metrics_early", lambda: True)
+  early = fit(*args, **kwargs)
+  np.testing.assert_array_equal(early.history["loss"], plain.history["loss"])
+  np.testing.assert_array_equal(early.history["step"], plain.history["step"])
+
+
 def test_callback_sees_metrics_and_stops():
   seen = []
   def callback(step, metrics):
