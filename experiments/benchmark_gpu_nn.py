@@ -9,9 +9,17 @@ per (model, attention or op implementation, dtype, tokens, mode) with `status` i
 ok | OOM | fail | unsup | error; a failing case records its row and the grid
 moves on. The train step is `jax.value_and_grad` of a mean-square loss plus an
 Adam update, with the parameter and optimizer buffers donated.
+
+`unet` and `moe` in `--models` run their own programs in a child process
+(`benchmark_unet`: one fresh process per case for the memory peak;
+`benchmark_kernel_moe --sections moe`: MoELayer per `dropless_impl`), writing
+`<output stem>_unet.json` / `_moe.json` beside `--output`.
 """
 
 import functools
+import os
+import subprocess
+import sys
 from typing import Callable
 
 from absl import app
@@ -28,7 +36,7 @@ import probjax_hk as pk
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gpu_nn.json", "JSON output path.")
 _MODELS = flags.DEFINE_list("models", ["transformer", "dit"],
                             "Models to run: transformer, dit, ssm_lru, ssm_mamba, "
-                            "ssm_ssd, ssm_mamba2, ssm_gated_delta_net.")
+                            "ssm_ssd, ssm_mamba2, ssm_gated_delta_net, unet, moe.")
 _ATTENTION = flags.DEFINE_list("attention", ["default", "xla", "cudnn"],
                                "Attention implementations ('default' = None).")
 _SSM_IMPLEMENTATION = flags.DEFINE_list(
@@ -144,10 +152,37 @@ def build_train_step(model_name, choice, batch, tokens, dtype):
   return build
 
 
+# Models benchmarked by their own program: name -> (module, extra flags, and
+# the flags of a small CPU smoke run).
+PROGRAMS = {
+    "unet": ("experiments.benchmark_unet", lambda: [f"--dtypes={','.join(_DTYPE.value)}"],
+             ["--quick"]),
+    "moe": ("experiments.benchmark_kernel_moe", lambda: ["--sections=moe"], ["--tokens=256"]),
+}
+
+
+def _run_program(model_name: str) -> None:
+  module, extra, cpu_extra = PROGRAMS[model_name]
+  output = f"{os.path.splitext(_OUTPUT.value)[0]}_{model_name}.json"
+  command = [sys.executable, "-m", module, f"--output={output}", *extra()]
+  if jax.default_backend() == "cpu":
+    command += cpu_extra
+  print("running", " ".join(command), flush=True)
+  if subprocess.run(command).returncode:
+    print(f"{model_name}: {module} failed; its rows so far are in {output}", flush=True)
+
+
 def main(argv):
   del argv
+  unknown = set(_MODELS.value) - set(MODELS) - set(PROGRAMS)
+  if unknown:
+    raise ValueError(f"--models: unknown {sorted(unknown)}; choose from "
+                     f"{sorted(MODELS) + sorted(PROGRAMS)}")
   rows = []
   for model_name in _MODELS.value:
+    if model_name in PROGRAMS:
+      _run_program(model_name)
+      continue
     for dtype_name in _DTYPE.value:
       dtype = jnp.dtype(dtype_name)
       for tokens in map(int, _TOKENS.value):
