@@ -14,6 +14,9 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
   fit_stream    fit() on a generator of host numpy batches (prefetch thread).
   fit_first / fit_second   the wall time of a first and a second fit() call
                 of `--calls_steps` steps: the second one compiles nothing.
+  fit_memory_calls   with `--steps_per_call=K` > 1: fit() on in-memory arrays
+                running K steps per compiled call (one dispatch and one
+                metrics read per K steps).
 
 `steps_per_s` of a fit row is the call's whole wall time over its steps
 (setup, data placement, the last metrics read included); `steady_steps_per_s`
@@ -53,6 +56,8 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
 _MODEL_DIM = flags.DEFINE_integer("model_dim", 256, "Transformer width.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.")
+_STEPS_PER_CALL = flags.DEFINE_integer(
+    "steps_per_call", 1, "K > 1 adds a fit_memory_calls row: fit(steps_per_call=K).")
 _MODEL = flags.DEFINE_enum("model", "transformer", ["transformer", "mlp"],
                            "The model whose training step is timed.")
 _REPEATS = flags.DEFINE_integer(
@@ -166,12 +171,18 @@ def main(argv):
   second = timed_fit("fit_second", lambda: data, _CALLS_STEPS.value)
   second["second_over_first_wall"] = second["wall_s"] / first["wall_s"]
   timed_fit("fit_stream_warmup", stream, 5)
+  cases = [bare_loop, lambda: timed_fit("fit_memory", lambda: data, steps),
+           lambda: timed_fit("fit_stream", stream, steps)]
+  if _STEPS_PER_CALL.value > 1:
+    k = _STEPS_PER_CALL.value
+    timed_fit("fit_memory_calls_warmup", lambda: data, 2 * k, steps_per_call=k)
+    cases.append(lambda: dict(timed_fit("fit_memory_calls", lambda: data, steps,
+                                        steps_per_call=k), steps_per_call=k))
   rounds = []
   for _ in range(_REPEATS.value):
-    rounds.append((bare_loop(), timed_fit("fit_memory", lambda: data, steps),
-                   timed_fit("fit_stream", stream, steps)))
+    rounds.append([case() for case in cases])
   steady = []
-  for i in range(3):
+  for i in range(len(cases)):
     runs = [r[i] for r in rounds]
     ratios = [r[0]["steps_per_s"] / r[i]["steps_per_s"] for r in rounds]
     row = dict(runs[0], steps_per_s=statistics.median(

@@ -43,7 +43,7 @@ _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
     "validation_data", "eval_every", "callbacks", "checkpoint_dir",
     "checkpoint_every", "keep_checkpoints", "resume", "mesh", "donate",
-    "progress", "log_every", "last_batch", "on_nonfinite")
+    "progress", "log_every", "last_batch", "on_nonfinite", "steps_per_call")
 
 
 @dataclasses.dataclass
@@ -197,6 +197,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         log_every: int | None = None,
         last_batch: str = "drop",
         on_nonfinite: str = "raise",
+        steps_per_call: int = 1,
         **unknown) -> FitResult:
   """Trains `params` to minimise `loss_fn` over `data`.
 
@@ -205,7 +206,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       Haiku `state`: `loss_fn(params, state, rng, batch) -> (loss | (loss,
       aux), new_state)` (the signature of `hk.transform(...).apply` and
       `hk.transform_with_state(...).apply`). `loss` is a scalar; scalars in an
-      `aux` dict are recorded in the history. With `last_batch='pad'` it is
+      `aux` dict are recorded in the history (as `aux/<key>` where the key is
+      'loss', 'grad_norm' or 'finite'). With `last_batch='pad'` it is
       also called with `mask=` ([B] bool, True on real rows).
     params: the initial parameters (copied, never donated).
     data: in-memory data, a pytree of arrays [N, ...] (a dict, tuple or array;
@@ -243,6 +245,13 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       `result` and the checkpoint hold the last finite parameters). 'skip':
       such steps are rejected (parameters unchanged), logged, listed in
       `history['nonfinite_steps']`, and the fit goes on.
+    steps_per_call: in-memory data only: run up to this many steps in one
+      compiled call (a `lax.scan`), so that the host dispatches and reads
+      metrics once per call. For small models whose step takes less time
+      than the loop's per-step host work (well under a millisecond on a
+      GPU). Calls never cross an evaluation, a checkpoint or the end;
+      callbacks still see every step, but a stop they ask for takes effect
+      at the end of the call.
 
   Returns:
     A `FitResult`.
@@ -260,7 +269,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                      f" {step_lib.NONFINITE_MODES}, got {on_nonfinite=}")
   _check_positive(batch_size=batch_size, num_steps=num_steps, epochs=epochs,
                   eval_every=eval_every, checkpoint_every=checkpoint_every,
-                  keep_checkpoints=keep_checkpoints, log_every=log_every)
+                  keep_checkpoints=keep_checkpoints, log_every=log_every,
+                  steps_per_call=steps_per_call)
   if last_batch == "pad" and not _accepts_mask(loss_fn):
     raise ValueError("`last_batch='pad'` passes `mask=` to `loss_fn`, which"
                      " takes no `mask` argument")
@@ -286,6 +296,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     if epochs is not None:
       raise ValueError("`epochs` needs in-memory `data`; a stream trains until"
                        " it ends or for `num_steps`")
+    if steps_per_call != 1:
+      raise ValueError(f"`steps_per_call` > 1 needs in-memory `data` (a stream"
+                       f" yields one batch per step), got {steps_per_call=}")
     if not isinstance(data, Iterable):
       raise ValueError(f"`data` must be a pytree of arrays or an iterable of"
                        f" batches, got {type(data)}")
@@ -331,7 +344,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
   else:
     ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
   loop = _Loop(spec, ts, history, callbacks, checkpointer, checkpoint_every,
-               progress, log_every, total)
+               progress, log_every, total, steps_per_call)
   try:
     if in_memory:
       loop.run_arrays(source, eval_every, validation)
@@ -358,7 +371,7 @@ class _Loop:
   """The host side of one fit: dispatch, metrics one step behind, events."""
 
   def __init__(self, spec, ts, history, callbacks, checkpointer,
-               checkpoint_every, progress, log_every, total):
+               checkpoint_every, progress, log_every, total, steps_per_call=1):
     self.spec = spec
     self.ts = ts
     self.history = history
@@ -367,8 +380,9 @@ class _Loop:
     self.checkpoint_every = checkpoint_every
     self.log_every = log_every
     self.total = total
+    self.steps_per_call = steps_per_call
     self.step = int(ts["step"])
-    self.pending = []  # [(step, device metrics)], at most 2
+    self.pending = []  # [(first step, steps, device metrics)], at most 2
     self.copy_metrics_early = _copy_metrics_early()
     self.stop = False
     self.stopped_early = False
@@ -384,10 +398,18 @@ class _Loop:
   # --- the two drivers -------------------------------------------------------
 
   def run_arrays(self, source: data_lib.ArrayData, eval_every, validation):
-    step_fn = step_lib.array_step(self.spec)
+    step_fns = {1: step_lib.array_step(self.spec)}
+    if self.steps_per_call > 1:
+      step_fns[self.steps_per_call] = step_lib.array_step(self.spec, self.steps_per_call)
     key = step_lib.data_key(self.ts["rng"])
     steps_per_epoch = source.steps_per_epoch
     steps_per_block = steps_per_epoch * source.epochs_per_block
+    if eval_every is None:
+      eval_every = steps_per_epoch
+    # A multi-step call must end at or before every step where the host acts
+    # between steps: evaluations, checkpoints, the end, a new block of orders.
+    boundaries = [steps_per_block, self.checkpoint_every,
+                  eval_every if validation is not None else None]
     order = {}  # block -> the orders of its epochs (one block at a time)
 
     def dispatch():
@@ -395,11 +417,21 @@ class _Loop:
       if block not in order:
         order.clear()
         order[block] = source.permutation(key, block)
-      return step_fn(self.ts, source.arrays, order[block], source.batch_size,
-                     steps_per_epoch, source.num_examples)
-    if eval_every is None:
-      eval_every = steps_per_epoch
+      n = self.steps_per_call
+      if n > 1 and not self._call_fits(n, boundaries):
+        n = 1
+      out = step_fns[n](self.ts, source.arrays, order[block], source.batch_size,
+                        steps_per_epoch, source.num_examples)
+      return out, n
     self._guard(self._run(dispatch, eval_every, validation))
+
+  def _call_fits(self, n: int, boundaries) -> bool:
+    """Whether steps `step + 1 .. step + n` cross no boundary before the last."""
+    start, end = self.step, self.step + n
+    if self.total is not None and end > self.total:
+      return False
+    return all(not every or (end - 1) // every == start // every
+               for every in boundaries)
 
   def run_stream(self, source: data_lib.StreamData, eval_every, validation):
     step_fn = step_lib.stream_step(self.spec)
@@ -409,7 +441,7 @@ class _Loop:
       item = next(batches, None)
       if item is None:
         return None
-      return step_fn(self.ts, *item)
+      return step_fn(self.ts, *item), 1
     self._guard(self._run(dispatch, eval_every, validation))
 
   # --- the loop --------------------------------------------------------------
@@ -430,11 +462,11 @@ class _Loop:
         out = dispatch()
         if out is None:  # the stream ended
           break
-        self.ts, metrics = out
+        (self.ts, metrics), steps = out
         if self.copy_metrics_early:
           metrics.copy_to_host_async()
-        self.step += 1
-        self.pending.append((self.step, metrics))
+        self.pending.append((self.step + 1, steps, metrics))
+        self.step += steps
         if len(self.pending) > 1:
           self._process(*self.pending.pop(0))
         if validation is not None and eval_every and self.step % eval_every == 0:
@@ -453,15 +485,19 @@ class _Loop:
     while self.pending:
       self._process(*self.pending.pop(0))
 
-  def _process(self, step: int, device_metrics):
-    values = np.asarray(device_metrics).tolist()  # [M], the one host copy
-    metrics = dict(zip(self.spec.metric_names, values))
+  def _process(self, first: int, steps: int, device_metrics):
+    rows = np.asarray(device_metrics).reshape(steps, -1).tolist()  # one host copy
+    # Throughput counts from the end of the first call (its compile excluded).
     now = time.perf_counter()
     if self.timer_start is None:
       self.timer_start = now
     else:
-      self.timer_steps += 1
+      self.timer_steps += steps
     self.timer_end = now
+    for i, values in enumerate(rows):
+      self._process_step(first + i, dict(zip(self.spec.metric_names, values)))
+
+  def _process_step(self, step: int, metrics: dict):
     self.history["step"].append(step)
     for name, value in metrics.items():
       self.history.setdefault(name, []).append(value)

@@ -55,12 +55,19 @@ class StepSpec(NamedTuple):
 BASE_METRICS = ("loss", "grad_norm", "finite")
 
 
+def _aux_name(key) -> str:
+  """An aux scalar's metric name: its key, or `aux/<key>` where the key is a
+  base metric's name (an aux 'loss' must not replace the loss)."""
+  name = str(key)
+  return f"aux/{name}" if name in BASE_METRICS else name
+
+
 def metric_names(aux) -> tuple[str, ...]:
   """The metric names of a step whose loss returns `aux` (arrays or
   ShapeDtypeStructs): the base metrics, then the aux dict's scalars."""
   names = BASE_METRICS
   if isinstance(aux, dict):
-    names += tuple(str(k) for k, v in aux.items() if not np.shape(v))
+    names += tuple(_aux_name(k) for k, v in aux.items() if not np.shape(v))
   return tuple(dict.fromkeys(names))
 
 
@@ -107,7 +114,7 @@ def call_loss(spec: StepSpec, params, state, rng, batch, mask):
 def _scalar_aux(aux) -> dict[str, jax.Array]:
   if not isinstance(aux, dict):
     return {}
-  return {str(k): jnp.asarray(v, jnp.float32) for k, v in aux.items()
+  return {_aux_name(k): jnp.asarray(v, jnp.float32) for k, v in aux.items()
           if not np.shape(v)}
 
 
@@ -161,33 +168,46 @@ def stream_step(spec: StepSpec):
   return _cached("stream", spec, build)
 
 
-def array_step(spec: StepSpec):
+def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,
+                num_examples):
+  """One step on the rows `perm` assigns to `ts['step']`, gathered on the device."""
+  epoch_length = steps_per_epoch * batch_size
+  epochs_in_block = perm.shape[0] // epoch_length
+  start = (ts["step"] % steps_per_epoch) * batch_size  # within the epoch
+  offset = ((ts["step"] // steps_per_epoch) % epochs_in_block) * epoch_length
+  index = jax.lax.dynamic_slice_in_dim(perm, offset + start, batch_size)
+  batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
+  batch = jax.lax.with_sharding_constraint(
+      batch, sharding_lib.batch_sharding(spec.mesh))
+  mask = None
+  if spec.use_mask:
+    mask = start + jnp.arange(batch_size) < num_examples  # [B]
+  return _train_step(spec, ts, batch, mask)
+
+
+def array_step(spec: StepSpec, num_steps: int = 1):
   """jit(ts, data [N, ...], perm [E * steps_per_epoch * B], batch_size,
   steps_per_epoch, num_examples) -> (ts, metrics); gathers on the device.
 
   `perm` holds the orders of E consecutive epochs (a block, see
-  `data.ArrayData.permutation`), the one of ts['step'] among them.
+  `data.ArrayData.permutation`), the one of ts['step'] among them. With
+  `num_steps` K > 1 the call runs K consecutive steps (a `lax.scan`, all in
+  the same block) and returns metrics stacked [K, M]: one dispatch and one
+  host read per K steps.
   """
-  def step(ts, data, perm, batch_size, steps_per_epoch, num_examples):
-    epoch_length = steps_per_epoch * batch_size
-    epochs_in_block = perm.shape[0] // epoch_length
-    start = (ts["step"] % steps_per_epoch) * batch_size  # within the epoch
-    offset = ((ts["step"] // steps_per_epoch) % epochs_in_block) * epoch_length
-    index = jax.lax.dynamic_slice_in_dim(perm, offset + start, batch_size)
-    batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
-    batch = jax.lax.with_sharding_constraint(
-        batch, sharding_lib.batch_sharding(spec.mesh))
-    mask = None
-    if spec.use_mask:
-      mask = start + jnp.arange(batch_size) < num_examples  # [B]
-    return _train_step(spec, ts, batch, mask)
+  def steps(ts, data, perm, batch_size, steps_per_epoch, num_examples):
+    args = (data, perm, batch_size, steps_per_epoch, num_examples)
+    if num_steps == 1:
+      return _array_step(spec, ts, *args)
+    return jax.lax.scan(lambda ts, _: _array_step(spec, ts, *args), ts,
+                        length=num_steps)
 
   def build():
     rep = sharding_lib.replicated(spec.mesh)
-    return jax.jit(step, static_argnums=(3, 4, 5),
+    return jax.jit(steps, static_argnums=(3, 4, 5),
                    donate_argnums=(0,) if spec.donate else (),
                    out_shardings=(rep, rep))
-  return _cached("array", spec, build)
+  return _cached("array", (spec, num_steps), build)
 
 
 def eval_step(spec: StepSpec):

@@ -1,5 +1,6 @@
 """Tests of fit(): data kinds, compile caching, non-finite steps, arguments."""
 
+import chex
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -321,7 +322,8 @@ def test_bad_data_raises():
 
 
 def _loss_with_aux(params, rng, batch):
-  """(mse, aux): scalars are recorded, arrays are not; an aux 'loss' wins."""
+  """(mse, aux): scalars are recorded, arrays are not; an aux 'loss' is
+  recorded as 'aux/loss' beside the loss."""
   pred = common.NET.apply(params, rng, batch)
   return pred, {"twice": 2.0 * pred, "rows": batch["y"], "loss": pred + 1.0}
 
@@ -331,7 +333,48 @@ def test_scalar_aux_metrics_reach_the_history_and_callbacks():
   r = fit(_loss_with_aux, common.init_params(), common.make_data(),
           batch_size=16, num_steps=3, progress=False,
           callbacks=[lambda step, metrics: seen.append(sorted(metrics))])
-  assert seen[0] == ["finite", "grad_norm", "loss", "twice"]
-  np.testing.assert_allclose(r.history["twice"], 2 * (r.history["loss"] - 1),
-                             rtol=1e-6)
+  assert seen[0] == ["aux/loss", "finite", "grad_norm", "loss", "twice"]
+  np.testing.assert_allclose(r.history["twice"], 2 * r.history["loss"], rtol=1e-6)
+  np.testing.assert_allclose(r.history["aux/loss"], r.history["loss"] + 1, rtol=1e-6)
   assert "rows" not in r.history
+
+
+def test_steps_per_call_trains_the_same_steps(tmp_path):
+  # 13 steps, 6 per epoch (batch 16 of 96), evaluations every 5 steps and
+  # checkpoints every 4: calls of 4 steps must stop at each of those.
+  data, val = common.make_data(), common.make_data(32, seed=1)
+  kwargs = dict(batch_size=16, num_steps=13, optimizer=common.OPTIMIZER,
+                progress=False, validation_data=val, eval_every=5)
+  one = fit(common.loss_fn, common.init_params(), data, **kwargs)
+  many = fit(common.loss_fn, common.init_params(), data, steps_per_call=4,
+             checkpoint_dir=str(tmp_path), checkpoint_every=4, **kwargs)
+  np.testing.assert_array_equal(many.history["step"], np.arange(1, 14))
+  np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+  np.testing.assert_array_equal(many.history["val_step"], [5, 10, 13])
+  np.testing.assert_allclose(many.history["val_loss"], one.history["val_loss"], rtol=1e-5)
+  chex.assert_trees_all_close(many.params, one.params, rtol=1e-5, atol=1e-6)
+  assert many.step == 13
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [8, 12, 13]
+
+
+def test_steps_per_call_stops_at_the_end_of_a_call():
+  seen = []
+  def callback(step, metrics):
+    seen.append(step)
+    return step >= 2
+  r = fit(common.loss_fn, common.init_params(), common.make_data(),
+          batch_size=16, num_steps=50, optimizer=common.OPTIMIZER,
+          progress=False, callbacks=[callback], steps_per_call=4)
+  # Step 2's stop is read after the call of steps 5-8 was dispatched.
+  assert r.stopped_early and r.step == 8
+  assert seen == list(range(1, 9))
+
+
+def test_steps_per_call_errors():
+  with pytest.raises(ValueError, match="steps_per_call"):
+    fit(common.loss_fn, common.init_params(), common.make_data(),
+        batch_size=16, num_steps=2, progress=False, steps_per_call=0)
+  with pytest.raises(ValueError, match="steps_per_call.*in-memory"):
+    fit(common.loss_fn, common.init_params(),
+        common.stream(common.make_data(), 16), num_steps=2, progress=False,
+        steps_per_call=2)
