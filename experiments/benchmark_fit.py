@@ -14,9 +14,9 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
   fit_stream    fit() on a generator of host numpy batches (prefetch thread).
   fit_first / fit_second   the wall time of a first and a second fit() call
                 of `--calls_steps` steps: the second one compiles nothing.
-  fit_memory_calls   with `--steps_per_call=K` > 1: fit() on in-memory arrays
+  fit_memory_calls / fit_stream_calls   with `--steps_per_call=K` > 1: fit()
                 running K steps per compiled call (one dispatch and one
-                metrics read per K steps).
+                metrics read per K steps; a stream's K batches sent at once).
 
 `steps_per_s` of a fit row is the call's whole wall time over its steps
 (setup, data placement, the last metrics read included); `steady_steps_per_s`
@@ -176,7 +176,10 @@ def main(argv):
   if _STEPS_PER_CALL.value > 1:
     k = _STEPS_PER_CALL.value
     timed_fit("fit_memory_calls_warmup", lambda: data, 2 * k, steps_per_call=k)
+    timed_fit("fit_stream_calls_warmup", stream, 2 * k, steps_per_call=k)
     cases.append(lambda: dict(timed_fit("fit_memory_calls", lambda: data, steps,
+                                        steps_per_call=k), steps_per_call=k))
+    cases.append(lambda: dict(timed_fit("fit_stream_calls", stream, steps,
                                         steps_per_call=k), steps_per_call=k))
   rounds = []
   for _ in range(_REPEATS.value):

@@ -9,8 +9,9 @@ same batches as an uninterrupted one.
 
 A stream is any Python iterable of batches (numpy or JAX pytrees). A background
 thread converts each batch and places it on the mesh, staying `PREFETCH` (two)
-batches ahead of the step, so the host's data work overlaps the device's. The
-stream ending ends the fit.
+items ahead of the step, so the host's data work overlaps the device's; with
+`steps_per_call=K` an item is K batches stacked [K, B, ...] (one transfer, one
+compiled call). The stream ending ends the fit.
 
 The last partial batch (an epoch's remainder, or a short batch from a stream)
 is dropped (`last_batch='drop'`) or padded to the full batch size
@@ -24,7 +25,7 @@ import functools
 import itertools
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -140,11 +141,26 @@ def _permutation(data_key, first_epoch, num_epochs, num_examples, length,
       perms.reshape(-1).astype(jnp.int32), out_sharding)
 
 
+class StreamItem(NamedTuple):
+  """Device batches for `count` steps: [B, ...] when `count` is 1, else
+  stacked [count, B, ...]; `mask` likewise ([B] / [count, B] bool) or None."""
+  batch: Any
+  mask: Any
+  count: int
+
+  def split(self) -> list["StreamItem"]:
+    """The single steps of a stacked item (slices on the device)."""
+    return [StreamItem(jax.tree.map(lambda x: x[i], self.batch),
+                       None if self.mask is None else self.mask[i], 1)
+            for i in range(self.count)]
+
+
 class StreamData:
-  """An iterable of batches, placed on the mesh two batches ahead."""
+  """An iterable of batches, placed on the mesh two items ahead."""
 
   def __init__(self, data: Iterable, *, batch_size: int | None,
-               last_batch: str, mesh, argname: str = "data"):
+               last_batch: str, mesh, argname: str = "data",
+               steps_per_call: int = 1):
     iterator = iter(data)
     first = next(iterator, _END)
     if first is _END:
@@ -162,13 +178,14 @@ class StreamData:
                        f" last_batch='drop' every such batch would be dropped")
     self.batch_size = batch_size
     self.last_batch = last_batch
+    self.steps_per_call = steps_per_call
     self.first = first
     self.mesh = mesh
     self._iterator = itertools.chain([first], iterator)
     self._prefetcher = None
 
-  def _prepare(self, batch):
-    """Host batch -> (device batch, device mask or None); None to drop it."""
+  def _on_host(self, batch):
+    """Host batch -> (batch, mask or None) at the full size; None to drop it."""
     local_size = self.batch_size // jax.process_count()
     n = leading_dim(batch, "batch")
     if n > local_size:
@@ -177,13 +194,38 @@ class StreamData:
     mask = None
     if self.last_batch == "pad":
       batch, mask = pad_rows(batch, local_size)
-      mask = sharding_lib.put_batch(mask, self.mesh)
     elif n < local_size:
       return None
-    return sharding_lib.put_batch(batch, self.mesh), mask
+    return batch, mask
+
+  def _put(self, batch, mask, count: int = 1) -> StreamItem:
+    stacked = count > 1
+    return StreamItem(
+        sharding_lib.put_batch(batch, self.mesh, stacked=stacked),
+        None if mask is None else sharding_lib.put_batch(mask, self.mesh, stacked=stacked),
+        count)
+
+  def _prepare(self, batch) -> StreamItem | None:
+    on_host = self._on_host(batch)
+    return None if on_host is None else self._put(*on_host)
+
+  def _prepare_group(self, batches) -> StreamItem | list[StreamItem] | None:
+    """K host batches -> one stacked item; fewer (the stream's tail, or
+    dropped partial batches) -> a list of single-step items."""
+    on_host = [h for h in map(self._on_host, batches) if h is not None]
+    if len(on_host) < self.steps_per_call:
+      return [self._put(*h) for h in on_host] or None
+    batch = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                         *[b for b, _ in on_host])
+    mask = None if on_host[0][1] is None else np.stack([m for _, m in on_host])
+    return self._put(batch, mask, len(on_host))
 
   def __iter__(self):
-    self._prefetcher = Prefetcher(self._iterator, self._prepare)
+    if self.steps_per_call == 1:
+      self._prefetcher = Prefetcher(self._iterator, self._prepare)
+    else:
+      groups = iter(lambda: list(itertools.islice(self._iterator, self.steps_per_call)), [])
+      self._prefetcher = Prefetcher(groups, self._prepare_group)
     return self._prefetcher
 
   def close(self):

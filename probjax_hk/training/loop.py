@@ -15,6 +15,7 @@ with orbax (see `checkpoints.py`) and never keeps a non-finite update.
 Glossary of shapes: N in-memory examples, B batch size.
 """
 
+import collections
 import dataclasses
 import difflib
 import inspect
@@ -245,13 +246,13 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       `result` and the checkpoint hold the last finite parameters). 'skip':
       such steps are rejected (parameters unchanged), logged, listed in
       `history['nonfinite_steps']`, and the fit goes on.
-    steps_per_call: in-memory data only: run up to this many steps in one
-      compiled call (a `lax.scan`), so that the host dispatches and reads
-      metrics once per call. For small models whose step takes less time
-      than the loop's per-step host work (well under a millisecond on a
-      GPU). Calls never cross an evaluation, a checkpoint or the end;
-      callbacks still see every step, but a stop they ask for takes effect
-      at the end of the call.
+    steps_per_call: run up to this many steps in one compiled call (a
+      `lax.scan`; a stream's batches are stacked [K, B, ...] on the host and
+      sent at once), so that the host dispatches and reads metrics once per
+      call. For small models whose step takes less time than the loop's
+      per-step host work (well under a millisecond on a GPU). Calls never
+      cross an evaluation, a checkpoint or the end; callbacks still see every
+      step, but a stop they ask for takes effect at the end of the call.
 
   Returns:
     A `FitResult`.
@@ -296,14 +297,12 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     if epochs is not None:
       raise ValueError("`epochs` needs in-memory `data`; a stream trains until"
                        " it ends or for `num_steps`")
-    if steps_per_call != 1:
-      raise ValueError(f"`steps_per_call` > 1 needs in-memory `data` (a stream"
-                       f" yields one batch per step), got {steps_per_call=}")
     if not isinstance(data, Iterable):
       raise ValueError(f"`data` must be a pytree of arrays or an iterable of"
                        f" batches, got {type(data)}")
     source = data_lib.StreamData(data, batch_size=batch_size,
-                                 last_batch=last_batch, mesh=mesh)
+                                 last_batch=last_batch, mesh=mesh,
+                                 steps_per_call=steps_per_call)
     total = num_steps
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((source.batch_size,) + np.shape(x)[1:],
@@ -434,14 +433,23 @@ class _Loop:
                for every in boundaries)
 
   def run_stream(self, source: data_lib.StreamData, eval_every, validation):
-    step_fn = step_lib.stream_step(self.spec)
+    step_fns = {n: step_lib.stream_step(self.spec, n) for n in {1, source.steps_per_call}}
+    boundaries = [self.checkpoint_every,
+                  eval_every if validation is not None else None]
     batches = iter(source)
+    ready = collections.deque()  # StreamItems taken from the prefetcher
 
     def dispatch():
-      item = next(batches, None)
-      if item is None:
-        return None
-      return step_fn(self.ts, *item), 1
+      if not ready:
+        item = next(batches, None)
+        if item is None:
+          return None
+        ready.extend(item if isinstance(item, list) else [item])
+      item = ready.popleft()
+      if item.count > 1 and not self._call_fits(item.count, boundaries):
+        ready.extendleft(reversed(item.split()))  # one step at a time up to it
+        item = ready.popleft()
+      return step_fns[item.count](self.ts, item.batch, item.mask), item.count
     self._guard(self._run(dispatch, eval_every, validation))
 
   # --- the loop --------------------------------------------------------------

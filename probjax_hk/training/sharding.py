@@ -29,9 +29,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """The sharding of a batch: leading axis split over every mesh axis."""
-  return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
+  """The sharding of a batch: leading axis split over every mesh axis (the
+  second axis for `stacked` batches [K, B, ...], K steps' worth)."""
+  axes = tuple(mesh.axis_names)
+  return NamedSharding(mesh, PartitionSpec(None, axes) if stacked else PartitionSpec(axes))
 
 
 def check_batch_size(batch_size: int, mesh: Mesh) -> None:
@@ -57,14 +59,14 @@ def put_replicated(tree, mesh: Mesh):
       lambda x: jax.device_put(x, sharding, may_alias=False), tree)
 
 
-def put_batch(batch, mesh: Mesh):
-  """Places a host batch on the mesh, split along the leading axis.
+def put_batch(batch, mesh: Mesh, *, stacked: bool = False):
+  """Places a host batch on the mesh, split along the batch axis.
 
-  In one process `batch` is the global batch [B, ...]. With several processes
-  each one passes its own slice [B / P, ...] (the rows its devices hold) and
-  the result is the global array [B, ...].
+  In one process `batch` is the global batch [B, ...] ([K, B, ...] when
+  `stacked`). With several processes each one passes its own slice
+  [B / P, ...] (the rows its devices hold) and the result is the global array.
   """
-  sharding = batch_sharding(mesh)
+  sharding = batch_sharding(mesh, stacked=stacked)
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)
   return jax.tree.map(

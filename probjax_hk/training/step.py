@@ -23,7 +23,6 @@ Glossary of shapes: B batch size, N in-memory examples.
 """
 
 import collections
-import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -158,14 +157,20 @@ def _train_step(spec: StepSpec, ts, batch, mask):
   return new_ts, metrics
 
 
-def stream_step(spec: StepSpec):
-  """jit(ts, batch [B, ...], mask [B] | None) -> (ts, metrics)."""
+def stream_step(spec: StepSpec, num_steps: int = 1):
+  """jit(ts, batch [B, ...], mask [B] | None) -> (ts, metrics); with
+  `num_steps` K > 1, batch [K, B, ...] and mask [K, B] | None run K steps (a
+  `lax.scan`) and the metrics come stacked [K, M]."""
+  def steps(ts, batch, mask):
+    if num_steps == 1:
+      return _train_step(spec, ts, batch, mask)
+    return jax.lax.scan(lambda ts, xs: _train_step(spec, ts, *xs), ts, (batch, mask))
+
   def build():
     rep = sharding_lib.replicated(spec.mesh)
-    return jax.jit(functools.partial(_train_step, spec),
-                   donate_argnums=(0,) if spec.donate else (),
+    return jax.jit(steps, donate_argnums=(0,) if spec.donate else (),
                    out_shardings=(rep, rep))
-  return _cached("stream", spec, build)
+  return _cached("stream", (spec, num_steps), build)
 
 
 def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,

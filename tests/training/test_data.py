@@ -77,10 +77,31 @@ def test_stream_batches_land_on_the_mesh():
   items = list(stream)
   stream.close()
   assert stream.batch_size == 4 and len(items) == 3
-  batch, mask = items[-1]
-  assert isinstance(batch["x"], jax.Array)
+  batch, mask, count = items[-1]
+  assert count == 1 and isinstance(batch["x"], jax.Array)
   assert batch["x"].sharding.is_equivalent_to(sharding.batch_sharding(mesh), 2)
   np.testing.assert_array_equal(mask, [True, True, False, False])
   with pytest.raises(ValueError, match="larger than `batch_size`"):
     data_lib.StreamData(iter([{"x": x} for x in [np.zeros((8, 1))]]),
                         batch_size=4, last_batch="drop", mesh=mesh)
+
+
+def test_stream_groups_stack_steps_on_the_batch_axis():
+  mesh = sharding.default_mesh()
+  stream = data_lib.StreamData(
+      ({"x": np.full((n, 3), i, np.float32)} for i, n in enumerate((4, 4, 4, 2, 4))),
+      batch_size=None, last_batch="pad", mesh=mesh, steps_per_call=2)
+  items = list(stream)
+  stream.close()
+  # Two full groups of two, then the tail as a list of single steps; the
+  # stacked arrays split the batch (second) axis over the mesh.
+  assert [item.count for item in items[:2]] == [2, 2]
+  assert [item.count for item in items[2]] == [1]
+  stacked = items[1]
+  assert stacked.batch["x"].shape == (2, 4, 3)
+  assert stacked.batch["x"].sharding.is_equivalent_to(
+      sharding.batch_sharding(mesh, stacked=True), 3)
+  np.testing.assert_array_equal(stacked.mask, [[True] * 4, [True, True, False, False]])
+  first, second = stacked.split()
+  np.testing.assert_array_equal(second.batch["x"][:, 0], [3, 3, 3, 3])
+  np.testing.assert_array_equal(second.mask, [True, True, False, False])

@@ -370,11 +370,26 @@ def test_steps_per_call_stops_at_the_end_of_a_call():
   assert seen == list(range(1, 9))
 
 
-def test_steps_per_call_errors():
+def test_steps_per_call_must_be_positive():
   with pytest.raises(ValueError, match="steps_per_call"):
     fit(common.loss_fn, common.init_params(), common.make_data(),
         batch_size=16, num_steps=2, progress=False, steps_per_call=0)
-  with pytest.raises(ValueError, match="steps_per_call.*in-memory"):
-    fit(common.loss_fn, common.init_params(),
-        common.stream(common.make_data(), 16), num_steps=2, progress=False,
-        steps_per_call=2)
+
+
+@pytest.mark.parametrize("last_batch", ["drop", "pad"])
+def test_steps_per_call_on_a_stream_trains_the_same_steps(tmp_path, last_batch):
+  # 100 rows in batches of 16: 6 full batches and a short one (dropped or
+  # padded); calls of 4 batches, checkpoints every 3 steps.
+  data = common.make_data(100)
+  loss = common.loss_fn if last_batch == "drop" else common.masked_loss_fn
+  kwargs = dict(batch_size=16, optimizer=common.OPTIMIZER, progress=False,
+                last_batch=last_batch)
+  one = fit(loss, common.init_params(), common.stream(data, 16), **kwargs)
+  many = fit(loss, common.init_params(), common.stream(data, 16), steps_per_call=4,
+             checkpoint_dir=str(tmp_path), checkpoint_every=3, **kwargs)
+  steps = 6 if last_batch == "drop" else 7
+  np.testing.assert_array_equal(many.history["step"], np.arange(1, steps + 1))
+  np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+  chex.assert_trees_all_close(many.params, one.params, rtol=1e-5, atol=1e-6)
+  saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
+  assert saved == ([3, 6] if last_batch == "drop" else [3, 6, 7])
