@@ -109,6 +109,8 @@ _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 2,
                                          "Checkpoints kept.")
 _RESUME = flags.DEFINE_bool("resume", True,
                             "Continue from the newest checkpoint, if any.")
+_STEPS_PER_CALL = flags.DEFINE_integer(
+    "steps_per_call", 1, "Steps per compiled call (fit's steps_per_call).")
 _SEED = flags.DEFINE_integer("seed", 0, "Drives data, init and order.")
 _PROGRESS = flags.DEFINE_bool("progress", False, "Show a tqdm progress bar.")
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -500,7 +502,8 @@ def train() -> pk.FitResult:
       checkpoint_dir=os.path.join(output_dir, "checkpoints"),
       checkpoint_every=_CHECKPOINT_EVERY.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value,
-      progress=_PROGRESS.value, log_every=_LOG_EVERY.value)  # logs with -v 0
+      progress=_PROGRESS.value, log_every=_LOG_EVERY.value,  # logs with -v 0
+      steps_per_call=_STEPS_PER_CALL.value)
   # A jitted init: op-by-op, a UNet's init compiles hundreds of small kernels.
   example = jax.tree.map(lambda x: x[:batch_size], validation)
   init = jax.jit(task.net.init)(
