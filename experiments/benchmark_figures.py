@@ -5,8 +5,12 @@
 Every `*.json` there is a harness file (`{"environment": ..., "rows": [...]}`).
 For each one the page gets the environment it was measured in, a table of
 its rows (the columns that vary, then the measurements) and, where rows carry
-`median_ms`, a bar chart `<name>.png`. No number is typed by hand: rerun this
-after any benchmark and commit the result.
+`median_ms`, a bar chart `<name>.png`. Where rows differ by an implementation
+(`attention`, `implementation` or `impl`) and a peer implementation ('cudnn',
+'xla') was timed in the same file, each row gets its time over the peer's at
+the same configuration (`<axis>_vs_<peer>`), computed here from the medians.
+No number is typed by hand: rerun this after any benchmark and commit the
+result.
 """
 
 import glob
@@ -39,6 +43,32 @@ def _measurement_columns(rows: list[dict]) -> list[str]:
   extra = sorted({k for r in rows for k, v in r.items()
                   if isinstance(v, float) and k not in MEASUREMENTS and k not in HIDDEN})
   return present + extra
+
+
+IMPLEMENTATION_AXES = ("attention", "implementation", "impl")
+PEERS = ("cudnn", "xla")
+# Configuration columns that name or tune one implementation, so they differ
+# between a row and its peer at the same configuration.
+_PER_IMPLEMENTATION = {"blocks", "default_blocks", "name", "chunk_size"}
+
+
+def peer_ratios(rows: list[dict]) -> list[dict]:
+  """Copies of `rows` with `<axis>_vs_<peer>`: median over the peer's median."""
+  labels = _label_columns(rows)
+  out = [dict(r) for r in rows]
+  for axis in IMPLEMENTATION_AXES:
+    if axis not in labels:
+      continue
+    group = [c for c in labels if c != axis and c not in _PER_IMPLEMENTATION]
+    key = lambda r: tuple(json.dumps(r.get(c)) for c in group)
+    for peer in PEERS:
+      medians = {key(r): r["median_ms"] for r in rows
+                 if r.get(axis) == peer and r.get("median_ms")}
+      for r in out:
+        peer_ms = medians.get(key(r))
+        if peer_ms and r.get("median_ms") and r.get(axis) != peer:
+          r[f"{axis}_vs_{peer}"] = r["median_ms"] / peer_ms
+  return out
 
 
 def _cell(value) -> str:
@@ -102,7 +132,7 @@ def main(argv):
                  "Measured on " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]
     if bar_chart(rows, os.path.join(directory, f"{name}.png"), name):
       sections += [f"![{name}]({name}.png)", ""]
-    sections += [table(rows), ""]
+    sections += [table(peer_ratios(rows)), ""]
   with open(os.path.join(directory, "README.md"), "w") as f:
     f.write("\n".join(sections))
   print(f"wrote {os.path.join(directory, 'README.md')}")
