@@ -232,6 +232,19 @@ def test_nonfinite_raise_keeps_last_finite_params(tmp_path):
   _assert_trees_equal(restored.params, clean.params)
 
 
+def test_nonfinite_raise_inside_a_multi_step_call_keeps_last_finite_params():
+  # Step 3 of the first 4-step call is non-finite: steps 3 and 4 are rejected
+  # on the device, the error names step 3, the result holds step 2's params.
+  params = common.init_params()
+  clean = fit(_nan_on_big_x, params, _poisoned_stream(None, 2),
+              optimizer=common.OPTIMIZER, progress=False)
+  with pytest.raises(probjax_hk.training.NonFiniteLossError, match="step 3") as info:
+    fit(_nan_on_big_x, params, _poisoned_stream(3), progress=False,
+        optimizer=common.OPTIMIZER, steps_per_call=4)
+  assert info.value.step == 3
+  chex.assert_trees_all_close(info.value.result.params, clean.params, rtol=1e-6)
+
+
 def test_nonfinite_skip_rejects_the_update_and_reports_it():
   params = common.init_params()
   r = fit(_nan_on_big_x, params, _poisoned_stream(3), progress=False,
