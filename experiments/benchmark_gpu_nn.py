@@ -18,8 +18,6 @@ Adam update, with the parameter and optimizer buffers donated.
 
 import functools
 import os
-import subprocess
-import sys
 from typing import Callable
 
 from absl import app
@@ -163,13 +161,9 @@ PROGRAMS = {
 
 def _run_program(model_name: str) -> None:
   module, extra, cpu_extra = PROGRAMS[model_name]
-  output = f"{os.path.splitext(_OUTPUT.value)[0]}_{model_name}.json"
-  command = [sys.executable, "-m", module, f"--output={output}", *extra()]
-  if jax.default_backend() == "cpu":
-    command += cpu_extra
-  print("running", " ".join(command), flush=True)
-  if subprocess.run(command).returncode:
-    print(f"{model_name}: {module} failed; its rows so far are in {output}", flush=True)
+  program_flags = extra() + (cpu_extra if jax.default_backend() == "cpu" else [])
+  harness.run_program(module, f"{os.path.splitext(_OUTPUT.value)[0]}_{model_name}.json",
+                      program_flags)
 
 
 def main(argv):

@@ -24,8 +24,6 @@ smoke-test flags.
 import functools
 import json
 import os
-import subprocess
-import sys
 import time
 
 from absl import app
@@ -127,12 +125,7 @@ def _run_section_program(section: str) -> None:
   program, extra = SECTION_PROGRAMS[section]
   stem = os.path.splitext(_OUTPUT.value or f"/tmp/kernel_nn_{_DEVICE.value}.json")[0]
   os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-  command = [sys.executable, "-m", program, f"--output={stem}_{section}.json",
-             *extra.get(_DEVICE.value, [])]
-  print("running", " ".join(command), flush=True)
-  result = subprocess.run(command)
-  if result.returncode:
-    print(f"section {section} exited with status {result.returncode}", flush=True)
+  harness.run_program(program, f"{stem}_{section}.json", extra.get(_DEVICE.value, []))
 
 
 def _run_scan_remat() -> None:

@@ -114,6 +114,16 @@ def run_in_fresh_process(module: str, args: list[str], timeout_s: float = 600) -
   return json.loads(lines[-1])
 
 
+def run_program(module: str, output: str, flags: list[str]) -> None:
+  """Runs another benchmark program (`python -m module`) with its output
+  streamed, writing its JSON to `output`; a failure is printed, not raised,
+  so the calling program goes on with its next part."""
+  command = [sys.executable, "-m", module, f"--output={output}", *flags]
+  print("running", " ".join(command), flush=True)
+  if subprocess.run(command).returncode:
+    print(f"{module} failed; its rows so far are in {output}", flush=True)
+
+
 def environment() -> dict:
   """Where the numbers came from."""
   device = jax.devices()[0]

@@ -24,6 +24,8 @@ from ops import _backend
 from ops.gated_delta_rule.reference import gated_delta_step
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_positive_ints
+from probjax_hk.ssm.arguments import check_positive_or_none
 from probjax_hk.ssm.mamba2 import causal_conv
 from probjax_hk.ssm.mamba2 import causal_conv_step
 from probjax_hk.ssm.mamba2 import conv_params
@@ -67,11 +69,8 @@ class GatedDeltaNetCell(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    for arg, value in (("num_heads", num_heads), ("conv_width", conv_width)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
-    if head_dim is not None and head_dim < 1:
-      raise ValueError(f"`head_dim` must be positive, got {head_dim=}")
+    check_positive_ints(num_heads=num_heads, conv_width=conv_width)
+    check_positive_or_none(head_dim=head_dim)
     if head_dim is None and model_dim is not None and model_dim % num_heads:
       raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
                        f"got {num_heads=} {model_dim=}")

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
+from probjax_hk.ssm.arguments import check_positive_or_none
 
 
 def _ring_nu_log(r_min: float, r_max: float):
@@ -57,10 +58,7 @@ class LRUCell(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    if state_dim is not None and state_dim <= 0:
-      raise ValueError(f"`state_dim` must be positive, got {state_dim=}")
-    if model_dim is not None and model_dim <= 0:
-      raise ValueError(f"`model_dim` must be positive, got {model_dim=}")
+    check_positive_or_none(state_dim=state_dim, model_dim=model_dim)
     if not 0.0 <= r_min < r_max <= 1.0:
       raise ValueError(f"`r_min`/`r_max` must satisfy 0 <= r_min < r_max <= 1, "
                        f"got {r_min=} {r_max=}")

@@ -24,6 +24,7 @@ import ops
 from ops import _backend
 from ops.selective_scan.reference import finish_output
 from probjax_hk.layers import Linear
+from probjax_hk.ssm.arguments import check_positive_or_none
 
 
 class MambaCell(hk.Module):
@@ -51,10 +52,7 @@ class MambaCell(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    if state_dim is not None and state_dim <= 0:
-      raise ValueError(f"`state_dim` must be positive, got {state_dim=}")
-    if model_dim is not None and model_dim <= 0:
-      raise ValueError(f"`model_dim` must be positive, got {model_dim=}")
+    check_positive_or_none(state_dim=state_dim, model_dim=model_dim)
     if not isinstance(expand, int) or expand < 1:
       raise ValueError(f"`expand` must be an integer >= 1, got {expand=}")
     if conv_width < 1:

@@ -22,6 +22,7 @@ import ops
 from ops import _backend
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_positive_ints
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
 from probjax_hk.ssm.ssd import ssd_inputs
@@ -83,11 +84,8 @@ class Mamba2Cell(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    for arg, value in (("expand", expand), ("head_dim", head_dim),
-                       ("state_dim", state_dim), ("conv_width", conv_width),
-                       ("ngroups", ngroups)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    check_positive_ints(expand=expand, head_dim=head_dim, state_dim=state_dim,
+                        conv_width=conv_width, ngroups=ngroups)
     self.expand, self.head_dim, self.state_dim = expand, head_dim, state_dim
     self.conv_width, self.ngroups = conv_width, ngroups
     self.model_dim = model_dim

@@ -29,6 +29,7 @@ from probjax_hk import stacking
 from probjax_hk.layers import Linear
 from probjax_hk.layers import MLP
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_positive_ints
 from probjax_hk.ssm.lru import LRUCell
 
 _MLP_RATIO = 2  # swiglu hidden width / model width
@@ -112,10 +113,8 @@ class SSMModel(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    for arg, value in (("input_dim", input_dim), ("model_dim", model_dim),
-                       ("output_dim", output_dim), ("num_layers", num_layers)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    check_positive_ints(input_dim=input_dim, model_dim=model_dim,
+                        output_dim=output_dim, num_layers=num_layers)
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
     cell_kwargs = dict(cell_kwargs or {})

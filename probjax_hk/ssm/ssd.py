@@ -22,6 +22,8 @@ from ops import _backend
 from ops.ssd.reference import expand_groups
 from ops.ssd.reference import ssd_step
 from probjax_hk.layers import Linear
+from probjax_hk.ssm.arguments import check_positive_ints
+from probjax_hk.ssm.arguments import check_positive_or_none
 
 _F32 = jnp.float32
 
@@ -113,14 +115,11 @@ class SSDCell(hk.Module):
       name: module name.
     """
     super().__init__(name=name)
-    for arg, value in (("num_heads", num_heads), ("state_dim", state_dim)):
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
+    check_positive_ints(num_heads=num_heads, state_dim=state_dim)
     if head_dim is None and model_dim is not None and model_dim % num_heads:
       raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
                        f"got {num_heads=} {model_dim=}")
-    if head_dim is not None and head_dim < 1:
-      raise ValueError(f"`head_dim` must be positive, got {head_dim=}")
+    check_positive_or_none(head_dim=head_dim)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.state_dim = state_dim
