@@ -40,6 +40,8 @@ _KERNELS = flags.DEFINE_bool("kernels", True, "Time the scan ops.")
 _MODELS = flags.DEFINE_bool("models", False, "Time SSMModel per cell.")
 _MEMORY = flags.DEFINE_bool("memory", True, "Selective scan at T 16384, S 128: memory.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_OPS = flags.DEFINE_list("ops", ["selective_scan", "linear_scan"],
+                         "Which scan ops to time and check.")
 
 _SELECTIVE = {"pallas": selective_scan_pallas, "xla": selective_scan_xla,
               "lax.scan": selective_scan_reference}
@@ -91,7 +93,7 @@ def check_numerics(small):
   rows = []
   shape = (2, 64, 16, 8) if small else (2, 1000, 64, 16)
   args = selective_inputs(*shape, seed=1)
-  for reverse in (False, True):
+  for reverse in ((False, True) if "selective_scan" in _OPS.value else ()):
     fns = {name: functools.partial(f, reverse=reverse) for name, f in _SELECTIVE.items()}
     ref_out = fns["lax.scan"](*args)
     ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=tuple(range(5)))(*args)
@@ -105,7 +107,7 @@ def check_numerics(small):
                    "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
   shape = (2, 64, 16) if small else (2, 1000, 64)
   args = linear_inputs(*shape, seed=1)
-  for reverse in (False, True):
+  for reverse in ((False, True) if "linear_scan" in _OPS.value else ()):
     fns = {name: functools.partial(f, reverse=reverse) for name, f in _LINEAR.items()}
     ref_out = fns["lax.scan"](*args)
     ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=(0, 1))(*args)
@@ -130,13 +132,17 @@ def kernel_cases(small, sweep):
   t = 256 if small else 4096
   cases = []
   if sweep:
-    for v in [(16, 16, 256, 2), (64, 16, 256, 4), (32, 8, 128, 4), (32, 16, 512, 4)]:
+    for v in [(8, 16, 512, 4, 1), (8, 16, 512, 4, 2), (8, 16, 512, 4, 3),
+              (4, 16, 256, 2, 2), (16, 8, 512, 4, 2), (8, 16, 4096, 4, 2),
+              (4, 16, 4096, 2, 2), (2, 16, 4096, 1, 2), (8, 16, 1024, 4, 2)]:
       cases.append(("selective_scan", (b, t, d, 16), "pallas", SelectiveScanBlocks(*v)))
-    for v in [(8, 8, 1024, 8), (2, 8, 1024, 2), (4, 4, 512, 4), (8, 4, 256, 4)]:
+    for v in [(1, 8, 4096, 2, 1), (1, 8, 4096, 2, 2), (1, 8, 4096, 2, 3),
+              (1, 4, 4096, 2, 2), (1, 8, 1024, 2, 2)]:
       cases.append(("selective_scan", (b, t, d, 128), "pallas", SelectiveScanBlocks(*v)))
-    for v in [(32, 16, 128, 1), (128, 16, 128, 4), (64, 32, 256, 2), (64, 8, 64, 2)]:
+    for v in [(32, 32, 256, 4, 2), (32, 32, 256, 4, 3), (64, 32, 256, 4, 2),
+              (32, 16, 256, 2, 2)]:
       cases.append(("linear_scan", (b, t, d), "pallas", LinearScanBlocks(*v)))
-    return cases
+    return [c for c in cases if c[0] in _OPS.value]
   for state in (16, 128):
     cases.append(("selective_scan", (b, t, d, state), "pallas", None))
     cases.append(("selective_scan", (b, t, d, state), "xla", None))
@@ -145,7 +151,7 @@ def kernel_cases(small, sweep):
     cases.append(("linear_scan", (b, time, d), "xla", None))
   cases.append(("selective_scan", (b, 64 if small else 512, d, 16), "lax.scan", None))
   cases.append(("linear_scan", (b, 64 if small else 512, d), "lax.scan", None))
-  return cases
+  return [c for c in cases if c[0] in _OPS.value]
 
 
 def time_kernels(cases, iters, sink):
@@ -257,7 +263,7 @@ def main(argv):
 
   if _KERNELS.value:
     time_kernels(kernel_cases(small, sweep=False), _ITERS.value, sink)
-  if _MEMORY.value:
+  if _MEMORY.value and "selective_scan" in _OPS.value:
     for row in memory_case(small, _ITERS.value):
       sink(row)
   for row in check_numerics(small):

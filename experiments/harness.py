@@ -8,6 +8,7 @@ compile records its row and the run moves on.
 """
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -38,13 +39,19 @@ def _classify(exc: BaseException, stage: str) -> str:
 
 
 def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
-             warmup: int = 2, iters: int = 20, carry_outputs: int = 0) -> dict:
+             warmup: int = 2, iters: int = 20, carry_outputs: int = 0,
+             sample_ms: float = 2.0) -> dict:
   """Runs one case. `build()` returns (fn, args); any failure becomes a row.
 
   With `carry_outputs=n`, the first n outputs of each call replace the first n
   arguments of the next one: a train step `(params, opt_state, batch) ->
   (params, opt_state, loss)` with `donate_argnums=(0, 1)` then runs as in
   training, its donated buffers never reused.
+
+  Each of the `iters` samples dispatches enough calls back to back to last
+  about `sample_ms` (at most 50) and blocks once at the end, so a call of
+  tens of microseconds is timed on the device rather than as host dispatch
+  plus a sync; `median_ms` is per call, `calls_per_sample` says how many.
   """
   row = dict(config)
   stage = "build"
@@ -58,19 +65,27 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     row["planned_peak_mb"] = planned_peak_mb(compiled)
     stage = "run"
 
-    def call(args):
-      out = jax.block_until_ready(compiled(*args))
-      return (*out[:carry_outputs], *args[carry_outputs:]) if carry_outputs else args
+    def calls(args, n):
+      for _ in range(n):
+        out = compiled(*args)
+        if carry_outputs:
+          args = (*out[:carry_outputs], *args[carry_outputs:])
+      jax.block_until_ready(out)
+      return args
 
     for _ in range(warmup):
-      args = call(args)
+      args = calls(args, 1)
+    start = time.perf_counter()
+    args = calls(args, 1)
+    one_ms = (time.perf_counter() - start) * 1e3
+    inner = max(1, min(50, math.ceil(sample_ms / max(one_ms, 1e-3))))
     times = []
     for _ in range(iters):
       start = time.perf_counter()
-      args = call(args)
-      times.append((time.perf_counter() - start) * 1e3)
+      args = calls(args, inner)
+      times.append((time.perf_counter() - start) * 1e3 / inner)
     row.update(status="ok", median_ms=statistics.median(times), min_ms=min(times),
-               iters=iters)
+               iters=iters, calls_per_sample=inner)
   except Exception as exc:  # A benchmark grid records failures and moves on.
     row.update(status=_classify(exc, stage), stage=stage,
                message=f"{type(exc).__name__}: {str(exc)[:2000]}")

@@ -29,6 +29,8 @@ def check_time_blocks(blocks) -> None:
     value = getattr(blocks, name)
     if value < 1 or value & (value - 1):
       raise ValueError(f"`{name}` must be a power of two, got {value}")
+  if getattr(blocks, "num_stages", 1) < 1:
+    raise ValueError(f"`num_stages` must be at least 1, got {blocks.num_stages}")
   if blocks.chunk < 1 or blocks.chunk % blocks.unroll:
     raise ValueError(f"`chunk` must be a positive multiple of {blocks.unroll=}, "
                      f"got {blocks.chunk}")

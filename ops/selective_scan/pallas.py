@@ -2,26 +2,33 @@
 
 The state `h` ([block_d, S] per program) lives in registers and never goes to
 memory as a sequence; each program owns `block_d` channels of one batch row
-and one chunk of `chunk` time steps. Positions are counted in *processing
-order* (descending time when `reverse`), so the same kernels serve both
-directions.
+and one chunk of `chunk` time steps, and walks through its chunk a tile of
+`unroll` steps at a time: the tile's decays `exp(delta A)` and inputs
+`delta u B` (`[unroll, block_d, S]`) are scanned as a whole with Triton's
+associative scan (`ops/_tile_scan.py`) and joined to the carried state, so
+the serial chain is one join per tile instead of one step per time step.
+Positions are counted in *processing order* (descending time when
+`reverse`), so the same kernels serve both directions.
 
 Forward, two launches:
 1. summary: each chunk runs from a zero state; it writes its end state and
    the sum of its `delta`s (the chunk's decay is `exp(A sum delta)`).
 2. apply: each chunk folds the summaries of the chunks before it into its
    start state, runs again, writes `y_t = h_t C_t` and, when a gradient is
-   needed, the state before every `unroll`-step block (the checkpoints,
-   `[B, T / unroll, D, S]`, `unroll` times smaller than the state sequence).
+   needed, the state before every tile (the checkpoints, `[B, T / unroll,
+   D, S]`, `unroll` times smaller than the state sequence).
 
 Backward, two launches in the opposite order of time, on the adjoint
-`r = dL/dh` (`c_t = r + dy_t C_t`, `r <- exp(delta_t A) c_t`):
+`c_t = dL/dh_t = a_{t+1} c_{t+1} + dy_t C_t` (`a = exp(delta A)`; `t+1` the
+next step in forward order, read from a copy of `delta` shifted by one):
 1. summary: each chunk's adjoint from zero (it reads only `C`, `dy`, `delta`).
-2. apply: each chunk folds the later chunks' summaries into its adjoint, then
-   for each `unroll`-step block (last first) recomputes the block's states
-   from its checkpoint (unrolled, in registers) and walks back through them,
-   producing du, ddelta, dB and dC (per channel block, summed outside), dA
-   (per program, summed outside) and the adjoint of the initial state.
+2. apply: each chunk folds the later chunks' summaries into its adjoint;
+   each tile (last first) recomputes its states from its checkpoint (a
+   forward tile scan), scans the adjoint backward (a reverse tile scan) and
+   forms du, ddelta, dB and dC (per channel block, summed outside) and dA
+   (per program, summed outside) from the two; `a_t h_{t-1} = h_t - delta_t
+   u_t B_t` needs neither a shift nor a division. The adjoint of the
+   initial state is `a_first c_first`, formed outside.
 
 With a single chunk the summary launches are skipped.
 
@@ -39,6 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import _backend
 from ops import _shapes
+from ops._tile_scan import tile_associative_scan
 from ops.selective_scan.reference import finish_output
 from ops.selective_scan.reference import prepare_delta
 
@@ -52,10 +60,12 @@ def _next_pow2(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class SelectiveScanBlocks:
   """Tiling of the selective scan kernels."""
-  block_d: int = 32     # channels per program; a power of two
-  unroll: int = 16      # steps per loop iteration and per checkpoint; a power of two
+  block_d: int = 8      # channels per program; a power of two
+  unroll: int = 16      # time steps per tile (scanned as a whole, one
+                        # checkpoint each); a power of two
   chunk: int = 256      # time steps per program; a multiple of `unroll`
   num_warps: int = 4    # warps per program
+  num_stages: int = 1   # Triton's software pipelining of the tile loads
 
   def __post_init__(self):
     _shapes.check_time_blocks(self)
@@ -63,36 +73,62 @@ class SelectiveScanBlocks:
   @classmethod
   def get_default(cls, batch: int, time: int, width: int,
                   state: int) -> "SelectiveScanBlocks":
-    """About 16 state elements per thread, about a thousand programs."""
+    """Measured on the H200 (B 8, T 4096, D 256): S 16 best at 8 channels x
+    16 steps per tile and 8 chunks per row, S 128 at 1 channel x 8 steps and
+    one chunk; both about two thousand programs."""
     state = _next_pow2(state)
-    block_d = max(1, min(_next_pow2(width), 512 // state, 32))
-    num_warps = max(1, min(8, block_d * state // 128))
+    block_d = max(1, min(_next_pow2(width), 128 // state, 8))
     unroll = min(16 if state <= 32 else 8, _next_pow2(time))
+    num_warps = max(1, min(4, unroll * block_d * state // 512))
     chains = batch * _shapes.cdiv(width, block_d)
-    num_chunks = min(32, max(1, _shapes.cdiv(1024, chains)))
+    num_chunks = min(64, max(1, _shapes.cdiv(2048, chains)))
     chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
     return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=num_warps)
 
 
-def _col(ref, t):
-  """Row t of a [T, block_d] ref as a float32 [block_d, 1] column."""
-  return ref[pl.ds(t, 1), :].astype(_F32)[0][:, None]
+def _compose(first, second):
+  """Step pair `first` then `second` of `h <- a h + b`, as (a, b) tuples."""
+  return first[0] * second[0], second[0] * first[1] + second[1]
 
 
-def _row(ref, t):
-  """Row t of a [T, S] ref as a float32 [1, S] row."""
-  return ref[pl.ds(t, 1), :].astype(_F32)
+def _pick(x, row):
+  """x[row] of a value tiled over axis 0 (a masked sum: Triton values cannot
+  be indexed)."""
+  rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.sum(jnp.where(rows == row, x, 0.0), axis=0)
 
 
-def _position(p, chunk, reverse):
-  """Processing position -> time index inside the chunk."""
-  return chunk - 1 - p if reverse else p
+class _Tile:
+  """Loads one tile of `unroll` time steps, its rows in time order."""
+
+  def __init__(self, j, chunk, unroll, reverse):
+    self.reverse = reverse
+    self.first = (chunk // unroll - 1 - j) if reverse else j   # tile index in time
+    self.rows = pl.ds(self.first * unroll, unroll)
+    # The last row in processing order, and the first.
+    self.last, self.start = (0, unroll - 1) if reverse else (unroll - 1, 0)
+
+  def seq(self, ref):  # [unroll, bd]
+    return ref[self.rows, :].astype(_F32)
+
+  def store(self, ref, value):
+    ref[self.rows, :] = value.astype(ref.dtype)
+
+
+def _states(tile, delta, x, B, A, h):
+  """The tile's states `[unroll, bd, S]` from the state `h` before it, and
+  the tile's decays `exp(delta A)`."""
+  decay = jnp.exp(delta[:, :, None] * A[None])
+  scanned = tile_associative_scan(
+      _compose, (decay, x[:, :, None] * B[:, None, :]), reverse=tile.reverse)
+  return scanned[0] * h[None] + scanned[1], decay
 
 
 def _fold(h, k_end, end_ref, dsum_ref, A):
   """Folds the summaries of chunks 0..k_end-1 (processing order) into `h`."""
   def one(k, h):
-    return jnp.exp(_col(dsum_ref, k) * A) * h + end_ref[k].astype(_F32)
+    dsum = dsum_ref[pl.ds(k, 1), :].astype(_F32)[0][:, None]   # [bd, 1]
+    return jnp.exp(dsum * A) * h + end_ref[k].astype(_F32)
   return jax.lax.fori_loop(0, k_end, one, h)
 
 
@@ -112,102 +148,93 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
   else:
     end_ref, dsum_ref = refs
     h = jnp.zeros(A.shape, _F32)
-  dsum = jnp.zeros((A.shape[0], 1), _F32)
+  dsum = jnp.zeros((A.shape[0],), _F32)
 
   def body(j, carry):
     h, dsum = carry
+    tile = _Tile(j, chunk, unroll, reverse)
     if save:
       ckpt_ref[j] = h
-    for i in range(unroll):
-      t = _position(j * unroll + i, chunk, reverse)
-      delta = _col(delta_ref, t)                                # [bd, 1]
-      x = delta * _col(u_ref, t)                                # [bd, 1]
-      h = jnp.exp(delta * A) * h + x * _row(B_ref, t)           # [bd, S]
-      if mode == "apply":
-        y = jnp.sum(h * _row(C_ref, t), axis=1)                 # [bd]
-        y_ref[pl.ds(t, 1), :] = y[None, :].astype(y_ref.dtype)
-      else:
-        dsum = dsum + delta
-    return h, dsum
+    delta = tile.seq(delta_ref)
+    hs, _ = _states(tile, delta, delta * tile.seq(u_ref), tile.seq(B_ref), A, h)
+    if mode == "apply":
+      tile.store(y_ref, jnp.sum(hs * tile.seq(C_ref)[:, None, :], axis=2))
+    else:
+      dsum = dsum + jnp.sum(delta, axis=0)
+    return _pick(hs, tile.last), dsum
 
   h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
   end_ref[...] = h
   if mode == "summary":
-    dsum_ref[...] = dsum[:, 0][None, :]
+    dsum_ref[...] = dsum[None, :]
 
 
-def _backward_summary_kernel(delta_ref, A_ref, C_ref, dy_ref, end_ref, dsum_ref, *,
-                             reverse, chunk, unroll):
-  """The chunk's adjoint from zero, walking in backward order."""
+def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
+                             dsum_ref, *, reverse, chunk, unroll):
+  """The chunk's adjoint from zero, walking in backward order.
+
+  `reverse` is the forward direction. The adjoint `c_t = dL/dh_t` obeys
+  `c_t = a_{t+1} c_{t+1} + dy_t C_t` (`t+1` the next step in forward order),
+  so it is a scan of `(a_next, dy C)` the other way.
+  """
   A = A_ref[...].astype(_F32)
-  r = jnp.zeros(A.shape, _F32)
-  dsum = jnp.zeros((A.shape[0], 1), _F32)
+  c = jnp.zeros(A.shape, _F32)
+  dsum = jnp.zeros((A.shape[0],), _F32)
 
   def body(j, carry):
-    r, dsum = carry
-    for i in range(unroll):
-      t = _position(j * unroll + i, chunk, reverse)
-      delta = _col(delta_ref, t)
-      r = jnp.exp(delta * A) * (r + _col(dy_ref, t) * _row(C_ref, t))
-      dsum = dsum + delta
-    return r, dsum
+    c, dsum = carry
+    tile = _Tile(j, chunk, unroll, not reverse)
+    delta_next = tile.seq(delta_next_ref)
+    cs, _ = _states(tile, delta_next, tile.seq(dy_ref), tile.seq(C_ref), A, c)
+    return _pick(cs, tile.last), dsum + jnp.sum(delta_next, axis=0)
 
-  r, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (r, dsum))
-  end_ref[...] = r
-  dsum_ref[...] = dsum[:, 0][None, :]
+  c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
+  end_ref[...] = c
+  dsum_ref[...] = dsum[None, :]
 
 
-def _backward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, dy_ref, dfinal_ref,
-                     ckpt_ref, *refs, reverse, chunk, unroll, fold):
-  """Per chunk (backward order): du, ddelta, dB/dC partials, dA partial, r.
+def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_ref,
+                     dfinal_ref, ckpt_ref, *refs, reverse, chunk, unroll, fold):
+  """Per chunk (backward order): du, ddelta, dB/dC partials, dA partial and
+  the adjoint `c` at the chunk's first step (forward order).
 
   `reverse` is the *forward* direction; this kernel walks the other way.
+  Each tile recomputes its states from its checkpoint (a forward tile scan),
+  scans the adjoint backward, and forms every gradient from the two at once.
   """
   A = A_ref[...].astype(_F32)
   if fold:
     end_all, dsum_all, refs = refs[0], refs[1], refs[2:]
-    r = _fold(dfinal_ref[...], pl.program_id(2), end_all, dsum_all, A)
+    c = _fold(dfinal_ref[...], pl.program_id(2), end_all, dsum_all, A)
   else:
-    r = dfinal_ref[...]
-  du_ref, ddelta_ref, dB_ref, dC_ref, dA_ref, r_ref = refs
-  num_blocks = chunk // unroll
+    c = dfinal_ref[...]
+  du_ref, ddelta_ref, dB_ref, dC_ref, dA_ref, c_ref = refs
+  num_tiles = chunk // unroll
 
   def body(jb, carry):
-    r, dA_acc = carry
-    j = num_blocks - 1 - jb          # the block, in forward processing order
-    h = ckpt_ref[j]
-    hs, deltas, xs, us, bs, ts = [], [], [], [], [], []
-    for i in range(unroll):          # recompute the block's states
-      t = _position(j * unroll + i, chunk, reverse)
-      delta = _col(delta_ref, t)
-      u = _col(u_ref, t)
-      b = _row(B_ref, t)
-      x = delta * u
-      hs.append(h)                   # h before step i
-      h = jnp.exp(delta * A) * h + x * b
-      deltas.append(delta), xs.append(x), us.append(u), bs.append(b), ts.append(t)
-    for i in reversed(range(unroll)):
-      t, delta, x, b = ts[i], deltas[i], xs[i], bs[i]
-      dy = _col(dy_ref, t)                                      # [bd, 1]
-      decay = jnp.exp(delta * A)                                # [bd, S]
-      h_prev = hs[i]
-      h_t = h if i == unroll - 1 else hs[i + 1]
-      c = r + dy * _row(C_ref, t)                               # dL/dh_t
-      dC_ref[pl.ds(t, 1), :] = jnp.sum(dy * h_t, axis=0)[None, :]
-      dB_ref[pl.ds(t, 1), :] = jnp.sum(c * x, axis=0)[None, :]
-      dx = jnp.sum(c * b, axis=1)[:, None]                      # [bd, 1]
-      g = c * h_prev * decay                                    # dL/d(delta A)
-      ddelta = dx * us[i] + jnp.sum(g * A, axis=1)[:, None]
-      du_ref[pl.ds(t, 1), :] = (dx * delta)[:, 0][None, :]
-      ddelta_ref[pl.ds(t, 1), :] = ddelta[:, 0][None, :]
-      dA_acc = dA_acc + g * delta
-      r = decay * c
-      h = h_prev
-    return r, dA_acc
+    c, dA_acc = carry
+    j = num_tiles - 1 - jb                # the tile, in forward processing order
+    fwd = _Tile(j, chunk, unroll, reverse)
+    bwd = _Tile(jb, chunk, unroll, not reverse)   # the same rows
+    delta, u, B = fwd.seq(delta_ref), fwd.seq(u_ref), fwd.seq(B_ref)
+    dy = fwd.seq(dy_ref)
+    x = delta * u
+    hs, decay = _states(fwd, delta, x, B, A, ckpt_ref[j])
+    cs, _ = _states(bwd, fwd.seq(delta_next_ref), dy, fwd.seq(C_ref), A, c)
+    bx = x[:, :, None] * B[:, None, :]
+    g = cs * (hs - bx)                    # dL/d(delta A): c_t a_t h_{t-1}
+    dx = jnp.sum(cs * B[:, None, :], axis=2)                   # [U, bd]
+    fwd.store(dC_ref, jnp.sum(dy[:, :, None] * hs, axis=1))    # [U, S]
+    fwd.store(dB_ref, jnp.sum(cs * x[:, :, None], axis=1))
+    fwd.store(du_ref, dx * delta)
+    fwd.store(ddelta_ref, dx * u + jnp.sum(g * A[None], axis=2))
+    dA_acc = dA_acc + jnp.sum(g * delta[:, :, None], axis=0)
+    del decay
+    return _pick(cs, bwd.last), dA_acc
 
-  r, dA_acc = jax.lax.fori_loop(0, num_blocks, body, (r, jnp.zeros(A.shape, _F32)))
+  c, dA_acc = jax.lax.fori_loop(0, num_tiles, body, (c, jnp.zeros(A.shape, _F32)))
   dA_ref[...] = dA_acc
-  r_ref[...] = r
+  c_ref[...] = c
 
 
 def _layout(batch, time, width, state, blocks):
@@ -268,7 +295,8 @@ def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
   B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
   A_p = _shapes.pad_axis(A, 0, bd)
   h0_p = _shapes.pad_axis(h0, 1, bd)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
   kw = dict(reverse=reverse, chunk=chunk, unroll=blocks.unroll)
   ins = (u_p, delta_p, A_p, B_p, C_p, h0_p)
@@ -308,11 +336,17 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   per_group = _per_group(u, B)
   sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll, per_group)
   u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
+  # delta of the next step in forward order (0, a decay of 1, past the end):
+  # the adjoint's recurrence multiplies by the next step's decay.
+  zero = jnp.zeros_like(delta_p[:, :1])
+  delta_next = (jnp.concatenate([zero, delta_p[:, :-1]], axis=1) if reverse
+                else jnp.concatenate([delta_p[:, 1:], zero], axis=1))
   dy_p = _pad_seq(dy.astype(_F32), chunk, bd)
   B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
   A_p = _shapes.pad_axis(A, 0, bd)
   dfinal_p = _shapes.pad_axis(dfinal.astype(_F32), 1, bd)
-  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
   kw = dict(chunk=chunk, unroll=blocks.unroll)
   states = jax.ShapeDtypeStruct((batch, num_chunks, padded_d, state), _F32)
@@ -321,25 +355,29 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   summaries = ()
   if fold:
     summaries = pl.pallas_call(
-        functools.partial(_backward_summary_kernel, reverse=not reverse, **kw),
+        functools.partial(_backward_summary_kernel, reverse=reverse, **kw),
         grid=grid, in_specs=[sp["seq"], sp["a"], sp["seq_s"], sp["seq"]],
         out_specs=[sp["chunk_state"], sp["chunk_vec"]], out_shape=[states, vecs],
         compiler_params=params, interpret=interpret,
-        name="selective_scan_backward_summary")(delta_p, A_p, C_p, dy_p)
+        name="selective_scan_backward_summary")(delta_next, A_p, C_p, dy_p)
   seq = jax.ShapeDtypeStruct(u_p.shape, _F32)
   partial_s = jax.ShapeDtypeStruct((batch, padded_d // bd, u_p.shape[1], state), _F32)
-  du, ddelta, dB, dC, dA, r = pl.pallas_call(
+  du, ddelta, dB, dC, dA, c = pl.pallas_call(
       functools.partial(_backward_kernel, reverse=reverse, fold=fold, **kw),
       grid=grid,
-      in_specs=[sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"], sp["seq"],
-                sp["state"], sp["ckpt_rev"]]
+      in_specs=[sp["seq"], sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"],
+                sp["seq"], sp["state"], sp["ckpt_rev"]]
       + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
       out_specs=[sp["seq"], sp["seq"], sp["partial_s"], sp["partial_s"],
                  sp["chunk_state"], sp["chunk_state"]],
       out_shape=[seq, seq, partial_s, partial_s, states, states],
       compiler_params=params, interpret=interpret,
-      name="selective_scan_backward")(u_p, delta_p, A_p, B_p, C_p, dy_p, dfinal_p,
-                                      ckpt, *summaries)
+      name="selective_scan_backward")(u_p, delta_p, delta_next, A_p, B_p, C_p, dy_p,
+                                      dfinal_p, ckpt, *summaries)
+  # dL/dh0 = a_first c_first: the adjoint at the first step (forward order)
+  # times that step's decay.
+  first = delta_p[:, -1] if reverse else delta_p[:, 0]                  # [B, Dp]
+  dh0 = jnp.exp(first.astype(_F32)[:, :, None] * A_p) * c[:, -1]
   if per_group is None:
     dB, dC = jnp.sum(dB, axis=1), jnp.sum(dC, axis=1)          # [B, T, S]
   else:
@@ -349,7 +387,7 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
       return jnp.swapaxes(x, 1, 2)
     dB, dC = by_group(dB), by_group(dC)
   return (du[:, :time, :width], ddelta[:, :time, :width],
-          jnp.sum(dA, axis=(0, 1))[:width], dB[:, :time], dC[:, :time], r[:, -1, :width])
+          jnp.sum(dA, axis=(0, 1))[:width], dB[:, :time], dC[:, :time], dh0[:, :width])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
