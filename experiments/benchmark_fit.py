@@ -8,7 +8,16 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
   bare_step     one jitted step, synced after every call (harness.run_case).
   bare_loop     a Python loop over the same jitted step with donated state,
                 batches already on the device, synced once at the end: the
-                fastest a loop can drive this step.
+                fastest a loop can drive this step. What it does not do, and
+                fit() does: shuffle and gather the batch on the device, compute
+                the gradient's and the update's norms, keep a non-finite
+                update out of the state, pack metrics and read them on the
+                host every call, keep a per-step history.
+  bare_loop_calls   with `--steps_per_call=K` > 1: the bare step run K times
+                per jitted call (`lax.scan` over K batches stacked on the
+                device), the like-for-like baseline of the *_calls rows
+                (`bare_calls_time_ratio`); they also report the ratio to
+                bare_loop (K = 1), as the issue's target states it.
   fit_memory    fit() on in-memory arrays (device-side shuffle and gather),
                 second call (its first compiled the step).
   fit_stream    fit() on a generator of host numpy batches (prefetch thread).
@@ -26,6 +35,20 @@ is fit's own figure (first step excluded).
 (round r times all three), so a shared machine's load drifts across all rows
 alike; each row then reports the median over rounds and `ratio_min`/`ratio_max`,
 the spread of the per-round time ratio to that round's bare_loop.
+
+`--pieces` adds rows that time the compiled step alone (a jitted loop with
+donated state, synced once, no host reads), interleaved over `--repeats`
+rounds, each round's time over that round's `step_bare`:
+
+  step_bare          the bare loop's step (step counter and key in the state).
+  step_grad_norm     + the gradient's norm as a metric, packed with the loss.
+  step_reject_loss_grad   + rejecting the update (a `lax.cond`) when the loss
+                or the gradient norm is not finite. Not fit's guarantee (a
+                finite gradient can still make a non-finite update): the
+                floor of a guard that checks no update.
+  step_fit_select / step_fit_cond   fit's own compiled step (`array_step`:
+                device-side gather, the full guard, packed metrics) with each
+                way of keeping a rejected update out (`StepSpec.guard`).
 
 `--model=mlp` swaps the Transformer for a 3-hidden-layer MLP of width
 `--model_dim` on `--seq_len` features (the issue's benchmark): the step is then
@@ -47,6 +70,8 @@ import optax
 
 import probjax_hk as pk
 from experiments import harness
+from probjax_hk.training import sharding as sharding_lib
+from probjax_hk.training import step as step_lib
 
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSON rows.")
 _STEPS = flags.DEFINE_integer("steps", 300, "Steps per timed loop.")
@@ -62,6 +87,8 @@ _MODEL = flags.DEFINE_enum("model", "transformer", ["transformer", "mlp"],
                            "The model whose training step is timed.")
 _REPEATS = flags.DEFINE_integer(
     "repeats", 1, "Interleaved rounds of bare_loop/fit_memory/fit_stream.")
+_PIECES = flags.DEFINE_bool(
+    "pieces", False, "Add the step_* rows: the compiled step alone, piece by piece.")
 _VOCAB = 256
 _NUM_EXAMPLES = 64
 
@@ -98,6 +125,82 @@ def _bare_step(params, opt_state, rng, step, batch):
       params, jax.random.fold_in(rng, step), batch)
   updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
   return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _piece_cases(config, params, data, device_batches, steps):
+  """The step_* cases: fit's step taken apart (see the module docstring)."""
+  bsz = _BATCH.value
+
+  def make(grad_norm, reject):
+    def step(ts, batch):
+      p, s, i = ts["params"], ts["opt_state"], ts["step"]
+      rng = step_lib.step_key(ts["rng"], i)
+      loss, grads = jax.value_and_grad(NET.apply)(p, rng, batch)
+      def apply():
+        updates, new_s = OPTIMIZER.update(grads, s, p)
+        return optax.apply_updates(p, updates), new_s
+      metrics = loss
+      if grad_norm:
+        norm = optax.tree.norm(grads)
+        metrics = jnp.stack([loss, norm])
+      if reject:
+        ok = jnp.isfinite(loss) & jnp.isfinite(norm)
+        p, s = jax.lax.cond(ok, apply, lambda: (p, s))
+      else:
+        p, s = apply()
+      return dict(ts, params=p, opt_state=s, step=i + 1), metrics
+    return jax.jit(step, donate_argnums=0)
+
+  def loop_case(case, fn, args_fn):
+    def run():
+      ts = args_fn()
+      out = fn(ts, *extra(0))
+      jax.block_until_ready(out)
+      ts = out[0]
+      start = time.perf_counter()
+      for i in range(steps):
+        ts, metrics = fn(ts, *extra(i))
+      jax.block_until_ready((ts, metrics))
+      wall = time.perf_counter() - start
+      return dict(config, case=case, status="ok", wall_s=wall,
+                  steps_per_s=steps / wall)
+    extra = args_fn.extra
+    return run
+
+  def bare_state():
+    return {"params": jax.tree.map(jnp.copy, params),
+            "opt_state": OPTIMIZER.init(params), "step": jnp.int32(0),
+            "rng": jax.random.PRNGKey(1)}
+  bare_state.extra = lambda i: (device_batches[i % len(device_batches)],)
+
+  mesh = sharding_lib.default_mesh()
+  arrays = sharding_lib.put_replicated(data, mesh)
+  perm = jnp.concatenate([jax.random.permutation(
+      jax.random.PRNGKey(e), _NUM_EXAMPLES) for e in range(8)]).astype(jnp.int32)
+  perm = sharding_lib.put_replicated(perm, mesh)
+  steps_per_epoch = _NUM_EXAMPLES // bsz
+
+  def fit_state():
+    return sharding_lib.put_replicated(dict(
+        bare_state(), state={}, nonfinite=np.int32(0),
+        first_nonfinite=np.int32(-1)), mesh)
+  fit_state.extra = lambda i: (arrays, perm, bsz, steps_per_epoch,
+                               _NUM_EXAMPLES)
+
+  def fit_step(guard):
+    spec = step_lib.StepSpec(
+        loss_fn=NET.apply, optimizer=OPTIMIZER, has_state=False, has_aux=False,
+        use_mask=False, on_nonfinite="raise", mesh=mesh, donate=True,
+        metric_names=step_lib.BASE_METRICS, guard=guard)
+    return step_lib.array_step(spec)
+
+  return [
+      loop_case("step_bare", make(False, False), bare_state),
+      loop_case("step_grad_norm", make(True, False), bare_state),
+      loop_case("step_reject_loss_grad", make(True, True), bare_state),
+      loop_case("step_fit_select", fit_step("select"), fit_state),
+      loop_case("step_fit_cond", fit_step("cond"), fit_state),
+  ]
 
 
 def main(argv):
@@ -181,6 +284,32 @@ def main(argv):
                                         steps_per_call=k), steps_per_call=k))
     cases.append(lambda: dict(timed_fit("fit_stream_calls", stream, steps,
                                         steps_per_call=k), steps_per_call=k))
+  if _STEPS_PER_CALL.value > 1:
+    k = _STEPS_PER_CALL.value
+    scan_fn = jax.jit(lambda p, s, r, i, b: jax.lax.scan(
+        lambda c, xs: (lambda out: ((out[0], out[1], c[2] + 1), out[2]))(
+            _bare_step(c[0], c[1], r, c[2], xs)), (p, s, i), b)[0],
+                      donate_argnums=(0, 1))
+    stacked = [jax.device_put({key: np.stack(
+        [data[key][(j * bsz + i * k * bsz) % _NUM_EXAMPLES:][:bsz]
+         for j in range(k)]) for key in data}) for i in range(4)]
+
+    def bare_loop_calls():
+      p = jax.tree.map(jnp.copy, params)
+      s = OPTIMIZER.init(p)
+      calls = steps // k
+      p, s, i = scan_fn(p, s, rng, 0, stacked[0])
+      jax.block_until_ready(p)
+      start = time.perf_counter()
+      for c in range(calls):
+        p, s, i = scan_fn(p, s, rng, i, stacked[c % len(stacked)])
+      jax.block_until_ready((p, s))
+      wall = time.perf_counter() - start
+      return dict(config, case="bare_loop_calls", status="ok", wall_s=wall,
+                  steps_per_s=calls * k / wall, steps_per_call=k)
+    cases.append(bare_loop_calls)
+  if _PIECES.value:
+    cases.extend(_piece_cases(config, params, data, device_batches, steps))
   rounds = []
   for _ in range(_REPEATS.value):
     rounds.append([case() for case in cases])
@@ -200,6 +329,22 @@ def main(argv):
   for row in (rows[0], first, second):
     if "steps_per_s" in row:
       row["bare_loop_time_ratio"] = bare / row["steps_per_s"]
+  names = [r[0]["case"] for r in rounds[:1]] and [x["case"] for x in rounds[0]]
+  if "bare_loop_calls" in names:  # the *_calls rows over the K-step bare loop
+    b = names.index("bare_loop_calls")
+    for i, name in enumerate(names):
+      if name.endswith("_calls"):
+        ratios = [r[b]["steps_per_s"] / r[i]["steps_per_s"] for r in rounds]
+        steady[i].update(bare_calls_time_ratio=statistics.median(ratios),
+                         bare_calls_ratio_min=min(ratios),
+                         bare_calls_ratio_max=max(ratios))
+  if "step_bare" in names:  # the step_* rows over step_bare
+    b = names.index("step_bare")
+    for i, name in enumerate(names):
+      if name.startswith("step_"):
+        ratios = [r[b]["steps_per_s"] / r[i]["steps_per_s"] for r in rounds]
+        steady[i].update(step_bare_time_ratio=statistics.median(ratios),
+                         step_ratio_min=min(ratios), step_ratio_max=max(ratios))
   rows = [rows[0], steady[0], first, second] + steady[1:]
   meta = harness.environment()
   if _OUTPUT.value:
@@ -207,8 +352,10 @@ def main(argv):
       json.dump({"environment": meta, "rows": rows}, f, indent=1)
   print(harness.format_table(rows, [
       "case", "status", "steps_per_s", "steady_steps_per_s",
-      "bare_loop_time_ratio", "ratio_min", "ratio_max", "wall_s", "compile_s",
-      "second_over_first_wall"]))
+      "bare_loop_time_ratio", "ratio_min", "ratio_max",
+      "bare_calls_time_ratio", "bare_calls_ratio_min", "bare_calls_ratio_max",
+      "step_bare_time_ratio", "step_ratio_min", "step_ratio_max", "wall_s",
+      "compile_s", "second_over_first_wall"]))
 
 
 if __name__ == "__main__":

@@ -502,8 +502,26 @@ class _Loop:
     else:
       self.timer_steps += steps
     self.timer_end = now
+    names = self.spec.metric_names
+    if (steps > 1 and not self.callbacks and not self.log_every
+        and all(values[names.index("finite")] for values in rows)):
+      self._process_quiet(first, steps, rows)
+      return
     for i, values in enumerate(rows):
-      self._process_step(first + i, dict(zip(self.spec.metric_names, values)))
+      self._process_step(first + i, dict(zip(names, values)))
+
+  def _process_quiet(self, first: int, steps: int, rows: list):
+    """`_process_step` for a call's finite steps when no callback or log line
+    needs each step: the history grows by columns, the bar once per call."""
+    last = first + steps - 1
+    self.history["step"].extend(range(first, last + 1))
+    for name, column in zip(self.spec.metric_names, zip(*rows)):
+      self.history.setdefault(name, []).extend(column)
+    self.bar.update(steps)
+    shown = [s for s in (last - last % 10, self.total) if s and first <= s <= last]
+    if shown:
+      loss = rows[max(shown) - first][self.spec.metric_names.index("loss")]
+      self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
 
   def _process_step(self, step: int, metrics: dict):
     self.history["step"].append(step)

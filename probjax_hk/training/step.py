@@ -49,6 +49,9 @@ class StepSpec(NamedTuple):
   # The step's metrics, packed into one f32 vector in this order (one
   # device-to-host copy per step); None: a dict (see `metric_names`).
   metric_names: tuple[str, ...] | None = None
+  # How a rejected update is kept out of the state: 'select' or 'cond' (see
+  # `_train_step`; benchmark_fit --pieces times both).
+  guard: str = "select"
 
 
 BASE_METRICS = ("loss", "grad_norm", "finite")
@@ -118,7 +121,20 @@ def _scalar_aux(aux) -> dict[str, jax.Array]:
 
 
 def _train_step(spec: StepSpec, ts, batch, mask):
-  """One optimizer step on `batch`; rejects non-finite updates."""
+  """One optimizer step on `batch`; rejects non-finite updates.
+
+  The step is accepted when its loss, its gradient's norm and its update's
+  norm are finite (and, with on_nonfinite='raise', no earlier step failed).
+  The update must be checked before the state is written: with a donated
+  state, a written non-finite update cannot be undone. Two ways to keep the
+  old state (`StepSpec.guard`; measured in experiments/benchmark_fit.py
+  --pieces): 'select' writes `where(accept, new, old)` per leaf; 'cond'
+  writes the new state inside a `lax.cond` (on a GPU a conditional reads
+  its predicate on the host). On the CPU they measured alike (within noise);
+  either way the update check is the guard's cost: the update must be
+  materialized, or computed twice, before the state is written
+  (BUILD_NOTES.md, fit() section).
+  """
   rng = step_key(ts["rng"], ts["step"])
 
   def loss_and_extras(params):
@@ -130,20 +146,24 @@ def _train_step(spec: StepSpec, ts, batch, mask):
       loss_and_extras, has_aux=True)(ts["params"])
   updates, new_opt_state = spec.optimizer.update(
       grads, ts["opt_state"], ts["params"])
-  new_params = optax.apply_updates(ts["params"], updates)
   grad_norm = optax.tree.norm(grads)
   finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             & jnp.isfinite(optax.tree.norm(updates)))
   accept = finite
   if spec.on_nonfinite == "raise":
     accept = finite & (ts["nonfinite"] == 0)
-  keep = lambda new, old: jax.tree.map(
-      lambda a, b: jnp.where(accept, a, b), new, old)
+  new = (optax.apply_updates(ts["params"], updates), new_opt_state, new_state)
+  old = (ts["params"], ts["opt_state"], ts["state"])
+  if spec.guard == "cond":
+    params, opt_state, state = jax.lax.cond(accept, lambda: new, lambda: old)
+  else:
+    params, opt_state, state = jax.tree.map(
+        lambda a, b: jnp.where(accept, a, b), new, old)
   step = ts["step"] + 1
   new_ts = {
-      "params": keep(new_params, ts["params"]),
-      "opt_state": keep(new_opt_state, ts["opt_state"]),
-      "state": keep(new_state, ts["state"]),
+      "params": params,
+      "opt_state": opt_state,
+      "state": state,
       "step": step,
       "rng": ts["rng"],
       "nonfinite": ts["nonfinite"] + (~finite).astype(jnp.int32),
