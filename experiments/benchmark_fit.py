@@ -49,6 +49,12 @@ rounds, each round's time over that round's `step_bare`:
   step_fit_select / step_fit_cond   fit's own compiled step (`array_step`:
                 device-side gather, the full guard, packed metrics) with each
                 way of keeping a rejected update out (`StepSpec.guard`).
+  step_fit_calls_guarded / step_fit_calls_optimistic   with
+                `--steps_per_call=K` > 1: fit's K-step call with the full
+                guard in every step (as before the optimistic calls), and the
+                optimistic call fit() now runs (loss and gradient checked per
+                step, the final state once; not donated), each with its
+                metrics read after every call.
 
 `--model=mlp` swaps the Transformer for a 3-hidden-layer MLP of width
 `--model_dim` on `--seq_len` features (the issue's benchmark): the step is then
@@ -188,13 +194,38 @@ def _piece_cases(config, params, data, device_batches, steps):
                                _NUM_EXAMPLES)
 
   def fit_step(guard):
-    spec = step_lib.StepSpec(
-        loss_fn=NET.apply, optimizer=OPTIMIZER, has_state=False, has_aux=False,
-        use_mask=False, on_nonfinite="raise", mesh=mesh, donate=True,
-        metric_names=step_lib.BASE_METRICS, guard=guard)
-    return step_lib.array_step(spec)
+    return step_lib.array_step(spec(guard))
 
-  return [
+  def calls_case(case, fn, k):  # K steps per call, metrics read per call
+    def run():
+      ts = fit_state()
+      out = fn(ts, *fit_state.extra(0))
+      jax.block_until_ready(out)
+      ts = out[0]
+      calls = steps // k
+      start = time.perf_counter()
+      for _ in range(calls):
+        ts, *rest = fn(ts, *fit_state.extra(0))
+        np.asarray(rest[0])
+        assert len(rest) == 1 or bool(rest[1])  # optimistic: state finite
+      wall = time.perf_counter() - start
+      return dict(config, case=case, status="ok", wall_s=wall,
+                  steps_per_s=calls * k / wall, steps_per_call=k)
+    return run
+
+  k = _STEPS_PER_CALL.value
+  spec = lambda guard: step_lib.StepSpec(
+      loss_fn=NET.apply, optimizer=OPTIMIZER, has_state=False, has_aux=False,
+      use_mask=False, on_nonfinite="raise", mesh=mesh, donate=True,
+      metric_names=step_lib.BASE_METRICS, guard=guard)
+  calls = []
+  if k > 1:
+    calls = [
+        calls_case("step_fit_calls_guarded", step_lib.array_step(
+            spec("auto"), k), k),
+        calls_case("step_fit_calls_optimistic", step_lib.array_step(
+            spec("auto"), k, optimistic=True), k)]
+  return calls + [
       loop_case("step_bare", make(False, False), bare_state),
       loop_case("step_grad_norm", make(True, False), bare_state),
       loop_case("step_reject_loss_grad", make(True, True), bare_state),

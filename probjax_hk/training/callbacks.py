@@ -10,8 +10,9 @@ validation pass (`on_eval_end`): `val_loss`.
 
 Timing: `fit()` reads a step's metrics while the next step already runs (it
 keeps the device busy), so a stop asked by `on_step_end` at step s ends the fit
-after step s + 1; with `fit(steps_per_call=K)`, after the call that follows the
-one holding step s (at most 2K - 1 steps later). `on_eval_end` runs between steps: a stop there ends the fit
+after step s + 1; with `fit(steps_per_call=K)`, at the end of the call holding
+step s (at most K - 1 steps later: a multi-step call's metrics are read as
+soon as it ends). `on_eval_end` runs between steps: a stop there ends the fit
 at exactly that step.
 """
 

@@ -253,6 +253,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       per-step host work (well under a millisecond on a GPU). Calls never
       cross an evaluation, a checkpoint or the end; callbacks still see every
       step, but a stop they ask for takes effect at the end of the call.
+      Such a call checks each step's loss and gradient and, once, its final
+      state; the input state is kept (not donated: two copies of the state
+      during a call) and a call with a non-finite step is re-run from it
+      one fully guarded step at a time, so results equal K = 1's.
 
   Returns:
     A `FitResult`.
@@ -399,7 +403,8 @@ class _Loop:
   def run_arrays(self, source: data_lib.ArrayData, eval_every, validation):
     step_fns = {1: step_lib.array_step(self.spec)}
     if self.steps_per_call > 1:
-      step_fns[self.steps_per_call] = step_lib.array_step(self.spec, self.steps_per_call)
+      step_fns[self.steps_per_call] = step_lib.array_step(
+          self.spec, self.steps_per_call, optimistic=True)
     key = step_lib.data_key(self.ts["rng"])
     steps_per_epoch = source.steps_per_epoch
     steps_per_block = steps_per_epoch * source.epochs_per_block
@@ -419,9 +424,16 @@ class _Loop:
       n = self.steps_per_call
       if n > 1 and not self._call_fits(n, boundaries):
         n = 1
-      out = step_fns[n](self.ts, source.arrays, order[block], source.batch_size,
-                        steps_per_epoch, source.num_examples)
-      return out, n
+      args = (source.arrays, order[block], source.batch_size, steps_per_epoch,
+              source.num_examples)
+      out = step_fns[n](self.ts, *args)
+      if n == 1:
+        return out, n, None
+      def replay():  # the same n steps, fully guarded, from the input state
+        for _ in range(n):
+          if not self.stop:
+            self._replay_step(step_fns[1](self.ts, *args))
+      return out[:2], n, (self.ts, out[2], replay)
     self._guard(self._run(dispatch, eval_every, validation))
 
   def _call_fits(self, n: int, boundaries) -> bool:
@@ -433,7 +445,8 @@ class _Loop:
                for every in boundaries)
 
   def run_stream(self, source: data_lib.StreamData, eval_every, validation):
-    step_fns = {n: step_lib.stream_step(self.spec, n) for n in {1, source.steps_per_call}}
+    step_fns = {n: step_lib.stream_step(self.spec, n, optimistic=n > 1)
+                for n in {1, source.steps_per_call}}
     boundaries = [self.checkpoint_every,
                   eval_every if validation is not None else None]
     batches = iter(source)
@@ -449,7 +462,14 @@ class _Loop:
       if item.count > 1 and not self._call_fits(item.count, boundaries):
         ready.extendleft(reversed(item.split()))  # one step at a time up to it
         item = ready.popleft()
-      return step_fns[item.count](self.ts, item.batch, item.mask), item.count
+      out = step_fns[item.count](self.ts, item.batch, item.mask)
+      if item.count == 1:
+        return out, 1, None
+      def replay():  # the same batches, fully guarded, from the input state
+        for single in item.split():
+          if not self.stop:
+            self._replay_step(step_fns[1](self.ts, single.batch, single.mask))
+      return out[:2], item.count, (self.ts, out[2], replay)
     self._guard(self._run(dispatch, eval_every, validation))
 
   # --- the loop --------------------------------------------------------------
@@ -470,12 +490,16 @@ class _Loop:
         out = dispatch()
         if out is None:  # the stream ended
           break
-        (self.ts, metrics), steps = out
+        (self.ts, metrics), steps, check = out
         if self.copy_metrics_early:
           metrics.copy_to_host_async()
-        self.pending.append((self.step + 1, steps, metrics))
+          if check is not None:
+            check[1].copy_to_host_async()
+        self.pending.append((self.step + 1, steps, metrics, check))
         self.step += steps
-        if len(self.pending) > 1:
+        if check is not None:  # read now: a roll-back needs no later call
+          self._flush()
+        elif len(self.pending) > 1:
           self._process(*self.pending.pop(0))
         if validation is not None and eval_every and self.step % eval_every == 0:
           self._flush()
@@ -493,8 +517,17 @@ class _Loop:
     while self.pending:
       self._process(*self.pending.pop(0))
 
-  def _process(self, first: int, steps: int, device_metrics):
+  def _process(self, first: int, steps: int, device_metrics, check=None):
     rows = np.asarray(device_metrics).reshape(steps, -1).tolist()  # one host copy
+    if check is not None:  # an optimistic call (step.array_step)
+      ts_in, state_ok, replay = check
+      finite = self.spec.metric_names.index("finite")
+      if not (bool(state_ok) and all(values[finite] for values in rows)):
+        logging.info("fit: steps %d-%d: a non-finite step; re-running them"
+                     " with the full guard", first, first + steps - 1)
+        self.ts, self.step = ts_in, first - 1
+        replay()
+        return
     # Throughput counts from the end of the first call (its compile excluded).
     now = time.perf_counter()
     if self.timer_start is None:
@@ -509,6 +542,12 @@ class _Loop:
       return
     for i, values in enumerate(rows):
       self._process_step(first + i, dict(zip(names, values)))
+
+  def _replay_step(self, out):
+    """Takes one re-run step's (ts, metrics) and processes it at once."""
+    self.ts, metrics = out
+    self.step += 1
+    self._process(self.step, 1, metrics)
 
   def _process_quiet(self, first: int, steps: int, rows: list):
     """`_process_step` for a call's finite steps when no callback or log line

@@ -49,9 +49,9 @@ class StepSpec(NamedTuple):
   # The step's metrics, packed into one f32 vector in this order (one
   # device-to-host copy per step); None: a dict (see `metric_names`).
   metric_names: tuple[str, ...] | None = None
-  # How a rejected update is kept out of the state: 'select' or 'cond' (see
-  # `_train_step`; benchmark_fit --pieces times both).
-  guard: str = "select"
+  # How a rejected update is kept out of the state: 'select', 'cond' or
+  # 'auto' (cond on CPU, select elsewhere); see `_train_step`.
+  guard: str = "auto"
 
 
 BASE_METRICS = ("loss", "grad_norm", "finite")
@@ -120,20 +120,31 @@ def _scalar_aux(aux) -> dict[str, jax.Array]:
           if not np.shape(v)}
 
 
-def _train_step(spec: StepSpec, ts, batch, mask):
+def _guard_kind(spec: StepSpec, check_update: bool) -> str:
+  if spec.guard != "auto":
+    return spec.guard
+  cpu = spec.mesh.devices.flat[0].platform == "cpu"
+  return "cond" if cpu and not check_update else "select"
+
+
+def _train_step(spec: StepSpec, ts, batch, mask, check_update: bool = True):
   """One optimizer step on `batch`; rejects non-finite updates.
 
-  The step is accepted when its loss, its gradient's norm and its update's
-  norm are finite (and, with on_nonfinite='raise', no earlier step failed).
-  The update must be checked before the state is written: with a donated
-  state, a written non-finite update cannot be undone. Two ways to keep the
-  old state (`StepSpec.guard`; measured in experiments/benchmark_fit.py
-  --pieces): 'select' writes `where(accept, new, old)` per leaf; 'cond'
-  writes the new state inside a `lax.cond` (on a GPU a conditional reads
-  its predicate on the host). On the CPU they measured alike (within noise);
-  either way the update check is the guard's cost: the update must be
-  materialized, or computed twice, before the state is written
-  (BUILD_NOTES.md, fit() section).
+  The step is accepted when its loss, its gradient's norm and (with
+  `check_update`) its update's norm are finite (and, with
+  on_nonfinite='raise', no earlier step failed). The update must be checked
+  before the state is written: a donated state, once written, cannot be
+  restored. That check is the guard's cost (the update is materialized and
+  read again before the write: about one optimizer pass, see BUILD_NOTES.md,
+  fit() section); the optimistic multi-step calls leave it out and check
+  the final state instead (`array_step`). Two ways to keep the old state
+  (`StepSpec.guard`; timed by experiments/benchmark_fit.py --pieces):
+  'select' writes `where(accept, new, old)` per leaf; 'cond' writes the new
+  state inside a `lax.cond`. 'auto': 'cond' on the CPU for steps without the
+  update check (the update then runs inside the branch, in place, and XLA
+  drops the copies it puts before an in-place update: measured faster than
+  the bare step), else 'select' (with the check, both measured alike on the
+  CPU; on a GPU a conditional reads its predicate on the host).
   """
   rng = step_key(ts["rng"], ts["step"])
 
@@ -144,19 +155,30 @@ def _train_step(spec: StepSpec, ts, batch, mask):
 
   (loss, (new_state, aux)), grads = jax.value_and_grad(
       loss_and_extras, has_aux=True)(ts["params"])
-  updates, new_opt_state = spec.optimizer.update(
-      grads, ts["opt_state"], ts["params"])
   grad_norm = optax.tree.norm(grads)
-  finite = (jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-            & jnp.isfinite(optax.tree.norm(updates)))
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+  def update():
+    updates, new_opt_state = spec.optimizer.update(
+        grads, ts["opt_state"], ts["params"])
+    return (optax.apply_updates(ts["params"], updates), new_opt_state,
+            new_state), updates
+
+  new = None
+  if check_update:
+    new, updates = update()
+    finite &= jnp.isfinite(optax.tree.norm(updates))
   accept = finite
   if spec.on_nonfinite == "raise":
     accept = finite & (ts["nonfinite"] == 0)
-  new = (optax.apply_updates(ts["params"], updates), new_opt_state, new_state)
   old = (ts["params"], ts["opt_state"], ts["state"])
-  if spec.guard == "cond":
-    params, opt_state, state = jax.lax.cond(accept, lambda: new, lambda: old)
+  if _guard_kind(spec, check_update) == "cond":
+    # Without the update check the update runs inside the branch, in place.
+    params, opt_state, state = jax.lax.cond(
+        accept, (lambda: new) if check_update else (lambda: update()[0]),
+        lambda: old)
   else:
+    new = update()[0] if new is None else new
     params, opt_state, state = jax.tree.map(
         lambda a, b: jnp.where(accept, a, b), new, old)
   step = ts["step"] + 1
@@ -177,24 +199,54 @@ def _train_step(spec: StepSpec, ts, batch, mask):
   return new_ts, metrics
 
 
-def stream_step(spec: StepSpec, num_steps: int = 1):
+def state_finite(ts) -> jax.Array:
+  """True when every float of the parameters, optimizer and Haiku state is
+  finite: one fused read of the state (x * 0 is 0 unless x is inf or NaN)."""
+  leaves = [x for x in jax.tree.leaves((ts["params"], ts["opt_state"],
+                                        ts["state"]))
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  total = sum((jnp.sum(x * 0, dtype=jnp.float32) for x in leaves),
+              jnp.float32(0))
+  return jnp.isfinite(total)
+
+
+def _jit_steps(spec: StepSpec, steps, optimistic: bool, **kwargs):
+  rep = sharding_lib.replicated(spec.mesh)
+  if optimistic:  # the caller keeps the input state to roll back to
+    return jax.jit(steps, out_shardings=(rep, rep, rep), **kwargs)
+  return jax.jit(steps, donate_argnums=(0,) if spec.donate else (),
+                 out_shardings=(rep, rep), **kwargs)
+
+
+def _optimistic(one_step, ts, length, xs=None):
+  """K steps that check loss and gradient only, then the final state:
+  (ts, metrics [K, M], ok). ok False: some step's update was not finite (or
+  a step was rejected); the caller re-runs the K steps with the full guard
+  from the input state (the input is not donated)."""
+  ts, metrics = jax.lax.scan(one_step, ts, xs, length=length)
+  return ts, metrics, state_finite(ts)
+
+
+def stream_step(spec: StepSpec, num_steps: int = 1, optimistic: bool = False):
   """jit(ts, batch [B, ...], mask [B] | None) -> (ts, metrics); with
   `num_steps` K > 1, batch [K, B, ...] and mask [K, B] | None run K steps (a
-  `lax.scan`) and the metrics come stacked [K, M]."""
+  `lax.scan`) and the metrics come stacked [K, M]. `optimistic` (K > 1):
+  see `array_step`."""
   def steps(ts, batch, mask):
     if num_steps == 1:
       return _train_step(spec, ts, batch, mask)
+    if optimistic:
+      return _optimistic(
+          lambda ts, xs: _train_step(spec, ts, *xs, check_update=False), ts,
+          None, (batch, mask))
     return jax.lax.scan(lambda ts, xs: _train_step(spec, ts, *xs), ts, (batch, mask))
 
-  def build():
-    rep = sharding_lib.replicated(spec.mesh)
-    return jax.jit(steps, donate_argnums=(0,) if spec.donate else (),
-                   out_shardings=(rep, rep))
-  return _cached("stream", (spec, num_steps), build)
+  return _cached("stream", (spec, num_steps, optimistic),
+                 lambda: _jit_steps(spec, steps, optimistic))
 
 
 def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,
-                num_examples):
+                num_examples, check_update=True):
   """One step on the rows `perm` assigns to `ts['step']`, gathered on the device."""
   epoch_length = steps_per_epoch * batch_size
   epochs_in_block = perm.shape[0] // epoch_length
@@ -207,10 +259,10 @@ def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,
   mask = None
   if spec.use_mask:
     mask = start + jnp.arange(batch_size) < num_examples  # [B]
-  return _train_step(spec, ts, batch, mask)
+  return _train_step(spec, ts, batch, mask, check_update)
 
 
-def array_step(spec: StepSpec, num_steps: int = 1):
+def array_step(spec: StepSpec, num_steps: int = 1, optimistic: bool = False):
   """jit(ts, data [N, ...], perm [E * steps_per_epoch * B], batch_size,
   steps_per_epoch, num_examples) -> (ts, metrics); gathers on the device.
 
@@ -219,20 +271,28 @@ def array_step(spec: StepSpec, num_steps: int = 1):
   `num_steps` K > 1 the call runs K consecutive steps (a `lax.scan`, all in
   the same block) and returns metrics stacked [K, M]: one dispatch and one
   host read per K steps.
+
+  `optimistic` (K > 1): the steps check only their loss and gradient, the
+  call then checks that the final state is finite, returns (ts, metrics,
+  ok) and does not donate its input. Only a call whose `ok` or a step's
+  `finite` is false needs the full guard: the caller re-runs it from the
+  input state with single steps (`fit()` does), so the result is the full
+  guard's, and the update check costs one read of the state per call
+  instead of about an optimizer pass per step.
   """
   def steps(ts, data, perm, batch_size, steps_per_epoch, num_examples):
     args = (data, perm, batch_size, steps_per_epoch, num_examples)
     if num_steps == 1:
       return _array_step(spec, ts, *args)
+    if optimistic:
+      return _optimistic(lambda ts, _: _array_step(
+          spec, ts, *args, check_update=False), ts, num_steps)
     return jax.lax.scan(lambda ts, _: _array_step(spec, ts, *args), ts,
                         length=num_steps)
 
-  def build():
-    rep = sharding_lib.replicated(spec.mesh)
-    return jax.jit(steps, static_argnums=(3, 4, 5),
-                   donate_argnums=(0,) if spec.donate else (),
-                   out_shardings=(rep, rep))
-  return _cached("array", (spec, num_steps), build)
+  return _cached("array", (spec, num_steps, optimistic),
+                 lambda: _jit_steps(spec, steps, optimistic,
+                                    static_argnums=(3, 4, 5)))
 
 
 def eval_step(spec: StepSpec):

@@ -245,6 +245,50 @@ def test_nonfinite_raise_inside_a_multi_step_call_keeps_last_finite_params():
   chex.assert_trees_all_close(info.value.result.params, clean.params, rtol=1e-6)
 
 
+def _nan_update_at(step):
+  """An optimizer whose update is NaN at `step` (1-based) from a finite
+  gradient: only the update check can catch it."""
+  def init(params):
+    del params
+    return jnp.zeros((), jnp.int32)
+
+  def update(updates, count, params=None):
+    del params
+    count = count + 1
+    return jax.tree.map(lambda u: jnp.where(count == step, jnp.nan, -0.1 * u),
+                        updates), count
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("kind", ["memory", "stream"])
+def test_nonfinite_update_inside_a_multi_step_call_keeps_last_finite_params(
+    tmp_path, kind):
+  # The loss and gradient of step 3 are finite, its update is not: the
+  # optimistic 4-step call is re-run with the full guard, which stops at 3.
+  data = common.make_data()
+  source = lambda: data if kind == "memory" else common.stream(data, 16)
+  kwargs = dict(batch_size=16, progress=False)
+  if kind == "memory":
+    kwargs["num_steps"] = 8
+  clean = fit(common.loss_fn, common.init_params(), source(),
+              optimizer=_nan_update_at(-1), **dict(kwargs, num_steps=2))
+  with pytest.raises(probjax_hk.training.NonFiniteLossError, match="step 3") as info:
+    fit(common.loss_fn, common.init_params(), source(),
+        optimizer=_nan_update_at(3), steps_per_call=4,
+        checkpoint_dir=str(tmp_path), **kwargs)
+  result = info.value.result
+  assert info.value.step == 3
+  np.testing.assert_array_equal(result.history["step"], [1, 2, 3])
+  np.testing.assert_array_equal(result.history["finite"], [1, 1, 0])
+  np.testing.assert_array_equal(result.history["loss"][:2], clean.history["loss"])
+  _assert_trees_equal(result.params, clean.params)
+  restored = fit(common.loss_fn, common.init_params(), source(),
+                 optimizer=_nan_update_at(-1), checkpoint_dir=str(tmp_path),
+                 **dict(kwargs, num_steps=3))  # the checkpoint of the stop
+  assert restored.step == 3
+  _assert_trees_equal(restored.params, clean.params)
+
+
 def test_nonfinite_skip_rejects_the_update_and_reports_it():
   params = common.init_params()
   r = fit(_nan_on_big_x, params, _poisoned_stream(3), progress=False,
@@ -378,9 +422,10 @@ def test_steps_per_call_stops_at_the_end_of_a_call():
   r = fit(common.loss_fn, common.init_params(), common.make_data(),
           batch_size=16, num_steps=50, optimizer=common.OPTIMIZER,
           progress=False, callbacks=[callback], steps_per_call=4)
-  # Step 2's stop is read after the call of steps 5-8 was dispatched.
-  assert r.stopped_early and r.step == 8
-  assert seen == list(range(1, 9))
+  # A multi-step call's metrics are read when it ends: step 2's stop ends
+  # the fit after the call of steps 1-4.
+  assert r.stopped_early and r.step == 4
+  assert seen == list(range(1, 5))
 
 
 def test_steps_per_call_must_be_positive():
