@@ -136,8 +136,9 @@ def kernel_cases(small, sweep):
               (4, 16, 256, 2, 2), (16, 8, 512, 4, 2), (8, 16, 4096, 4, 2),
               (4, 16, 4096, 2, 2), (2, 16, 4096, 1, 2), (8, 16, 1024, 4, 2)]:
       cases.append(("selective_scan", (b, t, d, 16), "pallas", SelectiveScanBlocks(*v)))
-    for v in [(1, 8, 4096, 2, 1), (1, 8, 4096, 2, 2), (1, 8, 4096, 2, 3),
-              (1, 4, 4096, 2, 2), (1, 8, 1024, 2, 2)]:
+    # S 128: the dB/dC partials are [B, D / block_d, T, S], so block_d sets memory.
+    for v in [(1, 8, 4096, 2), (2, 4, 4096, 2), (4, 2, 4096, 2), (4, 4, 4096, 4),
+              (8, 2, 4096, 4), (4, 2, 1024, 2), (8, 1, 4096, 2), (4, 4, 1024, 4)]:
       cases.append(("selective_scan", (b, t, d, 128), "pallas", SelectiveScanBlocks(*v)))
     for v in [(32, 32, 256, 4, 2), (32, 32, 256, 4, 3), (64, 32, 256, 4, 2),
               (32, 16, 256, 2, 2)]:
