@@ -9,8 +9,9 @@ result.params, result.history["loss"]
 
 The loop is data parallel over a `jax.sharding.Mesh` (default: every device),
 dispatches each compiled step while the host reads the previous step's
-metrics (a multi-step call's are read when it ends), reuses its compiled step across calls (see `step.py`), checkpoints
-with orbax (see `checkpoints.py`) and never keeps a non-finite update.
+metrics (a multi-step call's are read when it ends), reuses its compiled
+step across calls (see `step.py`), checkpoints with orbax (see
+`checkpoints.py`) and never keeps a non-finite update.
 
 Glossary of shapes: N in-memory examples, B batch size.
 """
