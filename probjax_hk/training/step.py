@@ -50,7 +50,8 @@ class StepSpec(NamedTuple):
   # device-to-host copy per step); None: a dict (see `metric_names`).
   metric_names: tuple[str, ...] | None = None
   # How a rejected update is kept out of the state: 'select', 'cond' or
-  # 'auto' (cond on CPU, select elsewhere); see `_train_step`.
+  # 'auto' (cond on the CPU for steps without the update check, else
+  # select); see `_train_step`.
   guard: str = "auto"
 
 

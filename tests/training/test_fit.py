@@ -260,32 +260,35 @@ def _nan_update_at(step):
   return optax.GradientTransformation(init, update)
 
 
-@pytest.mark.parametrize("kind", ["memory", "stream"])
+@pytest.mark.parametrize("kind,bad", [("memory", 3), ("stream", 3),
+                                      ("memory", 4), ("stream", 4)])
 def test_nonfinite_update_inside_a_multi_step_call_keeps_last_finite_params(
-    tmp_path, kind):
-  # The loss and gradient of step 3 are finite, its update is not: the
-  # optimistic 4-step call is re-run with the full guard, which stops at 3.
+    tmp_path, kind, bad):
+  # The loss and gradient of step `bad` are finite, its update is not: the
+  # optimistic 4-step call is re-run with the full guard, which stops there.
+  # Step 4 is the call's last: only the check of the final state sees it.
   data = common.make_data()
   source = lambda: data if kind == "memory" else common.stream(data, 16)
   kwargs = dict(batch_size=16, progress=False)
   if kind == "memory":
     kwargs["num_steps"] = 8
   clean = fit(common.loss_fn, common.init_params(), source(),
-              optimizer=_nan_update_at(-1), **dict(kwargs, num_steps=2))
-  with pytest.raises(probjax_hk.training.NonFiniteLossError, match="step 3") as info:
+              optimizer=_nan_update_at(-1), **dict(kwargs, num_steps=bad - 1))
+  with pytest.raises(probjax_hk.training.NonFiniteLossError,
+                     match=f"step {bad}") as info:
     fit(common.loss_fn, common.init_params(), source(),
-        optimizer=_nan_update_at(3), steps_per_call=4,
+        optimizer=_nan_update_at(bad), steps_per_call=4,
         checkpoint_dir=str(tmp_path), **kwargs)
   result = info.value.result
-  assert info.value.step == 3
-  np.testing.assert_array_equal(result.history["step"], [1, 2, 3])
-  np.testing.assert_array_equal(result.history["finite"], [1, 1, 0])
-  np.testing.assert_array_equal(result.history["loss"][:2], clean.history["loss"])
+  assert info.value.step == bad
+  np.testing.assert_array_equal(result.history["step"], np.arange(1, bad + 1))
+  np.testing.assert_array_equal(result.history["finite"][-1], 0)
+  np.testing.assert_array_equal(result.history["loss"][:-1], clean.history["loss"])
   _assert_trees_equal(result.params, clean.params)
   restored = fit(common.loss_fn, common.init_params(), source(),
                  optimizer=_nan_update_at(-1), checkpoint_dir=str(tmp_path),
-                 **dict(kwargs, num_steps=3))  # the checkpoint of the stop
-  assert restored.step == 3
+                 **dict(kwargs, num_steps=bad))  # the checkpoint of the stop
+  assert restored.step == bad
   _assert_trees_equal(restored.params, clean.params)
 
 
