@@ -5,14 +5,16 @@
 #   bash experiments/gpu_grid.sh $OUT
 out=${1:?usage: gpu_grid.sh OUTPUT_DIR}
 export PYTHONUNBUFFERED=1
-# The scan kernels against XLA (and their numerics on this device).
-timeout 150 python3 -m experiments.benchmark_kernel_ssm --iters 20 \
-  --output "$out/kernel_ssm.json" 2>&1 | grep '^|' | grep -v '| check'
-# The SSM model grid (bf16) at the three lengths, kernels against XLA.
-timeout 240 python3 -m experiments.benchmark_gpu_nn \
-  --models ssm_lru,ssm_mamba,ssm_ssd,ssm_mamba2,ssm_gated_delta_net \
-  --ssm_implementation pallas,xla --dtype bfloat16 --tokens 1024,4096,16384 --iters 10 \
-  --output "$out/gpu_nn_ssm.json" 2>&1 | grep '^|'
-# The 1024-token and float32 rows of the Transformer / DiT grid.
-timeout 150 python3 -m experiments.benchmark_gpu_nn --tokens 1024 \
-  --dtype bfloat16,float32 --iters 10 --output "$out/gpu_nn_1024.json" 2>&1 | grep '^|'
+# fit() against the bare loop on the MLP (one and ten steps per call).
+timeout 100 python3 -m experiments.benchmark_fit --model mlp --steps 1000 --repeats 3 \
+  --steps_per_call 10 --pieces --output "$out/fit_mlp.json" 2>&1 | grep '^|'
+# The selective scan with its S 128 tiling (time, and memory at T 16384).
+timeout 100 python3 -m experiments.benchmark_kernel_ssm --ops selective_scan --iters 20 \
+  --output "$out/kernel_ssm_selective.json" 2>&1 | grep '^|' | grep -v '| check'
+# SSD and the gated delta rule against the chunked XLA tier, timed on the device.
+timeout 100 python3 -m experiments.benchmark_kernel_ssd --nocheck --nomodels --shapes 0,1 \
+  --iters 20 --output "$out/kernel_ssd.json" 2>&1 | grep '^|'
+# The Mamba and Mamba-2 model steps, kernels against XLA.
+timeout 110 python3 -m experiments.benchmark_gpu_nn --models ssm_mamba,ssm_mamba2 \
+  --ssm_implementation pallas,xla --dtype bfloat16 --tokens 4096 --iters 10 \
+  --output "$out/gpu_nn_mamba.json" 2>&1 | grep '^|'
