@@ -1,0 +1,37 @@
+"""experiments.harness.run_case: a row per case, timing samples of
+back-to-back calls, carried outputs, failures as rows."""
+
+import jax
+import jax.numpy as jnp
+
+from experiments import harness
+
+
+def test_samples_batch_fast_calls_and_report_per_call_time():
+  row = harness.run_case({"case": "add"}, lambda: (lambda x: x + 1, (jnp.ones(4),)),
+                         iters=3, sample_ms=2.0)
+  assert row["status"] == "ok" and row["case"] == "add"
+  assert row["calls_per_sample"] > 1          # a microsecond call is batched
+  assert 0 < row["min_ms"] <= row["median_ms"]
+
+
+def test_sample_ms_zero_syncs_every_call():
+  row = harness.run_case({}, lambda: (lambda x: x * 2, (jnp.ones(4),)),
+                         iters=2, sample_ms=0.0)
+  assert row["calls_per_sample"] == 1
+
+
+def test_carried_outputs_feed_the_next_call():
+  # The step donates its first argument: reusing it instead of the carried
+  # output would read a deleted buffer.
+  step = jax.jit(lambda count, x: (count + 1, x), donate_argnums=0)
+  build = lambda: (step, (jnp.zeros(()), jnp.ones(2)))
+  assert harness.run_case({}, build, iters=2, carry_outputs=1)["status"] == "ok"
+  assert harness.run_case({}, build, iters=2, carry_outputs=0)["status"] != "ok"
+
+
+def test_a_failing_case_becomes_a_row():
+  def build():
+    raise RuntimeError("boom")
+  row = harness.run_case({"case": "bad"}, build)
+  assert row["status"] in ("error", "fail") and "boom" in row["message"]
