@@ -4,11 +4,15 @@ Same algorithm as the chunked XLA tier (xla.py), split so that every launch
 keeps its per-chunk intermediates (the [L, L] score and decay matrices, the
 state tile) in registers and only chunk-boundary states touch memory:
 
-Forward, two launches:
-1. states: one program per (batch, head, K tile, V tile) walks the chunks in
-   order with the state tile in registers, `H_{c+1} = exp(b_L) H_c +
-   (K * exp(b_L - b))^T V`, writing the state *entering* every chunk
-   ([B, N, C, K, V], input dtype) and the final state (float32).
+Forward, two launches (three with chunk groups):
+1. states: one program per (batch, head, K tile, V tile, group of chunks)
+   walks its chunks in order with the state tile in registers, `H_{c+1} =
+   exp(b_L) H_c + (K * exp(b_L - b))^T V`, writing the state *entering*
+   every chunk ([B, N, C, K, V], input dtype) and the final state (float32).
+   The walk is serial, so the chunks are split into groups until there are
+   about a thousand programs: a summary launch gives each group's end state
+   from zero, and each group then starts from the fold of the groups before
+   it (as the scan kernels' chunks do).
 2. output: one program per (batch, head, chunk, V tile), all in parallel:
    `Y = ((Q K^T) * exp(b_i - b_j) [i >= j]) V + exp(b) * (Q H_c)`.
 
@@ -107,17 +111,34 @@ def _causal_decay(b, chunk):
   return jnp.where(causal, jnp.exp(diff), 0.0)
 
 
-def _states_kernel(x_ref, y_ref, b_ref, h0_ref, out_ref, final_ref, *, chunk,
-                   num_chunks, reverse):
-  """Walks the chunks with a [bk, bv] state tile in registers.
+def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
+                   group_size, reverse, mode, fold=False):
+  """Walks one group of `group_size` chunks with a [bk, bv] state tile in
+  registers.
 
   Forward (`reverse=False`): x = K, y = V, h <- exp(b_L) h + (x exp(b_L - b))^T y.
   Backward (`reverse=True`): x = Q, y = dY, h <- exp(b_L) h + (x exp(b))^T y.
-  `out_ref[c]` is the tile *before* chunk c is folded in.
+  Groups are counted in processing order (descending chunks when `reverse`).
+  mode 'summary': the group from a zero state; writes its end tile.
+  mode 'apply': folds the summaries of the groups before it into `h0` (when
+  `fold`: inputs (ends, decays) after h0), walks the group and writes
+  `out_ref[c]`, the tile *before* chunk c is folded in, and the group's end
+  tile.
   """
+  group = pl.program_id(4)
+  start = group * group_size
+  stop = jnp.minimum(start + group_size, num_chunks)
+  if mode == "apply" and fold:
+    ends_ref, decays_ref, out_ref, end_ref = refs
+  elif mode == "apply":
+    out_ref, end_ref = refs
+  else:
+    (end_ref,) = refs
+
   def body(step, h):
     c = num_chunks - 1 - step if reverse else step
-    out_ref[c] = h.astype(out_ref.dtype)
+    if mode == "apply":
+      out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     x = x_ref[rows, :]                                          # [L, bk]
     y = y_ref[rows, :]                                          # [L, bv]
@@ -127,8 +148,15 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, out_ref, final_ref, *, chunk,
     xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
     return jnp.exp(b_last) * h + _dot(xw, y, trans_a=True)      # [bk, bv]
 
-  h = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
-  final_ref[...] = h
+  if mode == "apply":
+    def fold_group(k, h):  # the summary of group k < this one
+      return jnp.exp(decays_ref[pl.ds(k, 1)]) * h + ends_ref[k]
+    h = h0_ref[...].astype(_F32)
+    if fold:
+      h = jax.lax.fori_loop(0, group, fold_group, h)
+  else:
+    h = jnp.zeros(end_ref.shape, _F32)
+  end_ref[...] = jax.lax.fori_loop(start, stop, body, h)
 
 
 def _output_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, y_ref, *, chunk):
@@ -169,36 +197,72 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
+def _state_groups(programs: int, num_chunks: int) -> tuple[int, int]:
+  """(groups, chunks per group): enough groups of chunks for about a thousand
+  programs, since each program's walk over its chunks is serial."""
+  groups = min(num_chunks, max(1, _shapes.cdiv(1024, programs)))
+  group_size = _shapes.cdiv(num_chunks, groups)
+  return _shapes.cdiv(num_chunks, group_size), group_size
+
+
 def _states(x, y, b, h0, *, heads, blocks, reverse):
   """x [B, T, G, K], y [B, T, N, V], b [B, N, T], h0 [B, N, K, V] f32 ->
-  (per-chunk tiles [B, N, C, K, V] in y's dtype, end [B, N, K, V] f32)."""
+  (per-chunk tiles [B, N, C, K, V] in y's dtype, end [B, N, K, V] f32).
+
+  The chunks are walked in groups (one program per group and state tile),
+  two launches as for the scans: each group's end state from zero, then
+  each group again from the fold of the groups before it.
+  """
   batch, time, groups, key = x.shape
   value = y.shape[-1]
   rep = heads // groups
   bk, bv, chunk = blocks.state_block_k, blocks.state_block_v, blocks.chunk
   num_chunks = time // chunk
-  grid = (batch, heads, key // bk, value // bv)
-  return pl.pallas_call(
-      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks,
-                        reverse=reverse),
-      grid=grid,
-      in_specs=[
-          pl.BlockSpec((None, time, None, bk), lambda i, n, a, c: (i, 0, n // rep, a)),
-          pl.BlockSpec((None, time, None, bv), lambda i, n, a, c: (i, 0, n, c)),
-          pl.BlockSpec((None, None, time), lambda i, n, a, c: (i, n, 0)),
-          pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c: (i, n, a, c)),
-      ],
-      out_specs=[
-          pl.BlockSpec((None, None, num_chunks, bk, bv),
-                       lambda i, n, a, c: (i, n, 0, a, c)),
-          pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c: (i, n, a, c)),
-      ],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), y.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+  num_groups, group_size = _state_groups(
+      batch * heads * (key // bk) * (value // bv), num_chunks)
+  grid = (batch, heads, key // bk, value // bv, num_groups)
+  in_specs = [
+      pl.BlockSpec((None, time, None, bk), lambda i, n, a, c, g: (i, 0, n // rep, a)),
+      pl.BlockSpec((None, time, None, bv), lambda i, n, a, c, g: (i, 0, n, c)),
+      pl.BlockSpec((None, None, time), lambda i, n, a, c, g: (i, n, 0)),
+      pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c, g: (i, n, a, c)),
+  ]
+  group_tile = pl.BlockSpec((None, None, None, bk, bv),
+                            lambda i, n, a, c, g: (i, n, g, a, c))
+  group_tiles = jax.ShapeDtypeStruct((batch, heads, num_groups, key, value), _F32)
+  call = functools.partial(
+      pl.pallas_call, grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=blocks.state_num_warps,
                                            num_stages=2),
-      interpret=_backend.pallas_interpret(),
-      name="ssd_states_reverse" if reverse else "ssd_states")(x, y, b, h0)
+      interpret=_backend.pallas_interpret())
+  kernel = functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks,
+                             group_size=group_size, reverse=reverse)
+  name = "ssd_states_reverse" if reverse else "ssd_states"
+  extra, extra_specs = (), []
+  if num_groups > 1:
+    ends = call(functools.partial(kernel, mode="summary"), in_specs=in_specs,
+                out_specs=group_tile, out_shape=group_tiles,
+                name=name + "_summary")(x, y, b, h0)
+    # Each group's decay, exp(sum of its chunks' log-decays), in processing order.
+    chunk_decay = b.reshape(batch, heads, num_chunks, chunk)[..., -1]
+    if reverse:
+      chunk_decay = chunk_decay[..., ::-1]
+    decays = _shapes.pad_axis(chunk_decay, 2, group_size).reshape(
+        batch, heads, num_groups, group_size).sum(-1)
+    extra = (ends, decays)
+    extra_specs = [
+        pl.BlockSpec((None, None, num_groups, bk, bv), lambda i, n, a, c, g: (i, n, 0, a, c)),
+        pl.BlockSpec((None, None, num_groups), lambda i, n, a, c, g: (i, n, 0)),
+    ]
+  tiles, ends = call(
+      functools.partial(kernel, mode="apply", fold=bool(extra)),
+      in_specs=in_specs + extra_specs,
+      out_specs=[pl.BlockSpec((None, None, num_chunks, bk, bv),
+                              lambda i, n, a, c, g: (i, n, 0, a, c)), group_tile],
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), y.dtype),
+                 group_tiles],
+      name=name)(x, y, b, h0, *extra)
+  return tiles, ends[:, :, -1]
 
 
 def _output(q, k, v, b, states, *, blocks):

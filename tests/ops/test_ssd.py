@@ -157,3 +157,24 @@ def test_kernel_limits_raise_for_pallas_only():
     ssd(q, k, v, g, implementation="triton")
   with pytest.raises(ValueError, match="chunk_size"):
     ssd(q, k, v, g, chunk_size=0)
+
+
+@pytest.mark.parametrize("groups", [(3, 2), (2, 4), (5, 1)])
+def test_chunk_groups_of_the_states_walk(monkeypatch, groups):
+  """The states walk split into groups of chunks (summary, then apply from
+  the fold of the groups before) equals the single walk, a partial last
+  group included, forward and reverse."""
+  from ops.ssd import pallas as ssd_pallas_lib
+  q, k, v, g, h0 = _inputs(1, 5 * 16, 2, 2, 16, 16, jnp.float32)
+  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks: (1, 5))
+  single = jax.jit(functools.partial(ops.ssd, chunk_size=16, implementation="pallas"))
+  want = single(q, k, v, g, initial_state=h0)
+  want_grads = jax.grad(functools.partial(_loss, single), argnums=(0, 1, 2, 3, 4))(
+      q, k, v, g, h0)
+  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks: groups)
+  split = jax.jit(functools.partial(ops.ssd, chunk_size=16, implementation="pallas"))
+  got = split(q, k, v, g, initial_state=h0)
+  got_grads = jax.grad(functools.partial(_loss, split), argnums=(0, 1, 2, 3, 4))(
+      q, k, v, g, h0)
+  for a, b in zip(got + got_grads, want + want_grads):
+    assert _rel(a, b) < 1e-5
