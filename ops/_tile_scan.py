@@ -15,7 +15,6 @@ The Triton rule uses JAX's private Pallas lowering module (pinned: jax
 0.11.2); BUILD_NOTES.md records this.
 """
 
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -64,7 +63,7 @@ def _xla_impl(*elems, combine, axis, reverse):
                                    axis=axis))
 
 
-_tile_scan_p.def_impl(functools.partial(jax.jit, static_argnames=("combine", "axis", "reverse"))(_xla_impl))
+_tile_scan_p.def_impl(_xla_impl)
 mlir.register_lowering(_tile_scan_p, mlir.lower_fun(_xla_impl, multiple_results=True))
 
 
