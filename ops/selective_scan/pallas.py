@@ -122,12 +122,13 @@ class _Tile:
 
 
 def _states(tile, delta, x, B, A, h):
-  """The tile's states `[unroll, bd, S]` from the state `h` before it, and
-  the tile's decays `exp(delta A)`."""
+  """The tile's states `[unroll, bd, S]` of `h <- exp(delta A) h + x B`, in
+  the tile's processing order, from the state `h` before the tile.
+  delta, x: [unroll, bd]; B: [unroll, S]; A: [bd, S]; h: [bd, S]."""
   decay = jnp.exp(delta[:, :, None] * A[None])
   scanned = tile_associative_scan(
       _compose, (decay, x[:, :, None] * B[:, None, :]), reverse=tile.reverse)
-  return scanned[0] * h[None] + scanned[1], decay
+  return scanned[0] * h[None] + scanned[1]
 
 
 def _fold(h, k_end, end_ref, dsum_ref, A):
@@ -162,7 +163,7 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
     if save:
       ckpt_ref[j] = h
     delta = tile.seq(delta_ref)
-    hs, _ = _states(tile, delta, delta * tile.seq(u_ref), tile.seq(B_ref), A, h)
+    hs = _states(tile, delta, delta * tile.seq(u_ref), tile.seq(B_ref), A, h)
     if mode == "apply":
       tile.store(y_ref, jnp.sum(hs * tile.seq(C_ref)[:, None, :], axis=2))
     else:
@@ -191,7 +192,7 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
     c, dsum = carry
     tile = _Tile(j, chunk, unroll, not reverse)
     delta_next = tile.seq(delta_next_ref)
-    cs, _ = _states(tile, delta_next, tile.seq(dy_ref), tile.seq(C_ref), A, c)
+    cs = _states(tile, delta_next, tile.seq(dy_ref), tile.seq(C_ref), A, c)
     return _pick(cs, tile.last), dsum + jnp.sum(delta_next, axis=0)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
@@ -225,8 +226,8 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
     delta, u, B = fwd.seq(delta_ref), fwd.seq(u_ref), fwd.seq(B_ref)
     dy = fwd.seq(dy_ref)
     x = delta * u
-    hs, decay = _states(fwd, delta, x, B, A, ckpt_ref[j])
-    cs, _ = _states(bwd, fwd.seq(delta_next_ref), dy, fwd.seq(C_ref), A, c)
+    hs = _states(fwd, delta, x, B, A, ckpt_ref[j])
+    cs = _states(bwd, fwd.seq(delta_next_ref), dy, fwd.seq(C_ref), A, c)
     bx = x[:, :, None] * B[:, None, :]
     g = cs * (hs - bx)                    # dL/d(delta A): c_t a_t h_{t-1}
     dx = jnp.sum(cs * B[:, None, :], axis=2)                   # [U, bd]
@@ -235,7 +236,6 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
     fwd.store(du_ref, dx * delta)
     fwd.store(ddelta_ref, dx * u + jnp.sum(g * A[None], axis=2))
     dA_acc = dA_acc + jnp.sum(g * delta[:, :, None], axis=0)
-    del decay
     return _pick(cs, bwd.last), dA_acc
 
   c, dA_acc = jax.lax.fori_loop(0, num_tiles, body, (c, jnp.zeros(A.shape, _F32)))
