@@ -24,12 +24,13 @@ def pad_axis(x: jnp.ndarray, axis: int, multiple: int, value=0) -> jnp.ndarray:
 
 def check_time_blocks(blocks) -> None:
   """Checks a time-blocked scan kernel's block config (`block_d`, `unroll`,
-  `num_warps` powers of two; `chunk` a positive multiple of `unroll`)."""
+  `num_warps` powers of two; `num_stages` >= 1; `chunk` a positive multiple
+  of `unroll`)."""
   for name in ("block_d", "unroll", "num_warps"):
     value = getattr(blocks, name)
     if value < 1 or value & (value - 1):
       raise ValueError(f"`{name}` must be a power of two, got {value}")
-  if getattr(blocks, "num_stages", 1) < 1:
+  if blocks.num_stages < 1:
     raise ValueError(f"`num_stages` must be at least 1, got {blocks.num_stages}")
   if blocks.chunk < 1 or blocks.chunk % blocks.unroll:
     raise ValueError(f"`chunk` must be a positive multiple of {blocks.unroll=}, "

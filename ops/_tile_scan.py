@@ -52,6 +52,13 @@ def tile_associative_scan(combine: Combine, elems: Sequence[jax.Array], *,
                                  reverse=reverse))
 
 
+def pick_row(x: jax.Array, row, *, keepdims: bool = False) -> jax.Array:
+  """`x[row]` along axis 0 of a value inside a kernel, as a masked sum over
+  that axis (Triton values cannot be indexed). `row` may be traced."""
+  rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+  return jnp.sum(jnp.where(rows == row, x, 0.0), axis=0, keepdims=keepdims)
+
+
 @_tile_scan_p.def_abstract_eval
 def _abstract_eval(*avals, combine, axis, reverse):
   del combine, axis, reverse

@@ -37,10 +37,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import _backend
 from ops import _shapes
+from ops._tile_scan import pick_row
 from ops.ssd.pallas import _causal_decay
 from ops.ssd.pallas import _dot
 from ops.ssd.pallas import _is_pow2
-from ops.ssd.pallas import _last
 from ops.ssd.pallas import _next_pow2
 from ops.ssd.xla import chunk_cumsum
 
@@ -133,7 +133,7 @@ def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
     rows = pl.ds(c * chunk, chunk)
     k, w, u_t = k_ref[rows, :], w_ref[rows, :], u_ref[rows, :]
     b = b_ref[rows]
-    b_last = _last(b, chunk)
+    b_last = pick_row(b, chunk - 1)
     u = u_t.astype(_F32) - _mm(w, h, dtype)                      # [L, bv]
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)       # [L, K]
     return jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
@@ -163,7 +163,7 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
     rows = pl.ds(c * chunk, chunk)
     q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
     b = b_ref[rows]
-    b_last = _last(b, chunk)
+    b_last = pick_row(b, chunk - 1)
     scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)   # [L, L]
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
     du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, g, dtype)
@@ -182,7 +182,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
   b, beta = b_ref[...], beta_ref[...]
   m0, dm1 = h_ref[...], dh_ref[...]                              # [K, V]
   row, col = _masks(chunk)
-  b_last = _last(b, chunk)
+  b_last = pick_row(b, chunk - 1)
   eb = jnp.exp(b)
   e_end = jnp.exp(b_last - b)
   qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)

@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import _backend
 from ops import _shapes
+from ops._tile_scan import pick_row
 from ops._tile_scan import tile_associative_scan
 
 
@@ -87,13 +88,6 @@ def _compose(first, second):
   return _mul(a2, a1) + _add(_mul(a2, b1), b2)
 
 
-def _pick_row(x, row):
-  """Row `row` of a [steps, block_d] tile as [1, block_d] (a masked sum:
-  Triton values cannot be indexed)."""
-  rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-  return jnp.sum(jnp.where(rows == row, x, 0.0), axis=0, keepdims=True)
-
-
 def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
                  unroll: int, fold: bool):
   """One program: `block_d` channels, one chunk of time, planes of f32.
@@ -143,8 +137,8 @@ def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
       for r, v in zip(out_refs, h_tile):
         r[rows, :] = v.astype(r.dtype)
     else:
-      prod = _mul(tuple(_pick_row(p, last) for p in a_cum), prod)
-    return tuple(_pick_row(p, last) for p in h_tile), prod
+      prod = _mul(tuple(pick_row(p, last, keepdims=True) for p in a_cum), prod)
+    return tuple(pick_row(p, last, keepdims=True) for p in h_tile), prod
 
   h, prod = jax.lax.fori_loop(0, chunk // unroll, body, (h, prod))
   if mode == "summary":

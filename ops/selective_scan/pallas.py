@@ -46,6 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import _backend
 from ops import _shapes
+from ops._tile_scan import pick_row
 from ops._tile_scan import tile_associative_scan
 from ops.selective_scan.reference import finish_output
 from ops.selective_scan.reference import prepare_delta
@@ -95,13 +96,6 @@ class SelectiveScanBlocks:
 def _compose(first, second):
   """Step pair `first` then `second` of `h <- a h + b`, as (a, b) tuples."""
   return first[0] * second[0], second[0] * first[1] + second[1]
-
-
-def _pick(x, row):
-  """x[row] of a value tiled over axis 0 (a masked sum: Triton values cannot
-  be indexed)."""
-  rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
-  return jnp.sum(jnp.where(rows == row, x, 0.0), axis=0)
 
 
 class _Tile:
@@ -168,7 +162,7 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
       tile.store(y_ref, jnp.sum(hs * tile.seq(C_ref)[:, None, :], axis=2))
     else:
       dsum = dsum + jnp.sum(delta, axis=0)
-    return _pick(hs, tile.last), dsum
+    return pick_row(hs, tile.last), dsum
 
   h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
   end_ref[...] = h
@@ -193,7 +187,7 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
     tile = _Tile(j, chunk, unroll, not reverse)
     delta_next = tile.seq(delta_next_ref)
     cs = _states(tile, delta_next, tile.seq(dy_ref), tile.seq(C_ref), A, c)
-    return _pick(cs, tile.last), dsum + jnp.sum(delta_next, axis=0)
+    return pick_row(cs, tile.last), dsum + jnp.sum(delta_next, axis=0)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
   end_ref[...] = c
@@ -236,7 +230,7 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
     fwd.store(du_ref, dx * delta)
     fwd.store(ddelta_ref, dx * u + jnp.sum(g * A[None], axis=2))
     dA_acc = dA_acc + jnp.sum(g * delta[:, :, None], axis=0)
-    return _pick(cs, bwd.last), dA_acc
+    return pick_row(cs, bwd.last), dA_acc
 
   c, dA_acc = jax.lax.fori_loop(0, num_tiles, body, (c, jnp.zeros(A.shape, _F32)))
   dA_ref[...] = dA_acc

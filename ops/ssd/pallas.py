@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ops import _backend
 from ops import _shapes
+from ops._tile_scan import pick_row
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
@@ -96,12 +97,6 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
 
 
-def _last(b, chunk):
-  """The last entry of a [L] vector, as a scalar (a masked sum: no gather)."""
-  idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-  return jnp.sum(jnp.where(idx == chunk - 1, b, 0.0))
-
-
 def _causal_decay(b, chunk):
   """[L, L] float32 `exp(b_i - b_j)` for i >= j, else 0 (no overflow above)."""
   row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
@@ -143,7 +138,7 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
     x = x_ref[rows, :]                                          # [L, bk]
     y = y_ref[rows, :]                                          # [L, bv]
     b = b_ref[rows]                                             # [L]
-    b_last = _last(b, chunk)
+    b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
     w = jnp.exp(b) if reverse else jnp.exp(b_last - b)          # [L]
     xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
     return jnp.exp(b_last) * h + _dot(xw, y, trans_a=True)      # [bk, bv]
@@ -176,7 +171,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
   dtype = v.dtype
   h, dh = h_ref[...].astype(dtype), dh_ref[...].astype(dtype)   # [K, V]
   b = b_ref[...]                                                # [L]
-  b_last = _last(b, chunk)
+  b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
   decay = _causal_decay(b, chunk)                               # [L, L]
   scores = (_dot(q, k, trans_b=True) * decay).astype(dtype)     # (q_i . k_j) decay
   dscores = (_dot(dy, v, trans_b=True) * decay).astype(dtype)   # (dy_i . v_j) decay
