@@ -14,7 +14,6 @@ reference on the GPU (forward and gradients, masks, GQA, odd lengths).
 import functools
 import json
 import time
-import warnings
 
 from absl import app
 from absl import flags
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import workloads
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import reference
 
@@ -47,63 +47,9 @@ SHAPES = {
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
 }
 
-# JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
-# num_warps, num_stages); None = its defaults.
-_MHA_CONFIGS = {
-    "mha_default": None,
-    "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),
-    "mha_64x128": (64, 128, 128, 64, 64, 128, 4, 2),
-}
-
-
 def _flops(b, n, t, h, causal, mode):
   fwd = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
   return fwd * (3.5 if mode == "fwd+bwd" else 1.0)
-
-
-def _attention_fn(impl, h, causal):
-  """(q, k, v) -> out for one implementation."""
-  if impl == "flex":
-    return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             implementation="pallas")
-  if impl == "flex_alibi":
-    def alibi(score, b, n, t, s):
-      del b
-      return score + jnp.exp2(-(n + 1).astype(jnp.float32)) * (s - t).astype(jnp.float32)
-    return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             score_mod=alibi, implementation="pallas")
-  if impl == "flex_documents":
-    documents = lambda b, n, t, s: (t // 512) == (s // 512)
-    return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             mask_mod=documents, implementation="pallas")
-  if impl in ("cudnn", "xla"):
-    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation=impl)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as mha_lib
-  cfg = _MHA_CONFIGS[impl]
-  if cfg is None:
-    return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal)
-  bq, bk, a, b, c, d, warps, stages = cfg
-  sizes = mha_lib.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=a, block_kv_dkv=b,
-                             block_q_dq=c, block_kv_dq=d)
-  return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal,
-                                     block_sizes=sizes, num_warps=warps,
-                                     num_stages=stages)
-
-
-def _build(impl, shape, causal, mode):
-  b, n, t, h = shape
-  def build():
-    keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
-    fn = _attention_fn(impl, h, causal)
-    if mode == "fwd":
-      return jax.jit(fn), (q, k, v)
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
-  return build
 
 
 def _check_rows():
@@ -162,7 +108,7 @@ def main(argv):
   impls = []
   for impl in _IMPLS.value:
     if impl == "mha":
-      impls += list(_MHA_CONFIGS) if _MHA_SWEEP.value else ["mha_default"]
+      impls += list(workloads.MHA_CONFIGS) if _MHA_SWEEP.value else ["mha_default"]
     else:
       impls.append(impl)
   for name in names:
@@ -176,7 +122,7 @@ def main(argv):
             row = dict(config, status="unsup", message="time budget")
           else:
             iters = max(5, _ITERS.value // 2) if impl == "xla" else _ITERS.value
-            row = harness.run_case(config, _build(impl, (b, n, t, h), causal, mode),
+            row = harness.run_case(config, workloads.attention_case(impl, (b, n, t, h), causal, mode),
                                    iters=iters)
           if row.get("status") == "ok":
             row["tflops"] = _flops(b, n, t, h, causal, mode) / (row["median_ms"] * 1e9)

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import workloads
 import ops
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
@@ -46,7 +47,6 @@ _SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "parts", "moe
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
 
-NUM_EXPERTS, TOP_K, D_MODEL, D_HIDDEN = 8, 2, 512, 1024
 IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
 _B = gmm_pallas.BlockSizes
 TILES = {
@@ -63,13 +63,6 @@ _START = time.perf_counter()
 
 def _over_budget() -> bool:
   return time.perf_counter() - _START > _BUDGET.value
-
-
-def _balanced_sizes(rows: int, groups: int, key) -> jax.Array:
-  """Random group sizes around rows / groups, summing to rows."""
-  weights = jax.random.uniform(key, (groups,), minval=0.5, maxval=1.5)
-  sizes = jnp.floor(weights / weights.sum() * rows).astype(jnp.int32)
-  return sizes.at[-1].add(rows - sizes.sum())
 
 
 def _rel_err(a, b) -> float:
@@ -97,7 +90,7 @@ def check_rows() -> list[dict]:
                      dtype=jnp.dtype(dtype).name, shape=[m, k, n],
                      **{f"rel_err_{w}": _rel_err(g, r)
                         for w, g, r in zip(("out", "dlhs", "drhs"), got, want)}))
-  x = jax.random.normal(jax.random.key(3), (2048, D_MODEL), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(3), (2048, workloads.D_MODEL), jnp.bfloat16)
   outs = {}
   for impl in ("dense", "gmm"):
     model = _moe_model(impl)
@@ -111,19 +104,12 @@ def check_rows() -> list[dict]:
   return rows
 
 
-def _op_inputs(rows: int):
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-  lhs = jax.random.normal(k1, (rows, D_MODEL), jnp.bfloat16)
-  rhs = (jax.random.normal(k2, (NUM_EXPERTS, D_MODEL, D_HIDDEN)) / 20).astype(jnp.bfloat16)
-  return lhs, rhs, _balanced_sizes(rows, NUM_EXPERTS, k3)
-
-
 def tile_rows(rows: int) -> list[dict]:
   out = []
-  lhs, rhs, sizes = _op_inputs(rows)
+  lhs, rhs, sizes = workloads.gmm_inputs(rows)
   starts, ends = gmm_reference.group_bounds(sizes, rows)
-  dout = jnp.ones((rows, D_HIDDEN), jnp.bfloat16)
-  flops = 2 * rows * D_MODEL * D_HIDDEN
+  dout = jnp.ones((rows, workloads.D_HIDDEN), jnp.bfloat16)
+  flops = 2 * rows * workloads.D_MODEL * workloads.D_HIDDEN
   for name, bs in TILES.items():
     if _over_budget():
       break
@@ -144,15 +130,15 @@ def tile_rows(rows: int) -> list[dict]:
 
 
 def op_rows(rows: int) -> list[dict]:
-  lhs, rhs, sizes = _op_inputs(rows)
+  lhs, rhs, sizes = workloads.gmm_inputs(rows)
   # A random cotangent: with ones, XLA rewrites a dense matmul's gradient.
-  cotangent = jax.random.normal(jax.random.key(5), (rows, D_HIDDEN), jnp.bfloat16)
-  flops = 2 * rows * D_MODEL * D_HIDDEN
-  group_of_row = jnp.repeat(jnp.arange(NUM_EXPERTS), sizes, total_repeat_length=rows)
+  cotangent = jax.random.normal(jax.random.key(5), (rows, workloads.D_HIDDEN), jnp.bfloat16)
+  flops = 2 * rows * workloads.D_MODEL * workloads.D_HIDDEN
+  group_of_row = jnp.repeat(jnp.arange(workloads.NUM_EXPERTS), sizes, total_repeat_length=rows)
 
   def every_expert(a, b, s):
     y = jnp.einsum("mk,gkn->gmn", a, b, preferred_element_type=jnp.float32)
-    select = jax.nn.one_hot(group_of_row, NUM_EXPERTS, dtype=jnp.float32)
+    select = jax.nn.one_hot(group_of_row, workloads.NUM_EXPERTS, dtype=jnp.float32)
     return jnp.einsum("mg,gmn->mn", select, y).astype(a.dtype)
 
   peers = {
@@ -188,19 +174,19 @@ def op_rows(rows: int) -> list[dict]:
 
 def _moe_model(impl: str):
   return hk.transform_with_state(lambda x: moe.MoELayer(
-      NUM_EXPERTS, TOP_K, D_HIDDEN, activation="gelu", dropless_impl=impl)(x))
+      workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_HIDDEN, activation="gelu", dropless_impl=impl)(x))
 
 
 def part_rows(tokens: int) -> list[dict]:
   """Pieces of the sorted paths at `tokens`: router, the two sorts."""
-  x = jax.random.normal(jax.random.key(0), (tokens, D_MODEL), jnp.bfloat16)
-  w_router = jax.random.normal(jax.random.key(1), (D_MODEL, NUM_EXPERTS)) / 20
-  ids = moe.route(x, w_router, TOP_K).expert_ids.reshape(-1)
+  x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
+  w_router = jax.random.normal(jax.random.key(1), (workloads.D_MODEL, workloads.NUM_EXPERTS)) / 20
+  ids = moe.route(x, w_router, workloads.TOP_K).expert_ids.reshape(-1)
   cases = {
-      "router_top2": (lambda x, w: moe.route(x, w, TOP_K), (x, w_router)),
-      "sort_argsort": (lambda i: moe._sort_by_expert(i, NUM_EXPERTS, method="argsort"),
+      "router_top2": (lambda x, w: moe.route(x, w, workloads.TOP_K), (x, w_router)),
+      "sort_argsort": (lambda i: moe._sort_by_expert(i, workloads.NUM_EXPERTS, method="argsort"),
                        (ids,)),
-      "sort_counting": (lambda i: moe._sort_by_expert(i, NUM_EXPERTS, method="counting"),
+      "sort_counting": (lambda i: moe._sort_by_expert(i, workloads.NUM_EXPERTS, method="counting"),
                         (ids,)),
   }
   out = []
@@ -211,7 +197,7 @@ def part_rows(tokens: int) -> list[dict]:
 
 
 def moe_rows(tokens: int) -> list[dict]:
-  x = jax.random.normal(jax.random.key(0), (tokens, D_MODEL), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
   params, state = _moe_model("dense").init(jax.random.key(1), x)
   cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   out = []

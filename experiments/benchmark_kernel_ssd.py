@@ -28,9 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
-from ops.gated_delta_rule import gated_delta_rule
+from experiments import workloads
 from ops.gated_delta_rule import gated_delta_rule_reference
-from ops.ssd import ssd
 from ops.ssd import ssd_reference
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssd.json", "JSON output path.")
@@ -38,10 +37,9 @@ _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, few calls (CPU smoke te
 _MODELS = flags.DEFINE_bool("models", True, "Also time SSMModel train steps per cell.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _CHECK = flags.DEFINE_bool("check", True, "Check the kernels against the reference first.")
-_SHAPES = flags.DEFINE_list("shapes", None, "Indices into SHAPES to time (default: all).")
+_SHAPES = flags.DEFINE_list("shapes", None, "Indices into workloads.SSD_SHAPES to time (default: all).")
 
 # (B, T, N, K, V)
-SHAPES = ((8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128), (8, 16384, 4, 64, 64))
 QUICK_SHAPES = ((1, 64, 2, 16, 16),)
 # name -> (op, implementation, chunk_size)
 IMPLEMENTATIONS = {
@@ -52,34 +50,6 @@ IMPLEMENTATIONS = {
     "gated_delta_rule/pallas_chunk64": ("gated_delta_rule", "pallas", 64),
     "gated_delta_rule/xla": ("gated_delta_rule", "xla", 64),
 }
-
-
-def make_inputs(batch, time, heads, key, value, dtype, seed=0):
-  """q, k (unit norm), v, log_decay, beta."""
-  ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (batch, time, heads, key), jnp.float32)
-  k = jax.random.normal(ks[1], (batch, time, heads, key), jnp.float32)
-  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(ks[2], (batch, time, heads, value), jnp.float32)
-  g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 2.0)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, time, heads)))
-  return tuple(x.astype(dtype) for x in (q, k, v)) + (g, beta)
-
-
-def op_fn(op, implementation, chunk):
-  """(q, k, v, log_decay, beta) -> (y, final_state)."""
-  if op == "ssd":
-    return lambda q, k, v, g, beta: ssd(q, k, v, g, chunk_size=chunk,
-                                        implementation=implementation)
-  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, chunk_size=chunk,
-                                                   implementation=implementation)
-
-
-def scalar_loss(fn):
-  def loss(*args):
-    y, final = fn(*args)
-    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
-  return loss
 
 
 def _rel(x, ref):
@@ -94,17 +64,17 @@ def check_rows(quick):
   for op, reference in (("ssd", ssd_reference), ("gated_delta_rule",
                                                   gated_delta_rule_reference)):
     for dtype in (jnp.float32, jnp.bfloat16):
-      args = make_inputs(*shape, dtype, seed=1)
+      args = workloads.ssd_inputs(*shape, dtype, seed=1)
       ref_args = args if op == "gated_delta_rule" else args[:4]
       ref = jax.jit(reference)(*ref_args)
-      ref_grads = jax.jit(jax.grad(scalar_loss(reference), argnums=(0, 1, 2, 3)))(*ref_args)
+      ref_grads = jax.jit(jax.grad(workloads.chunked_loss(reference), argnums=(0, 1, 2, 3)))(*ref_args)
       for impl in ("pallas", "xla"):
         row = dict(kind="check", op=op, implementation=impl, dtype=jnp.dtype(dtype).name,
                    shape=shape)
         try:
-          fn = op_fn(op, impl, 64)
+          fn = workloads.chunked_op(op, impl, 64)
           y, final = jax.jit(fn)(*args)
-          grads = jax.jit(jax.grad(scalar_loss(fn), argnums=(0, 1, 2, 3)))(*args)
+          grads = jax.jit(jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)))(*args)
           row.update(status="ok", y_err=_rel(y, ref[0]), final_err=_rel(final, ref[1]),
                      grad_err=max(_rel(a, b) for a, b in zip(grads, ref_grads)))
         except ValueError as exc:
@@ -128,15 +98,15 @@ def kernel_rows(shapes, iters, warmup, sink):
                       dtype="bfloat16")
 
         def build(op=op, impl=impl, chunk=chunk, mode=mode):
-          args = make_inputs(*shape, jnp.bfloat16)
-          fn = op_fn(op, impl, chunk)
+          args = workloads.ssd_inputs(*shape, jnp.bfloat16)
+          fn = workloads.chunked_op(op, impl, chunk)
           try:
             jax.eval_shape(fn, *args)
           except ValueError as exc:
             raise harness.Unsupported(str(exc)) from exc
           if mode == "fwd":
             return jax.jit(fn), args
-          return jax.jit(jax.grad(scalar_loss(fn), argnums=(0, 1, 2, 3, 4))), args
+          return jax.jit(jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3, 4))), args
         row = harness.run_case(config, build, warmup=warmup, iters=iters)
         logging.info("%s %s %s: %s %s", name, mode, shape, row["status"],
                      row.get("median_ms"))
@@ -211,9 +181,9 @@ def main(argv):
   if _CHECK.value:
     for row in check_rows(quick):
       sink(row)
-  shapes = QUICK_SHAPES if quick else SHAPES
+  shapes = QUICK_SHAPES if quick else workloads.SSD_SHAPES
   if _SHAPES.value:
-    shapes = [SHAPES[int(i)] for i in _SHAPES.value]
+    shapes = [workloads.SSD_SHAPES[int(i)] for i in _SHAPES.value]
   kernel_rows(shapes, iters, warmup, sink)  # Adds the ratios to the rows in place.
   if _MODELS.value:
     model_rows(quick, iters, warmup, sink)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import workloads
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
 from ops.linear_scan import linear_scan_xla
@@ -49,37 +50,9 @@ _LINEAR = {"pallas": linear_scan_pallas, "xla": linear_scan_xla,
            "lax.scan": linear_scan_reference}
 
 
-def selective_inputs(batch, time, width, state, dtype=jnp.float32, seed=0):
-  k = jax.random.split(jax.random.key(seed), 5)
-  u = jax.random.normal(k[0], (batch, time, width), dtype)
-  delta = jax.nn.softplus(jax.random.normal(k[1], (batch, time, width)) - 2.0).astype(dtype)
-  A = -jnp.broadcast_to(jnp.arange(1, state + 1, dtype=jnp.float32), (width, state))
-  A = A * jnp.exp(0.1 * jax.random.normal(k[2], (width, state)))
-  B = jax.random.normal(k[3], (batch, time, state), dtype)
-  C = jax.random.normal(k[4], (batch, time, state), dtype)
-  return u, delta, A, B, C
-
-
-def linear_inputs(batch, time, width, seed=0):
-  k = jax.random.split(jax.random.key(seed), 4)
-  r = jax.random.uniform(k[0], (batch, time, width), minval=0.9, maxval=0.999)
-  theta = jax.random.uniform(k[1], (batch, time, width), maxval=0.3)
-  a = (r * jnp.exp(1j * theta)).astype(jnp.complex64)
-  b = (jax.random.normal(k[2], (batch, time, width))
-       + 1j * jax.random.normal(k[3], (batch, time, width))).astype(jnp.complex64)
-  return a, b
-
-
-def _loss(fn):
-  def loss(*args):
-    y, final = fn(*args)
-    return jnp.sum(jnp.real(y)) + jnp.sum(jnp.real(final))
-  return loss
-
-
 def _case_fns(fn, num_args):
   fwd = jax.jit(fn)
-  grad = jax.jit(jax.grad(_loss(fn), argnums=tuple(range(num_args))))
+  grad = jax.jit(jax.grad(workloads.scan_loss(fn), argnums=tuple(range(num_args))))
   return {"fwd": fwd, "fwd+bwd": grad}
 
 
@@ -92,28 +65,28 @@ def check_numerics(small):
   """Pallas vs the step reference on this device: forward and gradients."""
   rows = []
   shape = (2, 64, 16, 8) if small else (2, 1000, 64, 16)
-  args = selective_inputs(*shape, seed=1)
+  args = workloads.selective_inputs(*shape, seed=1)
   for reverse in ((False, True) if "selective_scan" in _OPS.value else ()):
     fns = {name: functools.partial(f, reverse=reverse) for name, f in _SELECTIVE.items()}
     ref_out = fns["lax.scan"](*args)
-    ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=tuple(range(5)))(*args)
+    ref_grad = jax.grad(workloads.scan_loss(fns["lax.scan"]), argnums=tuple(range(5)))(*args)
     for name in ("pallas", "xla"):
       out = fns[name](*args)
-      grad = jax.grad(_loss(fns[name]), argnums=tuple(range(5)))(*args)
+      grad = jax.grad(workloads.scan_loss(fns[name]), argnums=tuple(range(5)))(*args)
       rows.append({"kind": "check", "op": "selective_scan", "impl": name,
                    "shape": shape, "reverse": reverse,
                    "err_y": _relerr(out[0], ref_out[0]),
                    "err_final": _relerr(out[1], ref_out[1]),
                    "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
   shape = (2, 64, 16) if small else (2, 1000, 64)
-  args = linear_inputs(*shape, seed=1)
+  args = workloads.linear_inputs(*shape, seed=1)
   for reverse in ((False, True) if "linear_scan" in _OPS.value else ()):
     fns = {name: functools.partial(f, reverse=reverse) for name, f in _LINEAR.items()}
     ref_out = fns["lax.scan"](*args)
-    ref_grad = jax.grad(_loss(fns["lax.scan"]), argnums=(0, 1))(*args)
+    ref_grad = jax.grad(workloads.scan_loss(fns["lax.scan"]), argnums=(0, 1))(*args)
     for name in ("pallas", "xla"):
       out = fns[name](*args)
-      grad = jax.grad(_loss(fns[name]), argnums=(0, 1))(*args)
+      grad = jax.grad(workloads.scan_loss(fns[name]), argnums=(0, 1))(*args)
       rows.append({"kind": "check", "op": "linear_scan", "impl": name,
                    "shape": shape, "reverse": reverse,
                    "err_y": _relerr(out[0], ref_out[0]),
@@ -159,11 +132,11 @@ def time_kernels(cases, iters, sink):
   rows = []
   for op, shape, impl, blocks in cases:
     if op == "selective_scan":
-      args = selective_inputs(*shape)
+      args = workloads.selective_inputs(*shape)
       fn = _SELECTIVE[impl]
       default = SelectiveScanBlocks.get_default(*shape)
     else:
-      args = linear_inputs(*shape)
+      args = workloads.linear_inputs(*shape)
       fn = _LINEAR[impl]
       default = LinearScanBlocks.get_default(*shape)
     if blocks is not None:
@@ -181,7 +154,7 @@ def memory_case(small, iters):
   """T 16384, S 128: compiled temp memory and time, Pallas vs XLA, fwd+bwd."""
   rows = []
   shape = (2, 512, 16, 128) if small else (8, 16384, 256, 128)
-  args = selective_inputs(*shape)
+  args = workloads.selective_inputs(*shape)
   for impl in ("pallas", "xla"):
     grad = _case_fns(_SELECTIVE[impl], 5)["fwd+bwd"]
     config = {"kind": "memory", "op": "selective_scan", "shape": shape, "impl": impl,

@@ -1,0 +1,223 @@
+"""Where a compiled call's device time goes: per-kernel times from a trace.
+
+    python -m experiments.profile_ops --cases moe_gmm,moe_dense --output $OUT/profile.json
+
+Each case is traced with `jax.profiler.trace` over `--calls` back-to-back
+calls (after warm-up). The trace's device events are grouped by kernel name
+into rows of microseconds and launches per call; each case also records its
+wall time per call (timed without the profiler), the device-busy time (the
+union of its kernels' intervals) and so the idle share, which says whether a
+call is bound by its kernels or by the gaps between them. On the CPU the
+"kernels" are the XLA ops the runtime reports (`hlo_op`), which is enough to
+test this program; the numbers that matter come from the GPU.
+"""
+
+import collections
+import glob
+import os
+import tempfile
+import time
+from typing import Callable
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from experiments import harness
+from experiments import workloads
+
+_CASES = flags.DEFINE_list("cases", None, "Case names (default: all); see CASES.")
+_CALLS = flags.DEFINE_integer("calls", 20, "Traced calls per case.")
+_TOP = flags.DEFINE_integer("top", 12, "Kernels printed per case.")
+_SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
+_OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
+
+
+def _stats(event) -> dict:
+  return {key: value for key, value in event.stats}
+
+
+def device_events(xspace_path: str) -> list[tuple[str, int, int]]:
+  """(kernel name, start ns, duration ns) of every device event in a trace.
+
+  GPU: the events on the device planes' stream lines (one per kernel or
+  copy). CPU: the host events that carry an `hlo_op` stat (the XLA ops).
+  """
+  data = jax.profiler.ProfileData.from_file(xspace_path)
+  events = []
+  for plane in data.planes:
+    if plane.name.startswith("/device:GPU"):
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
+  if events:
+    return events
+  for plane in data.planes:
+    for line in plane.lines:
+      for e in line.events:
+        if "hlo_op" in _stats(e):
+          events.append((e.name, e.start_ns, e.duration_ns))
+  return events
+
+
+def busy_ns(events) -> float:
+  """Length of the union of the events' intervals."""
+  total, end = 0.0, float("-inf")
+  for _, start, duration in sorted(events, key=lambda e: e[1]):
+    stop = start + duration
+    if stop > end:
+      total += stop - max(start, end)
+      end = stop
+  return total
+
+
+def profile(fn: Callable, args: tuple, *, calls: int = 20) -> dict:
+  """Per-kernel device time of `fn(*args)`, per call.
+
+  Returns {"wall_us", "busy_us", "idle_share", "kernels": [{"name", "us",
+  "launches", "share"}]} with kernels sorted by time, largest first.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  compiled = jitted.lower(*args).compile()
+  jax.block_until_ready(compiled(*args))
+  jax.block_until_ready(compiled(*args))
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = compiled(*args)
+  jax.block_until_ready(out)
+  wall_us = (time.perf_counter() - start) * 1e6 / calls
+  with tempfile.TemporaryDirectory() as directory:
+    with jax.profiler.trace(directory):
+      for _ in range(calls):
+        out = compiled(*args)
+      jax.block_until_ready(out)
+    paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
+    events = device_events(paths[0]) if paths else []
+  per_kernel = collections.defaultdict(lambda: [0.0, 0])
+  for name, _, duration in events:
+    per_kernel[name][0] += duration
+    per_kernel[name][1] += 1
+  busy = busy_ns(events) / 1e3 / calls
+  total = sum(v[0] for v in per_kernel.values()) or 1.0
+  kernels = [{"name": name, "us": ns / 1e3 / calls, "launches": count / calls,
+              "share": ns / total}
+             for name, (ns, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])]
+  return {"wall_us": wall_us, "busy_us": busy,
+          "idle_share": max(0.0, 1.0 - busy / wall_us) if wall_us else None,
+          "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
+
+
+# ---------------------------------------------------------------------------
+# Cases: name -> build(small) -> (fn, args). Imports are local so that one
+# case's missing dependency (e.g. cuDNN on the CPU) fails only that case.
+
+
+def _vjp(fn, num_diff):
+  """(diff args..., other args..., cotangent) -> gradients of fn."""
+  def grad(*args):
+    diff, rest, cot = args[:num_diff], args[num_diff:-1], args[-1]
+    return jax.vjp(lambda *d: fn(*d, *rest), *diff)[1](cot)
+  return grad
+
+
+def _moe(impl, small):
+  import haiku as hk
+  from probjax_hk import moe
+  tokens = 256 if small else 8192
+  model = hk.transform_with_state(lambda x: moe.MoELayer(
+      workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_HIDDEN, activation="gelu",
+      dropless_impl=impl)(x))
+  x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
+  params, state = model.init(jax.random.key(1), x)
+  cot = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
+  fn = _vjp(lambda p, x: model.apply(p, state, None, x)[0], 2)
+  return fn, (params, x, cot)
+
+
+def _gmm(impl, small):
+  import ops
+  lhs, rhs, sizes = workloads.gmm_inputs(1024 if small else 131072)
+  if impl == "dense":
+    return (lambda a, b, s: jnp.matmul(a, b[0])), (lhs, rhs, sizes)
+  return (lambda a, b, s: ops.grouped_matmul(a, b, s, implementation=impl)), (lhs, rhs, sizes)
+
+
+def _selective_scan(state, small):
+  import ops
+  shape = (2, 64, 16, state) if small else (8, 4096, 256, state)
+  fn = lambda *a: ops.selective_scan(*a, implementation="pallas")
+  return (jax.grad(workloads.scan_loss(fn), argnums=(0, 1, 2, 3, 4)),
+          workloads.selective_inputs(*shape))
+
+
+def _ssd(op, impl, shape, mode, small):
+  dims = (1, 64, 2, 16, 16) if small else workloads.SSD_SHAPES[shape]
+  args = workloads.ssd_inputs(*dims, jnp.bfloat16)
+  # The chunk sizes of benchmark_kernel_ssd's rows: the kernels' defaults,
+  # 128 for the chunked XLA SSD and 64 for the XLA gated delta rule.
+  chunk = None if impl == "pallas" else (128 if op == "ssd" else 64)
+  fn = workloads.chunked_op(op, impl, chunk)
+  if mode == "fwd":
+    return fn, args
+  return jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)), args
+
+
+def _attention(impl, mode, small):
+  shape = (1, 2, 128, 32) if small else (8, 8, 4096, 32)
+  return workloads.attention_case(impl, shape, True, mode)()
+
+
+CASES = {
+    "moe_gmm": lambda small: _moe("gmm", small),
+    "moe_dense": lambda small: _moe("dense", small),
+    "gmm_op": lambda small: _gmm("pallas", small),
+    "gmm_dense_matmul": lambda small: _gmm("dense", small),
+    "selective_scan_s16": lambda small: _selective_scan(16, small),
+    "selective_scan_s128": lambda small: _selective_scan(128, small),
+    "ssd_fwd_0": lambda small: _ssd("ssd", "pallas", 0, "fwd", small),
+    "ssd_fwd_0_xla": lambda small: _ssd("ssd", "xla", 0, "fwd", small),
+    "ssd_fwd_1": lambda small: _ssd("ssd", "pallas", 1, "fwd", small),
+    "ssd_fwdbwd_1": lambda small: _ssd("ssd", "pallas", 1, "fwd+bwd", small),
+    "ssd_fwdbwd_1_xla": lambda small: _ssd("ssd", "xla", 1, "fwd+bwd", small),
+    "gdn_fwdbwd_1": lambda small: _ssd("gated_delta_rule", "pallas", 1, "fwd+bwd", small),
+    "flex_h32_fwd": lambda small: _attention("flex", "fwd", small),
+    "cudnn_h32_fwd": lambda small: _attention("cudnn", "fwd", small),
+    "flex_h32_fwdbwd": lambda small: _attention("flex", "fwd+bwd", small),
+    "cudnn_h32_fwdbwd": lambda small: _attention("cudnn", "fwd+bwd", small),
+}
+
+
+def _short(name: str, width: int = 70) -> str:
+  return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def main(argv):
+  del argv
+  names = _CASES.value or list(CASES)
+  unknown = sorted(set(names) - set(CASES))
+  if unknown:
+    raise app.UsageError(f"--cases: unknown {unknown}; known: {sorted(CASES)}")
+  results = []
+  for name in names:
+    try:
+      fn, args = CASES[name](_SMALL.value)
+      result = {"case": name, "status": "ok", **profile(fn, args, calls=_CALLS.value)}
+    except Exception as exc:  # One case's failure must not stop the others.
+      result = {"case": name, "status": "error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
+      print(f"## {name}: {result['message']}", flush=True)
+      results.append(result)
+      continue
+    results.append(result)
+    print(f"## {name}: wall {result['wall_us']:.1f} us/call, device busy "
+          f"{result['busy_us']:.1f} us, idle {100 * result['idle_share']:.0f}%, "
+          f"{result['launches']:.0f} launches", flush=True)
+    rows = [dict(k, name=_short(k["name"]), share=round(100 * k["share"], 1))
+            for k in result["kernels"][:_TOP.value]]
+    print(harness.format_table(rows, ["name", "us", "launches", "share"]), flush=True)
+    if _OUTPUT.value:
+      harness.write_rows(results, _OUTPUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,166 @@
+"""Inputs and functions the benchmark and profiling programs share.
+
+The benchmark programs define absl flags at import, so they cannot import one
+another; what more than one program times lives here: the scan inputs, the
+SSD / gated-delta-rule inputs and ops, the grouped-matmul inputs and the
+attention implementations.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from ops.flex_attention import api as flex_api
+from ops.gated_delta_rule import gated_delta_rule
+from ops.ssd import ssd
+
+# ---------------------------------------------------------------------------
+# Selective scan and linear scan ([B, T, D], f32; the linear scan complex64).
+
+
+def selective_inputs(batch, time, width, state, dtype=jnp.float32, seed=0):
+  """u, delta, A, B, C of `ops.selective_scan` with Mamba-like ranges."""
+  k = jax.random.split(jax.random.key(seed), 5)
+  u = jax.random.normal(k[0], (batch, time, width), dtype)
+  delta = jax.nn.softplus(jax.random.normal(k[1], (batch, time, width)) - 2.0).astype(dtype)
+  A = -jnp.broadcast_to(jnp.arange(1, state + 1, dtype=jnp.float32), (width, state))
+  A = A * jnp.exp(0.1 * jax.random.normal(k[2], (width, state)))
+  B = jax.random.normal(k[3], (batch, time, state), dtype)
+  C = jax.random.normal(k[4], (batch, time, state), dtype)
+  return u, delta, A, B, C
+
+
+def linear_inputs(batch, time, width, seed=0):
+  """a (|a| in [0.9, 0.999]), b of `ops.linear_scan`, complex64 [B, T, D]."""
+  k = jax.random.split(jax.random.key(seed), 4)
+  r = jax.random.uniform(k[0], (batch, time, width), minval=0.9, maxval=0.999)
+  theta = jax.random.uniform(k[1], (batch, time, width), maxval=0.3)
+  a = (r * jnp.exp(1j * theta)).astype(jnp.complex64)
+  b = (jax.random.normal(k[2], (batch, time, width))
+       + 1j * jax.random.normal(k[3], (batch, time, width))).astype(jnp.complex64)
+  return a, b
+
+
+def scan_loss(fn):
+  """A scalar of a scan's (y, final_state), real part, for fwd+bwd timings."""
+  def loss(*args):
+    y, final = fn(*args)
+    return jnp.sum(jnp.real(y)) + jnp.sum(jnp.real(final))
+  return loss
+
+
+# ---------------------------------------------------------------------------
+# SSD and the gated delta rule: (B, T, N, K, V) shapes of issue 5.
+
+SSD_SHAPES = ((8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128), (8, 16384, 4, 64, 64))
+
+
+def ssd_inputs(batch, time, heads, key, value, dtype, seed=0):
+  """q, k (unit norm), v, log_decay, beta."""
+  ks = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(ks[0], (batch, time, heads, key), jnp.float32)
+  k = jax.random.normal(ks[1], (batch, time, heads, key), jnp.float32)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  v = jax.random.normal(ks[2], (batch, time, heads, value), jnp.float32)
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 2.0)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, time, heads)))
+  return tuple(x.astype(dtype) for x in (q, k, v)) + (g, beta)
+
+
+def chunked_op(op, implementation, chunk):
+  """(q, k, v, log_decay, beta) -> (y, final_state) of 'ssd' or 'gated_delta_rule'."""
+  if op == "ssd":
+    return lambda q, k, v, g, beta: ssd(q, k, v, g, chunk_size=chunk,
+                                        implementation=implementation)
+  return lambda q, k, v, g, beta: gated_delta_rule(q, k, v, g, beta, chunk_size=chunk,
+                                                   implementation=implementation)
+
+
+def chunked_loss(fn):
+  """A scalar of (y, final_state) for fwd+bwd timings."""
+  def loss(*args):
+    y, final = fn(*args)
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(final)
+  return loss
+
+
+# ---------------------------------------------------------------------------
+# Grouped matmul and MoE: 8 experts, top-2, d_model 512, d_hidden 1024.
+
+NUM_EXPERTS, TOP_K, D_MODEL, D_HIDDEN = 8, 2, 512, 1024
+
+
+def balanced_sizes(rows: int, groups: int, key) -> jax.Array:
+  """Random group sizes around rows / groups, summing to rows."""
+  weights = jax.random.uniform(key, (groups,), minval=0.5, maxval=1.5)
+  sizes = jnp.floor(weights / weights.sum() * rows).astype(jnp.int32)
+  return sizes.at[-1].add(rows - sizes.sum())
+
+
+def gmm_inputs(rows: int):
+  """lhs [rows, D_MODEL], rhs [NUM_EXPERTS, D_MODEL, D_HIDDEN] (bf16), group sizes."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(k1, (rows, D_MODEL), jnp.bfloat16)
+  rhs = (jax.random.normal(k2, (NUM_EXPERTS, D_MODEL, D_HIDDEN)) / 20).astype(jnp.bfloat16)
+  return lhs, rhs, balanced_sizes(rows, NUM_EXPERTS, k3)
+
+
+# ---------------------------------------------------------------------------
+# Attention: q, k, v [B, T, N, H], bf16.
+
+# JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
+# num_warps, num_stages); None = its defaults.
+MHA_CONFIGS = {
+    "mha_default": None,
+    "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),
+    "mha_64x128": (64, 128, 128, 64, 64, 128, 4, 2),
+}
+
+
+def attention_fn(impl, h, causal):
+  """(q, k, v) -> out for one implementation: flex (and its score_mod /
+  mask_mod variants), cudnn, xla, or a `MHA_CONFIGS` entry of JAX's mha."""
+  if impl == "flex":
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             implementation="pallas")
+  if impl == "flex_alibi":
+    def alibi(score, b, n, t, s):
+      del b
+      return score + jnp.exp2(-(n + 1).astype(jnp.float32)) * (s - t).astype(jnp.float32)
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             score_mod=alibi, implementation="pallas")
+  if impl == "flex_documents":
+    documents = lambda b, n, t, s: (t // 512) == (s // 512)
+    return functools.partial(flex_api.flex_attention, is_causal=causal,
+                             mask_mod=documents, implementation="pallas")
+  if impl in ("cudnn", "xla"):
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             implementation=impl)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from jax.experimental.pallas.ops.gpu import attention as mha_lib
+  cfg = MHA_CONFIGS[impl]
+  if cfg is None:
+    return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal)
+  bq, bk, a, b, c, d, warps, stages = cfg
+  sizes = mha_lib.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=a, block_kv_dkv=b,
+                             block_q_dq=c, block_kv_dq=d)
+  return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal,
+                                     block_sizes=sizes, num_warps=warps,
+                                     num_stages=stages)
+
+
+def attention_case(impl, shape, causal, mode):
+  """A harness build thunk: (B, N, T, H) -> (jitted fwd or grad, (q, k, v))."""
+  b, n, t, h = shape
+  def build():
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+    fn = attention_fn(impl, h, causal)
+    if mode == "fwd":
+      return jax.jit(fn), (q, k, v)
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
+  return build
