@@ -3,6 +3,11 @@
     python -m experiments.benchmark_kernel_moe --output docs/benchmarks/kernel_moe.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --tokens 256 \
         --gmm_rows 1024 --iters 2 --output /tmp/kernel_moe_cpu.json
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m experiments.benchmark_kernel_moe \
+        --sections capacity --capacity_budget_s 270 --capacity_iters 3 \
+        --output docs/benchmarks/kernel_moe_capacity.json
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --sections capacity \
+        --capacity_start 64 --capacity_max 256 --output /tmp/kernel_moe_capacity_cpu.json
 
 "fwd+bwd" is one `jax.vjp` with a fixed random cotangent (with a sum-of-outputs
 loss XLA rewrites a dense matmul's gradient into a reduction). Sections (one
@@ -20,9 +25,28 @@ JSON row each, `section` says which):
 - moe: MoELayer(8 experts, top-2, d_model 512, d_hidden 1024, GELU), bf16,
   forward and fwd+bwd, one row per `dropless_impl`; ratios vs 'dense' and
   'ragged_dot' from the same run.
+- capacity (not in the default list: it runs until every path is out of
+  memory): the moe layer's fwd+bwd (`--capacity_modes` may add forward) at
+  `--capacity_start` tokens, then doubling up to `--capacity_max`, one column
+  per `dropless_impl` in `--capacity_impls`; a path stops doubling at its first
+  row that is not ok (OOM, error, timeout), and no case starts after
+  `--capacity_budget_s`. Every case runs in a fresh process
+  (`--capacity_case`, which prints one JSON row), so `peak_mb`, the device
+  allocator's peak, belongs to that case alone; `limit_mb` is the allocator's
+  limit (XLA_PYTHON_CLIENT_MEM_FRACTION of the device, 0.75 unless set), and
+  `planned_peak_mb` XLA's buffer plan of one call. A case whose process dies
+  still gives a row (status OOM when its output says so, else error). The
+  `capacity_max` rows give each path's largest count that ran (and its peak)
+  and the first that did not. This section runs first, before this process
+  touches the device (its cases need all of it), and the JSON is rewritten
+  after every case; the other sections' `--time_budget_s` starts after it.
 """
 
+import json
+import os
+import subprocess
 import time
+from typing import Callable
 
 from absl import app
 from absl import flags
@@ -42,12 +66,32 @@ from probjax_hk import moe
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_moe.json", "JSON output.")
 _TOKENS = flags.DEFINE_list("tokens", ["8192", "65536"], "MoE token counts.")
 _GMM_ROWS = flags.DEFINE_integer("gmm_rows", 131072, "M of the grouped-matmul op cases.")
+SECTIONS = ("check", "tiles", "op", "parts", "moe", "capacity")
 _SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "parts", "moe"],
-                              "What to run.")
+                              "What to run, any of: " + ", ".join(SECTIONS) + ".")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
+_CAPACITY_START = flags.DEFINE_integer("capacity_start", 262144,
+                                       "capacity: the first token count.")
+_CAPACITY_MAX = flags.DEFINE_integer("capacity_max", 1 << 24,
+                                     "capacity: no token count above this.")
+_CAPACITY_BUDGET = flags.DEFINE_float("capacity_budget_s", 300.0,
+                                      "capacity: start no case after this many seconds.")
+_CAPACITY_IMPLS = flags.DEFINE_list("capacity_impls", ["dense", "ragged_dot", "sort", "gmm"],
+                                    "capacity: the dropless_impl columns.")
+_CAPACITY_MODES = flags.DEFINE_list("capacity_modes", ["fwd+bwd"],
+                                    "capacity: fwd+bwd and/or forward.")
+_CAPACITY_ITERS = flags.DEFINE_integer("capacity_iters", 5, "capacity: timed calls per case.")
+_CAPACITY_CASE_TIMEOUT = flags.DEFINE_float(
+    "capacity_case_timeout_s", 300.0,
+    "capacity: time limit of one case's process; near the end of the budget a case "
+    "gets what is left of it, but at least 60 s (or this, if less).")
+_CAPACITY_CASE = flags.DEFINE_string(
+    "capacity_case", None,
+    "Internal: run the capacity case 'impl:mode:tokens' here, print its row as one JSON line.")
 
 IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
+MODES = ("forward", "fwd+bwd")
 _B = gmm_pallas.BlockSizes
 TILES = {
     "default": _B(),
@@ -59,10 +103,11 @@ TILES = {
     "m128_k64_n128__tgmm_n128": _B(block_n=128, num_stages=4, tgmm_block_n=128),
 }
 _START = time.perf_counter()
+_budget_start = _START  # main() moves it past the capacity sweep
 
 
 def _over_budget() -> bool:
-  return time.perf_counter() - _START > _BUDGET.value
+  return time.perf_counter() - _budget_start > _BUDGET.value
 
 
 def _rel_err(a, b) -> float:
@@ -196,25 +241,47 @@ def part_rows(tokens: int) -> list[dict]:
   return out
 
 
-def moe_rows(tokens: int) -> list[dict]:
+def _moe_inputs(tokens: int) -> tuple:
+  """(params, state, x, cotangent) of the MoE cases at `tokens`.
+
+  x [tokens, D_MODEL] bf16 and the cotangent (like x) are random; params (f32)
+  and state come from an init on x's first 8 rows: they do not depend on the
+  token count, and an eager init on all of x would run the dense path (and its
+  memory peak) at every size.
+  """
   x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
-  params, state = _moe_model("dense").init(jax.random.key(1), x)
+  params, state = _moe_model("dense").init(jax.random.key(1), x[:8])
   cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
+  return params, state, x, cotangent
+
+
+def _moe_case(impl: str, mode: str, params, state, x, cotangent) -> tuple:
+  """(fn, args) of one MoE case for `harness.run_case`.
+
+  'forward': (params, x) -> y [T, D_MODEL]. 'fwd+bwd': (params, x, cotangent)
+  -> the cotangents of (params, x), one `jax.vjp`.
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+  model = _moe_model(impl)
+  if mode == "forward":
+    return (lambda p, x: model.apply(p, state, None, x)[0]), (params, x)
+
+  def fn(p, x, cot):
+    return jax.vjp(lambda p, x: model.apply(p, state, None, x)[0], p, x)[1](cot)
+  return fn, (params, x, cotangent)
+
+
+def moe_rows(tokens: int) -> list[dict]:
+  inputs = _moe_inputs(tokens)
   out = []
-  for mode in ("forward", "fwd+bwd"):
+  for mode in MODES:
     for impl in IMPLS:
       if _over_budget():
         break
-      model = _moe_model(impl)
-      if mode == "forward":
-        fn = lambda p, x, model=model: model.apply(p, state, None, x)[0]
-        args = (params, x)
-      else:
-        def fn(p, x, cot, model=model):
-          return jax.vjp(lambda p, x: model.apply(p, state, None, x)[0], p, x)[1](cot)
-        args = (params, x, cotangent)
       row = harness.run_case(dict(section="moe", impl=impl, mode=mode, tokens=tokens),
-                             lambda fn=fn, args=args: (fn, args), iters=_ITERS.value)
+                             lambda impl=impl, mode=mode: _moe_case(impl, mode, *inputs),
+                             iters=_ITERS.value)
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
   for r in out:
@@ -225,10 +292,159 @@ def moe_rows(tokens: int) -> list[dict]:
   return out
 
 
+# --- capacity: one process per case -------------------------------------------
+
+
+def capacity_case(impl: str, mode: str, tokens: int) -> dict:
+  """Runs one capacity case in this process: its row, with the device's peak."""
+  row = harness.run_case(dict(section="capacity", impl=impl, mode=mode, tokens=tokens),
+                         lambda: _moe_case(impl, mode, *_moe_inputs(tokens)),
+                         warmup=1, iters=_CAPACITY_ITERS.value)
+  row["peak_mb"] = harness.peak_memory_mb()
+  device = jax.devices()[0]
+  limit = (device.memory_stats() or {}).get("bytes_limit")
+  row["limit_mb"] = None if limit is None else limit / 1e6
+  row["device_kind"] = device.device_kind
+  return row
+
+
+def token_counts(start: int, stop: int) -> list[int]:
+  """start, 2 start, 4 start, ... up to stop."""
+  if start < 1:
+    raise ValueError(f"the first token count must be positive, got {start}")
+  counts = []
+  while start <= stop:
+    counts.append(start)
+    start *= 2
+  return counts
+
+
+def _looks_like_oom(text: str) -> bool:
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+def run_capacity_case(impl: str, mode: str, tokens: int, timeout_s: float) -> dict:
+  """`capacity_case` in a fresh process. A process that dies, prints no row or
+  runs past `timeout_s` still gives a row: status OOM where its output says
+  so, else error, with the message."""
+  config = dict(section="capacity", impl=impl, mode=mode, tokens=tokens)
+  start = time.perf_counter()
+  try:
+    result = harness.run_in_fresh_process(
+        "experiments.benchmark_kernel_moe",
+        [f"--capacity_case={impl}:{mode}:{tokens}", f"--capacity_iters={_CAPACITY_ITERS.value}"],
+        timeout_s=timeout_s)
+  except subprocess.TimeoutExpired as e:
+    result = {"status": "error", "message": f"case process timed out after {e.timeout:g} s"}
+  row = {**config, **result}
+  if row.get("status") not in harness.STATUSES:
+    row["status"] = "error"
+  if row["status"] == "error" and _looks_like_oom(str(row.get("message", ""))):
+    row["status"] = "OOM"
+  row["process_s"] = time.perf_counter() - start
+  return row
+
+
+def capacity_rows(write: Callable[[list[dict]], None]) -> list[dict]:
+  """The capacity sweep and its summary; calls `write(rows)` after every case.
+
+  Token counts go up together: each count runs every path still going before
+  the next count starts, so a sweep cut by the budget has every path's largest
+  count so far. This process never touches the device.
+  """
+  counts = token_counts(_CAPACITY_START.value, _CAPACITY_MAX.value)
+  paths = [(mode, impl) for mode in _CAPACITY_MODES.value for impl in _CAPACITY_IMPLS.value]
+  rows, stopped = [], set()
+  start = time.perf_counter()
+  for tokens in counts:
+    for mode, impl in paths:
+      if (mode, impl) in stopped:
+        continue
+      elapsed = time.perf_counter() - start
+      if elapsed > _CAPACITY_BUDGET.value:
+        logging.info("capacity: --capacity_budget_s=%s passed", _CAPACITY_BUDGET.value)
+        return rows + capacity_summary(rows, counts)
+      timeout = min(_CAPACITY_CASE_TIMEOUT.value, max(_CAPACITY_BUDGET.value - elapsed, 60))
+      row = run_capacity_case(impl, mode, tokens, timeout)
+      rows.append(row)
+      write(rows)
+      logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "status",
+                                                   "median_ms", "peak_mb", "process_s")})
+      if row["status"] != "ok":
+        stopped.add((mode, impl))
+  return rows + capacity_summary(rows, counts)
+
+
+def capacity_summary(rows: list[dict], counts: list[int]) -> list[dict]:
+  """One `capacity_max` row per (mode, impl) of the `capacity` rows: the
+  largest count that ran ok (with its peak), the first that did not, and why
+  the sweep stopped (that row's status, 'capacity_max' or 'budget')."""
+  out = []
+  cases = [r for r in rows if r["section"] == "capacity"]
+  for mode, impl in dict.fromkeys((r["mode"], r["impl"]) for r in cases):
+    mine = sorted((r for r in cases if r["mode"] == mode and r["impl"] == impl),
+                  key=lambda r: r["tokens"])
+    ok = [r for r in mine if r["status"] == "ok"]
+    failed = next((r for r in mine if r["status"] != "ok"), None)
+    best = ok[-1] if ok else {}
+    if failed:
+      stopped_by = failed["status"]
+    elif best.get("tokens") == counts[-1]:
+      stopped_by = "capacity_max"
+    else:
+      stopped_by = "budget"
+    row = dict(section="capacity_max", impl=impl, mode=mode,
+               max_ok_tokens=best.get("tokens"), peak_mb=best.get("peak_mb"),
+               planned_peak_mb=best.get("planned_peak_mb"), median_ms=best.get("median_ms"),
+               first_failed_tokens=failed and failed["tokens"],
+               first_failed_status=failed and failed["status"],
+               first_failed_message=failed and str(failed.get("message", ""))[:500],
+               stopped_by=stopped_by)
+    if best.get("peak_mb"):
+      row["peak_kb_per_token"] = best["peak_mb"] * 1e3 / best["tokens"]
+    out.append(row)
+  return out
+
+
+def capacity_grid(rows: list[dict]) -> list[dict]:
+  """The `capacity` rows as (mode, tokens) x impl cells, for printing."""
+  cases = [r for r in rows if r["section"] == "capacity"]
+  grid = {}
+  for r in cases:
+    cell = r["status"]
+    if cell == "ok":
+      peak = r.get("peak_mb")
+      memory = (f"{peak:.0f} MB" if peak is not None else
+                f"plan {r['planned_peak_mb']:.0f} MB" if r.get("planned_peak_mb") else "")
+      cell = f"{r['median_ms']:.4g} ms, {memory}".rstrip(", ")
+    grid.setdefault((r["mode"], r["tokens"]), {})[r["impl"]] = cell
+  return [dict(mode=mode, tokens=tokens, **cells)
+          for (mode, tokens), cells in sorted(grid.items())]
+
+
+def _write_partial(rows: list[dict]) -> None:
+  """The rows so far, without `harness.environment()` (it touches the device)."""
+  os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
+  with open(_OUTPUT.value, "w") as f:
+    json.dump({"environment": "partial run: see the rows' device_kind", "rows": rows}, f,
+              indent=1)
+
+
 def main(argv):
   del argv
-  rows = []
+  global _budget_start
+  if _CAPACITY_CASE.value:
+    impl, mode, tokens = _CAPACITY_CASE.value.split(":")
+    print(json.dumps(capacity_case(impl, mode, int(tokens))), flush=True)
+    return
   sections = _SECTIONS.value
+  unknown = set(sections) - set(SECTIONS)
+  if unknown:
+    raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
+  rows = []
+  if "capacity" in sections:
+    rows += capacity_rows(_write_partial)
+    _budget_start = time.perf_counter()
   if "check" in sections:
     rows += check_rows()
   if "tiles" in sections:
@@ -241,19 +457,34 @@ def main(argv):
     for tokens in _TOKENS.value:
       rows += moe_rows(int(tokens))
   harness.write_rows(rows, _OUTPUT.value)
-  print(harness.format_table([r for r in rows if r["section"] == "check"],
-                             ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
-                              "rel_err_loss", "rel_err_grads"]))
-  print(harness.format_table([r for r in rows if r["section"] == "tiles"],
-                             ["tiles", "kernel", "status", "median_ms", "tflops"]))
-  print(harness.format_table([r for r in rows if r["section"] == "op"],
-                             ["impl", "mode", "status", "median_ms", "tflops",
-                              "fraction_of_dense_matmul_tflops"]))
-  print(harness.format_table([r for r in rows if r["section"] == "parts"],
-                             ["part", "tokens", "status", "median_ms"]))
-  print(harness.format_table([r for r in rows if r["section"] == "moe"],
-                             ["tokens", "mode", "impl", "status", "median_ms", "ratio_vs_dense",
-                              "ratio_vs_ragged_dot"]))
+  if "check" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "check"],
+                               ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
+                                "rel_err_loss", "rel_err_grads"]))
+  if "tiles" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "tiles"],
+                               ["tiles", "kernel", "status", "median_ms", "tflops"]))
+  if "op" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "op"],
+                               ["impl", "mode", "status", "median_ms", "tflops",
+                                "fraction_of_dense_matmul_tflops"]))
+  if "parts" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "parts"],
+                               ["part", "tokens", "status", "median_ms"]))
+  if "moe" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "moe"],
+                               ["tokens", "mode", "impl", "status", "median_ms",
+                                "ratio_vs_dense", "ratio_vs_ragged_dot"]))
+  if "capacity" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "capacity"],
+                               ["mode", "impl", "tokens", "status", "median_ms", "peak_mb",
+                                "planned_peak_mb", "limit_mb", "process_s"]))
+    print(harness.format_table(capacity_grid(rows),
+                               ["mode", "tokens", *_CAPACITY_IMPLS.value]))
+    print(harness.format_table([r for r in rows if r["section"] == "capacity_max"],
+                               ["mode", "impl", "max_ok_tokens", "peak_mb", "planned_peak_mb",
+                                "peak_kb_per_token", "first_failed_tokens",
+                                "first_failed_status", "stopped_by"]))
   print(f"total {time.perf_counter() - _START:.1f} s")
 
 
