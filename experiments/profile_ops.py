@@ -32,6 +32,8 @@ _CALLS = flags.DEFINE_integer("calls", 20, "Traced calls per case.")
 _TOP = flags.DEFINE_integer("top", 12, "Kernels printed per case.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Write each case's optimized HLO here "
+                               "(<case>.hlo.txt), to look up what a fusion computes.")
 
 
 def _stats(event) -> dict:
@@ -72,14 +74,20 @@ def busy_ns(events) -> float:
   return total
 
 
-def profile(fn: Callable, args: tuple, *, calls: int = 20) -> dict:
+def profile(fn: Callable, args: tuple, *, calls: int = 20,
+            hlo_path: str | None = None) -> dict:
   """Per-kernel device time of `fn(*args)`, per call.
 
   Returns {"wall_us", "busy_us", "idle_share", "kernels": [{"name", "us",
-  "launches", "share"}]} with kernels sorted by time, largest first.
+  "launches", "share"}]} with kernels sorted by time, largest first. With
+  `hlo_path`, the optimized HLO (whose fusion names are the kernel names) is
+  written there.
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   compiled = jitted.lower(*args).compile()
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(compiled.as_text())
   jax.block_until_ready(compiled(*args))
   jax.block_until_ready(compiled(*args))
   start = time.perf_counter()
@@ -202,7 +210,12 @@ def main(argv):
   for name in names:
     try:
       fn, args = CASES[name](_SMALL.value)
-      result = {"case": name, "status": "ok", **profile(fn, args, calls=_CALLS.value)}
+      hlo_path = None
+      if _HLO_DIR.value:
+        os.makedirs(_HLO_DIR.value, exist_ok=True)
+        hlo_path = os.path.join(_HLO_DIR.value, f"{name}.hlo.txt")
+      result = {"case": name, "status": "ok",
+                **profile(fn, args, calls=_CALLS.value, hlo_path=hlo_path)}
     except Exception as exc:  # One case's failure must not stop the others.
       result = {"case": name, "status": "error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
       print(f"## {name}: {result['message']}", flush=True)

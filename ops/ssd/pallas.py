@@ -66,10 +66,12 @@ class SSDBlocks:
   output_block_v: int = 64     # V columns per program in the output kernel
   num_warps: int = 4           # warps of the output and chunk-gradient kernels
   state_num_warps: int = 2     # warps of the states kernels
+  state_programs: int = 1024   # the states walk splits its chunks into groups
+                               # until it has about this many programs
 
   def __post_init__(self):
     for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
-                 "num_warps", "state_num_warps"):
+                 "num_warps", "state_num_warps", "state_programs"):
       value = getattr(self, name)
       if not _is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
@@ -192,10 +194,10 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _state_groups(programs: int, num_chunks: int) -> tuple[int, int]:
-  """(groups, chunks per group): enough groups of chunks for about a thousand
-  programs, since each program's walk over its chunks is serial."""
-  groups = min(num_chunks, max(1, _shapes.cdiv(1024, programs)))
+def _state_groups(programs: int, num_chunks: int, target: int) -> tuple[int, int]:
+  """(groups, chunks per group): enough groups of chunks for about `target`
+  programs in all, since each program's walk over its chunks is serial."""
+  groups = min(num_chunks, max(1, _shapes.cdiv(target, programs)))
   group_size = _shapes.cdiv(num_chunks, groups)
   return _shapes.cdiv(num_chunks, group_size), group_size
 
@@ -214,7 +216,7 @@ def _states(x, y, b, h0, *, heads, blocks, reverse):
   bk, bv, chunk = blocks.state_block_k, blocks.state_block_v, blocks.chunk
   num_chunks = time // chunk
   num_groups, group_size = _state_groups(
-      batch * heads * (key // bk) * (value // bv), num_chunks)
+      batch * heads * (key // bk) * (value // bv), num_chunks, blocks.state_programs)
   grid = (batch, heads, key // bk, value // bv, num_groups)
   in_specs = [
       pl.BlockSpec((None, time, None, bk), lambda i, n, a, c, g: (i, 0, n // rep, a)),

@@ -76,10 +76,12 @@ def test_dropless_impls_match_dense(impl, routing):
     assert not np.asarray(got[3][0]["moe_layer"]["w_in"][2:]).any()  # unused experts
 
 
-def test_gmm_with_pallas_kernel_matches_dense():
-  params, x = _params(), _inputs()
-  want = _run(params, x)
-  got = _run(params, x, dropless_impl="gmm", grouped_matmul_implementation="pallas")
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_gmm_with_pallas_kernel_matches_dense(activation):
+  params, x = _params(activation), _inputs()
+  want = _run(params, x, activation=activation)
+  got = _run(params, x, activation=activation, dropless_impl="gmm",
+             grouped_matmul_implementation="pallas")
   _assert_tree_close(got, want, jnp.float32)
 
 

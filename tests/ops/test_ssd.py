@@ -166,12 +166,12 @@ def test_chunk_groups_of_the_states_walk(monkeypatch, groups):
   group included, forward and reverse."""
   from ops.ssd import pallas as ssd_pallas_lib
   q, k, v, g, h0 = _inputs(1, 5 * 16, 2, 2, 16, 16, jnp.float32)
-  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks: (1, 5))
+  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks, target: (1, 5))
   single = jax.jit(functools.partial(ops.ssd, chunk_size=16, implementation="pallas"))
   want = single(q, k, v, g, initial_state=h0)
   want_grads = jax.grad(functools.partial(_loss, single), argnums=(0, 1, 2, 3, 4))(
       q, k, v, g, h0)
-  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks: groups)
+  monkeypatch.setattr(ssd_pallas_lib, "_state_groups", lambda programs, chunks, target: groups)
   split = jax.jit(functools.partial(ops.ssd, chunk_size=16, implementation="pallas"))
   got = split(q, k, v, g, initial_state=h0)
   got_grads = jax.grad(functools.partial(_loss, split), argnums=(0, 1, 2, 3, 4))(
