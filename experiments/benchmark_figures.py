@@ -24,7 +24,7 @@ _DIRECTORY = flags.DEFINE_string("directory", "docs/benchmarks", "Where the JSON
 
 MEASUREMENTS = ["status", "median_ms", "min_ms", "compile_s", "planned_peak_mb", "peak_mb",
                 "tflops", "ratio_vs_cudnn", "steps_per_s"]
-HIDDEN = {"message", "traceback", "stage", "iters", "wall_s"}
+HIDDEN = {"message", "traceback", "stage", "iters", "wall_s", "kernels"}
 
 
 def _label_columns(rows: list[dict]) -> list[str]:

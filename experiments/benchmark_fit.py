@@ -76,6 +76,7 @@ import optax
 
 import probjax_hk as pk
 from experiments import harness
+from experiments import tracing
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
 
@@ -87,6 +88,9 @@ _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
 _MODEL_DIM = flags.DEFINE_integer("model_dim", 256, "Transformer width.")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", 4, "Transformer blocks.")
+_TRACE = flags.DEFINE_list(
+    "trace", None, "Cases (e.g. bare_loop_calls,fit_memory_calls) to run once more under "
+    "the profiler: device-busy time, launches and kernels per step.")
 _STEPS_PER_CALL = flags.DEFINE_integer(
     "steps_per_call", 1, "K > 1 adds a fit_memory_calls row: fit(steps_per_call=K).")
 _MODEL = flags.DEFINE_enum("model", "transformer", ["transformer", "mlp"],
@@ -234,6 +238,28 @@ def _piece_cases(config, params, data, device_batches, steps):
   ]
 
 
+def _trace_rows(named_cases) -> list[dict]:
+  """One more run of each case under the profiler (after the timed rounds,
+  so tracing costs no timed row anything): device-busy and wall time per
+  step, kernel launches per step and the kernels that take the time."""
+  rows = []
+  for name, case in named_cases:
+    row, events = tracing.traced(case)
+    steps = row["steps_per_s"] * row["wall_s"]
+    kernels = tracing.kernel_rows(events, per=steps)
+    rows.append(dict(case=name, section="trace", status="ok",
+                     wall_us_per_step=row["wall_s"] * 1e6 / steps,
+                     busy_us_per_step=tracing.busy_ns(events) / 1e3 / steps,
+                     launches_per_step=len(events) / steps, kernels=kernels[:25]))
+    print(f"## trace {name}: wall {rows[-1]['wall_us_per_step']:.1f} us/step, device "
+          f"busy {rows[-1]['busy_us_per_step']:.1f} us/step, "
+          f"{rows[-1]['launches_per_step']:.1f} launches/step", flush=True)
+    print(harness.format_table(
+        [dict(k, name=tracing.short_name(k["name"])) for k in kernels[:12]],
+        ["name", "us", "launches", "share"]), flush=True)
+  return rows
+
+
 def main(argv):
   del argv
   steps, bsz = _STEPS.value, _BATCH.value
@@ -360,7 +386,7 @@ def main(argv):
   for row in (rows[0], first, second):
     if "steps_per_s" in row:
       row["bare_loop_time_ratio"] = bare / row["steps_per_s"]
-  names = [r[0]["case"] for r in rounds[:1]] and [x["case"] for x in rounds[0]]
+  names = [x["case"] for x in rounds[0]]
   if "bare_loop_calls" in names:  # the *_calls rows over the K-step bare loop
     b = names.index("bare_loop_calls")
     for i, name in enumerate(names):
@@ -377,6 +403,7 @@ def main(argv):
         steady[i].update(step_bare_time_ratio=statistics.median(ratios),
                          step_ratio_min=min(ratios), step_ratio_max=max(ratios))
   rows = [rows[0], steady[0], first, second] + steady[1:]
+  rows += _trace_rows([(n, c) for n, c in zip(names, cases) if n in (_TRACE.value or ())])
   meta = harness.environment()
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:

@@ -12,10 +12,7 @@ call is bound by its kernels or by the gaps between them. On the CPU the
 test this program; the numbers that matter come from the GPU.
 """
 
-import collections
-import glob
 import os
-import tempfile
 import time
 from typing import Callable
 
@@ -25,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import harness
+from experiments import tracing
 from experiments import workloads
 
 _CASES = flags.DEFINE_list("cases", None, "Case names (default: all); see CASES.")
@@ -34,44 +32,6 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Write each case's optimized HLO here "
                                "(<case>.hlo.txt), to look up what a fusion computes.")
-
-
-def _stats(event) -> dict:
-  return {key: value for key, value in event.stats}
-
-
-def device_events(xspace_path: str) -> list[tuple[str, int, int]]:
-  """(kernel name, start ns, duration ns) of every device event in a trace.
-
-  GPU: the events on the device planes' stream lines (one per kernel or
-  copy). CPU: the host events that carry an `hlo_op` stat (the XLA ops).
-  """
-  data = jax.profiler.ProfileData.from_file(xspace_path)
-  events = []
-  for plane in data.planes:
-    if plane.name.startswith("/device:GPU"):
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          events += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-  if events:
-    return events
-  for plane in data.planes:
-    for line in plane.lines:
-      for e in line.events:
-        if "hlo_op" in _stats(e):
-          events.append((e.name, e.start_ns, e.duration_ns))
-  return events
-
-
-def busy_ns(events) -> float:
-  """Length of the union of the events' intervals."""
-  total, end = 0.0, float("-inf")
-  for _, start, duration in sorted(events, key=lambda e: e[1]):
-    stop = start + duration
-    if stop > end:
-      total += stop - max(start, end)
-      end = stop
-  return total
 
 
 def profile(fn: Callable, args: tuple, *, calls: int = 20,
@@ -95,22 +55,14 @@ def profile(fn: Callable, args: tuple, *, calls: int = 20,
     out = compiled(*args)
   jax.block_until_ready(out)
   wall_us = (time.perf_counter() - start) * 1e6 / calls
-  with tempfile.TemporaryDirectory() as directory:
-    with jax.profiler.trace(directory):
-      for _ in range(calls):
-        out = compiled(*args)
-      jax.block_until_ready(out)
-    paths = glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True)
-    events = device_events(paths[0]) if paths else []
-  per_kernel = collections.defaultdict(lambda: [0.0, 0])
-  for name, _, duration in events:
-    per_kernel[name][0] += duration
-    per_kernel[name][1] += 1
-  busy = busy_ns(events) / 1e3 / calls
-  total = sum(v[0] for v in per_kernel.values()) or 1.0
-  kernels = [{"name": name, "us": ns / 1e3 / calls, "launches": count / calls,
-              "share": ns / total}
-             for name, (ns, count) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])]
+
+  def run():
+    for _ in range(calls):
+      out = compiled(*args)
+    return jax.block_until_ready(out)
+  _, events = tracing.traced(run)
+  kernels = tracing.kernel_rows(events, per=calls)
+  busy = tracing.busy_ns(events) / 1e3 / calls
   return {"wall_us": wall_us, "busy_us": busy,
           "idle_share": max(0.0, 1.0 - busy / wall_us) if wall_us else None,
           "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
@@ -196,10 +148,6 @@ CASES = {
 }
 
 
-def _short(name: str, width: int = 70) -> str:
-  return name if len(name) <= width else name[:width - 3] + "..."
-
-
 def main(argv):
   del argv
   names = _CASES.value or list(CASES)
@@ -225,7 +173,7 @@ def main(argv):
     print(f"## {name}: wall {result['wall_us']:.1f} us/call, device busy "
           f"{result['busy_us']:.1f} us, idle {100 * result['idle_share']:.0f}%, "
           f"{result['launches']:.0f} launches", flush=True)
-    rows = [dict(k, name=_short(k["name"]), share=round(100 * k["share"], 1))
+    rows = [dict(k, name=tracing.short_name(k["name"]), share=round(100 * k["share"], 1))
             for k in result["kernels"][:_TOP.value]]
     print(harness.format_table(rows, ["name", "us", "launches", "share"]), flush=True)
     if _OUTPUT.value:

@@ -5,12 +5,13 @@ import jax
 import jax.numpy as jnp
 
 from experiments import profile_ops
+from experiments import tracing
 
 
 def test_busy_time_is_the_union_of_intervals():
   events = [("a", 0, 10), ("b", 5, 10), ("c", 30, 5), ("d", 31, 1)]
-  assert profile_ops.busy_ns(events) == 15 + 5
-  assert profile_ops.busy_ns([]) == 0
+  assert tracing.busy_ns(events) == 15 + 5
+  assert tracing.busy_ns([]) == 0
 
 
 def test_profile_reports_the_kernels_of_a_call():
