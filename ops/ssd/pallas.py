@@ -65,7 +65,7 @@ class SSDBlocks:
   state_block_v: int = 32      # V columns of the state tile in the states kernels
   output_block_v: int = 64     # V columns per program in the output kernel
   num_warps: int = 4           # warps of the output and chunk-gradient kernels
-  state_num_warps: int = 2     # warps of the states kernels
+  state_num_warps: int = 4     # warps of the states kernels
   state_programs: int = 1024   # the states walk splits its chunks into groups
                                # until it has about this many programs
 
@@ -90,7 +90,7 @@ class SSDBlocks:
     big = key * value > 64 * 64
     return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
                output_block_v=min(64, value), num_warps=8 if big else 4,
-               state_num_warps=2)
+               state_num_warps=4)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):

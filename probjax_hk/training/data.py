@@ -23,6 +23,7 @@ Glossary of shapes: N examples, B batch size.
 
 import functools
 import itertools
+import math
 import queue
 import threading
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
@@ -93,7 +94,7 @@ class ArrayData:
   """A pytree of arrays [N, ...] on the mesh, batched by the compiled step."""
 
   def __init__(self, data, *, batch_size: int | None, last_batch: str, mesh,
-               argname: str = "data"):
+               argname: str = "data", steps_per_call: int = 1):
     self.num_examples = leading_dim(data, argname)
     if batch_size is None:
       batch_size = self.num_examples
@@ -112,8 +113,13 @@ class ArrayData:
 
     # Orders are drawn a block of epochs at a time, at least BLOCK_STEPS steps'
     # worth: with one or a few steps per epoch, a host call per epoch would
-    # cost more than the step itself.
-    self.epochs_per_block = -(-BLOCK_STEPS // self.steps_per_epoch)
+    # cost more than the step itself. A multi-step call cannot cross a block,
+    # so where it costs at most 4x the block, the block is a whole number of
+    # `steps_per_call` calls (else each block would end in single steps).
+    epochs = -(-BLOCK_STEPS // self.steps_per_epoch)
+    whole = steps_per_call // math.gcd(self.steps_per_epoch, steps_per_call)
+    aligned = -(-epochs // whole) * whole
+    self.epochs_per_block = aligned if aligned <= 4 * epochs else epochs
 
   def permutation(self, data_key, block: int) -> jax.Array:
     """The example order of epochs `block * E ... block * E + E - 1`

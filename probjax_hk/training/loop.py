@@ -293,7 +293,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       raise ValueError(f"in-memory `data` needs exactly one of `num_steps` and"
                        f" `epochs`, got {num_steps=} {epochs=}")
     source = data_lib.ArrayData(data, batch_size=batch_size,
-                                last_batch=last_batch, mesh=mesh)
+                                last_batch=last_batch, mesh=mesh,
+                                steps_per_call=steps_per_call)
     total = num_steps if num_steps else epochs * source.steps_per_epoch
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((source.batch_size,) + x.shape[1:],
@@ -498,10 +499,13 @@ class _Loop:
             check[1].copy_to_host_async()
         self.pending.append((self.step + 1, steps, metrics, check))
         self.step += steps
-        if check is not None:  # read now: a roll-back needs no later call
-          self._flush()
-        elif len(self.pending) > 1:
+        # Read each call while the next one runs, so the device never waits
+        # for the host's reading and dispatching. A roll-back or a stop then
+        # drops the call in flight (`_drop_in_flight`).
+        while len(self.pending) > 1 and not self.stop:
           self._process(*self.pending.pop(0))
+          if self.stop:
+            self._drop_in_flight()
         if validation is not None and eval_every and self.step % eval_every == 0:
           self._flush()
           self._evaluate(validation)
@@ -526,6 +530,7 @@ class _Loop:
       if not (bool(state_ok) and all(values[finite] for values in rows)):
         logging.info("fit: steps %d-%d: a non-finite step; re-running them"
                      " with the full guard", first, first + steps - 1)
+        self.pending.clear()  # a later call in flight started from this one
         self.ts, self.step = ts_in, first - 1
         replay()
         return
@@ -543,6 +548,18 @@ class _Loop:
       return
     for i, values in enumerate(rows):
       self._process_step(first + i, dict(zip(names, values)))
+
+  def _drop_in_flight(self):
+    """After a stop: discards the call dispatched after the stopping one when
+    its input, the state the stop should keep, still exists (an optimistic
+    call does not donate it) and goes back to that state. A single step
+    donates its input: it stays, and the stop takes effect after it, as with
+    one step per call. Costs one more state kept while an optimistic call is
+    in flight (its input, its output, and the previous call's input)."""
+    if self.pending and self.pending[0][3] is not None:
+      first = self.pending[0][0]
+      self.ts, self.step = self.pending[0][3][0], first - 1
+      self.pending.clear()
 
   def _replay_step(self, out):
     """Takes one re-run step's (ts, metrics) and processes it at once."""

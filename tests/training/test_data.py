@@ -105,3 +105,22 @@ def test_stream_groups_stack_steps_on_the_batch_axis():
   first, second = stacked.split()
   np.testing.assert_array_equal(second.batch["x"][:, 0], [3, 3, 3, 3])
   np.testing.assert_array_equal(second.mask, [True, True, False, False])
+
+
+@pytest.mark.parametrize("examples,batch,steps_per_call,aligned", [
+    (96, 16, 4, True),     # 6 steps per epoch: 12 epochs = 18 calls of 4
+    (64, 8, 10, True),     # 8 per epoch: 10 epochs = 8 calls of 10
+    (70, 10, 1, True),     # one step per call: any block
+    (1000, 1, 7, False),   # 1000 per epoch: 7 epochs would be 7x the block
+])
+def test_array_blocks_hold_whole_multi_step_calls(examples, batch, steps_per_call,
+                                                  aligned):
+  # A multi-step call cannot cross a block of epoch orders; a block that is a
+  # whole number of calls leaves no single steps at its end.
+  source = data_lib.ArrayData({"x": np.zeros((examples, 2), np.float32)},
+                              batch_size=batch, last_batch="drop",
+                              mesh=sharding.default_mesh(),
+                              steps_per_call=steps_per_call)
+  steps = source.epochs_per_block * source.steps_per_epoch
+  assert steps >= data_lib.BLOCK_STEPS
+  assert (steps % steps_per_call == 0) == aligned

@@ -426,9 +426,13 @@ def test_steps_per_call_stops_at_the_end_of_a_call():
           batch_size=16, num_steps=50, optimizer=common.OPTIMIZER,
           progress=False, callbacks=[callback], steps_per_call=4)
   # A multi-step call's metrics are read when it ends: step 2's stop ends
-  # the fit after the call of steps 1-4.
+  # the fit after the call of steps 1-4. The call of steps 5-8, dispatched
+  # before steps 1-4 were read, is dropped: the params are step 4's.
   assert r.stopped_early and r.step == 4
   assert seen == list(range(1, 5))
+  four = fit(common.loss_fn, common.init_params(), common.make_data(),
+             batch_size=16, num_steps=4, optimizer=common.OPTIMIZER, progress=False)
+  chex.assert_trees_all_close(r.params, four.params, rtol=1e-5, atol=1e-6)
 
 
 def test_steps_per_call_must_be_positive():
