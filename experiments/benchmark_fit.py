@@ -19,8 +19,12 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
                 (`bare_calls_time_ratio`); they also report the ratio to
                 bare_loop (K = 1), as the issue's target states it.
   fit_memory    fit() on in-memory arrays (device-side shuffle and gather),
-                second call (its first compiled the step).
+                second call (its first compiled the step), default arguments:
+                a small model (state <= 256 MiB) runs 10 steps per call.
   fit_stream    fit() on a generator of host numpy batches (prefetch thread).
+  fit_memory_one_step / fit_stream_one_step   the same with
+                `steps_per_call=1` (what fit does with callbacks, checkpoints
+                or a big state).
   fit_first / fit_second   the wall time of a first and a second fit() call
                 of `--calls_steps` steps: the second one compiles nothing.
   fit_memory_calls / fit_stream_calls   with `--steps_per_call=K` > 1: fit()
@@ -330,9 +334,16 @@ def main(argv):
   first = timed_fit("fit_first", lambda: data, _CALLS_STEPS.value)
   second = timed_fit("fit_second", lambda: data, _CALLS_STEPS.value)
   second["second_over_first_wall"] = second["wall_s"] / first["wall_s"]
-  timed_fit("fit_stream_warmup", stream, 5)
+  # Every variant compiles before the timed rounds: the default's multi-step
+  # call and its single-step tail, and the one-step rows.
+  timed_fit("fit_stream_warmup", stream, 21)
+  timed_fit("fit_memory_one_step_warmup", lambda: data, 3, steps_per_call=1)
+  timed_fit("fit_stream_one_step_warmup", stream, 3, steps_per_call=1)
   cases = [bare_loop, lambda: timed_fit("fit_memory", lambda: data, steps),
-           lambda: timed_fit("fit_stream", stream, steps)]
+           lambda: timed_fit("fit_stream", stream, steps),
+           lambda: timed_fit("fit_memory_one_step", lambda: data, steps,
+                             steps_per_call=1),
+           lambda: timed_fit("fit_stream_one_step", stream, steps, steps_per_call=1)]
   if _STEPS_PER_CALL.value > 1:
     k = _STEPS_PER_CALL.value
     timed_fit("fit_memory_calls_warmup", lambda: data, 2 * k, steps_per_call=k)

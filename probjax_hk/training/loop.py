@@ -40,6 +40,12 @@ from probjax_hk.training import step as step_lib
 
 # One object, so that the default optimizer is the same cache key every call.
 DEFAULT_OPTIMIZER = optax.adam(1e-3)
+# steps_per_call=None: states up to this size (parameters, optimizer and Haiku
+# state) run AUTO_STEPS_PER_CALL steps per compiled call. Their steps are
+# short next to the host's per-step work; a bigger state's step is long
+# enough to hide it, and the copies a multi-step call keeps would cost memory.
+AUTO_STEPS_PER_CALL = 10
+AUTO_STATE_BYTES = 256 * 2**20
 
 _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
@@ -109,6 +115,19 @@ def _check_positive(**values) -> None:
                               or isinstance(value, bool) or value < 1):
       raise ValueError(f"`{name}` must be a positive integer or None, got"
                        f" {name}={value!r}")
+
+
+def _auto_steps_per_call(params, state, optimizer, callbacks, checkpoint_dir) -> int:
+  """`steps_per_call=None`: several steps per call for a small state, unless
+  callbacks are given (a stop they ask for would take effect only at a call's
+  end) or checkpoints are written (a resumed run must equal an uninterrupted
+  one bit for bit, and a K-step scan can differ from K single steps in the
+  last bit, so both runs take one step per call)."""
+  if callbacks or checkpoint_dir is not None:
+    return 1
+  shapes = jax.eval_shape(lambda p: (p, state, optimizer.init(p)), params)
+  size = sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes))
+  return AUTO_STEPS_PER_CALL if size <= AUTO_STATE_BYTES else 1
 
 
 def _as_raw_key(rng) -> jax.Array:
@@ -199,7 +218,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         log_every: int | None = None,
         last_batch: str = "drop",
         on_nonfinite: str = "raise",
-        steps_per_call: int = 1,
+        steps_per_call: int | None = None,
         **unknown) -> FitResult:
   """Trains `params` to minimise `loss_fn` over `data`.
 
@@ -251,13 +270,20 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       `lax.scan`; a stream's batches are stacked [K, B, ...] on the host and
       sent at once), so that the host dispatches and reads metrics once per
       call. For small models whose step takes less time than the loop's
-      per-step host work (well under a millisecond on a GPU). Calls never
+      per-step host work (well under a millisecond on a GPU). None (the
+      default): `AUTO_STEPS_PER_CALL` (10) when no callbacks and no
+      `checkpoint_dir` are given and the parameters, optimizer state and
+      Haiku state take at most `AUTO_STATE_BYTES` (256 MiB), else 1 (a
+      K-step call can differ from K single steps in the last bit; with
+      checkpoints, one step per call keeps a resumed run bit-identical to an
+      uninterrupted one). Calls never
       cross an evaluation, a checkpoint or the end; callbacks still see every
       step, but a stop they ask for takes effect at the end of the call.
       Such a call checks each step's loss and gradient and, once, its final
       state; the input state is kept (not donated: two copies of the state
-      during a call) and a call with a non-finite step is re-run from it
-      one fully guarded step at a time, so results equal K = 1's.
+      during a call, three while the next call runs and this one is read)
+      and a call with a non-finite step is re-run from it one fully guarded
+      step at a time, so results equal K = 1's.
 
   Returns:
     A `FitResult`.
@@ -284,6 +310,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     raise ValueError("`checkpoint_every` needs a `checkpoint_dir`")
   callbacks = [callbacks_lib.as_callback(c) for c in callbacks]
   optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
+  if steps_per_call is None:
+    steps_per_call = _auto_steps_per_call(params, state, optimizer, callbacks,
+                                          checkpoint_dir)
   mesh = sharding_lib.default_mesh() if mesh is None else mesh
   rng = _as_raw_key(rng)
 

@@ -24,9 +24,13 @@ def _assert_trees_equal(a, b):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted():
+def uninterrupted(tmp_path_factory):
+  # The same arguments as the resumed runs, a checkpoint directory included:
+  # with one, fit takes one step per call (without, small models run several
+  # per call, which can differ from single steps in the last bit).
   return probjax_hk.fit(common.loss_fn, common.init_params(),
-                        common.make_data(), num_steps=_TOTAL, **_KW)
+                        common.make_data(), num_steps=_TOTAL,
+                        checkpoint_dir=str(tmp_path_factory.mktemp("whole")), **_KW)
 
 
 def test_resume_equals_uninterrupted_and_prunes(tmp_path, uninterrupted):

@@ -458,3 +458,15 @@ def test_steps_per_call_on_a_stream_trains_the_same_steps(tmp_path, last_batch):
   chex.assert_trees_all_close(many.params, one.params, rtol=1e-5, atol=1e-6)
   saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
   assert saved == ([3, 6] if last_batch == "drop" else [3, 6, 7])
+
+
+def test_steps_per_call_default_is_several_for_small_states_only():
+  params = common.init_params()
+  auto = lambda **kw: fit_lib._auto_steps_per_call(
+      **dict(dict(params=params, state=None, optimizer=common.OPTIMIZER,
+                  callbacks=[], checkpoint_dir=None), **kw))
+  assert auto() == fit_lib.AUTO_STEPS_PER_CALL > 1
+  assert auto(callbacks=[lambda step, metrics: None]) == 1
+  assert auto(checkpoint_dir="/tmp/anywhere") == 1
+  big = {"w": jax.ShapeDtypeStruct((fit_lib.AUTO_STATE_BYTES // 8,), jnp.float32)}
+  assert auto(params=big) == 1  # Adam: parameters + two moments > the limit
