@@ -422,6 +422,19 @@ def capacity_grid(rows: list[dict]) -> list[dict]:
           for (mode, tokens), cells in sorted(grid.items())]
 
 
+# The printed table of each section (the capacity section prints three).
+_TABLE_COLUMNS = {
+    "check": ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
+              "rel_err_loss", "rel_err_grads"],
+    "tiles": ["tiles", "kernel", "status", "median_ms", "tflops"],
+    "op": ["impl", "mode", "status", "median_ms", "tflops",
+           "fraction_of_dense_matmul_tflops"],
+    "parts": ["part", "tokens", "status", "median_ms"],
+    "moe": ["tokens", "mode", "impl", "status", "median_ms", "ratio_vs_dense",
+            "ratio_vs_ragged_dot"],
+}
+
+
 def _write_partial(rows: list[dict]) -> None:
   """The rows so far, without `harness.environment()` (it touches the device)."""
   os.makedirs(os.path.dirname(os.path.abspath(_OUTPUT.value)), exist_ok=True)
@@ -457,24 +470,9 @@ def main(argv):
     for tokens in _TOKENS.value:
       rows += moe_rows(int(tokens))
   harness.write_rows(rows, _OUTPUT.value)
-  if "check" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "check"],
-                               ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
-                                "rel_err_loss", "rel_err_grads"]))
-  if "tiles" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "tiles"],
-                               ["tiles", "kernel", "status", "median_ms", "tflops"]))
-  if "op" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "op"],
-                               ["impl", "mode", "status", "median_ms", "tflops",
-                                "fraction_of_dense_matmul_tflops"]))
-  if "parts" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "parts"],
-                               ["part", "tokens", "status", "median_ms"]))
-  if "moe" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "moe"],
-                               ["tokens", "mode", "impl", "status", "median_ms",
-                                "ratio_vs_dense", "ratio_vs_ragged_dot"]))
+  for section, columns in _TABLE_COLUMNS.items():
+    if section in sections:
+      print(harness.format_table([r for r in rows if r["section"] == section], columns))
   if "capacity" in sections:
     print(harness.format_table([r for r in rows if r["section"] == "capacity"],
                                ["mode", "impl", "tokens", "status", "median_ms", "peak_mb",
