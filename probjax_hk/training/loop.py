@@ -416,7 +416,8 @@ class _Loop:
     self.total = total
     self.steps_per_call = steps_per_call
     self.step = int(ts["step"])
-    self.pending = []  # [(first step, steps, device metrics)], at most 2
+    # [(first step, steps, device metrics, check, undo)], at most 2
+    self.pending = []
     self.copy_metrics_early = _copy_metrics_early()
     self.stop = False
     self.stopped_early = False
@@ -458,13 +459,14 @@ class _Loop:
       args = (source.arrays, order[block], source.batch_size, steps_per_epoch,
               source.num_examples)
       out = step_fns[n](self.ts, *args)
+      # (No undo: a dropped call's rows are the next call's, by step index.)
       if n == 1:
-        return out, n, None
+        return out, n, None, None
       def replay():  # the same n steps, fully guarded, from the input state
         for _ in range(n):
           if not self.stop:
             self._replay_step(step_fns[1](self.ts, *args))
-      return out[:2], n, (self.ts, out[2], replay)
+      return out[:2], n, (self.ts, out[2], replay), None
     self._guard(self._run(dispatch, eval_every, validation))
 
   def _call_fits(self, n: int, boundaries) -> bool:
@@ -494,13 +496,14 @@ class _Loop:
         ready.extendleft(reversed(item.split()))  # one step at a time up to it
         item = ready.popleft()
       out = step_fns[item.count](self.ts, item.batch, item.mask)
+      undo = lambda: ready.appendleft(item)  # a dropped call's batches go back
       if item.count == 1:
-        return out, 1, None
+        return out, 1, None, undo
       def replay():  # the same batches, fully guarded, from the input state
         for single in item.split():
           if not self.stop:
             self._replay_step(step_fns[1](self.ts, single.batch, single.mask))
-      return out[:2], item.count, (self.ts, out[2], replay)
+      return out[:2], item.count, (self.ts, out[2], replay), undo
     self._guard(self._run(dispatch, eval_every, validation))
 
   # --- the loop --------------------------------------------------------------
@@ -521,12 +524,12 @@ class _Loop:
         out = dispatch()
         if out is None:  # the stream ended
           break
-        (self.ts, metrics), steps, check = out
+        (self.ts, metrics), steps, check, undo = out
         if self.copy_metrics_early:
           metrics.copy_to_host_async()
           if check is not None:
             check[1].copy_to_host_async()
-        self.pending.append((self.step + 1, steps, metrics, check))
+        self.pending.append((self.step + 1, steps, metrics, check, undo))
         self.step += steps
         # Read each call while the next one runs, so the device never waits
         # for the host's reading and dispatching. A roll-back or a stop then
@@ -551,7 +554,9 @@ class _Loop:
     while self.pending:
       self._process(*self.pending.pop(0))
 
-  def _process(self, first: int, steps: int, device_metrics, check=None):
+  def _process(self, first: int, steps: int, device_metrics, check=None,
+               undo=None):
+    del undo  # used by `_discard_pending`
     rows = np.asarray(device_metrics).reshape(steps, -1).tolist()  # one host copy
     if check is not None:  # an optimistic call (step.array_step)
       ts_in, state_ok, replay = check
@@ -559,7 +564,7 @@ class _Loop:
       if not (bool(state_ok) and all(values[finite] for values in rows)):
         logging.info("fit: steps %d-%d: a non-finite step; re-running them"
                      " with the full guard", first, first + steps - 1)
-        self.pending.clear()  # a later call in flight started from this one
+        self._discard_pending()  # a later call in flight started from this one
         self.ts, self.step = ts_in, first - 1
         replay()
         return
@@ -588,7 +593,15 @@ class _Loop:
     if self.pending and self.pending[0][3] is not None:
       first = self.pending[0][0]
       self.ts, self.step = self.pending[0][3][0], first - 1
-      self.pending.clear()
+      self._discard_pending()
+
+  def _discard_pending(self):
+    """Drops the calls still pending, newest first, handing a stream's
+    batches back so that they are trained on next, in order."""
+    for *_, undo in reversed(self.pending):
+      if undo is not None:
+        undo()
+    self.pending.clear()
 
   def _replay_step(self, out):
     """Takes one re-run step's (ts, metrics) and processes it at once."""

@@ -470,3 +470,21 @@ def test_steps_per_call_default_is_several_for_small_states_only():
   assert auto(checkpoint_dir="/tmp/anywhere") == 1
   big = {"w": jax.ShapeDtypeStruct((fit_lib.AUTO_STATE_BYTES // 8,), jnp.float32)}
   assert auto(params=big) == 1  # Adam: parameters + two moments > the limit
+
+
+def test_skipped_step_on_a_stream_drops_no_batches():
+  # Step 3's loss is non-finite and its update skipped. The optimistic call
+  # of steps 1-4 is re-run one guarded step at a time while the call after
+  # it, already dispatched, is dropped: its batches must go back to the
+  # stream, so that every batch is trained on exactly as with one step per
+  # call.
+  kwargs = dict(optimizer=common.OPTIMIZER, on_nonfinite="skip", progress=False)
+  one = fit(_nan_on_big_x, common.init_params(), _poisoned_stream(3, 12),
+            steps_per_call=1, **kwargs)
+  many = fit(_nan_on_big_x, common.init_params(), _poisoned_stream(3, 12),
+             steps_per_call=4, **kwargs)
+  assert one.step == many.step == 6  # make_data() holds 6 batches of 16
+  np.testing.assert_array_equal(many.history["nonfinite_steps"], [3])
+  np.testing.assert_array_equal(one.history["nonfinite_steps"], [3])
+  np.testing.assert_allclose(many.history["loss"], one.history["loss"], rtol=1e-5)
+  chex.assert_trees_all_close(many.params, one.params, rtol=1e-5, atol=1e-6)
