@@ -319,10 +319,6 @@ def token_counts(start: int, stop: int) -> list[int]:
   return counts
 
 
-def _looks_like_oom(text: str) -> bool:
-  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-
-
 def run_capacity_case(impl: str, mode: str, tokens: int, timeout_s: float) -> dict:
   """`capacity_case` in a fresh process. A process that dies, prints no row or
   runs past `timeout_s` still gives a row: status OOM where its output says
@@ -339,7 +335,7 @@ def run_capacity_case(impl: str, mode: str, tokens: int, timeout_s: float) -> di
   row = {**config, **result}
   if row.get("status") not in harness.STATUSES:
     row["status"] = "error"
-  if row["status"] == "error" and _looks_like_oom(str(row.get("message", ""))):
+  if row["status"] == "error" and harness.looks_like_oom(str(row.get("message", ""))):
     row["status"] = "OOM"
   row["process_s"] = time.perf_counter() - start
   return row

@@ -27,9 +27,14 @@ class Unsupported(Exception):
   """Raised by a case whose configuration this platform cannot run."""
 
 
+def looks_like_oom(text: str) -> bool:
+  """Whether an error message (or a process's output) reports device OOM."""
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
 def _classify(exc: BaseException, stage: str) -> str:
   text = f"{type(exc).__name__}: {exc}"
-  if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
+  if looks_like_oom(text):
     return "OOM"
   if isinstance(exc, Unsupported):
     return "unsup"

@@ -22,7 +22,7 @@ import difflib
 import inspect
 import math
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from absl import logging
 import haiku as hk
@@ -115,6 +115,15 @@ def _check_positive(**values) -> None:
                               or isinstance(value, bool) or value < 1):
       raise ValueError(f"`{name}` must be a positive integer or None, got"
                        f" {name}={value!r}")
+
+
+class _Call(NamedTuple):
+  """A dispatched call whose metrics the host has not read yet."""
+  first: int           # its first step
+  steps: int
+  metrics: Any         # device metrics [steps, M]
+  check: Any           # optimistic calls: (input state, final-state ok, replay)
+  undo: Any            # streams: hands the call's batches back (else None)
 
 
 def _auto_steps_per_call(params, state, optimizer, callbacks, checkpoint_dir) -> int:
@@ -416,8 +425,7 @@ class _Loop:
     self.total = total
     self.steps_per_call = steps_per_call
     self.step = int(ts["step"])
-    # [(first step, steps, device metrics, check, undo)], at most 2
-    self.pending = []
+    self.pending: list[_Call] = []  # at most 2: one read, one in flight
     self.copy_metrics_early = _copy_metrics_early()
     self.stop = False
     self.stopped_early = False
@@ -529,15 +537,16 @@ class _Loop:
           metrics.copy_to_host_async()
           if check is not None:
             check[1].copy_to_host_async()
-        self.pending.append((self.step + 1, steps, metrics, check, undo))
+        self.pending.append(_Call(self.step + 1, steps, metrics, check, undo))
         self.step += steps
         # Read each call while the next one runs, so the device never waits
         # for the host's reading and dispatching. A roll-back or a stop then
         # drops the call in flight (`_drop_in_flight`).
-        while len(self.pending) > 1 and not self.stop:
-          self._process(*self.pending.pop(0))
+        while len(self.pending) > 1:
+          self._process_oldest()
           if self.stop:
             self._drop_in_flight()
+            break
         if validation is not None and eval_every and self.step % eval_every == 0:
           self._flush()
           self._evaluate(validation)
@@ -552,11 +561,13 @@ class _Loop:
 
   def _flush(self):
     while self.pending:
-      self._process(*self.pending.pop(0))
+      self._process_oldest()
 
-  def _process(self, first: int, steps: int, device_metrics, check=None,
-               undo=None):
-    del undo  # used by `_discard_pending`
+  def _process_oldest(self):
+    call = self.pending.pop(0)
+    self._process(call.first, call.steps, call.metrics, call.check)
+
+  def _process(self, first: int, steps: int, device_metrics, check=None):
     rows = np.asarray(device_metrics).reshape(steps, -1).tolist()  # one host copy
     if check is not None:  # an optimistic call (step.array_step)
       ts_in, state_ok, replay = check
@@ -590,17 +601,17 @@ class _Loop:
     donates its input: it stays, and the stop takes effect after it, as with
     one step per call. Costs one more state kept while an optimistic call is
     in flight (its input, its output, and the previous call's input)."""
-    if self.pending and self.pending[0][3] is not None:
-      first = self.pending[0][0]
-      self.ts, self.step = self.pending[0][3][0], first - 1
+    if self.pending and self.pending[0].check is not None:
+      in_flight = self.pending[0]
+      self.ts, self.step = in_flight.check[0], in_flight.first - 1
       self._discard_pending()
 
   def _discard_pending(self):
     """Drops the calls still pending, newest first, handing a stream's
     batches back so that they are trained on next, in order."""
-    for *_, undo in reversed(self.pending):
-      if undo is not None:
-        undo()
+    for call in reversed(self.pending):
+      if call.undo is not None:
+        call.undo()
     self.pending.clear()
 
   def _replay_step(self, out):
