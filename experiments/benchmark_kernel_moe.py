@@ -21,6 +21,10 @@ JSON row each, `section` says which):
   kernel, `jax.lax.ragged_dot`, every expert on every row (a dense per-expert
   einsum, 8x the arithmetic) and one dense `jnp.matmul` of the same work
   (the TFLOP/s yardstick).
+- mlp: the experts' MLP alone (`ops.grouped_mlp`, GELU, bf16 rows, float32
+  weights as in MoELayer) at `--mlp_rows`, forward and fwd+bwd: the fused
+  Pallas op, the same two Pallas grouped matmuls with `jax.nn.gelu` between
+  them (unfused), and `ragged_dot`.
 - parts: the router and the two sorts of the sorted paths, alone.
 - moe: MoELayer(8 experts, top-2, d_model 512, d_hidden 1024, GELU), bf16,
   forward and fwd+bwd, one row per `dropless_impl`; ratios vs 'dense' and
@@ -42,6 +46,7 @@ JSON row each, `section` says which):
   after every case; the other sections' `--time_budget_s` starts after it.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -66,8 +71,10 @@ from probjax_hk import moe
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_moe.json", "JSON output.")
 _TOKENS = flags.DEFINE_list("tokens", ["8192", "65536"], "MoE token counts.")
 _GMM_ROWS = flags.DEFINE_integer("gmm_rows", 131072, "M of the grouped-matmul op cases.")
-SECTIONS = ("check", "tiles", "op", "parts", "moe", "capacity")
-_SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "parts", "moe"],
+_MLP_ROWS = flags.DEFINE_list("mlp_rows", ["16384", "131072"],
+                              "M of the grouped-MLP cases (16384 = 8192 tokens x top-2).")
+SECTIONS = ("check", "tiles", "op", "mlp", "parts", "moe", "capacity")
+_SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "mlp", "parts", "moe"],
                               "What to run, any of: " + ", ".join(SECTIONS) + ".")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
@@ -101,6 +108,10 @@ TILES = {
                                     tgmm_block_n=128),
     "k32__tgmm_m32": _B(block_k=32, num_stages=4, tgmm_block_m=32, tgmm_num_stages=4),
     "m128_k64_n128__tgmm_n128": _B(block_n=128, num_stages=4, tgmm_block_n=128),
+    "tgmm_m128": _B(tgmm_block_m=128),
+    "tgmm_m128_stages4": _B(tgmm_block_m=128, tgmm_num_stages=4),
+    "tgmm_k256_n128": _B(tgmm_block_k=256, tgmm_block_n=128),
+    "tgmm_stages4": _B(tgmm_num_stages=4),
 }
 _START = time.perf_counter()
 _budget_start = _START  # main() moves it past the capacity sweep
@@ -135,6 +146,25 @@ def check_rows() -> list[dict]:
                      dtype=jnp.dtype(dtype).name, shape=[m, k, n],
                      **{f"rel_err_{w}": _rel_err(g, r)
                         for w, g, r in zip(("out", "dlhs", "drhs"), got, want)}))
+  for activation in ("gelu", "swiglu"):
+    f_in = (2 if activation == "swiglu" else 1) * n
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    x = jax.random.normal(k1, (m, k), jnp.bfloat16)
+    w_in = jax.random.normal(k2, (8, k, f_in), jnp.float32) / np.sqrt(k)
+    w_out = jax.random.normal(k3, (8, n, k), jnp.float32) / np.sqrt(n)
+    cot = jax.random.normal(k4, (m, k), jnp.bfloat16)
+
+    def mlp_vjp(fn, activation=activation):
+      out, pullback = jax.vjp(lambda *a: fn(*a, sizes, activation=activation),
+                              x, w_in, w_out)
+      return (out, *pullback(cot))
+    got = jax.jit(lambda: mlp_vjp(functools.partial(ops.grouped_mlp,
+                                                    implementation="pallas")))()
+    want = jax.jit(lambda: mlp_vjp(ops.grouped_mlp_reference))()
+    rows.append(dict(section="check", case=f"grouped_mlp_{activation}_vs_reference",
+                     dtype="bfloat16 x, float32 weights", shape=[m, k, n],
+                     **{f"rel_err_{w}": _rel_err(g, r) for w, g, r in zip(
+                         ("out", "dx", "dw_in", "dw_out"), got, want)}))
   x = jax.random.normal(jax.random.key(3), (2048, workloads.D_MODEL), jnp.bfloat16)
   outs = {}
   for impl in ("dense", "gmm"):
@@ -214,6 +244,51 @@ def op_rows(rows: int) -> list[dict]:
   for r in out:
     if r.get("status") == "ok" and base.get(r["mode"], {}).get("status") == "ok":
       r["fraction_of_dense_matmul_tflops"] = base[r["mode"]]["median_ms"] / r["median_ms"]
+  return out
+
+
+def mlp_rows(rows: int) -> list[dict]:
+  """The experts' MLP at M = `rows`: fused op, unfused Pallas, ragged_dot."""
+  x, _, sizes = workloads.gmm_inputs(rows)
+  k1, k2, k3 = jax.random.split(jax.random.key(7), 3)
+  e, d, f = workloads.NUM_EXPERTS, workloads.D_MODEL, workloads.D_HIDDEN
+  w_in = jax.random.normal(k1, (e, d, f), jnp.float32) / np.sqrt(d)
+  w_out = jax.random.normal(k2, (e, f, d), jnp.float32) / np.sqrt(f)
+  cotangent = jax.random.normal(k3, (rows, d), jnp.bfloat16)
+  flops = 2 * 2 * rows * d * f
+
+  def unfused(x, w_in, w_out, s):
+    gmm = functools.partial(ops.grouped_matmul, implementation="pallas")
+    h = gmm(x, w_in.astype(x.dtype), s)
+    return gmm(jax.nn.gelu(h), w_out.astype(x.dtype), s)
+
+  impls = {
+      "fused_pallas": functools.partial(ops.grouped_mlp, implementation="pallas"),
+      "unfused_pallas": unfused,
+      "ragged_dot": functools.partial(ops.grouped_mlp, implementation="xla"),
+  }
+  out = []
+  for mode in MODES:
+    for name, fn in impls.items():
+      if _over_budget():
+        break
+      if mode == "forward":
+        case = lambda fn=fn: (fn, (x, w_in, w_out, sizes))
+      else:
+        def case(fn=fn):
+          def grad(x, w_in, w_out, s, cot):
+            return jax.vjp(lambda *a: fn(*a, s), x, w_in, w_out)[1](cot)
+          return grad, (x, w_in, w_out, sizes, cotangent)
+      row = harness.run_case(dict(section="mlp", impl=name, mode=mode, rows=rows), case,
+                             iters=_ITERS.value)
+      if row["status"] == "ok":
+        row["tflops"] = flops * (1 if mode == "forward" else 3) / row["median_ms"] / 1e9
+      out.append(row)
+      logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "rows", "median_ms")})
+  for r in out:
+    base = [b for b in out if b["impl"] == "unfused_pallas" and b["mode"] == r["mode"]]
+    if r.get("status") == "ok" and base and base[0].get("status") == "ok":
+      r["ratio_vs_unfused"] = r["median_ms"] / base[0]["median_ms"]
   return out
 
 
@@ -420,11 +495,12 @@ def capacity_grid(rows: list[dict]) -> list[dict]:
 
 # The printed table of each section (the capacity section prints three).
 _TABLE_COLUMNS = {
-    "check": ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
-              "rel_err_loss", "rel_err_grads"],
+    "check": ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs", "rel_err_dx",
+              "rel_err_dw_in", "rel_err_dw_out", "rel_err_loss", "rel_err_grads"],
     "tiles": ["tiles", "kernel", "status", "median_ms", "tflops"],
     "op": ["impl", "mode", "status", "median_ms", "tflops",
            "fraction_of_dense_matmul_tflops"],
+    "mlp": ["rows", "mode", "impl", "status", "median_ms", "tflops", "ratio_vs_unfused"],
     "parts": ["part", "tokens", "status", "median_ms"],
     "moe": ["tokens", "mode", "impl", "status", "median_ms", "ratio_vs_dense",
             "ratio_vs_ragged_dot"],
@@ -460,6 +536,9 @@ def main(argv):
     rows += tile_rows(_GMM_ROWS.value)
   if "op" in sections:
     rows += op_rows(_GMM_ROWS.value)
+  if "mlp" in sections:
+    for mlp_rows_count in _MLP_ROWS.value:
+      rows += mlp_rows(int(mlp_rows_count))
   if "parts" in sections:
     rows += part_rows(int(_TOKENS.value[-1]))
   if "moe" in sections:

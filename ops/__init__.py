@@ -10,6 +10,8 @@ from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.grouped_matmul import grouped_matmul
 from ops.grouped_matmul import grouped_matmul_reference
+from ops.grouped_mlp import grouped_mlp
+from ops.grouped_mlp import grouped_mlp_reference
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_reference
 from ops.selective_scan import selective_scan
@@ -24,6 +26,8 @@ __all__ = (
     "gated_delta_rule_reference",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "grouped_mlp",
+    "grouped_mlp_reference",
     "linear_scan",
     "linear_scan_reference",
     "selective_scan",

@@ -3,7 +3,7 @@
 Switch Transformer (https://arxiv.org/abs/2101.03961): top-k routing, the
 load-balancing loss and expert capacity. ST-MoE (https://arxiv.org/abs/2202.08906):
 the router z-loss. MegaBlocks (https://arxiv.org/abs/2211.15841): dropless
-experts as a grouped matmul over tokens sorted by expert (`ops.grouped_matmul`).
+experts as grouped matmuls over tokens sorted by expert (`ops.grouped_mlp`).
 
 Glossary of shapes: T tokens (every leading axis of the input, flattened),
 D d_model, F d_hidden, E experts, k top_k, A = T * k token-expert assignments,
@@ -16,7 +16,8 @@ Every `dropless_impl` computes the same function:
 - 'ragged_dot': sort assignments by expert, `jax.lax.ragged_dot`.
 - 'sort': sort, pad each expert's rows to a block multiple, and run a batched
   matmul over blocks with each block's expert weights gathered.
-- 'gmm': sort, `ops.grouped_matmul` (the Pallas kernel on NVIDIA GPUs).
+- 'gmm': sort, `ops.grouped_mlp`: both grouped matmuls with the activation in
+  their kernels (Pallas on NVIDIA GPUs, `ragged_dot` elsewhere).
 - 'auto': `choose_dropless_impl` (the rule is in BUILD_NOTES.md, "## MoE").
 """
 
@@ -32,8 +33,9 @@ from jax.sharding import PartitionSpec as P
 import ops
 from ops import _backend
 from ops import _shapes
+from ops.grouped_mlp.reference import Activation
+from ops.grouped_mlp.reference import activate
 
-Activation = Literal["gelu", "swiglu"]
 DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
 DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
 
@@ -126,13 +128,6 @@ def capacity_positions(expert_ids: jax.Array, num_experts: int,
   rank = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # [k*T]
   slot = rank.reshape(expert_ids.shape[1], -1).T  # [T, k]
   return slot, slot < capacity
-
-
-def _activate(h: jax.Array, activation: Activation) -> jax.Array:
-  if activation == "swiglu":
-    gate, value = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * value
-  return jax.nn.gelu(h)
 
 
 # Row permutations with gather-only backward passes (a scatter-add into the
@@ -239,30 +234,35 @@ def _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation):
   block_expert = jnp.minimum(
       jnp.sum(block_first_row[:, None] >= padded_end[None, :], axis=1), num_experts - 1)
   h = jnp.einsum("nbd,ndf->nbf", xp.reshape(num_blocks, block, d), w_in[block_expert])
-  y = jnp.einsum("nbf,nfd->nbd", _activate(h, activation), w_out[block_expert])
+  y = jnp.einsum("nbf,nfd->nbd", activate(h, activation), w_out[block_expert])
   return y.reshape(num_blocks * block, d).at[dest].get(mode="fill", fill_value=0)
 
 
 def _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, *, activation,
                      impl, gmm_implementation):
-  """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0)."""
+  """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0).
+
+  'gmm' takes the float32 weights (the op casts them and returns float32
+  gradients from its kernels); the other paths take them in xs's dtype.
+  """
+  if impl == "gmm":
+    return ops.grouped_mlp(xs, w_in, w_out, group_sizes, activation=activation,
+                           implementation=gmm_implementation)
+  w_in, w_out = w_in.astype(xs.dtype), w_out.astype(xs.dtype)
   if impl == "sort":
     return _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation)
-  if impl == "ragged_dot":
-    def matmul(a, w):
-      return jax.lax.ragged_dot(a, w, group_sizes,
-                                preferred_element_type=jnp.float32).astype(a.dtype)
-  else:
-    def matmul(a, w):
-      return ops.grouped_matmul(a, w, group_sizes, implementation=gmm_implementation)
-  return matmul(_activate(matmul(xs, w_in), activation), w_out)
+  # 'ragged_dot'
+  def matmul(a, w):
+    return jax.lax.ragged_dot(a, w, group_sizes,
+                              preferred_element_type=jnp.float32).astype(a.dtype)
+  return matmul(activate(matmul(xs, w_in), activation), w_out)
 
 
 def _experts_on_rows(rows, ids, w_in, w_out, *, activation, impl, gmm_implementation):
   """Rows [R, D] each bound for expert ids[r] (E = none) -> [R, D]."""
   num_experts = w_in.shape[0]
   if impl == "dense":
-    h = _activate(jnp.einsum("rd,edf->erf", rows, w_in), activation)
+    h = activate(jnp.einsum("rd,edf->erf", rows, w_in), activation)
     y = jnp.einsum("erf,efd->erd", h, w_out)  # [E, R, D]
     select = jax.nn.one_hot(ids, num_experts, dtype=rows.dtype)  # [R, E]
     return jnp.einsum("re,erd->rd", select, y)
@@ -281,7 +281,7 @@ def _dropless_local(x, expert_ids, gates, w_in, w_out, *, activation, impl,
   num_experts = w_in.shape[0]
   if impl == "dense":
     combine = jnp.sum(jax.nn.one_hot(expert_ids, num_experts) * gates[..., None], axis=1)
-    h = _activate(jnp.einsum("td,edf->etf", x, w_in), activation)
+    h = activate(jnp.einsum("td,edf->etf", x, w_in), activation)
     y = jnp.einsum("etf,efd->etd", h, w_out)  # [E, T, D]
     return jnp.einsum("te,etd->td", combine.astype(x.dtype), y)
   order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
@@ -303,7 +303,7 @@ def _capacity_local(x, expert_ids, gates, slot, keep, w_in, w_out, *, capacity,
   tokens = jnp.broadcast_to(x[:, None, :], (num_tokens, top_k, d))
   buffer = jnp.zeros((num_experts * capacity, d), x.dtype).at[dest.reshape(-1)].set(
       tokens.reshape(-1, d), mode="drop").reshape(num_experts, capacity, d)
-  h = _activate(jnp.einsum("ecd,edf->ecf", buffer, w_in), activation)
+  h = activate(jnp.einsum("ecd,edf->ecf", buffer, w_in), activation)
   out = jnp.einsum("ecf,efd->ecd", h, w_out).reshape(num_experts * capacity, d)
   y = out.at[dest.reshape(-1)].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, d)
   return jnp.einsum("tk,tkd->td", (gates * keep).astype(x.dtype), y)
@@ -406,7 +406,7 @@ class MoELayer(hk.Module):
       router_z_loss_weight, load_balance_loss_weight: weights in `aux_loss`.
       expert_axis: mesh axis to shard experts (and tokens) over with
         `shard_map` and all-to-all; call under `jax.set_mesh(mesh)`.
-      grouped_matmul_implementation: `implementation` of `ops.grouped_matmul`
+      grouped_matmul_implementation: `implementation` of `ops.grouped_mlp`
         on the 'gmm' path (None: Pallas on NVIDIA GPUs, XLA elsewhere).
       name: module name.
     """
@@ -458,13 +458,14 @@ class MoELayer(hk.Module):
                             init=hk.initializers.TruncatedNormal(1.0 / math.sqrt(d_model)))
     w_out = hk.get_parameter("w_out", [e, f, d_model], jnp.float32,
                              init=hk.initializers.TruncatedNormal(1.0 / math.sqrt(f)))
-    w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
-
     routing = route(x2, w_router, self.top_k)  # float32
     gates = routing.gates
     impl = self.dropless_impl
     if impl == "auto":
       impl = choose_dropless_impl(num_tokens * self.top_k, e)
+    if impl == "dense" or self.capacity_factor is not None:
+      w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
+    # else the sorted paths cast in `_grouped_experts` ('gmm' inside its op).
     common = dict(activation=self.activation, impl=impl,
                   gmm_implementation=self.grouped_matmul_implementation)
     dropped = jnp.zeros((), jnp.int32)

@@ -19,6 +19,22 @@ from ops.grouped_matmul import xla
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
+def validate_group_sizes(group_sizes, num_rows: int, num_groups: int) -> None:
+  """Shape and dtype of `group_sizes`, and its values when they are concrete."""
+  if group_sizes.shape != (num_groups,):
+    raise ValueError(f"`group_sizes` must be [G] with G = {num_groups} groups of "
+                     f"weights, got shape {group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"`group_sizes` must be integers, got {group_sizes.dtype}")
+  if not isinstance(group_sizes, jax.core.Tracer):
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+      raise ValueError(f"`group_sizes` must be non-negative, got {sizes}")
+    if sizes.sum() > num_rows:
+      raise ValueError(f"`group_sizes` sums to {sizes.sum()}, more than the "
+                       f"{num_rows} rows of the input")
+
+
 def _validate(lhs, rhs, group_sizes) -> None:
   if lhs.ndim != 2:
     raise ValueError(f"`lhs` must be [M, K], got shape {lhs.shape}")
@@ -27,21 +43,10 @@ def _validate(lhs, rhs, group_sizes) -> None:
   if lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"`lhs` [M, K] and `rhs` [G, K, N] must share K, got "
                      f"{lhs.shape=} {rhs.shape=}")
-  if group_sizes.shape != (rhs.shape[0],):
-    raise ValueError(f"`group_sizes` must be [G] with G = rhs.shape[0] = "
-                     f"{rhs.shape[0]}, got shape {group_sizes.shape}")
-  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise ValueError(f"`group_sizes` must be integers, got {group_sizes.dtype}")
   if lhs.dtype not in _DTYPES or rhs.dtype != lhs.dtype:
     raise ValueError(f"`lhs` and `rhs` must both be float32 or both bfloat16, got "
                      f"{lhs.dtype=} {rhs.dtype=}")
-  if not isinstance(group_sizes, jax.core.Tracer):
-    sizes = np.asarray(group_sizes)
-    if (sizes < 0).any():
-      raise ValueError(f"`group_sizes` must be non-negative, got {sizes}")
-    if sizes.sum() > lhs.shape[0]:
-      raise ValueError(f"`group_sizes` sums to {sizes.sum()}, more than the "
-                       f"{lhs.shape[0]} rows of `lhs`")
+  validate_group_sizes(group_sizes, lhs.shape[0], rhs.shape[0])
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

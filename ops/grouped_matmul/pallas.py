@@ -26,6 +26,7 @@ T grid steps over row tiles (`cdiv(M, block_m) + G`).
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 from jax.experimental import pallas as pl
@@ -120,34 +121,70 @@ def group_metadata(starts: jax.Array, ends: jax.Array, padded_rows: int,
   return seg, tile.astype(jnp.int32), row_start, row_end
 
 
-def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
-                *, num_groups, k_steps, block_m, block_k, block_n, transpose_rhs,
-                columns_fastest):
+class Tile(NamedTuple):
+  """Where one `gmm` grid step works (see `tile_of_step`)."""
+  group: jax.Array   # this visit's group; G for the rows after the last group
+  weight: jax.Array  # the rhs index: `group` clipped to G - 1
+  rows: pl.Slice     # the block_m rows of the tile
+  col0: jax.Array    # first output column of the program
+  mine: jax.Array    # [block_m] bool, rows of the tile that belong to `group`
+
+
+def tile_of_step(group_ref, tile_ref, start_ref, end_ref, *, num_groups, block_m,
+                 block_n, columns_fastest) -> Tile:
+  """Reads the group metadata for the current program of a `gmm`-style grid."""
   if columns_fastest:
     col_block, step = pl.program_id(0), pl.program_id(1)
   else:
     step, col_block = pl.program_id(0), pl.program_id(1)
   group = group_ref[step]
   row0 = pl.multiple_of(tile_ref[step] * block_m, block_m)
-  row_start, row_end = start_ref[step], end_ref[step]
-  weight = jnp.minimum(group, num_groups - 1)
-  rows = pl.ds(row0, block_m)
-  cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
-
-  def body(k, acc):
-    ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
-    a = plgpu.load(lhs_ref.at[rows, ks])  # [bm, bk]
-    if transpose_rhs:
-      b = plgpu.load(rhs_ref.at[weight, cols, ks])  # [bn, bk]
-      return acc + _dot(a, b, trans_b=True)
-    b = plgpu.load(rhs_ref.at[weight, ks, cols])  # [bk, bn]
-    return acc + _dot(a, b)
-
-  acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((block_m, block_n), jnp.float32))
-  acc = jnp.where(group < num_groups, acc, 0.0)  # the pseudo-group's rows are 0
   row_ids = row0 + jnp.arange(block_m)
-  mine = (row_ids >= row_start) & (row_ids < row_end)  # [bm]
-  plgpu.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mine[:, None])
+  mine = (row_ids >= start_ref[step]) & (row_ids < end_ref[step])
+  return Tile(group=group, weight=jnp.minimum(group, num_groups - 1),
+              rows=pl.ds(row0, block_m),
+              col0=pl.multiple_of(col_block * block_n, block_n), mine=mine)
+
+
+def tile_products(lhs_ref, rhs_ref, tile: Tile, col_offsets, *, num_groups, k_steps,
+                  block_k, block_n, transpose_rhs):
+  """`lhs[rows] @ rhs[weight][:, cols]` for the tile, one per column offset.
+
+  Args:
+    col_offsets: static offsets added to the tile's columns; several offsets
+      share each lhs tile load (SwiGLU's gate and value halves).
+
+  Returns:
+    A list of [block_m, block_n] float32 accumulators, zero for the rows after
+    the last group.
+  """
+  col_sets = [pl.ds(tile.col0 + offset, block_n) for offset in col_offsets]
+
+  def body(k, accs):
+    ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+    a = plgpu.load(lhs_ref.at[tile.rows, ks])  # [bm, bk]
+    if transpose_rhs:
+      return [acc + _dot(a, plgpu.load(rhs_ref.at[tile.weight, cols, ks]), trans_b=True)
+              for acc, cols in zip(accs, col_sets)]  # rhs tile [bn, bk]
+    return [acc + _dot(a, plgpu.load(rhs_ref.at[tile.weight, ks, cols]))
+            for acc, cols in zip(accs, col_sets)]  # rhs tile [bk, bn]
+
+  zeros = [jnp.zeros((tile.rows.size, block_n), jnp.float32) for _ in col_sets]
+  accs = jax.lax.fori_loop(0, k_steps, body, zeros)
+  # The pseudo-group (rows after the last group) multiplies by no weight.
+  return [jnp.where(tile.group < num_groups, acc, 0.0) for acc in accs]
+
+
+def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_ref,
+                *, num_groups, k_steps, block_m, block_k, block_n, transpose_rhs,
+                columns_fastest):
+  tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref, num_groups=num_groups,
+                      block_m=block_m, block_n=block_n, columns_fastest=columns_fastest)
+  [acc] = tile_products(lhs_ref, rhs_ref, tile, (0,), num_groups=num_groups,
+                        k_steps=k_steps, block_k=block_k, block_n=block_n,
+                        transpose_rhs=transpose_rhs)
+  plgpu.store(out_ref.at[tile.rows, pl.ds(tile.col0, block_n)],
+              acc.astype(out_ref.dtype), mask=tile.mine[:, None])
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
@@ -219,7 +256,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m,
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
-         block_sizes: BlockSizes | None = None,
+         out_dtype=None, block_sizes: BlockSizes | None = None,
          interpret: bool | None = None) -> jax.Array:
   """Transposed grouped matmul: the weight gradient of `gmm`.
 
@@ -227,9 +264,11 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
     lhs: [M, K].
     dout: [M, N].
     starts, ends: [G] int32 row bounds of each group.
+    out_dtype: the result's dtype (default `lhs.dtype`); float32 stores the
+      accumulator as it is, for float32 master weights.
 
   Returns:
-    [G, K, N] in `lhs.dtype`: `lhs[rows of g]^T @ dout[rows of g]` (zero for
+    [G, K, N] in `out_dtype`: `lhs[rows of g]^T @ dout[rows of g]` (zero for
     an empty group).
   """
   num_rows, k = lhs.shape
@@ -244,7 +283,8 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn)
   out = pl.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((num_groups, padded_k, padded_n), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((num_groups, padded_k, padded_n),
+                                     out_dtype or lhs.dtype),
       grid=(num_groups, padded_k // bk, padded_n // bn),
       compiler_params=plgpu.CompilerParams(num_warps=bs.tgmm_num_warps,
                                            num_stages=bs.tgmm_num_stages),

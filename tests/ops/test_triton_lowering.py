@@ -61,6 +61,14 @@ CASES = {
         lambda x, w: ops.grouped_matmul(x, w, jnp.array([100, 0, 300, 112], jnp.int32),
                                         implementation="pallas"),
         (_spec((512, 256)), _spec((4, 256, 384)))),
+    "grouped_mlp_gelu_f32_weights": (
+        lambda x, w1, w2: ops.grouped_mlp(x, w1, w2, jnp.array([100, 0, 300, 112], jnp.int32),
+                                          implementation="pallas"),
+        (_spec((512, 256)), _spec((4, 256, 384), f32), _spec((4, 384, 256), f32))),
+    "grouped_mlp_swiglu": (
+        lambda x, w1, w2: ops.grouped_mlp(x, w1, w2, jnp.array([100, 0, 300, 112], jnp.int32),
+                                          activation="swiglu", implementation="pallas"),
+        (_spec((512, 200)), _spec((4, 200, 640)), _spec((4, 320, 136)))),
     "linear_scan_complex": (
         lambda a, b: ops.linear_scan(a, b, implementation="pallas"),
         (_spec((B, T, 128), jnp.complex64), _spec((B, T, 128), jnp.complex64))),

@@ -1,0 +1,275 @@
+"""Pallas (Triton) kernels for `grouped_mlp`: the activation in the matmul epilogues.
+
+A grouped MLP from two `ops.grouped_matmul` calls writes the hidden
+pre-activation, reads it back for the activation, writes the activation, and
+in the backward pass reads both again for the activation's derivative: two
+extra passes over [M, F] each way, which at MoE sizes cost as much device time
+as a grouped matmul. Here the activation runs on the first matmul's float32
+accumulator before it is stored, and its derivative runs on the accumulator of
+the hidden gradient `dy @ w_out[g]^T` before that is stored. The activation is
+applied to a tile's *output*, never to an input tile: a tile changed in
+registers cannot feed the tensor cores from shared memory (applying GELU to
+the second matmul's input tiles, tried first, ran that matmul 2x slower).
+
+Four kernels, forward and backward (`jax.custom_vjp`):
+- forward: `mlp_in` (h = x @ w_in[g], a = act(h); stores a, and h when a
+  gradient will be needed), then `gmm(a, w_out)`;
+- backward: `mlp_hidden_grad` (dh = act'(h) * (dy @ w_out[g]^T)), then
+  `tgmm(a, dy)`, `gmm(dh, w_in^T)` and `tgmm(x, dh)` from `ops.grouped_matmul`.
+
+SwiGLU's gate and value columns of a tile are computed by the same program
+(two accumulators sharing each x tile), so the activation needs no exchange
+between programs; `w_in` is padded half by half so that the value column of
+gate column j is always `j + hidden`.
+
+Float32 weights with a bfloat16 `x` are cast once per call, and their
+gradients are stored in float32 straight from the kernels' accumulators.
+
+Glossary of shapes: M rows, D input width, F hidden width (Fi = F, or 2F for
+SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
+to the tiles.
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+import numpy as np
+
+from ops import _backend
+from ops import _shapes
+from ops.grouped_matmul.pallas import BlockSizes
+from ops.grouped_matmul.pallas import gmm
+from ops.grouped_matmul.pallas import group_metadata
+from ops.grouped_matmul.pallas import tgmm
+from ops.grouped_matmul.pallas import tile_of_step
+from ops.grouped_matmul.pallas import tile_products
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
+
+
+def _gelu(h):
+  """`jax.nn.gelu(h)` (tanh form) and its derivative, float32 in and out."""
+  inner = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
+  t = jnp.tanh(inner)
+  value = 0.5 * h * (1.0 + t)
+  grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+      1.0 + 3.0 * _GELU_CUBIC * h * h)
+  return value, grad
+
+
+def _sigmoid(g):
+  return 1.0 / (1.0 + jnp.exp(-g))
+
+
+def _activation_value(accs, activation):
+  """act of the float32 pre-activation tile(s): [bm, bn]."""
+  if activation == "swiglu":
+    gate, value = accs
+    return gate * _sigmoid(gate) * value
+  return _gelu(accs[0])[0]
+
+
+def _activation_grads(da, pre, activation):
+  """Gradients of the pre-activation tile(s) given d act: list of [bm, bn]."""
+  if activation == "swiglu":
+    gate, value = pre
+    s = _sigmoid(gate)
+    return [da * value * s * (1.0 + gate * (1.0 - s)), da * gate * s]
+  return [da * _gelu(pre[0])[1]]
+
+
+def _col_offsets(activation, hidden):
+  return (0, hidden) if activation == "swiglu" else (0,)
+
+
+class _Tiling(NamedTuple):
+  num_groups: int
+  k_steps: int
+  block_m: int
+  block_k: int
+  block_n: int
+  columns_fastest: bool
+
+
+def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_ref,
+                   *pre_ref, tiling, activation, hidden):
+  tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
+                      num_groups=tiling.num_groups, block_m=tiling.block_m,
+                      block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
+  offsets = _col_offsets(activation, hidden)
+  accs = tile_products(x_ref, w_ref, tile, offsets, num_groups=tiling.num_groups,
+                       k_steps=tiling.k_steps, block_k=tiling.block_k,
+                       block_n=tiling.block_n, transpose_rhs=False)
+  mask = tile.mine[:, None]
+  plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
+              _activation_value(accs, activation).astype(act_ref.dtype), mask=mask)
+  if pre_ref:
+    for acc, offset in zip(accs, offsets):
+      plgpu.store(pre_ref[0].at[tile.rows, pl.ds(tile.col0 + offset, tiling.block_n)],
+                  acc.astype(pre_ref[0].dtype), mask=mask)
+
+
+def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_ref,
+                            pre_ref, dpre_ref, *, tiling, activation, hidden):
+  tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
+                      num_groups=tiling.num_groups, block_m=tiling.block_m,
+                      block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
+  [da] = tile_products(dy_ref, w_ref, tile, (0,), num_groups=tiling.num_groups,
+                       k_steps=tiling.k_steps, block_k=tiling.block_k,
+                       block_n=tiling.block_n, transpose_rhs=True)
+  offsets = _col_offsets(activation, hidden)
+  col_sets = [pl.ds(tile.col0 + offset, tiling.block_n) for offset in offsets]
+  pre = [plgpu.load(pre_ref.at[tile.rows, cols]).astype(jnp.float32)
+         for cols in col_sets]
+  for grad, cols in zip(_activation_grads(da, pre, activation), col_sets):
+    plgpu.store(dpre_ref.at[tile.rows, cols], grad.astype(dpre_ref.dtype),
+                mask=tile.mine[:, None])
+
+
+def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activation,
+                   bs: BlockSizes, name, interpret, extra=()):
+  """Runs a `gmm`-style kernel over (row tile, hidden column block) programs.
+
+  `lhs` [Mp, Kp] and `rhs` are already padded to the tiles; the programs
+  cover `hidden` output columns (each half's, for SwiGLU).
+  """
+  padded_rows, padded_k = lhs.shape
+  metadata = group_metadata(starts, ends, padded_rows, bs.block_m)
+  tiling = _Tiling(num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
+                   block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
+                   columns_fastest=bs.columns_fastest)
+  grid = (metadata[0].shape[0], hidden // bs.block_n)
+  return pl.pallas_call(
+      functools.partial(kernel, tiling=tiling, activation=activation, hidden=hidden),
+      out_shape=out_shapes,
+      grid=grid[::-1] if bs.columns_fastest else grid,
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps,
+                                           num_stages=bs.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*metadata, lhs, rhs, *extra)
+
+
+class _Statics(NamedTuple):
+  """Hashable facts the backward pass needs about the primal inputs."""
+  activation: str
+  hidden: int            # F, unpadded
+  w_in_dtype: np.dtype
+  w_out_dtype: np.dtype
+  block_sizes: BlockSizes
+
+
+def _pad_hidden(w, axis, halves, multiple):
+  """Pads the hidden axis to a multiple, each of its `halves` separately."""
+  split = w.shape[:axis] + (halves, w.shape[axis] // halves) + w.shape[axis + 1:]
+  w = _shapes.pad_axis(w.reshape(split), axis + 1, multiple)
+  return w.reshape(w.shape[:axis] + (-1,) + w.shape[axis + 2:])
+
+
+def _unpad_hidden(w, axis, halves, hidden):
+  """Inverse of `_pad_hidden`: keeps the first `hidden` columns of each half."""
+  split = w.shape[:axis] + (halves, w.shape[axis] // halves) + w.shape[axis + 1:]
+  w = jax.lax.slice_in_dim(w.reshape(split), 0, hidden, axis=axis + 1)
+  return w.reshape(w.shape[:axis] + (-1,) + w.shape[axis + 2:])
+
+
+def _halves(activation):
+  """How many F-wide blocks of columns w_in has."""
+  return 2 if activation == "swiglu" else 1
+
+
+def _padded_weights(w_in, w_out, dtype, statics):
+  """Weights in the compute dtype, padded: [G, Dp, Fip] and [G, Fp, D'p]."""
+  bs = statics.block_sizes
+  out_multiple = max(bs.block_k, bs.block_n)  # D' is N forward, K backward
+  w_in = _shapes.pad_axis(w_in.astype(dtype), 1, bs.block_k)
+  w_in = _pad_hidden(w_in, 2, _halves(statics.activation), bs.block_n)
+  w_out = _shapes.pad_axis(w_out.astype(dtype), 2, out_multiple)
+  w_out = _pad_hidden(w_out, 1, 1, bs.block_n)
+  return w_in, w_out
+
+
+def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
+  bs, act = statics.block_sizes, statics.activation
+  interpret = _backend.pallas_interpret()
+  num_rows, out_width = x.shape[0], w_out.shape[2]
+  w_in_p, w_out_p = _padded_weights(w_in, w_out, x.dtype, statics)
+  x_p = _shapes.pad_axis(_shapes.pad_axis(x, 0, bs.block_m), 1, bs.block_k)
+  padded_rows, hidden_p = x_p.shape[0], w_out_p.shape[1]
+  out_shapes = [jax.ShapeDtypeStruct((padded_rows, hidden_p), x.dtype)]
+  if save_hidden:
+    out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
+  a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
+                         hidden=hidden_p, activation=act, bs=bs, name="grouped_mlp_in", interpret=interpret)
+  y = gmm(a, w_out_p, starts, ends, block_sizes=bs, interpret=interpret)
+  y = y[:num_rows, :out_width]
+  residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)
+  return y, residuals
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_mlp(x, w_in, w_out, starts, ends, statics):
+  return _forward(x, w_in, w_out, starts, ends, statics, save_hidden=False)[0]
+
+
+def _grouped_mlp_fwd(x, w_in, w_out, starts, ends, statics):
+  y, residuals = _forward(x, w_in, w_out, starts, ends, statics, save_hidden=True)
+  return y, (residuals, x.shape, w_out.shape[2])
+
+
+def _grouped_mlp_bwd(statics, saved, dy):
+  (x_p, w_in_p, w_out_p, h, a, starts, ends), x_shape, out_width = saved
+  bs, act, hidden = statics.block_sizes, statics.activation, statics.hidden
+  interpret = _backend.pallas_interpret()
+  padded_rows = x_p.shape[0]
+  dy = dy.astype(x_p.dtype)
+  dy_p = _shapes.pad_axis(_shapes.pad_axis(dy, 0, bs.block_m), 1, w_out_p.shape[2])
+  dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
+                      jax.ShapeDtypeStruct((padded_rows, h.shape[1]), x_p.dtype),
+                      hidden=w_out_p.shape[1], activation=act, bs=bs,
+                      name="grouped_mlp_hidden_grad",
+                      interpret=interpret, extra=(h,))
+  dw_out = tgmm(a, dy_p, starts, ends, out_dtype=statics.w_out_dtype, block_sizes=bs,
+                interpret=interpret)  # [G, Fp, D'p]
+  dx = gmm(dh, w_in_p, starts, ends, transpose_rhs=True, block_sizes=bs,
+           interpret=interpret)  # [Mp, Dp]
+  dw_in = tgmm(x_p, dh, starts, ends, out_dtype=statics.w_in_dtype, block_sizes=bs,
+               interpret=interpret)  # [G, Dp, Fip]
+  num_rows, width = x_shape
+  dw_in = _unpad_hidden(dw_in[:, :width], 2, _halves(act), hidden)
+  dw_out = _unpad_hidden(dw_out[:, :, :out_width], 1, 1, hidden)
+  return dx[:num_rows, :width], dw_in, dw_out, None, None
+
+
+_grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
+
+
+def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
+                       starts: jax.Array, ends: jax.Array, *, activation: str,
+                       block_sizes: BlockSizes | None = None) -> jax.Array:
+  """Differentiable grouped MLP on the Pallas kernels.
+
+  Args:
+    x: [M, D] float32 or bfloat16.
+    w_in: [G, D, Fi] (Fi = F, or 2F for 'swiglu'), float32 or x.dtype.
+    w_out: [G, F, D'], float32 or x.dtype.
+    starts, ends: [G] int32 contiguous row bounds (`group_bounds`).
+    activation: 'gelu' or 'swiglu'.
+    block_sizes: tile sizes of every kernel; defaults from
+      `BlockSizes.get_default(M, D, F)`.
+
+  Returns:
+    [M, D'] in `x.dtype`; gradients of the weights in their own dtypes.
+  """
+  hidden = w_out.shape[1]
+  bs = block_sizes or BlockSizes.get_default(x.shape[0], x.shape[1], hidden)
+  statics = _Statics(activation=activation, hidden=hidden,
+                     w_in_dtype=np.dtype(w_in.dtype), w_out_dtype=np.dtype(w_out.dtype),
+                     block_sizes=bs)
+  return _grouped_mlp(x, w_in, w_out, starts, ends, statics)

@@ -1,0 +1,19 @@
+"""The XLA path of `grouped_mlp`: two `jax.lax.ragged_dot`s around the activation.
+
+XLA differentiates it; the hidden pre-activation and activation are written to
+memory between the ops, which the Pallas path avoids.
+"""
+
+import jax
+
+from ops.grouped_matmul.xla import grouped_matmul_xla
+from ops.grouped_mlp import reference
+
+
+def grouped_mlp_xla(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
+                    group_sizes: jax.Array, *,
+                    activation: reference.Activation) -> jax.Array:
+  """[M, D] -> [M, D'] in `x.dtype` (shapes as `reference.grouped_mlp_reference`)."""
+  h = grouped_matmul_xla(x, w_in.astype(x.dtype), group_sizes)
+  return grouped_matmul_xla(reference.activate(h, activation), w_out.astype(x.dtype),
+                            group_sizes)

@@ -1,0 +1,186 @@
+"""ops.grouped_mlp: Pallas (interpret on CPU) and XLA against the reference."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+from ops.grouped_matmul import BlockSizes
+from ops.grouped_matmul.reference import group_bounds
+from ops.grouped_mlp import grouped_mlp_reference
+from ops.grouped_mlp import pallas
+
+# Absolute tolerances relative to the largest reference magnitude, by x dtype.
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+
+# M = 70 is not a tile multiple, D = 40 and D' = 36 not block multiples, and
+# F = 20 pads to 32 (each SwiGLU half separately).
+M, D, F, D_OUT, G = 70, 40, 20, 36, 4
+SMALL_BLOCKS = BlockSizes(block_m=16, block_k=16, block_n=16, tgmm_block_m=16,
+                          tgmm_block_k=16, tgmm_block_n=16)
+GROUPS = {
+    "mixed_with_empty": [5, 0, 50, 15],
+    "short_tail_rows_zero": [3, 4, 0, 10],
+    "all_in_first": [70, 0, 0, 0],
+}
+
+
+def _inputs(activation, x_dtype, w_dtype, seed=0):
+  k1, k2, k3, k4 = jax.random.split(jax.random.PRNGKey(seed), 4)
+  f_in = 2 * F if activation == "swiglu" else F
+  x = jax.random.normal(k1, (M, D), jnp.float32).astype(x_dtype)
+  w_in = (jax.random.normal(k2, (G, D, f_in), jnp.float32) / np.sqrt(D)).astype(w_dtype)
+  w_out = (jax.random.normal(k3, (G, F, D_OUT), jnp.float32) / np.sqrt(F)).astype(w_dtype)
+  cotangent = jax.random.normal(k4, (M, D_OUT), jnp.float32).astype(x_dtype)
+  return x, w_in, w_out, cotangent
+
+
+def _small_blocks(x, w_in, w_out, group_sizes, *, activation):
+  starts, ends = group_bounds(group_sizes, x.shape[0])
+  return pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends, activation=activation,
+                                   block_sizes=SMALL_BLOCKS)
+
+
+IMPLS = {
+    "reference": grouped_mlp_reference,
+    "pallas_small_blocks": _small_blocks,
+    "pallas": functools.partial(ops.grouped_mlp, implementation="pallas"),
+    "xla": functools.partial(ops.grouped_mlp, implementation="xla"),
+}
+
+
+@functools.cache
+def _value_and_grads(impl, activation):
+  """Jitted (y, dx, dw_in, dw_out) for a given cotangent; group sizes traced."""
+  fn = functools.partial(IMPLS[impl], activation=activation)
+
+  @jax.jit
+  def run(x, w_in, w_out, group_sizes, cotangent):
+    y, vjp = jax.vjp(lambda *a: fn(*a, group_sizes), x, w_in, w_out)
+    return (y, *vjp(cotangent))
+  return run
+
+
+def _assert_close(actual, expected, dtype, what=""):
+  actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+  scale = max(1.0, float(np.abs(expected).max()))
+  np.testing.assert_allclose(actual, expected, rtol=0, atol=TOLERANCE[dtype] * scale,
+                             err_msg=what)
+
+
+def _check(impl, activation, groups, x_dtype=jnp.float32, w_dtype=jnp.float32):
+  args = _inputs(activation, x_dtype, w_dtype)
+  sizes = jnp.asarray(GROUPS[groups], jnp.int32)
+  got = _value_and_grads(impl, activation)(*args[:3], sizes, args[3])
+  want = _value_and_grads("reference", activation)(*args[:3], sizes, args[3])
+  for g, w, what, dtype in zip(got, want, ("y", "dx", "dw_in", "dw_out"),
+                               (x_dtype, x_dtype, w_dtype, w_dtype)):
+    assert g.dtype == dtype, what
+    assert g.shape == w.shape, what
+    _assert_close(g, w, x_dtype, what)
+  return got
+
+
+@pytest.mark.parametrize("groups", sorted(GROUPS))
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_kernel_float32_values_and_grads(activation, groups):
+  y, dx, _, _ = _check("pallas_small_blocks", activation, groups)
+  total = sum(GROUPS[groups])
+  if total < M:  # Rows after the last group: zero output, zero gradient.
+    assert not np.asarray(y[total:]).any()
+    assert not np.asarray(dx[total:]).any()
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("impl", ["pallas_small_blocks", "pallas", "xla"])
+def test_bfloat16_input_float32_weights(impl, activation):
+  # The MoE layer's case: weight gradients come back in float32.
+  _check(impl, activation, "mixed_with_empty", jnp.bfloat16, jnp.float32)
+
+
+def test_bfloat16_input_bfloat16_weights():
+  _check("pallas_small_blocks", "gelu", "short_tail_rows_zero", jnp.bfloat16,
+         jnp.bfloat16)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_xla_float32_values_and_grads(activation):
+  _check("xla", activation, "mixed_with_empty")
+
+
+def test_empty_group_has_zero_weight_gradients():
+  _, _, dw_in, dw_out = _check("pallas_small_blocks", "swiglu", "mixed_with_empty")
+  assert not np.asarray(dw_in[1]).any() and not np.asarray(dw_out[1]).any()
+  assert np.asarray(dw_in[2]).any() and np.asarray(dw_out[2]).any()
+
+
+def test_kernel_activation_matches_jax_nn_at_large_inputs():
+  # Saturated GELU tails and SwiGLU gates (exp overflow in the sigmoid).
+  x = jnp.linspace(-30.0, 30.0, 16 * 16).reshape(16, 16)
+  w_in = jnp.eye(16)[None].repeat(2, axis=0)
+  sizes = jnp.asarray([10, 6], jnp.int32)
+  for activation, w_in_act in (("gelu", w_in), ("swiglu", jnp.concatenate(
+      [w_in, jnp.ones_like(w_in) / 16], axis=2))):
+    cotangent = jax.random.normal(jax.random.PRNGKey(0), x.shape)
+    for fn in (_small_blocks, grouped_mlp_reference):
+      y, vjp = jax.vjp(lambda x: fn(x, w_in_act, w_in, sizes, activation=activation), x)
+      if fn is _small_blocks:
+        got = (y, *vjp(cotangent))
+      else:
+        want = (y, *vjp(cotangent))
+    for g, w, what in zip(got, want, ("y", "dx")):
+      assert np.isfinite(np.asarray(g)).all(), (activation, what)
+      _assert_close(g, w, jnp.float32, f"{activation} {what}")
+
+
+def test_vmap_over_batches_of_groupings():
+  x = jax.random.normal(jax.random.PRNGKey(0), (3, 40, 16))
+  w_in = jax.random.normal(jax.random.PRNGKey(1), (3, G, 16, 32)) / 4
+  w_out = jax.random.normal(jax.random.PRNGKey(2), (3, G, 16, 16)) / 4
+  sizes = jnp.asarray([[10, 0, 20, 10], [40, 0, 0, 0], [1, 2, 3, 4]])
+
+  def loss(fn):
+    return lambda *a: jnp.sum(jnp.sin(jax.vmap(fn)(*a, sizes)))
+  fn = functools.partial(ops.grouped_mlp, activation="swiglu", implementation="pallas")
+  ref = functools.partial(grouped_mlp_reference, activation="swiglu")
+  got = jax.jit(jax.value_and_grad(loss(fn), argnums=(0, 1, 2)))(x, w_in, w_out)
+  want = jax.value_and_grad(loss(ref), argnums=(0, 1, 2))(x, w_in, w_out)
+  jax.tree.map(lambda g, w: _assert_close(g, w, jnp.float32), got, want)
+
+
+def test_default_implementation_on_cpu_is_ragged_dot():
+  x, w_in, w_out, _ = _inputs("gelu", jnp.float32, jnp.float32)
+  sizes = jnp.asarray([10, 20, 30, 10])
+  jaxpr = str(jax.make_jaxpr(ops.grouped_mlp)(x, w_in, w_out, sizes))
+  assert "ragged_dot" in jaxpr and "pallas_call" not in jaxpr
+  jaxpr = str(jax.make_jaxpr(functools.partial(ops.grouped_mlp, implementation="pallas"))(
+      x, w_in, w_out, sizes))
+  assert jaxpr.count("pallas_call") == 2  # the fused first matmul, then gmm
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(x=jnp.zeros((M,))), "`x` must be"),
+    (dict(w_in=jnp.zeros((D, F))), "`w_in` and `w_out` must be"),
+    (dict(w_in=jnp.zeros((G, D + 1, F))), "D = 40 columns"),
+    (dict(w_out=jnp.zeros((G + 1, F, D_OUT))), "same number of groups"),
+    (dict(w_in=jnp.zeros((G, D, F + 1))), "needs Fi = 20"),
+    (dict(activation="swiglu"), "needs Fi = 40"),
+    (dict(activation="relu"), "`activation` must be"),
+    (dict(x=jnp.zeros((M, D), jnp.float16)), "`x` must be float32 or bfloat16"),
+    (dict(x=jnp.zeros((M, D), jnp.bfloat16), w_out=jnp.zeros((G, F, D_OUT), jnp.float16)),
+     "`w_out` must be float32 or x's dtype"),
+    (dict(sizes=[1] * (G + 1)), "`group_sizes` must be"),
+    (dict(sizes=[40, 40, 0, 0]), "more than"),
+    (dict(sizes=[-1, 2, 0, 0]), "non-negative"),
+])
+def test_bad_arguments_raise(change, match):
+  args = dict(x=jnp.zeros((M, D)), w_in=jnp.zeros((G, D, F)),
+              w_out=jnp.zeros((G, F, D_OUT)), sizes=[1] * G, activation="gelu")
+  args.update(change)
+  with pytest.raises(ValueError, match=match):
+    ops.grouped_mlp(args["x"], args["w_in"], args["w_out"],
+                    jnp.asarray(args["sizes"], jnp.int32), activation=args["activation"],
+                    implementation="xla")
