@@ -53,35 +53,42 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
 
 
-def _gelu(h):
+def _tanh(x, fast):
+  # `tanh.approx.f32` is one instruction (relative error ~2^-11, below the
+  # bfloat16 rounding of the stored result); libdevice's tanh is a long
+  # sequence, and the epilogue is not overlapped with any matmul.
+  return plgpu.approx_tanh(x) if fast else jnp.tanh(x)
+
+
+def _gelu(h, fast):
   """`jax.nn.gelu(h)` (tanh form) and its derivative, float32 in and out."""
   inner = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
-  t = jnp.tanh(inner)
+  t = _tanh(inner, fast)
   value = 0.5 * h * (1.0 + t)
   grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
       1.0 + 3.0 * _GELU_CUBIC * h * h)
   return value, grad
 
 
-def _sigmoid(g):
-  return 1.0 / (1.0 + jnp.exp(-g))
+def _sigmoid(g, fast):
+  return 0.5 + 0.5 * _tanh(0.5 * g, fast)  # no exp, no division
 
 
-def _activation_value(accs, activation):
+def _activation_value(accs, activation, fast):
   """act of the float32 pre-activation tile(s): [bm, bn]."""
   if activation == "swiglu":
     gate, value = accs
-    return gate * _sigmoid(gate) * value
-  return _gelu(accs[0])[0]
+    return gate * _sigmoid(gate, fast) * value
+  return _gelu(accs[0], fast)[0]
 
 
-def _activation_grads(da, pre, activation):
+def _activation_grads(da, pre, activation, fast):
   """Gradients of the pre-activation tile(s) given d act: list of [bm, bn]."""
   if activation == "swiglu":
     gate, value = pre
-    s = _sigmoid(gate)
+    s = _sigmoid(gate, fast)
     return [da * value * s * (1.0 + gate * (1.0 - s)), da * gate * s]
-  return [da * _gelu(pre[0])[1]]
+  return [da * _gelu(pre[0], fast)[1]]
 
 
 def _col_offsets(activation, hidden):
@@ -89,6 +96,7 @@ def _col_offsets(activation, hidden):
 
 
 class _Tiling(NamedTuple):
+  fast_math: bool  # approximate tanh (compiled, 16-bit inputs)
   num_groups: int
   k_steps: int
   block_m: int
@@ -108,7 +116,7 @@ def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_re
                        block_n=tiling.block_n, transpose_rhs=False)
   mask = tile.mine[:, None]
   plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
-              _activation_value(accs, activation).astype(act_ref.dtype), mask=mask)
+              _activation_value(accs, activation, tiling.fast_math).astype(act_ref.dtype), mask=mask)
   if pre_ref:
     for acc, offset in zip(accs, offsets):
       plgpu.store(pre_ref[0].at[tile.rows, pl.ds(tile.col0 + offset, tiling.block_n)],
@@ -127,7 +135,7 @@ def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_r
   col_sets = [pl.ds(tile.col0 + offset, tiling.block_n) for offset in offsets]
   pre = [plgpu.load(pre_ref.at[tile.rows, cols]).astype(jnp.float32)
          for cols in col_sets]
-  for grad, cols in zip(_activation_grads(da, pre, activation), col_sets):
+  for grad, cols in zip(_activation_grads(da, pre, activation, tiling.fast_math), col_sets):
     plgpu.store(dpre_ref.at[tile.rows, cols], grad.astype(dpre_ref.dtype),
                 mask=tile.mine[:, None])
 
@@ -141,7 +149,8 @@ def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activa
   """
   padded_rows, padded_k = lhs.shape
   metadata = group_metadata(starts, ends, padded_rows, bs.block_m)
-  tiling = _Tiling(num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
+  tiling = _Tiling(fast_math=not interpret and lhs.dtype != jnp.float32,
+                   num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
                    block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
                    columns_fastest=bs.columns_fastest)
   grid = (metadata[0].shape[0], hidden // bs.block_n)

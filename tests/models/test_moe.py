@@ -231,3 +231,21 @@ def test_expert_parallel_matches_unsharded_on_8_cpu_devices():
   proc = subprocess.run([sys.executable, "-c", _EXPERT_PARALLEL_SCRIPT], env=env,
                         capture_output=True, text=True, timeout=300)
   assert "EXPERT_PARALLEL_OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_router_logits_of_bfloat16_tokens_keep_float32_accuracy():
+  # The bfloat16 path splits the float32 weights into three bfloat16 parts.
+  x = jax.random.normal(jax.random.PRNGKey(0), (300, 64), jnp.bfloat16)
+  w = jax.random.normal(jax.random.PRNGKey(1), (64, 8)) / 8
+  cotangent = jax.random.normal(jax.random.PRNGKey(2), (300, 8))
+
+  def highest(x, w):
+    return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+  results = []
+  for fn in (moe.router_logits, highest):
+    logits, vjp = jax.vjp(jax.jit(fn), x, w)
+    results.append((logits, *vjp(cotangent)))
+  for got, want, tol in zip(results[0], results[1], (1e-6, 1e-2, 1e-6)):
+    assert got.dtype == want.dtype
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
