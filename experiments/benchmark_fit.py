@@ -81,6 +81,7 @@ import optax
 import probjax_hk as pk
 from experiments import harness
 from experiments import tracing
+from probjax_hk.training import loop as fit_loop
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
 
@@ -336,7 +337,9 @@ def main(argv):
   second["second_over_first_wall"] = second["wall_s"] / first["wall_s"]
   # Every variant compiles before the timed rounds: the default's multi-step
   # call and its single-step tail, and the one-step rows.
-  timed_fit("fit_stream_warmup", stream, 21)
+  warm = fit_loop.AUTO_STEPS_PER_CALL + 1  # one automatic call and a tail step
+  timed_fit("fit_memory_warmup", lambda: data, warm)
+  timed_fit("fit_stream_warmup", stream, warm)
   timed_fit("fit_memory_one_step_warmup", lambda: data, 3, steps_per_call=1)
   timed_fit("fit_stream_one_step_warmup", stream, 3, steps_per_call=1)
   cases = [bare_loop, lambda: timed_fit("fit_memory", lambda: data, steps),

@@ -7,11 +7,15 @@ device copy with that permutation, so no batch crosses the host. The batch of
 global step `s` is a pure function of `(data_key, s)`: a resumed fit sees the
 same batches as an uninterrupted one.
 
-A stream is any Python iterable of batches (numpy or JAX pytrees). A background
-thread converts each batch and places it on the mesh, staying `PREFETCH` (two)
-items ahead of the step, so the host's data work overlaps the device's; with
-`steps_per_call=K` an item is K batches stacked [K, B, ...] (one transfer, one
-compiled call). The stream ending ends the fit.
+A stream is any Python iterable of batches (numpy or JAX pytrees). On an
+accelerator a background thread converts each batch and places it on the mesh,
+staying `PREFETCH` (two) items ahead of the step, so the host's data work
+overlaps the device's. On a CPU mesh the host's cores are the device: a thread
+there takes cores from the step it would overlap (fit's stream ran 7-10 %
+slower with it, BUILD_NOTES.md), so the main thread prepares each item instead,
+while the call dispatched before it runs. With `steps_per_call=K` an item is K
+batches stacked [K, B, ...] (one transfer, one compiled call). The stream
+ending ends the fit.
 
 The last partial batch (an epoch's remainder, or a short batch from a stream)
 is dropped (`last_batch='drop'`) or padded to the full batch size
@@ -162,11 +166,13 @@ class StreamItem(NamedTuple):
 
 
 class StreamData:
-  """An iterable of batches, placed on the mesh two items ahead."""
+  """An iterable of batches, placed on the mesh ahead of the step."""
 
   def __init__(self, data: Iterable, *, batch_size: int | None,
                last_batch: str, mesh, argname: str = "data",
-               steps_per_call: int = 1):
+               steps_per_call: int = 1, background: bool | None = None):
+    """`background`: prepare items in a thread (`Prefetcher`); None: unless
+    every device of `mesh` is a CPU (module docstring)."""
     iterator = iter(data)
     first = next(iterator, _END)
     if first is _END:
@@ -185,10 +191,22 @@ class StreamData:
     self.batch_size = batch_size
     self.last_batch = last_batch
     self.steps_per_call = steps_per_call
+    if background is None:
+      background = any(d.platform != "cpu" for d in mesh.devices.flat)
+    self.background = background
     self.first = first
     self.mesh = mesh
     self._iterator = itertools.chain([first], iterator)
     self._prefetcher = None
+
+  def limit_steps_per_call(self, item_bytes: int) -> None:
+    """Fewer steps per call where `steps_per_call` batches like the first
+    would stack into more than `item_bytes` (call before iterating)."""
+    if self._prefetcher is not None:
+      raise RuntimeError("limit_steps_per_call after the stream started")
+    batch_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(self.first))
+    self.steps_per_call = max(1, min(self.steps_per_call,
+                                     item_bytes // max(1, batch_bytes)))
 
   def _on_host(self, batch):
     """Host batch -> (batch, mask or None) at the full size; None to drop it."""
@@ -227,16 +245,37 @@ class StreamData:
     return self._put(batch, mask, len(on_host))
 
   def __iter__(self):
+    feeder = Prefetcher if self.background else InlineFeeder
     if self.steps_per_call == 1:
-      self._prefetcher = Prefetcher(self._iterator, self._prepare)
+      self._prefetcher = feeder(self._iterator, self._prepare)
     else:
       groups = iter(lambda: list(itertools.islice(self._iterator, self.steps_per_call)), [])
-      self._prefetcher = Prefetcher(groups, self._prepare_group)
+      self._prefetcher = feeder(groups, self._prepare_group)
     return self._prefetcher
 
   def close(self):
     if self._prefetcher is not None:
       self._prefetcher.close()
+
+
+class InlineFeeder:
+  """`Prefetcher`'s interface without a thread: `prepare` runs on `next`."""
+
+  def __init__(self, iterator: Iterator, prepare: Callable[[Any], Any]):
+    self._iterator = iterator
+    self._prepare = prepare
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    while True:
+      prepared = self._prepare(next(self._iterator))
+      if prepared is not None:
+        return prepared
+
+  def close(self):
+    pass
 
 
 class Prefetcher:

@@ -44,8 +44,14 @@ DEFAULT_OPTIMIZER = optax.adam(1e-3)
 # state) run AUTO_STEPS_PER_CALL steps per compiled call. Their steps are
 # short next to the host's per-step work; a bigger state's step is long
 # enough to hide it, and the copies a multi-step call keeps would cost memory.
-AUTO_STEPS_PER_CALL = 10
+# Each call also copies its input state (kept for a roll-back) and reads its
+# final state once: 64 steps make those a few percent of a step on the CPU,
+# where 10 left fit 1.16-1.27 x the bare loop (BUILD_NOTES.md, fit()).
+AUTO_STEPS_PER_CALL = 64
 AUTO_STATE_BYTES = 256 * 2**20
+# A stream's K batches travel stacked, two items ahead: the automatic K keeps
+# an item within this size.
+AUTO_STREAM_ITEM_BYTES = 64 * 2**20
 
 _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
@@ -280,9 +286,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       sent at once), so that the host dispatches and reads metrics once per
       call. For small models whose step takes less time than the loop's
       per-step host work (well under a millisecond on a GPU). None (the
-      default): `AUTO_STEPS_PER_CALL` (10) when no callbacks and no
-      `checkpoint_dir` are given and the parameters, optimizer state and
-      Haiku state take at most `AUTO_STATE_BYTES` (256 MiB), else 1 (a
+      default): `AUTO_STEPS_PER_CALL` (64; for a stream, fewer where 64
+      batches would pass `AUTO_STREAM_ITEM_BYTES`, 64 MiB) when no callbacks
+      and no `checkpoint_dir` are given and the parameters, optimizer state
+      and Haiku state take at most `AUTO_STATE_BYTES` (256 MiB), else 1 (a
       K-step call can differ from K single steps in the last bit; with
       checkpoints, one step per call keeps a resumed run bit-identical to an
       uninterrupted one). Calls never
@@ -319,7 +326,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     raise ValueError("`checkpoint_every` needs a `checkpoint_dir`")
   callbacks = [callbacks_lib.as_callback(c) for c in callbacks]
   optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
-  if steps_per_call is None:
+  auto_steps = steps_per_call is None
+  if auto_steps:
     steps_per_call = _auto_steps_per_call(params, state, optimizer, callbacks,
                                           checkpoint_dir)
   mesh = sharding_lib.default_mesh() if mesh is None else mesh
@@ -347,6 +355,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     source = data_lib.StreamData(data, batch_size=batch_size,
                                  last_batch=last_batch, mesh=mesh,
                                  steps_per_call=steps_per_call)
+    if auto_steps:
+      source.limit_steps_per_call(AUTO_STREAM_ITEM_BYTES)
     total = num_steps
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((source.batch_size,) + np.shape(x)[1:],

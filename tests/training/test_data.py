@@ -107,9 +107,49 @@ def test_stream_groups_stack_steps_on_the_batch_axis():
   np.testing.assert_array_equal(second.mask, [True, True, False, False])
 
 
+@pytest.mark.parametrize("background", [None, True, False])
+def test_stream_prepares_in_a_thread_only_off_cpu(background):
+  mesh = sharding.default_mesh()
+  stream = data_lib.StreamData(
+      ({"x": np.full((4, 3), i, np.float32)} for i in range(5)),
+      batch_size=None, last_batch="drop", mesh=mesh, background=background)
+  threaded = background if background is not None else False  # CPU tests
+  assert stream.background == threaded
+  threads = []
+  def prepare(batch, base=stream._prepare):  # pylint: disable=protected-access
+    threads.append(threading.current_thread().name)
+    return base(batch)
+  stream._prepare = prepare  # pylint: disable=protected-access
+  items = list(stream)
+  stream.close()
+  assert [int(item.batch["x"][0, 0]) for item in items] == [0, 1, 2, 3, 4]
+  assert set(threads) == {"probjax_hk-prefetch" if threaded else "MainThread"}
+
+
+def test_stream_steps_per_call_limited_by_item_bytes():
+  mesh = sharding.default_mesh()
+  def stream():  # 4 x 256 float32 = 4 KiB per batch
+    return ({"x": np.zeros((4, 256), np.float32)} for _ in range(3))
+  source = data_lib.StreamData(stream(), batch_size=None, last_batch="drop",
+                               mesh=mesh, steps_per_call=64)
+  source.limit_steps_per_call(40 * 1024)
+  assert source.steps_per_call == 10
+  source.limit_steps_per_call(100)  # smaller than one batch: one step per call
+  assert source.steps_per_call == 1
+  source = data_lib.StreamData(stream(), batch_size=None, last_batch="drop",
+                               mesh=mesh, steps_per_call=4)
+  source.limit_steps_per_call(1 << 30)  # never more than asked
+  assert source.steps_per_call == 4
+  list(source)
+  with pytest.raises(RuntimeError, match="started"):
+    source.limit_steps_per_call(1 << 30)
+  source.close()
+
+
 @pytest.mark.parametrize("examples,batch,steps_per_call,aligned", [
     (96, 16, 4, True),     # 6 steps per epoch: 12 epochs = 18 calls of 4
     (64, 8, 10, True),     # 8 per epoch: 10 epochs = 8 calls of 10
+    (64, 8, 64, True),     # the automatic 64: 8 epochs = 1 call
     (70, 10, 1, True),     # one step per call: any block
     (1000, 1, 7, False),   # 1000 per epoch: 7 epochs would be 7x the block
 ])
