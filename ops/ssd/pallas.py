@@ -16,14 +16,22 @@ Forward, two launches (three with chunk groups):
 2. output: one program per (batch, head, chunk, V tile), all in parallel:
    `Y = ((Q K^T) * exp(b_i - b_j) [i >= j]) V + exp(b) * (Q H_c)`.
 
-Backward, two launches:
+Backward, three launches (four with chunk groups):
 1. states, reversed: the adjoint `dH_c = exp(b_L) dH_{c+1} + (Q * exp(b))^T dY`
    with the same kernel walking the chunks backwards from `dfinal`, writing
    the adjoint of the state *leaving* every chunk; its end is d initial_state.
-2. chunk gradients: one program per (batch, head, chunk) forms dQ, dK, dV and
-   the gradient of the chunk-local cumulative log-decay `b`,
-   `db_i = q_i . dq_i - k_i . dk_i` plus, at the chunk's last position,
-   `exp(b_L) <dH_{c+1}, H_c> + sum_j k_j . dk_j^{state}`.
+2. chunk gradients of the keys' side, one program per (batch, head, chunk,
+   K tile): dQ and dK of the tile's columns, from `dS = (dY V^T) * decay`,
+   and the tile's share of the gradient of the chunk-local cumulative
+   log-decay `b`: `db_i = q_i . dq_i - k_i . dk_i` plus, at the chunk's last
+   position, `exp(b_L) <dH_{c+1}, H_c> + sum_j k_j . dk_j^{state}` (the
+   shares are summed by XLA).
+3. chunk gradients of the values' side, one program per (batch, head, chunk,
+   V tile): `dV = S^T dY + exp(b_L - b) * (K dH_{c+1})` with `S = (Q K^T) *
+   decay`.
+   One program for all of a chunk's gradients held five [L, 128] float32
+   accumulators and two [128, 128] state tiles at K = V = 128, and was half
+   of the backward's time; split by tiles, each program holds two.
 
 The chunk-local cumulative sum `b` of `log_decay` is formed (and differentiated)
 by XLA around the kernels; its cost is one pass over [B, T, N].
@@ -64,6 +72,8 @@ class SSDBlocks:
   state_block_k: int = 32      # K rows of the state tile in the states kernels
   state_block_v: int = 32      # V columns of the state tile in the states kernels
   output_block_v: int = 64     # V columns per program in the output kernel
+  grad_block_k: int = 64       # K columns per program of the keys' chunk gradients
+  grad_block_v: int = 64       # V columns per program of the values' chunk gradients
   num_warps: int = 4           # warps of the output and chunk-gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
   state_programs: int = 1024   # the states walk splits its chunks into groups
@@ -71,11 +81,13 @@ class SSDBlocks:
 
   def __post_init__(self):
     for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
-                 "num_warps", "state_num_warps", "state_programs"):
+                 "grad_block_k", "grad_block_v", "num_warps", "state_num_warps",
+                 "state_programs"):
       value = getattr(self, name)
       if not _is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
-    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v"):
+    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
+                 "grad_block_k", "grad_block_v"):
       if getattr(self, name) < 16:
         raise ValueError(f"`{name}` must be >= 16 (a tensor-core tile), got "
                          f"{getattr(self, name)}")
@@ -89,7 +101,8 @@ class SSDBlocks:
       chunk = min(64, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
     return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
-               output_block_v=min(64, value), num_warps=8 if big else 4,
+               output_block_v=min(64, value), grad_block_k=min(64, key),
+               grad_block_v=min(64, value), num_warps=8 if big else 4,
                state_num_warps=4)
 
 
@@ -166,31 +179,39 @@ def _output_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, y_ref, *, chunk):
   y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _chunk_grad_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
-                       dq_ref, dk_ref, dv_ref, db_ref, *, chunk):
-  """dQ, dK, dV and d(b) of one chunk, given H_c and dH_{c+1}."""
-  q, k, v, dy = q_ref[...], k_ref[...], v_ref[...], dy_ref[...]
+def _chunk_grad_keys_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
+                            dq_ref, dk_ref, db_ref, *, chunk):
+  """One chunk, one K tile: dQ, dK of its columns and its share of d(b)."""
+  q, k, v, dy = q_ref[...], k_ref[...], v_ref[...], dy_ref[...]  # [L, bk] x2, [L, V] x2
   dtype = v.dtype
-  h, dh = h_ref[...].astype(dtype), dh_ref[...].astype(dtype)   # [K, V]
-  b = b_ref[...]                                                # [L]
+  h, dh = h_ref[...].astype(dtype), dh_ref[...].astype(dtype)    # [bk, V]
+  b = b_ref[...]                                                 # [L]
   b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
-  decay = _causal_decay(b, chunk)                               # [L, L]
-  scores = (_dot(q, k, trans_b=True) * decay).astype(dtype)     # (q_i . k_j) decay
-  dscores = (_dot(dy, v, trans_b=True) * decay).astype(dtype)   # (dy_i . v_j) decay
-  w_state = jnp.exp(b_last - b)[:, None]                        # [L, 1]
+  dscores = (_dot(dy, v, trans_b=True) * _causal_decay(b, chunk)).astype(dtype)
+  w_state = jnp.exp(b_last - b)[:, None]                         # [L, 1]
   dq = _dot(dscores, k) + jnp.exp(b)[:, None] * _dot(dy, h, trans_b=True)
-  dk_state = w_state * _dot(v, dh, trans_b=True)                # [L, K]
+  dk_state = w_state * _dot(v, dh, trans_b=True)                 # [L, bk]
   dk = _dot(dscores, q, trans_a=True) + dk_state
-  dv = _dot(scores, dy, trans_a=True) + w_state * _dot(k, dh)   # [L, V]
   qf, kf = q.astype(_F32), k.astype(_F32)
-  db = jnp.sum(qf * dq, axis=1) - jnp.sum(kf * dk, axis=1)      # [L]
-  total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)         # one axis at a time
+  db = jnp.sum(qf * dq, axis=1) - jnp.sum(kf * dk, axis=1)       # [L]
+  total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)          # one axis at a time
   end = (jnp.exp(b_last) * total(h.astype(_F32) * dh.astype(_F32))
          + total(kf * dk_state))
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
+
+
+def _chunk_grad_values_kernel(q_ref, k_ref, b_ref, dh_ref, dy_ref, dv_ref, *, chunk):
+  """One chunk, one V tile: dV of its columns."""
+  q, k, dy = q_ref[...], k_ref[...], dy_ref[...]                 # [L, K] x2, [L, bv]
+  dtype = dy.dtype
+  b = b_ref[...]                                                 # [L]
+  b_last = pick_row(b, chunk - 1)
+  scores = (_dot(q, k, trans_b=True) * _causal_decay(b, chunk)).astype(dtype)
+  w_state = jnp.exp(b_last - b)[:, None]                         # [L, 1]
+  dv = _dot(scores, dy, trans_a=True) + w_state * _dot(k, dh_ref[...].astype(dtype))
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -288,27 +309,42 @@ def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
   batch, time, groups, key = q.shape
   heads, value = v.shape[2], v.shape[3]
   rep = heads // groups
-  chunk = blocks.chunk
-  grid = (batch, heads, time // chunk)
-  qk_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0))
-  head_k = pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n, 0))
-  v_spec = pl.BlockSpec((None, chunk, None, value), lambda i, n, c: (i, c, n, 0))
-  b_spec = pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c))
-  s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
+  chunk, bk, bv = blocks.chunk, blocks.grad_block_k, blocks.grad_block_v
+  k_tiles, v_tiles = key // bk, value // bv
+  params = plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1)
+  b_spec = pl.BlockSpec((None, None, chunk), lambda i, n, c, t: (i, n, c))
+  full_v = pl.BlockSpec((None, chunk, None, value), lambda i, n, c, t: (i, c, n, 0))
   # Shared q/k: per-head partial gradients in float32, summed over the group outside.
   dqk_dtype = q.dtype if rep == 1 else _F32
-  return pl.pallas_call(
-      functools.partial(_chunk_grad_kernel, chunk=chunk),
-      grid=grid,
-      in_specs=[qk_spec, qk_spec, v_spec, b_spec, s_spec, s_spec, v_spec],
-      out_specs=[head_k, head_k, v_spec, b_spec],
+  dq, dk, db_shares = pl.pallas_call(
+      functools.partial(_chunk_grad_keys_kernel, chunk=chunk),
+      grid=(batch, heads, time // chunk, k_tiles),
+      in_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n // rep, t))] * 2
+      + [full_v, b_spec]
+      + [pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, t: (i, n, c, t, 0))] * 2
+      + [full_v],
+      out_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n, t))] * 2
+      + [pl.BlockSpec((None, None, None, chunk), lambda i, n, c, t: (i, n, t, c))],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
                  jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct(b.shape, _F32)],
-      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=1),
+                 jax.ShapeDtypeStruct((batch, heads, k_tiles, time), _F32)],
+      compiler_params=params,
       interpret=_backend.pallas_interpret(),
-      name="ssd_chunk_grads")(q, k, v, b, states, dstates, dy)
+      name="ssd_chunk_grads_keys")(q, k, v, b, states, dstates, dy)
+  full_qk = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, t: (i, c, n // rep, 0))
+  v_tile = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, t: (i, c, n, t))
+  dv = pl.pallas_call(
+      functools.partial(_chunk_grad_values_kernel, chunk=chunk),
+      grid=(batch, heads, time // chunk, v_tiles),
+      in_specs=[full_qk, full_qk, b_spec,
+                pl.BlockSpec((None, None, None, key, bv), lambda i, n, c, t: (i, n, c, 0, t)),
+                v_tile],
+      out_specs=v_tile,
+      out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+      compiler_params=params,
+      interpret=_backend.pallas_interpret(),
+      name="ssd_chunk_grads_values")(q, k, b, dstates, dy)
+  return dq, dk, dv, db_shares.sum(axis=2)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -367,7 +403,9 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
   blocks = dataclasses.replace(
       blocks, state_block_k=min(blocks.state_block_k, key_p),
       state_block_v=min(blocks.state_block_v, value_p),
-      output_block_v=min(blocks.output_block_v, value_p))
+      output_block_v=min(blocks.output_block_v, value_p),
+      grad_block_k=min(blocks.grad_block_k, key_p),
+      grad_block_v=min(blocks.grad_block_v, value_p))
   dtype = v.dtype
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p = pad(q.astype(dtype), key_p)
