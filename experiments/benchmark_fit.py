@@ -21,7 +21,8 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
   fit_memory    fit() on in-memory arrays (device-side shuffle and gather),
                 second call (its first compiled the step), default arguments:
                 a small model (state <= 256 MiB) runs 64 steps per call.
-  fit_stream    fit() on a generator of host numpy batches (prefetch thread).
+  fit_stream    fit() on a generator of host numpy batches (prefetch thread on a
+                GPU, prepared on the main thread on a CPU).
   fit_memory_one_step / fit_stream_one_step   the same with
                 `steps_per_call=1` (what fit does with callbacks, checkpoints
                 or a big state).

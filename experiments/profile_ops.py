@@ -12,6 +12,7 @@ call is bound by its kernels or by the gaps between them. On the CPU the
 test this program; the numbers that matter come from the GPU.
 """
 
+import functools
 import os
 import time
 from typing import Callable
@@ -133,11 +134,12 @@ CASES = {
     "gmm_dense_matmul": lambda small: _gmm("dense", small),
     "selective_scan_s16": lambda small: _selective_scan(16, small),
     "selective_scan_s128": lambda small: _selective_scan(128, small),
-    "ssd_fwd_0": lambda small: _ssd("ssd", "pallas", 0, "fwd", small),
-    "ssd_fwd_0_xla": lambda small: _ssd("ssd", "xla", 0, "fwd", small),
-    "ssd_fwd_1": lambda small: _ssd("ssd", "pallas", 1, "fwd", small),
-    "ssd_fwdbwd_1": lambda small: _ssd("ssd", "pallas", 1, "fwd+bwd", small),
-    "ssd_fwdbwd_1_xla": lambda small: _ssd("ssd", "xla", 1, "fwd+bwd", small),
+    # ssd_{fwd,fwdbwd}_{0,1}[_xla]: the kernels, or the chunked XLA peer.
+    **{f"ssd_{mode.replace('+', '')}_{shape}{suffix}":
+       functools.partial(lambda small, impl, shape, mode: _ssd("ssd", impl, shape, mode, small),
+                         impl=impl, shape=shape, mode=mode)
+       for shape in (0, 1) for mode in ("fwd", "fwd+bwd")
+       for impl, suffix in (("pallas", ""), ("xla", "_xla"))},
     "gdn_fwdbwd_1": lambda small: _ssd("gated_delta_rule", "pallas", 1, "fwd+bwd", small),
     "flex_h32_fwd": lambda small: _attention("flex", "fwd", small),
     "cudnn_h32_fwd": lambda small: _attention("cudnn", "fwd", small),

@@ -95,15 +95,15 @@ class SSDBlocks:
   @classmethod
   def get_default(cls, time: int, key: int, value: int,
                   chunk: int | None = None) -> "SSDBlocks":
-    """Chunk 64 (shorter for short sequences), 32 x 32 state tiles."""
+    """Chunk 64 (shorter for short sequences), 32 x 32 state tiles, 64-wide
+    chunk-gradient tiles, 4 warps everywhere (fastest on the H200 at both
+    benchmark shapes once the chunk gradients were split: BUILD_NOTES.md)."""
     key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
     if chunk is None:
       chunk = min(64, max(16, _next_pow2(time)))
-    big = key * value > 64 * 64
     return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
                output_block_v=min(64, value), grad_block_k=min(64, key),
-               grad_block_v=min(64, value), num_warps=8 if big else 4,
-               state_num_warps=4)
+               grad_block_v=min(64, value), num_warps=4, state_num_warps=4)
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
