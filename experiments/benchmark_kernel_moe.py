@@ -204,6 +204,34 @@ def tile_rows(rows: int) -> list[dict]:
   return out
 
 
+def _forward_and_vjp_rows(section: str, impls: dict, diff_args: tuple, rest: tuple,
+                          cotangent, flops: float, **config) -> list[dict]:
+  """Rows of `fn(*diff_args, *rest)` for each impl: forward, then fwd+bwd (one
+  `jax.vjp` in `diff_args` with `cotangent`), with TFLOP/s from `flops` (the
+  forward's; fwd+bwd counts three times that)."""
+  num_diff = len(diff_args)
+  out = []
+  for mode in MODES:
+    for name, fn in impls.items():
+      if _over_budget():
+        break
+      if mode == "forward":
+        case = lambda fn=fn: (fn, (*diff_args, *rest))
+      else:
+        def case(fn=fn):
+          def grad(*args):
+            diff, others, cot = args[:num_diff], args[num_diff:-1], args[-1]
+            return jax.vjp(lambda *d: fn(*d, *others), *diff)[1](cot)
+          return grad, (*diff_args, *rest, cotangent)
+      row = harness.run_case(dict(section=section, impl=name, mode=mode, **config), case,
+                             iters=_ITERS.value)
+      if row["status"] == "ok":
+        row["tflops"] = flops * (1 if mode == "forward" else 3) / row["median_ms"] / 1e9
+      out.append(row)
+      logging.info("%s", {k: row.get(k) for k in ("section", "impl", "mode", "median_ms")})
+  return out
+
+
 def op_rows(rows: int) -> list[dict]:
   lhs, rhs, sizes = workloads.gmm_inputs(rows)
   # A random cotangent: with ones, XLA rewrites a dense matmul's gradient.
@@ -222,24 +250,8 @@ def op_rows(rows: int) -> list[dict]:
       "every_expert_einsum": every_expert,
       "dense_matmul_same_flops": lambda a, b, s: jnp.matmul(a, b[0]),
   }
-  out = []
-  for mode in ("forward", "fwd+bwd"):
-    for name, fn in peers.items():
-      if _over_budget():
-        break
-      if mode == "forward":
-        case = lambda fn=fn: (fn, (lhs, rhs, sizes))
-      else:
-        def case(fn=fn):
-          def grad(a, b, s, cot):
-            return jax.vjp(lambda a, b: fn(a, b, s), a, b)[1](cot)
-          return grad, (lhs, rhs, sizes, cotangent)
-      row = harness.run_case(dict(section="op", impl=name, mode=mode, rows=rows), case,
-                             iters=_ITERS.value)
-      if row["status"] == "ok":
-        row["tflops"] = flops * (1 if mode == "forward" else 3) / row["median_ms"] / 1e9
-      out.append(row)
-      logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "median_ms", "tflops")})
+  out = _forward_and_vjp_rows("op", peers, (lhs, rhs), (sizes,), cotangent, flops,
+                              rows=rows)
   base = {(r["mode"]): r for r in out if r["impl"] == "dense_matmul_same_flops"}
   for r in out:
     if r.get("status") == "ok" and base.get(r["mode"], {}).get("status") == "ok":
@@ -267,24 +279,8 @@ def mlp_rows(rows: int) -> list[dict]:
       "unfused_pallas": unfused,
       "ragged_dot": functools.partial(ops.grouped_mlp, implementation="xla"),
   }
-  out = []
-  for mode in MODES:
-    for name, fn in impls.items():
-      if _over_budget():
-        break
-      if mode == "forward":
-        case = lambda fn=fn: (fn, (x, w_in, w_out, sizes))
-      else:
-        def case(fn=fn):
-          def grad(x, w_in, w_out, s, cot):
-            return jax.vjp(lambda *a: fn(*a, s), x, w_in, w_out)[1](cot)
-          return grad, (x, w_in, w_out, sizes, cotangent)
-      row = harness.run_case(dict(section="mlp", impl=name, mode=mode, rows=rows), case,
-                             iters=_ITERS.value)
-      if row["status"] == "ok":
-        row["tflops"] = flops * (1 if mode == "forward" else 3) / row["median_ms"] / 1e9
-      out.append(row)
-      logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "rows", "median_ms")})
+  out = _forward_and_vjp_rows("mlp", impls, (x, w_in, w_out), (sizes,), cotangent, flops,
+                              rows=rows)
   for r in out:
     base = [b for b in out if b["impl"] == "unfused_pallas" and b["mode"] == r["mode"]]
     if r.get("status") == "ok" and base and base[0].get("status") == "ok":
