@@ -11,10 +11,11 @@ applied to a tile's *output*, never to an input tile: a tile changed in
 registers cannot feed the tensor cores from shared memory (applying GELU to
 the second matmul's input tiles, tried first, ran that matmul 2x slower).
 
-Four kernels, forward and backward (`jax.custom_vjp`):
-- forward: `mlp_in` (h = x @ w_in[g], a = act(h); stores a, and h when a
-  gradient will be needed), then `gmm(a, w_out)`;
-- backward: `mlp_hidden_grad` (dh = act'(h) * (dy @ w_out[g]^T)), then
+Two kernels of this file and four of `ops.grouped_matmul`, under one
+`jax.custom_vjp`:
+- forward: `grouped_mlp_in` (h = x @ w_in[g], a = act(h); stores a, and h when
+  a gradient will be needed), then `gmm(a, w_out)`;
+- backward: `grouped_mlp_hidden_grad` (dh = act'(h) * (dy @ w_out[g]^T)), then
   `tgmm(a, dy)`, `gmm(dh, w_in^T)` and `tgmm(x, dh)` from `ops.grouped_matmul`.
 
 SwiGLU's gate and value columns of a tile are computed by the same program
@@ -116,8 +117,9 @@ def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_re
                        k_steps=tiling.k_steps, block_k=tiling.block_k,
                        block_n=tiling.block_n, transpose_rhs=False)
   mask = tile.mine[:, None]
+  act = _activation_value(accs, activation, tiling.fast_math)
   plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
-              _activation_value(accs, activation, tiling.fast_math).astype(act_ref.dtype), mask=mask)
+              act.astype(act_ref.dtype), mask=mask)
   if pre_ref:
     for acc, offset in zip(accs, offsets):
       plgpu.store(pre_ref[0].at[tile.rows, pl.ds(tile.col0 + offset, tiling.block_n)],
@@ -136,7 +138,8 @@ def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_r
   col_sets = [pl.ds(tile.col0 + offset, tiling.block_n) for offset in offsets]
   pre = [plgpu.load(pre_ref.at[tile.rows, cols]).astype(jnp.float32)
          for cols in col_sets]
-  for grad, cols in zip(_activation_grads(da, pre, activation, tiling.fast_math), col_sets):
+  grads = _activation_grads(da, pre, activation, tiling.fast_math)
+  for grad, cols in zip(grads, col_sets):
     plgpu.store(dpre_ref.at[tile.rows, cols], grad.astype(dpre_ref.dtype),
                 mask=tile.mine[:, None])
 
@@ -217,7 +220,8 @@ def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
   if save_hidden:
     out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
   a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
-                         hidden=hidden_p, activation=act, bs=bs, name="grouped_mlp_in", interpret=interpret)
+                         hidden=hidden_p, activation=act, bs=bs, name="grouped_mlp_in",
+                         interpret=interpret)
   y = gmm(a, w_out_p, starts, ends, block_sizes=bs, interpret=interpret)
   y = y[:num_rows, :out_width]
   residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)

@@ -316,15 +316,15 @@ def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
   full_v = pl.BlockSpec((None, chunk, None, value), lambda i, n, c, t: (i, c, n, 0))
   # Shared q/k: per-head partial gradients in float32, summed over the group outside.
   dqk_dtype = q.dtype if rep == 1 else _F32
+  key_tile = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n // rep, t))
+  state_rows = pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, t: (i, n, c, t, 0))
+  head_key_tile = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n, t))
   dq, dk, db_shares = pl.pallas_call(
       functools.partial(_chunk_grad_keys_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk, k_tiles),
-      in_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n // rep, t))] * 2
-      + [full_v, b_spec]
-      + [pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, t: (i, n, c, t, 0))] * 2
-      + [full_v],
-      out_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n, t))] * 2
-      + [pl.BlockSpec((None, None, None, chunk), lambda i, n, c, t: (i, n, t, c))],
+      in_specs=[key_tile, key_tile, full_v, b_spec, state_rows, state_rows, full_v],
+      out_specs=[head_key_tile, head_key_tile,
+                 pl.BlockSpec((None, None, None, chunk), lambda i, n, c, t: (i, n, t, c))],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
                  jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
                  jax.ShapeDtypeStruct((batch, heads, k_tiles, time), _F32)],
