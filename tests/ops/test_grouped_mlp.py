@@ -2,6 +2,8 @@
 
 import functools
 
+import hypothesis
+from hypothesis import strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,19 @@ def test_empty_group_has_zero_weight_gradients():
   _, _, dw_in, dw_out = _check("pallas_small_blocks", "swiglu", "mixed_with_empty")
   assert not np.asarray(dw_in[1]).any() and not np.asarray(dw_out[1]).any()
   assert np.asarray(dw_in[2]).any() and np.asarray(dw_out[2]).any()
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(st.lists(st.integers(0, 30), min_size=G, max_size=G),
+                  st.sampled_from(["gelu", "swiglu"]))
+def test_kernel_matches_reference_on_drawn_group_sizes(sizes, activation):
+  # Sizes summing past M are cut at row M, on both sides (traced sizes).
+  x, w_in, w_out, cotangent = _inputs(activation, jnp.float32, jnp.float32, seed=1)
+  sizes = jnp.asarray(sizes, jnp.int32)
+  got = _value_and_grads("pallas_small_blocks", activation)(x, w_in, w_out, sizes, cotangent)
+  want = _value_and_grads("reference", activation)(x, w_in, w_out, sizes, cotangent)
+  for g, w, what in zip(got, want, ("y", "dx", "dw_in", "dw_out")):
+    _assert_close(g, w, jnp.float32, what)
 
 
 def test_kernel_activation_matches_jax_nn_at_large_inputs():
