@@ -126,6 +126,15 @@ def _rel_err(a, b) -> float:
   return float(np.abs(a - b).max() / max(1e-6, np.abs(b).max()))
 
 
+def _vjp_errors(fn, reference, args, cotangent, names) -> dict:
+  """`rel_err_<name>` of fn's output and input gradients against reference's."""
+  def run(f):
+    out, pullback = jax.vjp(f, *args)
+    return (out, *pullback(cotangent))
+  got, want = jax.jit(lambda: run(fn))(), jax.jit(lambda: run(reference))()
+  return {f"rel_err_{name}": _rel_err(g, r) for name, g, r in zip(names, got, want)}
+
+
 def check_rows() -> list[dict]:
   rows = []
   m, k, n = 4133, 512, 1024  # not a multiple of any tile
@@ -135,17 +144,12 @@ def check_rows() -> list[dict]:
     lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
     rhs = (jax.random.normal(k2, (8, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
     cot = jax.random.normal(k3, (m, n), jnp.float32).astype(dtype)
-
-    def vjp(fn):
-      out, pullback = jax.vjp(lambda a, b: fn(a, b, sizes), lhs, rhs)
-      return (out, *pullback(cot))
-    got = jax.jit(lambda: vjp(lambda a, b, s: ops.grouped_matmul(
-        a, b, s, implementation="pallas")))()
-    want = jax.jit(lambda: vjp(gmm_reference.grouped_matmul_reference))()
+    errors = _vjp_errors(
+        lambda a, b: ops.grouped_matmul(a, b, sizes, implementation="pallas"),
+        lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
+        (lhs, rhs), cot, ("out", "dlhs", "drhs"))
     rows.append(dict(section="check", case="grouped_matmul_vs_reference",
-                     dtype=jnp.dtype(dtype).name, shape=[m, k, n],
-                     **{f"rel_err_{w}": _rel_err(g, r)
-                        for w, g, r in zip(("out", "dlhs", "drhs"), got, want)}))
+                     dtype=jnp.dtype(dtype).name, shape=[m, k, n], **errors))
   for activation in ("gelu", "swiglu"):
     f_in = (2 if activation == "swiglu" else 1) * n
     k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
@@ -153,18 +157,14 @@ def check_rows() -> list[dict]:
     w_in = jax.random.normal(k2, (8, k, f_in), jnp.float32) / np.sqrt(k)
     w_out = jax.random.normal(k3, (8, n, k), jnp.float32) / np.sqrt(n)
     cot = jax.random.normal(k4, (m, k), jnp.bfloat16)
-
-    def mlp_vjp(fn, activation=activation):
-      out, pullback = jax.vjp(lambda *a: fn(*a, sizes, activation=activation),
-                              x, w_in, w_out)
-      return (out, *pullback(cot))
-    got = jax.jit(lambda: mlp_vjp(functools.partial(ops.grouped_mlp,
-                                                    implementation="pallas")))()
-    want = jax.jit(lambda: mlp_vjp(ops.grouped_mlp_reference))()
+    errors = _vjp_errors(
+        lambda *w, activation=activation: ops.grouped_mlp(
+            *w, sizes, activation=activation, implementation="pallas"),
+        lambda *w, activation=activation: ops.grouped_mlp_reference(
+            *w, sizes, activation=activation),
+        (x, w_in, w_out), cot, ("out", "dx", "dw_in", "dw_out"))
     rows.append(dict(section="check", case=f"grouped_mlp_{activation}_vs_reference",
-                     dtype="bfloat16 x, float32 weights", shape=[m, k, n],
-                     **{f"rel_err_{w}": _rel_err(g, r) for w, g, r in zip(
-                         ("out", "dx", "dw_in", "dw_out"), got, want)}))
+                     dtype="bfloat16 x, float32 weights", shape=[m, k, n], **errors))
   x = jax.random.normal(jax.random.key(3), (2048, workloads.D_MODEL), jnp.bfloat16)
   outs = {}
   for impl in ("dense", "gmm"):

@@ -293,20 +293,16 @@ def _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, *, activation,
                      impl, gmm_implementation):
   """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0).
 
-  'gmm' takes the float32 weights (the op casts them and returns float32
-  gradients from its kernels); the other paths take them in xs's dtype.
+  'gmm' and 'ragged_dot' are `ops.grouped_mlp` (its kernels, or its XLA path
+  of two `ragged_dot`s), which takes the float32 weights, casts them and
+  returns float32 gradients; 'sort' takes them in xs's dtype.
   """
-  if impl == "gmm":
-    return ops.grouped_mlp(xs, w_in, w_out, group_sizes, activation=activation,
-                           implementation=gmm_implementation)
-  w_in, w_out = w_in.astype(xs.dtype), w_out.astype(xs.dtype)
   if impl == "sort":
-    return _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation)
-  # 'ragged_dot'
-  def matmul(a, w):
-    return jax.lax.ragged_dot(a, w, group_sizes,
-                              preferred_element_type=jnp.float32).astype(a.dtype)
-  return matmul(activate(matmul(xs, w_in), activation), w_out)
+    return _block_padded_experts(xs, group_sizes, sorted_ids, w_in.astype(xs.dtype),
+                                 w_out.astype(xs.dtype), activation)
+  implementation = gmm_implementation if impl == "gmm" else "xla"
+  return ops.grouped_mlp(xs, w_in, w_out, group_sizes, activation=activation,
+                         implementation=implementation)
 
 
 def _experts_on_rows(rows, ids, w_in, w_out, *, activation, impl, gmm_implementation):

@@ -93,8 +93,14 @@ def _activation_grads(da, pre, activation, fast):
   return [da * _gelu(pre[0], fast)[1]]
 
 
+def _halves(activation):
+  """How many F-wide blocks of columns w_in has."""
+  return 2 if activation == "swiglu" else 1
+
+
 def _col_offsets(activation, hidden):
-  return (0, hidden) if activation == "swiglu" else (0,)
+  """First column of each F-wide block of w_in (padded F = `hidden`)."""
+  return tuple(i * hidden for i in range(_halves(activation)))
 
 
 class _Tiling(NamedTuple):
@@ -191,11 +197,6 @@ def _unpad_hidden(w, axis, halves, hidden):
   split = w.shape[:axis] + (halves, w.shape[axis] // halves) + w.shape[axis + 1:]
   w = jax.lax.slice_in_dim(w.reshape(split), 0, hidden, axis=axis + 1)
   return w.reshape(w.shape[:axis] + (-1,) + w.shape[axis + 2:])
-
-
-def _halves(activation):
-  """How many F-wide blocks of columns w_in has."""
-  return 2 if activation == "swiglu" else 1
 
 
 def _padded_weights(w_in, w_out, dtype, statics):
