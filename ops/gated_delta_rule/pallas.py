@@ -52,12 +52,14 @@ MAX_HEAD_SIZE = 128
 class GatedDeltaBlocks:
   """Tiling of the gated delta rule kernels."""
   chunk: int = 32              # tokens per chunk (L); a power of two >= 16
-  block_v: int = 32            # V columns per program in the states/output kernels
-  num_warps: int = 4           # warps of the prepare/output/gradient kernels
+  block_v: int = 32            # V columns of a states program, and of one step of
+                               # the output/gradient kernels' loop over V
+  num_warps: int = 4           # warps of the output/gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
+  prepare_num_warps: int = 4   # warps of the prepare kernel
 
   def __post_init__(self):
-    for name in ("chunk", "block_v", "num_warps", "state_num_warps"):
+    for name in ("chunk", "block_v", "num_warps", "state_num_warps", "prepare_num_warps"):
       if not _is_pow2(getattr(self, name)):
         raise ValueError(f"`{name}` must be a power of two, got {getattr(self, name)}")
     for name in ("chunk", "block_v"):
@@ -71,8 +73,8 @@ class GatedDeltaBlocks:
     if chunk is None:
       chunk = min(32, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
-    return cls(chunk=chunk, block_v=min(32, value), num_warps=8 if big else 4,
-               state_num_warps=4)
+    return cls(chunk=chunk, block_v=min(64 if big else 32, value),
+               num_warps=8 if big else 4, state_num_warps=4, prepare_num_warps=4)
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -141,15 +143,24 @@ def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
   final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
 
 
-def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *, chunk, scale):
-  q, k, w, u_t = q_ref[...], k_ref[...], w_ref[...], u_ref[...]
-  dtype = u_t.dtype
+def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *, chunk, scale,
+                   block_v):
+  """One chunk: the [L, L] scores once, then the V columns a tile at a time."""
+  q, k, w = q_ref[...], k_ref[...], w_ref[...]
+  dtype = u_ref.dtype
   b = b_ref[...]
-  h = h_ref[...]                                                 # [K, bv]
-  u = u_t.astype(_F32) - _mm(w, h, dtype)                        # [L, bv]
   scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
-  y = jnp.exp(b)[:, None] * _mm(q, h, dtype) + _mm(scores, u, dtype)
-  y_ref[...] = (scale * y).astype(y_ref.dtype)
+  eb = jnp.exp(b)[:, None]
+
+  def tile(e, carry):
+    cols = pl.ds(e * block_v, block_v)
+    h = h_ref[:, cols]                                           # [K, bv]
+    u = u_ref[:, cols].astype(_F32) - _mm(w, h, dtype)           # [L, bv]
+    y = eb * _mm(q, h, dtype) + _mm(scores, u, dtype)
+    y_ref[:, cols] = (scale * y).astype(y_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, y_ref.shape[-1] // block_v, tile, 0)
 
 
 def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
@@ -176,43 +187,62 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
 
 def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref,
                        dh_ref, dy_ref, dq_ref, dk_ref, dv_ref, db_ref, dbeta_ref, *,
-                       chunk, scale):
-  q, k, v, w, u_t, dy = (r[...] for r in (q_ref, k_ref, v_ref, w_ref, u_ref, dy_ref))
-  dtype = v.dtype
+                       chunk, scale, block_v):
+  """One chunk's gradients. The V columns are visited a tile at a time, so at
+  most a [K, bv] tile of the state M0 and of its adjoint dM1 is in registers;
+  the products that reduce over V are accumulated across the tiles."""
+  q, k, w = q_ref[...], k_ref[...], w_ref[...]
+  dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
-  m0, dm1 = h_ref[...], dh_ref[...]                              # [K, V]
   row, col = _masks(chunk)
   b_last = pick_row(b, chunk - 1)
   eb = jnp.exp(b)
   e_end = jnp.exp(b_last - b)
-  qf, kf, vf = q.astype(_F32), k.astype(_F32), v.astype(_F32)
+  qf, kf = q.astype(_F32), k.astype(_F32)
   decay, kk, t = _ut(k, b, beta, chunk)
-  u = u_t.astype(_F32) - _mm(w, m0, dtype)                       # [L, V]
   qk = _mm(q, k, dtype, trans_b=True)
   scores = qk * decay                                            # [L, L], lower
   k_end = e_end[:, None] * kf                                    # [L, K]
-  # Through Y = scale (e^b Q M0 + S U) and M1 = e^{b_L} M0 + K~^T U.
-  du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, dm1, dtype)
-  ds = jnp.where(row >= col, scale * _mm(dy, u, dtype, trans_b=True), 0.0)
-  dw = -_mm(du, m0, dtype, trans_b=True)                         # [L, K]
-  dk_end = _mm(u, dm1, dtype, trans_b=True)                      # [L, K]
-  dq_inter = scale * eb[:, None] * _mm(dy, m0, dtype, trans_b=True)
+
+  def tile(e, acc):
+    # Through Y = scale (e^b Q M0 + S U), M1 = e^{b_L} M0 + K~^T U and U~ = T R_u.
+    dy_dot_u, du_dot_ru, dw_neg, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = acc
+    cols = pl.ds(e * block_v, block_v)
+    m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [K, bv]
+    dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
+    u = u_ref[:, cols].astype(_F32) - _mm(w, m0, dtype)          # [L, bv]
+    du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, dm1, dtype)
+    dru = _mm(t, du, dtype, trans_a=True)                        # T^T dU
+    dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
+    return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
+            du_dot_ru + _mm(du, beta[:, None] * vf, dtype, trans_b=True),
+            dw_neg + _mm(du, m0, dtype, trans_b=True),
+            dk_end + _mm(u, dm1, dtype, trans_b=True),
+            dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
+            dbeta_v + jnp.sum(dru * vf, axis=1),
+            m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1))
+
+  square, keys = jnp.zeros((chunk, chunk), _F32), jnp.zeros(kf.shape, _F32)
+  zeros = (square, square, keys, keys, keys, jnp.zeros((chunk,), _F32),
+           jnp.zeros((kf.shape[1],), _F32))
+  dy_dot_u, du_dot_ru, dw_neg, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = jax.lax.fori_loop(
+      0, v_ref.shape[-1] // block_v, tile, zeros)
+  ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
+  dw = -dw_neg                                                   # [L, K]
+  dq_inter = scale * eb[:, None] * dy_dot_m0
   dsd = ds * decay
   dq = dq_inter + _mm(dsd, k, dtype)
   dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
-  # Through W = T R_w, U~ = T R_u and T = (I + A)^-1.
+  # Through W = T R_w and T = (I + A)^-1 (dA = -T^T dT T^T).
   rw = (beta * eb)[:, None] * kf
-  ru = beta[:, None] * vf
   drw = _mm(t, dw, dtype, trans_a=True)                          # T^T dW
-  dru = _mm(t, du, dtype, trans_a=True)                          # T^T dU
-  dt = _mm(dw, rw, dtype, trans_b=True) + _mm(du, ru, dtype, trans_b=True)
+  dt = _mm(dw, rw, dtype, trans_b=True) + du_dot_ru
   da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
   da = jnp.where(row > col, da, 0.0)
   dk += (beta * eb)[:, None] * drw
-  dv = beta[:, None] * dru
   dkk = da * beta[:, None] * decay
   dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
-  dbeta = (jnp.sum(drw * eb[:, None] * kf, axis=1) + jnp.sum(dru * vf, axis=1)
+  dbeta = (jnp.sum(drw * eb[:, None] * kf, axis=1) + dbeta_v
            + jnp.sum(da * decay * kk, axis=1))
   # d b: through D (in A and S), e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
   p = (da * beta[:, None] * kk + ds * qk) * decay
@@ -220,37 +250,33 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
   db += jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
   end_terms = jnp.sum(dk_end * k_end, axis=1)                    # [L]
   db -= end_terms
-  total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)
-  end = jnp.sum(end_terms) + jnp.exp(b_last) * total(dm1.astype(_F32) * m0.astype(_F32))
+  end = jnp.sum(end_terms) + jnp.exp(b_last) * jnp.sum(m_dot_dm)
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
   dbeta_ref[...] = dbeta
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _params(num_warps, num_stages=1):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _specs(chunk, key, rep, grid_rank):
-  """BlockSpecs on grid (batch, head, chunk[, V tile])."""
-  if grid_rank == 3:
-    return dict(
-        qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
-        vec=pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c)))
+def _specs(chunk, key, rep):
+  """BlockSpecs of one chunk on grid (batch, head, chunk): `qk` (q/k rows of the
+  head's group), `vec` (b, beta) and `head(size)` (a head's [L, size] rows)."""
   return dict(
-      qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n // rep, 0)),
-      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c, e: (i, n, c)))
+      qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
+      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c)),
+      head=lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0)))
 
 
 def _prepare(k, v, b, beta, blocks):
   batch, time, groups, key = k.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
-  sp = _specs(chunk, key, heads // groups, 3)
-  head = lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0))
+  sp = _specs(chunk, key, heads // groups)
+  head = sp["head"]
   return pl.pallas_call(
       functools.partial(_prepare_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk),
@@ -258,8 +284,8 @@ def _prepare(k, v, b, beta, blocks):
       out_specs=[head(key), head(value)],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), v.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(blocks.num_warps), interpret=_backend.pallas_interpret(),
-      name="gated_delta_prepare")(k, v, b, beta)
+      compiler_params=_params(blocks.prepare_num_warps),
+      interpret=_backend.pallas_interpret(), name="gated_delta_prepare")(k, v, b, beta)
 
 
 def _seq_specs(time, key, rep, bv):
@@ -293,17 +319,16 @@ def _states(k, w, u, b, h0, blocks):
 def _output(q, k, w, u, b, states, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = u.shape[2:]
-  chunk, bv = blocks.chunk, blocks.block_v
-  sp = _specs(chunk, key, heads // groups, 4)
-  w_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n, 0))
-  v_spec = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, e: (i, c, n, e))
+  chunk = blocks.chunk
+  sp = _specs(chunk, key, heads // groups)
+  head = sp["head"]
   return pl.pallas_call(
-      functools.partial(_output_kernel, chunk=chunk, scale=scale),
-      grid=(batch, heads, time // chunk, value // bv),
-      in_specs=[sp["qk"], sp["qk"], w_spec, v_spec, sp["vec"],
-                pl.BlockSpec((None, None, None, key, bv),
-                             lambda i, n, c, e: (i, n, c, 0, e))],
-      out_specs=v_spec, out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
+      functools.partial(_output_kernel, chunk=chunk, scale=scale, block_v=blocks.block_v),
+      grid=(batch, heads, time // chunk),
+      in_specs=[sp["qk"], sp["qk"], head(key), head(value), sp["vec"],
+                pl.BlockSpec((None, None, None, key, value),
+                             lambda i, n, c: (i, n, c, 0, 0))],
+      out_specs=head(value), out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
       compiler_params=_params(blocks.num_warps, 2),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_output")(q, k, w, u, b, states)
@@ -334,12 +359,13 @@ def _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy, scale, blocks):
   heads, value = v.shape[2:]
   rep = heads // groups
   chunk = blocks.chunk
-  sp = _specs(chunk, key, rep, 3)
-  head = lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0))
+  sp = _specs(chunk, key, rep)
+  head = sp["head"]
   s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
   dqk_dtype = q.dtype if rep == 1 else _F32
   return pl.pallas_call(
-      functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale),
+      functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale,
+                        block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), head(key), head(value), sp["vec"],
                 sp["vec"], s_spec, s_spec, head(value)],
