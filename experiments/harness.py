@@ -43,6 +43,9 @@ def _classify(exc: BaseException, stage: str) -> str:
   return "error"
 
 
+MIN_CALLS_PER_SAMPLE = 3
+
+
 def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
              warmup: int = 2, iters: int = 20, carry_outputs: int = 0,
              sample_ms: float = 2.0) -> dict:
@@ -57,6 +60,11 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
   about `sample_ms` (at most 50) and blocks once at the end, so a call of
   tens of microseconds is timed on the device rather than as host dispatch
   plus a sync; `median_ms` is per call, `calls_per_sample` says how many.
+  A sample holds at least `MIN_CALLS_PER_SAMPLE` calls unless one call takes
+  over 50 ms: with a single call the host's dispatch and the final sync add to
+  every sample (0.4-0.5 ms at a few ms per call on the H200, BUILD_NOTES.md),
+  while back to back each dispatch overlaps the previous call, as in training.
+  `sample_ms=0` times one call per sample (for programs that measure that).
   """
   row = dict(config)
   stage = "build"
@@ -83,7 +91,10 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     start = time.perf_counter()
     args = calls(args, 1)
     one_ms = (time.perf_counter() - start) * 1e3
-    inner = max(1, min(50, math.ceil(sample_ms / max(one_ms, 1e-3))))
+    inner = 1
+    if sample_ms > 0:
+      least = MIN_CALLS_PER_SAMPLE if one_ms <= 50 else 1
+      inner = max(least, min(50, math.ceil(sample_ms / max(one_ms, 1e-3))))
     times = []
     for _ in range(iters):
       start = time.perf_counter()

@@ -78,8 +78,12 @@ class GatedDeltaBlocks:
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
-  """Tile product with both operands cast to `dtype`, float32 accumulation."""
-  return _dot(a.astype(dtype), b.astype(dtype), trans_a=trans_a, trans_b=trans_b)
+  """Tile product with both operands rounded to `dtype`, float32 accumulation."""
+  a, b = a.astype(dtype), b.astype(dtype)
+  if _backend.pallas_interpret():
+    # XLA:CPU has no 16-bit x 16-bit -> float32 dot; the rounding stays the same.
+    a, b = a.astype(_F32), b.astype(_F32)
+  return _dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
 def _masks(chunk):
@@ -88,41 +92,52 @@ def _masks(chunk):
   return row, col
 
 
-def _unit_lower_inverse(a, chunk):
-  """`(I + a)^-1` for a strictly lower-triangular [L, L] float32 `a`.
+def _unit_lower_inverse(a_t, chunk):
+  """`(I + a)^-1` for a strictly lower-triangular [L, L] float32 `a`, given as
+  its transpose `a_t`.
 
   Forward substitution, one row per step: `T_i = e_i - sum_{j<i} a_ij T_j`
-  (rows j >= i of T are still identity rows then, and a_ij = 0 there).
+  (rows j >= i of T are still identity rows then, and a_ij = 0 there). Row i
+  of `a` is column i of `a_t`: picking it reduces along the tile's second axis
+  and leaves it laid out as a column, ready to scale the rows of T (picking a
+  row of `a` would need a layout conversion every step). Measured on the H200:
+  this beats blocked schemes that trade steps for float32 tile products
+  (doubling merges `T <- T - T (C T)`), which the Triton lowering runs on the
+  FMA units, not the tensor cores (BUILD_NOTES.md).
   """
   row, col = _masks(chunk)
   eye = (row == col).astype(_F32)
 
   def body(i, t):
-    a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)           # [L]: a[i, :]
+    a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)         # [L]: a[i, :]
     new = jnp.sum(a_i[:, None] * t, axis=0)                      # [L]: a[i, :] @ t
     return jnp.where(row == i, eye - new[None, :], t)
 
   return jax.lax.fori_loop(1, chunk, body, eye)
 
 
-def _ut(k, b, beta, chunk):
-  """(D [L, L], k.k^T [L, L], T = (I + A)^-1 [L, L]), float32."""
+def _wy_inverse(k, b, beta, chunk):
+  """T = (I + A)^-1 [L, L] float32, A = strict_lower(beta_i D_ij k_i.k_j)."""
   row, col = _masks(chunk)
-  decay = _causal_decay(b, chunk)
-  kk = _mm(k, k, k.dtype, trans_b=True)
-  a = jnp.where(row > col, beta[:, None] * decay * kk, 0.0)
-  return decay, kk, _unit_lower_inverse(a, chunk)
+  kk = _mm(k, k, k.dtype, trans_b=True)                          # symmetric
+  # A^T[r, c] = beta_c exp(b_c - b_r) k_c.k_r for c > r.
+  upper = col > row
+  decay_t = jnp.where(upper, jnp.exp(jnp.where(upper, b[None, :] - b[:, None], 0.0)), 0.0)
+  return _unit_lower_inverse(beta[None, :] * decay_t * kk, chunk)
 
 
-def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *, chunk):
+def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk):
+  """W and U~ of one chunk (and T = (I + A)^-1 for the backward, if asked)."""
   k, v = k_ref[...], v_ref[...]
   b, beta = b_ref[...], beta_ref[...]
   dtype = v.dtype
-  _, _, t = _ut(k, b, beta, chunk)
+  t = _wy_inverse(k, b, beta, chunk)
   rw = (beta * jnp.exp(b))[:, None] * k.astype(_F32)             # [L, K]
   ru = beta[:, None] * v.astype(_F32)                            # [L, V]
   w_ref[...] = _mm(t, rw, dtype).astype(w_ref.dtype)
   u_ref[...] = _mm(t, ru, dtype).astype(u_ref.dtype)
+  if t_ref:
+    t_ref[0][...] = t
 
 
 def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
@@ -143,13 +158,16 @@ def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
   final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
 
 
-def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *, chunk, scale,
-                   block_v):
-  """One chunk: the [L, L] scores once, then the V columns a tile at a time."""
+def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *scores_ref, chunk,
+                   scale, block_v):
+  """One chunk: the [L, L] scores once (stored for the backward's state walk,
+  if asked), then the V columns a tile at a time."""
   q, k, w = q_ref[...], k_ref[...], w_ref[...]
   dtype = u_ref.dtype
   b = b_ref[...]
   scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
+  if scores_ref:  # transposed: the backward's walk multiplies by S^T
+    scores_ref[0][...] = scores.T.astype(scores_ref[0].dtype)
   eb = jnp.exp(b)[:, None]
 
   def tile(e, carry):
@@ -163,9 +181,11 @@ def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *, chunk, sc
   jax.lax.fori_loop(0, y_ref.shape[-1] // block_v, tile, 0)
 
 
-def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
+def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_ref, out_ref,
                        dh0_ref, *, chunk, num_chunks, scale):
-  """Backward state walk: the adjoint of M, one [K, bv] tile per program."""
+  """Backward state walk: the adjoint of M, one [K, bv] tile per program. The
+  chunks' [L, L] scores come from the forward's output kernel, which keeps
+  their product and exponentials off this serial chain."""
   dtype = dy_ref.dtype
 
   def body(step, g):
@@ -175,9 +195,9 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
     q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
     b = b_ref[rows]
     b_last = pick_row(b, chunk - 1)
-    scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)   # [L, L]
+    scores_t = scores_ref[rows, :]                               # [L, L]: S^T
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
-    du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, g, dtype)
+    du = scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)
     q_in = jnp.exp(b)[:, None] * q.astype(_F32)
     return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
             - _mm(w, du, dtype, trans_a=True))
@@ -185,7 +205,7 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, dfinal_ref, out_ref,
   dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
-def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref,
+def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref, h_ref,
                        dh_ref, dy_ref, dq_ref, dk_ref, dv_ref, db_ref, dbeta_ref, *,
                        chunk, scale, block_v):
   """One chunk's gradients. The V columns are visited a tile at a time, so at
@@ -198,11 +218,14 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
   b_last = pick_row(b, chunk - 1)
   eb = jnp.exp(b)
   e_end = jnp.exp(b_last - b)
-  qf, kf = q.astype(_F32), k.astype(_F32)
-  decay, kk, t = _ut(k, b, beta, chunk)
+  decay = _causal_decay(b, chunk)
+  kk = _mm(k, k, dtype, trans_b=True)
+  t = t_ref[...]                                                 # (I + A)^-1, float32
   qk = _mm(q, k, dtype, trans_b=True)
   scores = qk * decay                                            # [L, L], lower
-  k_end = e_end[:, None] * kf                                    # [L, K]
+  # The loop's operands, cast once (the products cast them anyway).
+  k_end_in = (e_end[:, None] * k.astype(_F32)).astype(dtype)
+  scores_t_in, t_t_in = scores.T.astype(dtype), t.T.astype(dtype)
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U), M1 = e^{b_L} M0 + K~^T U and U~ = T R_u.
@@ -211,8 +234,8 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
     m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [K, bv]
     dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
     u = u_ref[:, cols].astype(_F32) - _mm(w, m0, dtype)          # [L, bv]
-    du = scale * _mm(scores, dy, dtype, trans_a=True) + _mm(k_end, dm1, dtype)
-    dru = _mm(t, du, dtype, trans_a=True)                        # T^T dU
+    du = scale * _mm(scores_t_in, dy, dtype) + _mm(k_end_in, dm1, dtype)
+    dru = _mm(t_t_in, du, dtype)                                 # T^T dU
     dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
             du_dot_ru + _mm(du, beta[:, None] * vf, dtype, trans_b=True),
@@ -222,11 +245,12 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
             dbeta_v + jnp.sum(dru * vf, axis=1),
             m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1))
 
-  square, keys = jnp.zeros((chunk, chunk), _F32), jnp.zeros(kf.shape, _F32)
+  square, keys = jnp.zeros((chunk, chunk), _F32), jnp.zeros(k.shape, _F32)
   zeros = (square, square, keys, keys, keys, jnp.zeros((chunk,), _F32),
-           jnp.zeros((kf.shape[1],), _F32))
+           jnp.zeros((k.shape[1],), _F32))
   dy_dot_u, du_dot_ru, dw_neg, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = jax.lax.fori_loop(
       0, v_ref.shape[-1] // block_v, tile, zeros)
+  qf, kf = q.astype(_F32), k.astype(_F32)
   ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
   dw = -dw_neg                                                   # [L, K]
   dq_inter = scale * eb[:, None] * dy_dot_m0
@@ -248,7 +272,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, h_ref
   p = (da * beta[:, None] * kk + ds * qk) * decay
   db = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
   db += jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
-  end_terms = jnp.sum(dk_end * k_end, axis=1)                    # [L]
+  end_terms = jnp.sum(dk_end * (e_end[:, None] * kf), axis=1)     # [L]
   db -= end_terms
   end = jnp.sum(end_terms) + jnp.exp(b_last) * jnp.sum(m_dot_dm)
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -264,37 +288,45 @@ def _params(num_warps, num_stages=1):
 
 def _specs(chunk, key, rep):
   """BlockSpecs of one chunk on grid (batch, head, chunk): `qk` (q/k rows of the
-  head's group), `vec` (b, beta) and `head(size)` (a head's [L, size] rows)."""
+  head's group), `vec` (b, beta), `head(size)` (a head's [L, size] rows) and
+  `square` (a chunk's [L, L] matrix in a [B, N, T, L] array)."""
   return dict(
       qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
       vec=pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c)),
-      head=lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0)))
+      head=lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0)),
+      square=pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c: (i, n, c, 0)))
 
 
-def _prepare(k, v, b, beta, blocks):
+def _prepare(k, v, b, beta, blocks, *, save_inverse):
+  """(W, U~) in the input dtype, and with `save_inverse` T [B, N, T, L] float32."""
   batch, time, groups, key = k.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head = sp["head"]
+  out_specs = [head(key), head(value)]
+  out_shape = [jax.ShapeDtypeStruct((batch, time, heads, key), v.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if save_inverse:
+    out_specs.append(sp["square"])
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), _F32))
   return pl.pallas_call(
       functools.partial(_prepare_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], head(value), sp["vec"], sp["vec"]],
-      out_specs=[head(key), head(value)],
-      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), v.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_specs=out_specs, out_shape=out_shape,
       compiler_params=_params(blocks.prepare_num_warps),
       interpret=_backend.pallas_interpret(), name="gated_delta_prepare")(k, v, b, beta)
 
 
-def _seq_specs(time, key, rep, bv):
+def _seq_specs(time, key, rep, bv, chunk):
   """Whole-sequence BlockSpecs on grid (batch, head, V tile)."""
   return dict(
       qk=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n // rep, 0)),
       w=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n, 0)),
       v=pl.BlockSpec((None, time, None, bv), lambda i, n, e: (i, 0, n, e)),
       vec=pl.BlockSpec((None, None, time), lambda i, n, e: (i, n, 0)),
+      square=pl.BlockSpec((None, None, time, chunk), lambda i, n, e: (i, n, 0, 0)),
       state=pl.BlockSpec((None, None, key, bv), lambda i, n, e: (i, n, 0, e)))
 
 
@@ -303,7 +335,7 @@ def _states(k, w, u, b, h0, blocks):
   heads, value = u.shape[2:]
   chunk, bv = blocks.chunk, blocks.block_v
   num_chunks = time // chunk
-  sp = _seq_specs(time, key, heads // groups, bv)
+  sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return pl.pallas_call(
       functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks),
       grid=(batch, heads, value // bv),
@@ -316,45 +348,52 @@ def _states(k, w, u, b, h0, blocks):
       interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, w, u, b, h0)
 
 
-def _output(q, k, w, u, b, states, scale, blocks):
+def _output(q, k, w, u, b, states, scale, blocks, *, save_scores):
+  """y [B, T, N, V], and with `save_scores` the chunks' transposed scores
+  [B, N, T, L] in the input dtype."""
   batch, time, groups, key = q.shape
   heads, value = u.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head = sp["head"]
+  out_specs, out_shape = [head(value)], [jax.ShapeDtypeStruct(u.shape, u.dtype)]
+  if save_scores:  # S^T of each chunk
+    out_specs.append(sp["square"])
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), u.dtype))
   return pl.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(key), head(value), sp["vec"],
                 pl.BlockSpec((None, None, None, key, value),
                              lambda i, n, c: (i, n, c, 0, 0))],
-      out_specs=head(value), out_shape=jax.ShapeDtypeStruct(u.shape, u.dtype),
+      out_specs=out_specs, out_shape=out_shape,
       compiler_params=_params(blocks.num_warps, 2),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_output")(q, k, w, u, b, states)
 
 
-def _states_bwd(q, k, w, dy, b, dfinal, scale, blocks):
+def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.block_v
   num_chunks = time // chunk
-  sp = _seq_specs(time, key, heads // groups, bv)
+  sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return pl.pallas_call(
       functools.partial(_states_bwd_kernel, chunk=chunk, num_chunks=num_chunks,
                         scale=scale),
       grid=(batch, heads, value // bv),
-      in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
+      in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["square"],
+                sp["state"]],
       out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
                               lambda i, n, e: (i, n, 0, 0, e)), sp["state"]],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
                  jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_states_reverse")(q, k, w, dy, b, dfinal)
+      name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
-def _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy, scale, blocks):
+def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = v.shape[2:]
   rep = heads // groups
@@ -368,7 +407,7 @@ def _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy, scale, blocks):
                         block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), head(key), head(value), sp["vec"],
-                sp["vec"], s_spec, s_spec, head(value)],
+                sp["vec"], sp["square"], s_spec, s_spec, head(value)],
       out_specs=[head(key), head(key), head(value), sp["vec"], sp["vec"]],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
                  jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
@@ -377,34 +416,35 @@ def _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy, scale, blocks):
                  jax.ShapeDtypeStruct(b.shape, _F32)],
       compiler_params=_params(blocks.num_warps),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, states, dstates, dy)
+      name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, t, states, dstates, dy)
 
 
-def _core_forward(q, k, v, b, beta, h0, scale, blocks):
-  w, u = _prepare(k, v, b, beta, blocks)
+def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
+  """(y, final state, the backward's residuals when `residuals`, else None)."""
+  w, u, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
   states, final = _states(k, w, u, b, h0, blocks)
-  y = _output(q, k, w, u, b, states, scale, blocks)
-  return y, final, (w, u, states)
+  y, *scores = _output(q, k, w, u, b, states, scale, blocks, save_scores=residuals)
+  return y, final, ((w, u, t[0], states, scores[0]) if residuals else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _gdr_core(q, k, v, b, beta, h0, scale, blocks):
   """Padded: q, k [B, T, G, K], v [B, T, N, V], b/beta [B, N, T] f32, h0 f32."""
-  y, final, _ = _core_forward(q, k, v, b, beta, h0, scale, blocks)
+  y, final, _ = _core_forward(q, k, v, b, beta, h0, scale, blocks, residuals=False)
   return y, final
 
 
 def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
-  y, final, (w, u, states) = _core_forward(q, k, v, b, beta, h0, scale, blocks)
-  return (y, final), (q, k, v, b, beta, w, u, states)
+  y, final, saved = _core_forward(q, k, v, b, beta, h0, scale, blocks, residuals=True)
+  return (y, final), (q, k, v, b, beta) + saved
 
 
 def _core_bwd(scale, blocks, residuals, cotangents):
-  q, k, v, b, beta, w, u, states = residuals
+  q, k, v, b, beta, w, u, t, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
-  dstates, dh0 = _states_bwd(q, k, w, dy, b, dfinal.astype(_F32), scale, blocks)
-  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, w, u, b, beta, states, dstates, dy,
+  dstates, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale, blocks)
+  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy,
                                        scale, blocks)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:

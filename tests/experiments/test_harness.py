@@ -21,6 +21,16 @@ def test_sample_ms_zero_syncs_every_call():
   assert row["calls_per_sample"] == 1
 
 
+def test_a_slow_call_still_gets_several_calls_per_sample():
+  # 5 ms per call against a 2 ms sample: one call would fill it, but a sample
+  # of one call adds the dispatch and the sync to the time.
+  import time as time_lib
+  slow = lambda x: jax.pure_callback(lambda v: (time_lib.sleep(0.005), v)[1], x, x)
+  row = harness.run_case({}, lambda: (slow, (jnp.ones(4),)), iters=2, sample_ms=2.0)
+  assert row["status"] == "ok"
+  assert row["calls_per_sample"] == harness.MIN_CALLS_PER_SAMPLE
+
+
 def test_carried_outputs_feed_the_next_call():
   # The step donates its first argument: reusing it instead of the carried
   # output would read a deleted buffer.

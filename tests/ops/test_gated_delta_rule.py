@@ -91,6 +91,25 @@ def test_matches_reference(implementation, time, chunk, dtype, groups, with_stat
          with_state=with_state, scale=scale)
 
 
+@pytest.mark.parametrize("case", ["random", "repeated_key"])
+def test_unit_lower_inverse(case):
+  """(I + A)^-1 of the kernels (forward substitution on A^T) against numpy, at
+  L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
+  all ones below the diagonal) is the case a truncated series would get wrong:
+  its powers grow like binomials while the inverse is bidiagonal."""
+  from ops.gated_delta_rule import pallas as gdr_pallas_lib
+  chunk = 32
+  if case == "random":
+    a = np.asarray(jax.random.uniform(jax.random.key(0), (chunk, chunk), minval=-0.5,
+                                      maxval=0.5))
+  else:
+    a = np.ones((chunk, chunk), np.float32)
+  a = np.tril(a, -1).astype(np.float32)
+  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a.T), chunk)
+  want = np.linalg.inv(np.eye(chunk) + a.astype(np.float64))
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
 def test_kernels_loop_over_several_value_tiles():
   """The output and chunk-gradient kernels visit V a `block_v` tile at a time
   (V 40 pads to 64: four tiles, the last one all padding) and the states
