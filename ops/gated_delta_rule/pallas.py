@@ -92,24 +92,21 @@ def _masks(chunk):
   return row, col
 
 
-def _unit_lower_inverse(a_t, chunk):
-  """`(I + a)^-1` for a strictly lower-triangular [L, L] float32 `a`, given as
-  its transpose `a_t`.
+def _unit_lower_inverse(a, chunk):
+  """`(I + a)^-1` for a strictly lower-triangular [L, L] float32 `a`.
 
   Forward substitution, one row per step: `T_i = e_i - sum_{j<i} a_ij T_j`
-  (rows j >= i of T are still identity rows then, and a_ij = 0 there). Row i
-  of `a` is column i of `a_t`: picking it reduces along the tile's second axis
-  and leaves it laid out as a column, ready to scale the rows of T (picking a
-  row of `a` would need a layout conversion every step). Measured on the H200:
-  this beats blocked schemes that trade steps for float32 tile products
-  (doubling merges `T <- T - T (C T)`), which the Triton lowering runs on the
-  FMA units, not the tensor cores (BUILD_NOTES.md).
+  (rows j >= i of T are still identity rows then, and a_ij = 0 there). On the
+  H200 this beat the blocked schemes that trade steps for float32 tile
+  products (substitution inside diagonal blocks, then doubling merges
+  `T <- T - T (C T)`), whose products the Triton lowering runs on the FMA
+  units, and picking the row from `a`'s transpose (BUILD_NOTES.md).
   """
   row, col = _masks(chunk)
   eye = (row == col).astype(_F32)
 
   def body(i, t):
-    a_i = jnp.sum(jnp.where(col == i, a_t, 0.0), axis=1)         # [L]: a[i, :]
+    a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)           # [L]: a[i, :]
     new = jnp.sum(a_i[:, None] * t, axis=0)                      # [L]: a[i, :] @ t
     return jnp.where(row == i, eye - new[None, :], t)
 
@@ -119,11 +116,9 @@ def _unit_lower_inverse(a_t, chunk):
 def _wy_inverse(k, b, beta, chunk):
   """T = (I + A)^-1 [L, L] float32, A = strict_lower(beta_i D_ij k_i.k_j)."""
   row, col = _masks(chunk)
-  kk = _mm(k, k, k.dtype, trans_b=True)                          # symmetric
-  # A^T[r, c] = beta_c exp(b_c - b_r) k_c.k_r for c > r.
-  upper = col > row
-  decay_t = jnp.where(upper, jnp.exp(jnp.where(upper, b[None, :] - b[:, None], 0.0)), 0.0)
-  return _unit_lower_inverse(beta[None, :] * decay_t * kk, chunk)
+  kk = _mm(k, k, k.dtype, trans_b=True)
+  a = jnp.where(row > col, beta[:, None] * _causal_decay(b, chunk) * kk, 0.0)
+  return _unit_lower_inverse(a, chunk)
 
 
 def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk):

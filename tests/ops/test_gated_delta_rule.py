@@ -93,8 +93,7 @@ def test_matches_reference(implementation, time, chunk, dtype, groups, with_stat
 
 @pytest.mark.parametrize("case", ["random", "repeated_key"])
 def test_unit_lower_inverse(case):
-  """(I + A)^-1 of the kernels (forward substitution on A^T) against numpy, at
-  L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
+  """(I + A)^-1 of the kernels (forward substitution) against numpy, at L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
   all ones below the diagonal) is the case a truncated series would get wrong:
   its powers grow like binomials while the inverse is bidiagonal."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
@@ -105,7 +104,7 @@ def test_unit_lower_inverse(case):
   else:
     a = np.ones((chunk, chunk), np.float32)
   a = np.tril(a, -1).astype(np.float32)
-  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a.T), chunk)
+  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a), chunk)
   want = np.linalg.inv(np.eye(chunk) + a.astype(np.float64))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
 
