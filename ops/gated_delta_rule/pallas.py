@@ -1,26 +1,30 @@
 """Pallas (Triton) kernels for the gated delta rule, forward and backward.
 
 The chunked WY / UT form of xla.py, split so that the [L, L] matrices (the
-decays, `A`, its inverse `T`, the scores) live only in registers and only the
-per-token `W`, `U~` and the chunk-boundary states go through memory. With `b`
-the chunk-local cumulative log-decay, `D_ij = exp(b_i - b_j)` (i >= j):
+decays, `A`, its inverse `T`, the scores) are formed on chip and only the
+per-token `W`, `U~`, the chunk-boundary states and, for the backward, `T` and
+the scores go through memory. With `b` the chunk-local cumulative log-decay,
+`D_ij = exp(b_i - b_j)` (i >= j):
 
 Forward, three launches:
 1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)`,
    `T = (I + A)^-1` by forward substitution in registers, `W = T (beta e^b K)`,
-   `U~ = T (beta V)`, written in the input dtype.
+   `U~ = T (beta V)`, written in the input dtype (and `T`, float32, when a
+   gradient will be taken).
 2. states (one program per batch, head and V tile; V columns of the state
    evolve independently): per chunk `U = U~ - W M0`,
    `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes the state entering each chunk.
-3. output (parallel over chunks and V tiles):
-   `Y = scale (e^b (Q M0) + ((Q K^T) * D) U)`.
+3. output (parallel over chunks; a loop over V tiles):
+   `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D` (stored
+   transposed when a gradient will be taken).
 
 Backward, two launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
    K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes the
    adjoint of the state leaving each chunk; its end is d initial_state.
-2. chunk gradients (parallel over chunks): dQ, dK, dV, d beta and d b of the
-   chunk, recomputing `T` and `U` (the gradient through the inverse is
+2. chunk gradients (parallel over chunks; a loop over V tiles accumulates the
+   products that reduce over V): dQ, dK, dV, d beta and d b of the chunk, from
+   the stored `T` and recomputed `U` (the gradient through the inverse is
    `dA = -T^T dT T^T`).
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
