@@ -41,6 +41,7 @@ _KERNELS = flags.DEFINE_bool("kernels", True, "Time the scan ops.")
 _MODELS = flags.DEFINE_bool("models", False, "Time SSMModel per cell.")
 _MEMORY = flags.DEFINE_bool("memory", True, "Selective scan at T 16384, S 128: memory.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_CELLS = flags.DEFINE_list("cells", ["lru", "mamba"], "SSMModel cells timed with --models.")
 _OPS = flags.DEFINE_list("ops", ["selective_scan", "linear_scan"],
                          "Which scan ops to time and check.")
 
@@ -54,6 +55,20 @@ def _case_fns(fn, num_args):
   fwd = jax.jit(fn)
   grad = jax.jit(jax.grad(workloads.scan_loss(fn), argnums=tuple(range(num_args))))
   return {"fwd": fwd, "fwd+bwd": grad}
+
+
+def _lru_case_fns(scan):
+  """The LRU's use of the scan: one decay [D] for every step, `b` built from
+  real planes and `h` read as planes (as `LRUCell` does), so neither tier pays
+  for complex arrays crossing the jit boundary."""
+  def fn(lam, b_re, b_im):
+    h, final = scan(lam, jax.lax.complex(b_re, b_im))
+    return h.real, h.imag, final
+
+  def loss(*args):
+    h_re, h_im, final = fn(*args)
+    return jnp.sum(h_re) + jnp.sum(h_im) + jnp.sum(jnp.real(final))
+  return {"fwd": jax.jit(fn), "fwd+bwd": jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
 
 
 def _relerr(x, y):
@@ -123,9 +138,11 @@ def kernel_cases(small, sweep):
   for time in ((256, 1024) if small else (4096, 16384)):
     cases.append(("linear_scan", (b, time, d), "pallas", None))
     cases.append(("linear_scan", (b, time, d), "xla", None))
+    cases.append(("linear_scan_lru", (b, time, d), "pallas", None))
+    cases.append(("linear_scan_lru", (b, time, d), "xla", None))
   cases.append(("selective_scan", (b, 64 if small else 512, d, 16), "lax.scan", None))
   cases.append(("linear_scan", (b, 64 if small else 512, d), "lax.scan", None))
-  return [c for c in cases if c[0] in _OPS.value]
+  return [c for c in cases if c[0].removesuffix("_lru") in _OPS.value]
 
 
 def time_kernels(cases, iters, sink):
@@ -142,7 +159,13 @@ def time_kernels(cases, iters, sink):
     if blocks is not None:
       fn = functools.partial(fn, blocks=blocks)
     used = (blocks or default) if impl == "pallas" else None
-    for mode, f in _case_fns(fn, len(args)).items():
+    if op == "linear_scan_lru":
+      a, b = args
+      args = (a[0, 0], jnp.real(b), jnp.imag(b))
+      fns = _lru_case_fns(fn)
+    else:
+      fns = _case_fns(fn, len(args))
+    for mode, f in fns.items():
       config = {"kind": "time", "op": op, "shape": shape, "impl": impl, "mode": mode,
                 "blocks": None if used is None else str(used),
                 "default_blocks": blocks is None}
@@ -177,7 +200,7 @@ def time_models(small, iters):
   import probjax_hk as pj
   rows = []
   batch, time = (2, 128) if small else (8, 4096)
-  for cell_name in ("lru", "mamba"):
+  for cell_name in _CELLS.value:
     for impl in ("pallas", "xla"):
       for dtype in (jnp.bfloat16,):
         def forward(x, cell_name=cell_name, impl=impl):

@@ -11,14 +11,15 @@ def round_up(a: int, multiple: int) -> int:
   return cdiv(a, multiple) * multiple
 
 
-def pad_axis(x: jnp.ndarray, axis: int, multiple: int, value=0) -> jnp.ndarray:
-  """Pads `x` at the end of `axis` to a multiple of `multiple`."""
+def pad_axis(x: jnp.ndarray, axis: int, multiple: int, value=0, *,
+             at_start: bool = False) -> jnp.ndarray:
+  """Pads `x` at the end (or the start) of `axis` to a multiple of `multiple`."""
   size = x.shape[axis]
   extra = round_up(size, multiple) - size
   if extra == 0:
     return x
   widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
+  widths[axis] = (extra, 0) if at_start else (0, extra)
   return jnp.pad(x, widths, constant_values=value)
 
 

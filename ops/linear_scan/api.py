@@ -23,15 +23,16 @@ _PALLAS_IS_GPU_DEFAULT = False
 
 
 def _validate(a, b, initial_state):
-  if a.ndim != 3:
-    raise ValueError(f"`a` must be [B, T, D], got shape {a.shape}")
-  if b.shape != a.shape:
-    raise ValueError(f"`b` must have the shape of `a` {a.shape}, got {b.shape}")
+  if b.ndim != 3:
+    raise ValueError(f"`b` must be [B, T, D], got shape {b.shape}")
+  if a.shape != b.shape and a.shape != b.shape[2:]:
+    raise ValueError(f"`a` must be [B, T, D] = {b.shape} like `b`, or [D] = "
+                     f"{b.shape[2:]} (the same decay at every step), got {a.shape}")
   for name, x in (("a", a), ("b", b)):
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _VALID_DTYPES]:
       raise ValueError(f"`{name}` must be a float or complex array, got {x.dtype}")
-  if initial_state is not None and initial_state.shape != (a.shape[0], a.shape[2]):
-    raise ValueError(f"`initial_state` must be [B, D] = {(a.shape[0], a.shape[2])}, "
+  if initial_state is not None and initial_state.shape != (b.shape[0], b.shape[2]):
+    raise ValueError(f"`initial_state` must be [B, D] = {(b.shape[0], b.shape[2])}, "
                      f"got {initial_state.shape}")
 
 
@@ -43,7 +44,9 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
 
   Args:
     a: [B, T, D] decay; float32, bfloat16 or complex64 (float64/complex128 on
-      the XLA path only).
+      the XLA path only). Or [D]: the same decay at every step and batch row
+      (the LRU's), which the kernel reads once per program instead of per
+      step.
     b: [B, T, D] input, same shape.
     initial_state: [B, D], the state before the first step processed (zeros
       when None).

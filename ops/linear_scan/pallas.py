@@ -89,11 +89,12 @@ def _compose(first, second):
 
 
 def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
-                 unroll: int, fold: bool):
+                 unroll: int, fold: bool, const_a: bool):
   """One program: `block_d` channels, one chunk of time, planes of f32.
 
   refs: a planes, b planes, h0 planes, [prod planes, end planes if fold],
   then the outputs: (prod, end) planes for mode 'summary', h planes for 'apply'.
+  With `const_a` the a planes are one [1, block_d] row used at every step.
   """
   a_refs, b_refs, refs = refs[:planes], refs[planes:2 * planes], refs[2 * planes:]
   h0_refs, refs = refs[:planes], refs[planes:]
@@ -128,7 +129,11 @@ def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
     h, prod = carry
     tile = j if not reverse else chunk // unroll - 1 - j
     rows = pl.ds(tile * unroll, unroll)
-    a = tuple(r[rows, :].astype(jnp.float32) for r in a_refs)
+    if const_a:
+      a = tuple(jnp.broadcast_to(r[...].astype(jnp.float32), (unroll, block_d))
+                for r in a_refs)
+    else:
+      a = tuple(r[rows, :].astype(jnp.float32) for r in a_refs)
     b = tuple(r[rows, :].astype(jnp.float32) for r in b_refs)
     scanned = tile_associative_scan(_compose, a + b, axis=0, reverse=reverse)
     a_cum, b_cum = scanned[:planes], scanned[planes:]
@@ -154,21 +159,31 @@ def _to_planes(x: jax.Array) -> tuple[jax.Array, ...]:
 
 def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
                blocks: LinearScanBlocks) -> jax.Array:
-  """The kernel pair without a gradient rule: [B, T, D] x2, [B, D] -> h."""
+  """The kernel pair without a gradient rule: a [B, T, D] or [D], b [B, T, D],
+  h0 [B, D] -> h."""
   out_dtype = jnp.result_type(a, b)
   is_complex = jnp.issubdtype(out_dtype, jnp.complexfloating)
-  batch, time, width = a.shape
+  batch, time, width = b.shape
+  const_a = a.ndim == 1
   planes = 2 if is_complex else 1
   bd, chunk = blocks.block_d, blocks.chunk
   num_chunks = _shapes.cdiv(time, chunk)
-  # Pad with the identity step (a = 1, b = 0): it leaves the state unchanged.
-  a_p = [_shapes.pad_axis(_shapes.pad_axis(p, 1, chunk, 1.0 if k == 0 else 0.0), 2, bd)
-         for k, p in enumerate(_to_planes(a.astype(out_dtype)))]
-  b_p = [_shapes.pad_axis(_shapes.pad_axis(p, 1, chunk), 2, bd)
-         for p in _to_planes(b.astype(out_dtype))]
+  # Padded steps go after the real ones in processing order (at the start of
+  # time when `reverse`), so they can only change states nobody reads; with a
+  # per-step `a` they are the identity step (a = 1, b = 0) besides.
+  extra = num_chunks * chunk - time
+  pad_time = lambda p, value=0.0: _shapes.pad_axis(p, 1, chunk, value, at_start=reverse)
+  a_planes = _to_planes(a.astype(out_dtype))
+  if const_a:
+    a_p = [_shapes.pad_axis(p, 0, bd, 1.0 if k == 0 else 0.0)[None, :]
+           for k, p in enumerate(a_planes)]                       # [1, Dp]
+  else:
+    a_p = [_shapes.pad_axis(pad_time(p, 1.0 if k == 0 else 0.0), 2, bd)
+           for k, p in enumerate(a_planes)]
+  b_p = [_shapes.pad_axis(pad_time(p), 2, bd) for p in _to_planes(b.astype(out_dtype))]
   h0_p = [_shapes.pad_axis(p.astype(jnp.float32), 1, bd)[:, None, :]
           for p in _to_planes(h0)]
-  padded_d = a_p[0].shape[2]
+  padded_d = b_p[0].shape[2]
   grid = (batch, padded_d // bd, num_chunks)
 
   def chunk_index(c):
@@ -176,8 +191,9 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
 
   seq_spec = pl.BlockSpec((None, chunk, bd), lambda i, d, c: (i, chunk_index(c), d))
   one_spec = pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, 0, d))
+  a_spec = pl.BlockSpec((1, bd), lambda i, d, c: (0, d)) if const_a else seq_spec
   kernel = functools.partial(_scan_kernel, planes=planes, reverse=reverse,
-                             chunk=chunk, unroll=blocks.unroll)
+                             chunk=chunk, unroll=blocks.unroll, const_a=const_a)
   params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                 num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
@@ -188,7 +204,7 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
     summaries = pl.pallas_call(
         functools.partial(kernel, mode="summary", fold=False),
         grid=grid,
-        in_specs=[seq_spec] * (2 * planes) + [one_spec] * planes,
+        in_specs=[a_spec] * planes + [seq_spec] * planes + [one_spec] * planes,
         out_specs=[pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, c, d))] * (2 * planes),
         out_shape=[summary_shape] * (2 * planes),
         compiler_params=params, interpret=interpret,
@@ -198,13 +214,14 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
   h = pl.pallas_call(
       functools.partial(kernel, mode="apply", fold=fold),
       grid=grid,
-      in_specs=[seq_spec] * (2 * planes) + [one_spec] * planes
+      in_specs=[a_spec] * planes + [seq_spec] * planes + [one_spec] * planes
       + [all_spec] * len(summaries),
       out_specs=[seq_spec] * planes,
-      out_shape=[jax.ShapeDtypeStruct(a_p[0].shape, store_dtype)] * planes,
+      out_shape=[jax.ShapeDtypeStruct(b_p[0].shape, store_dtype)] * planes,
       compiler_params=params, interpret=interpret,
       name="linear_scan")(*a_p, *b_p, *h0_p, *summaries)
-  h = [p[:, :time, :width] for p in h]
+  first = extra if reverse else 0
+  h = [p[:, first:first + time, :width] for p in h]
   return jax.lax.complex(*h) if is_complex else h[0]
 
 
@@ -226,6 +243,8 @@ def _linear_scan_fwd(a, b, h0, reverse, blocks):
 def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
   a, h, h0 = residuals
   dh_out, dfinal = cotangents  # [B, T, D], [B, D]
+  if a.ndim == 1:
+    return _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal)
   one = jnp.ones_like(a[:, :1])
   h0 = h0.astype(h.dtype)[:, None]
   if reverse:
@@ -243,6 +262,29 @@ def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
   return da, dh.astype(h.dtype), dh0
 
 
+def _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal):
+  """The backward for a decay `a` [D] shared by every step.
+
+  The adjoint scan runs with the same `a` at every step, so `dfinal` (whose
+  step has no decay in front of it) enters as an addition to the cotangent of
+  the first step the backward processes instead of as its initial state; `da`
+  sums `dh_t h_{t-1}` over batch and time.
+  """
+  dtype = h.dtype
+  first_back = 0 if reverse else -1  # the step the adjoint scan starts from
+  dh_in = dh_out.astype(dtype).at[:, first_back].add(dfinal.astype(dtype))
+  dh = _scan_call(a, dh_in, jnp.zeros_like(dfinal, dtype), reverse=not reverse,
+                  blocks=blocks)
+  h0 = h0.astype(dtype)
+  if reverse:   # h_prev of step t is h_{t+1}; the last step's is h0
+    da = jnp.sum(dh[:, :-1] * h[:, 1:], axis=(0, 1)) + jnp.sum(dh[:, -1] * h0, axis=0)
+  else:         # h_prev of step t is h_{t-1}; the first step's is h0
+    da = jnp.sum(dh[:, 1:] * h[:, :-1], axis=(0, 1)) + jnp.sum(dh[:, 0] * h0, axis=0)
+  first = -1 if reverse else 0
+  dh0 = (a * dh[:, first]).astype(h0.dtype)
+  return da.astype(a.dtype), dh, dh0
+
+
 _linear_scan.defvjp(_linear_scan_fwd, _linear_scan_bwd)
 
 
@@ -253,7 +295,7 @@ def linear_scan_pallas(a: jax.Array, b: jax.Array, *,
                        ) -> tuple[jax.Array, jax.Array]:
   """Same contract as `linear_scan_reference`, on the Pallas kernel."""
   out_dtype = jnp.result_type(a, b)
-  batch, time, width = a.shape
+  batch, time, width = b.shape
   if blocks is None:
     blocks = LinearScanBlocks.get_default(batch, time, width)
   if initial_state is None:

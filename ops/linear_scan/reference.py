@@ -22,7 +22,8 @@ def linear_scan_reference(a: jax.Array, b: jax.Array, *,
   """`h_t = a_t * h_{t-1} + b_t` over axis 1, one step at a time.
 
   Args:
-    a: [B, T, D] decay (real or complex).
+    a: [B, T, D] decay (real or complex), or [D] for the same decay at every
+      step.
     b: [B, T, D] input.
     initial_state: [B, D] `h_{-1}` (zeros when None); with `reverse` it is
       the state after the last step, `h_T`.
@@ -34,7 +35,8 @@ def linear_scan_reference(a: jax.Array, b: jax.Array, *,
   """
   out_dtype = jnp.result_type(a, b)
   acc = accumulation_dtype(out_dtype)
-  batch, _, width = a.shape
+  a = jnp.broadcast_to(a, b.shape)
+  batch, _, width = b.shape
   if initial_state is None:
     h0 = jnp.zeros((batch, width), acc)
   else:

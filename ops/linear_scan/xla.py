@@ -25,7 +25,7 @@ def linear_scan_xla(a: jax.Array, b: jax.Array, *,
   """Same contract as `linear_scan_reference`, computed associatively."""
   out_dtype = jnp.result_type(a, b)
   acc = accumulation_dtype(out_dtype)
-  a = a.astype(acc)  # [B, T, D]
+  a = jnp.broadcast_to(a, b.shape).astype(acc)  # [B, T, D]
   b = b.astype(acc)  # [B, T, D]
   first = -1 if reverse else 0
   if initial_state is not None:

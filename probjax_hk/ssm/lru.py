@@ -106,10 +106,14 @@ class LRUCell(hk.Module):
     """
     lam, b, c, d = self._params(x.shape[-1])
     xf = x.astype(jnp.float32)
-    bu = jnp.einsum("bth,hn->btn", xf.astype(jnp.complex64), b)        # [B, T, N]
-    a = jnp.broadcast_to(lam, bu.shape)                                 # [B, T, N]
-    h, _ = ops.linear_scan(a, bu, reverse=reverse, implementation=self.implementation)
-    y = jnp.einsum("btn,nh->bth", h, c).real + d * xf                   # [B, T, H]
+    # Real products on the real and imaginary parts: a real input times a
+    # complex matrix needs two real matmuls, not a complex one, and the
+    # kernel's split of `bu` into planes (and its merge of `h`) then cancels
+    # against `lax.complex` and `.real`/`.imag` in XLA instead of copying.
+    bu = jax.lax.complex(xf @ b.real, xf @ b.imag)                     # [B, T, N]
+    # lam [N] is the same at every step: the kernel reads it once per program.
+    h, _ = ops.linear_scan(lam, bu, reverse=reverse, implementation=self.implementation)
+    y = h.real @ c.real - h.imag @ c.imag + d * xf                      # Re(h c), [B, T, H]
     return y.astype(x.dtype)
 
   @hk.name_like("__call__")

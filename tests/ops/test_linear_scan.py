@@ -61,8 +61,10 @@ def _impl(implementation, reverse, with_state, blocks=None):
 
 
 def _check(implementation, dtype, time, reverse, with_state, blocks=None,
-           batch=2, width=12):
+           batch=2, width=12, const_decay=False):
   a, b, h0 = _inputs(batch, time, width, dtype)
+  if const_decay:
+    a = a[0, 0]  # [D]: the same decay at every step and batch row
   fn = _impl(implementation, reverse, with_state, blocks)
   ref = _impl("reference", reverse, with_state)
   fwd_tol, grad_tol = _TOL[dtype]
@@ -103,6 +105,20 @@ _CASES = [
 @pytest.mark.parametrize("implementation,dtype,time,reverse,with_state,blocks", _CASES)
 def test_matches_reference(implementation, dtype, time, reverse, with_state, blocks):
   _check(implementation, dtype, time, reverse, with_state, blocks)
+
+
+# A decay [D] shared by every step (the LRU's): the kernel reads it once per
+# program and its backward sums da over batch and time.
+@pytest.mark.parametrize("implementation,dtype,time,reverse,with_state,blocks", [
+    ("xla", "complex64", 64, False, True, None),
+    ("pallas", "complex64", 257, True, True, _CHUNKED),
+    ("pallas", "complex64", 257, False, True, _CHUNKED),
+    ("pallas", "float32", 64, False, False, _SMALL),
+    ("pallas", "bfloat16", 7, True, True, _SMALL),
+])
+def test_decay_shared_by_every_step(implementation, dtype, time, reverse, with_state,
+                                    blocks):
+  _check(implementation, dtype, time, reverse, with_state, blocks, const_decay=True)
 
 
 def test_reverse_is_flipped_forward():
@@ -147,6 +163,10 @@ def test_jit_and_vmap():
 def test_bad_arguments_raise():
   a, b, h0 = _inputs(2, 8, 4, "float32")
   with pytest.raises(ValueError, match="`a`"):
+    linear_scan(a[0], b)        # neither [B, T, D] nor [D]
+  with pytest.raises(ValueError, match="`a`"):
+    linear_scan(a[0, 0, :3], b)  # [D] of the wrong width
+  with pytest.raises(ValueError, match="`b`"):
     linear_scan(a[0], b[0])
   with pytest.raises(ValueError, match="`b`"):
     linear_scan(a, b[:, :5])

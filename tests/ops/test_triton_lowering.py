@@ -72,6 +72,9 @@ CASES = {
     "linear_scan_complex": (
         lambda a, b: ops.linear_scan(a, b, implementation="pallas"),
         (_spec((B, T, 128), jnp.complex64), _spec((B, T, 128), jnp.complex64))),
+    "linear_scan_shared_decay": (
+        lambda a, b: ops.linear_scan(a, b, implementation="pallas"),
+        (_spec((128,), jnp.complex64), _spec((B, T, 128), jnp.complex64))),
     "selective_scan": (
         lambda u, dt, a, b, c: ops.selective_scan(u, dt, a, b, c, delta_softplus=True,
                                                   implementation="pallas"),
