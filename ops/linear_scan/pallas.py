@@ -18,8 +18,9 @@ So the kernel reads the inputs twice and writes `h` once, with `B * D /
 block_d * C` programs in flight instead of `B * D / block_d` serial chains.
 With a single chunk the summary launch is skipped.
 
-Complex inputs (the LRU's) travel as separate real and imaginary float32
-planes; Triton has no complex type. The backward pass is the same kernel run
+A decay shared by every step (`a` [D], the LRU's) is read once per program
+as one [1, block_d] row. Complex inputs (the LRU's) travel as separate real
+and imaginary float32 planes; Triton has no complex type. The backward pass is the same kernel run
 in the other direction on (`a` shifted by one step, the output cotangent):
 it gives `dh`, then `da_t = dh_t h_{t-1}` and `db_t = dh_t`.
 
