@@ -417,7 +417,7 @@ def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
                  jax.ShapeDtypeStruct(b.shape, _F32),
                  jax.ShapeDtypeStruct(b.shape, _F32)],
       # Two stages: Triton prefetches the next V tile's state tiles during the
-      # loop (8 % faster at K = V = 128 on the H200; BUILD_NOTES.md).
+      # loop (12 % faster at K = V = 128 on the H200; BUILD_NOTES.md).
       compiler_params=_params(blocks.num_warps, 2),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, t, states, dstates, dy)
