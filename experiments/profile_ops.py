@@ -134,13 +134,13 @@ CASES = {
     "gmm_dense_matmul": lambda small: _gmm("dense", small),
     "selective_scan_s16": lambda small: _selective_scan(16, small),
     "selective_scan_s128": lambda small: _selective_scan(128, small),
-    # ssd_{fwd,fwdbwd}_{0,1}[_xla]: the kernels, or the chunked XLA peer.
-    **{f"ssd_{mode.replace('+', '')}_{shape}{suffix}":
-       functools.partial(lambda small, impl, shape, mode: _ssd("ssd", impl, shape, mode, small),
-                         impl=impl, shape=shape, mode=mode)
+    # {ssd,gdn}_{fwd,fwdbwd}_{0,1}[_xla]: the kernels, or the chunked XLA peer.
+    **{f"{name}_{mode.replace('+', '')}_{shape}{suffix}":
+       functools.partial(lambda small, op, impl, shape, mode: _ssd(op, impl, shape, mode, small),
+                         op=op, impl=impl, shape=shape, mode=mode)
+       for name, op in (("ssd", "ssd"), ("gdn", "gated_delta_rule"))
        for shape in (0, 1) for mode in ("fwd", "fwd+bwd")
        for impl, suffix in (("pallas", ""), ("xla", "_xla"))},
-    "gdn_fwdbwd_1": lambda small: _ssd("gated_delta_rule", "pallas", 1, "fwd+bwd", small),
     "flex_h32_fwd": lambda small: _attention("flex", "fwd", small),
     "cudnn_h32_fwd": lambda small: _attention("cudnn", "fwd", small),
     "flex_h32_fwdbwd": lambda small: _attention("flex", "fwd+bwd", small),
