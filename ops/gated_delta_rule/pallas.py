@@ -117,12 +117,16 @@ def _unit_lower_inverse(a, chunk):
   return jax.lax.fori_loop(1, chunk, body, eye)
 
 
-def _wy_inverse(k, b, beta, chunk):
-  """T = (I + A)^-1 [L, L] float32, A = strict_lower(beta_i D_ij k_i.k_j)."""
+def _wy_matrix(kk, decay, beta, chunk):
+  """A = strict_lower(beta_i D_ij k_i.k_j) [L, L] float32, from k.k^T and D."""
   row, col = _masks(chunk)
+  return jnp.where(row > col, beta[:, None] * decay * kk, 0.0)
+
+
+def _wy_inverse(k, b, beta, chunk):
+  """T = (I + A)^-1 [L, L] float32."""
   kk = _mm(k, k, k.dtype, trans_b=True)
-  a = jnp.where(row > col, beta[:, None] * _causal_decay(b, chunk) * kk, 0.0)
-  return _unit_lower_inverse(a, chunk)
+  return _unit_lower_inverse(_wy_matrix(kk, _causal_decay(b, chunk), beta, chunk), chunk)
 
 
 def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk):
@@ -228,7 +232,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U), M1 = e^{b_L} M0 + K~^T U and U~ = T R_u.
-    dy_dot_u, du_dot_u, drw_neg, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = acc
+    dy_dot_u, du_dot_u, drw, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = acc
     cols = pl.ds(e * block_v, block_v)
     m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [K, bv]
     dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
@@ -238,7 +242,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
     dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
             du_dot_u + _mm(du, u, dtype, trans_b=True),
-            drw_neg + _mm(dru, m0, dtype, trans_b=True),
+            drw - _mm(dru, m0, dtype, trans_b=True),
             dk_end + _mm(u, dm1, dtype, trans_b=True),
             dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
             dbeta_v + jnp.sum(dru * vf, axis=1),
@@ -247,7 +251,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
   square, keys = jnp.zeros((chunk, chunk), _F32), jnp.zeros(k.shape, _F32)
   zeros = (square, square, keys, keys, keys, jnp.zeros((chunk,), _F32),
            jnp.zeros((k.shape[1],), _F32))
-  dy_dot_u, du_dot_u, drw_neg, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = jax.lax.fori_loop(
+  dy_dot_u, du_dot_u, drw, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = jax.lax.fori_loop(
       0, v_ref.shape[-1] // block_v, tile, zeros)
   qf, kf = q.astype(_F32), k.astype(_F32)
   ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
@@ -257,11 +261,10 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
   dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
   # Through W = T R_w and T = (I + A)^-1 (dA = -T^T dT T^T).
   rw = (beta * eb)[:, None] * kf
-  # With dW = -dU M0^T: T^T dW = -(T^T dU) M0^T, accumulated over V as
-  # dru M0^T; and dT = dW R_w^T + dU R_u^T = dU (R_u - R_w M0)^T = (dU U^T)(I + A)^T
+  # With dW = -dU M0^T, drw = T^T dW = -(T^T dU) M0^T was accumulated over V
+  # as -dru M0^T; and dT = dW R_w^T + dU R_u^T = dU (R_u - R_w M0)^T = (dU U^T)(I + A)^T
   # (R_w = (I + A) W, R_u = (I + A) U~, U = U~ - W M0): no [L, K] products here.
-  drw = -drw_neg                                                 # T^T dW, [L, K]
-  i_plus_a = jnp.where(row > col, beta[:, None] * decay * kk, 0.0) + (row == col)
+  i_plus_a = _wy_matrix(kk, decay, beta, chunk) + (row == col)
   dt = _mm(du_dot_u, i_plus_a, dtype, trans_b=True)
   da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
   da = jnp.where(row > col, da, 0.0)

@@ -20,9 +20,10 @@ With a single chunk the summary launch is skipped.
 
 A decay shared by every step (`a` [D], the LRU's) is read once per program
 as one [1, block_d] row. Complex inputs (the LRU's) travel as separate real
-and imaginary float32 planes; Triton has no complex type. The backward pass is the same kernel run
-in the other direction on (`a` shifted by one step, the output cotangent):
-it gives `dh`, then `da_t = dh_t h_{t-1}` and `db_t = dh_t`.
+and imaginary float32 planes; Triton has no complex type. The backward pass
+is the same kernel run in the other direction on (`a` shifted by one step,
+the output cotangent): it gives `dh`, then `da_t = dh_t h_{t-1}` and
+`db_t = dh_t` (for a shared decay, `da` sums over batch and time).
 
 Glossary of shapes: B batch, T time, D channels, C chunks.
 """
