@@ -46,6 +46,7 @@ JSON row each, `section` says which):
   after every case; the other sections' `--time_budget_s` starts after it.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -64,8 +65,10 @@ import numpy as np
 from experiments import harness
 from experiments import workloads
 import ops
+from ops.grouped_matmul import mosaic as gmm_mosaic
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
+from ops.grouped_mlp import pallas as mlp_pallas
 from probjax_hk import moe
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_moe.json", "JSON output.")
@@ -244,8 +247,13 @@ def op_rows(rows: int) -> list[dict]:
     select = jax.nn.one_hot(group_of_row, workloads.NUM_EXPERTS, dtype=jnp.float32)
     return jnp.einsum("mg,gmn->mn", select, y).astype(a.dtype)
 
+  def triton(a, b, s):
+    starts, ends = gmm_reference.group_bounds(s, a.shape[0])
+    return gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False)
+
   peers = {
       "pallas": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="pallas"),
+      "pallas_triton": triton,
       "ragged_dot": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="xla"),
       "every_expert_einsum": every_expert,
       "dense_matmul_same_flops": lambda a, b, s: jnp.matmul(a, b[0]),
@@ -270,12 +278,19 @@ def mlp_rows(rows: int) -> list[dict]:
   flops = 2 * 2 * rows * d * f
 
   def unfused(x, w_in, w_out, s):
-    gmm = functools.partial(ops.grouped_matmul, implementation="pallas")
+    starts, ends = gmm_reference.group_bounds(s, x.shape[0])
+    gmm = lambda a, b, s: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False)
     h = gmm(x, w_in.astype(x.dtype), s)
     return gmm(jax.nn.gelu(h), w_out.astype(x.dtype), s)
 
+  def fused_triton(x, w_in, w_out, s):
+    starts, ends = gmm_reference.group_bounds(s, x.shape[0])
+    return mlp_pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends,
+                                         activation="gelu", mosaic=False)
+
   impls = {
       "fused_pallas": functools.partial(ops.grouped_mlp, implementation="pallas"),
+      "fused_pallas_triton": fused_triton,
       "unfused_pallas": unfused,
       "ragged_dot": functools.partial(ops.grouped_mlp, implementation="xla"),
   }
@@ -343,16 +358,31 @@ def _moe_case(impl: str, mode: str, params, state, x, cotangent) -> tuple:
   return fn, (params, x, cotangent)
 
 
+@contextlib.contextmanager
+def _triton_kernels():
+  """The grouped ops' Pallas path on the Triton kernels (not Mosaic GPU's), for
+  the layer's comparison row 'gmm_triton'."""
+  preferred = gmm_mosaic.preferred
+  gmm_mosaic.preferred = lambda dtype: False
+  try:
+    yield
+  finally:
+    gmm_mosaic.preferred = preferred
+
+
 def moe_rows(tokens: int) -> list[dict]:
   inputs = _moe_inputs(tokens)
   out = []
   for mode in MODES:
-    for impl in IMPLS:
+    for impl in IMPLS + ("gmm_triton",):
       if _over_budget():
         break
-      row = harness.run_case(dict(section="moe", impl=impl, mode=mode, tokens=tokens),
-                             lambda impl=impl, mode=mode: _moe_case(impl, mode, *inputs),
-                             iters=_ITERS.value)
+      layer_impl = "gmm" if impl == "gmm_triton" else impl
+      with _triton_kernels() if impl == "gmm_triton" else contextlib.nullcontext():
+        row = harness.run_case(
+            dict(section="moe", impl=impl, mode=mode, tokens=tokens),
+            lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs),
+            iters=_ITERS.value)
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
   for r in out:

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 
 from ops import _backend
 from ops import _shapes
+from ops.grouped_matmul import mosaic as mosaic_gmm
+from ops.grouped_matmul.metadata import group_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,41 +86,6 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
   """fp32-accumulating tile product; full fp32 (no TF32) for fp32 tiles."""
   allow_tf32 = False if a.dtype == jnp.float32 else None
   return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
-
-
-def group_metadata(starts: jax.Array, ends: jax.Array, padded_rows: int,
-                   block_m: int) -> tuple[jax.Array, ...]:
-  """Per-grid-step (group, row tile, first row, end row) for `gmm`.
-
-  Args:
-    starts, ends: [G] row bounds of each group (contiguous, ends <= M).
-    padded_rows: M rounded up to a multiple of `block_m`.
-    block_m: rows per tile.
-
-  Returns:
-    group, tile, row_start, row_end: each [T] int32 with
-    T = padded_rows // block_m + G. Group G is the pseudo-group of rows after
-    the last group (its output is zero); steps past the real end have
-    row_start == row_end == 0 and store nothing.
-  """
-  num_groups = starts.shape[0]
-  # G + 1 segments that partition [0, padded_rows): the groups, then the rest.
-  seg_ends = jnp.concatenate([ends, jnp.full((1,), padded_rows, jnp.int32)])
-  seg_starts = jnp.concatenate([starts, ends[-1:]])
-  first_tile = seg_starts // block_m
-  num_tiles = jnp.where(seg_ends > seg_starts,
-                        (seg_ends - 1) // block_m - first_tile + 1, 0)  # [G+1]
-  inclusive = jnp.cumsum(num_tiles)  # [G+1]
-  exclusive = inclusive - num_tiles
-  steps = padded_rows // block_m + num_groups
-  step = jnp.arange(steps, dtype=jnp.int32)  # [T]
-  seg = jnp.sum(step[:, None] >= inclusive[None, :], axis=1).astype(jnp.int32)  # [T]
-  valid = seg <= num_groups
-  seg = jnp.minimum(seg, num_groups)
-  tile = jnp.where(valid, first_tile[seg] + step - exclusive[seg], 0)
-  row_start = jnp.where(valid, seg_starts[seg], 0)
-  row_end = jnp.where(valid, seg_ends[seg], 0)
-  return seg, tile.astype(jnp.int32), row_start, row_end
 
 
 class Tile(NamedTuple):
@@ -294,22 +261,42 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   return out[:, :k, :n]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _grouped_matmul(lhs, rhs, starts, ends, block_sizes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _grouped_matmul(lhs, rhs, starts, ends, block_sizes, mosaic):
+  return _forward(lhs, rhs, starts, ends, block_sizes, mosaic)
+
+
+def _forward(lhs, rhs, starts, ends, block_sizes, mosaic):
+  if mosaic:
+    return _mosaic_gmm(lhs, rhs, ends, transpose_rhs=False)
   return gmm(lhs, rhs, starts, ends, block_sizes=block_sizes)
 
 
-def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes):
-  out = gmm(lhs, rhs, starts, ends, block_sizes=block_sizes)
+def _mosaic_gmm(lhs, rhs, ends, *, transpose_rhs):
+  """`mosaic_gmm.gmm`, with K and N padded to its tiles."""
+  multiple = mosaic_gmm.WIDTH_MULTIPLE
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  lhs_p = _shapes.pad_axis(lhs, 1, multiple)
+  rhs_p = _shapes.pad_axis(_shapes.pad_axis(rhs, 1, multiple), 2, multiple)
+  [out] = mosaic_gmm.gmm(lhs_p, rhs_p, ends, transpose_rhs=transpose_rhs,
+                         interpret=_backend.pallas_interpret())
+  return out[:, :n]
+
+
+def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes, mosaic):
+  out = _forward(lhs, rhs, starts, ends, block_sizes, mosaic)
   return out, (lhs, rhs, starts, ends)
 
 
-def _grouped_matmul_bwd(block_sizes, residuals, dout):
+def _grouped_matmul_bwd(block_sizes, mosaic, residuals, dout):
   lhs, rhs, starts, ends = residuals
   dout = dout.astype(lhs.dtype)
   # Rows outside every group got no weight: their lhs gradient is zero, which
   # the pseudo-group of gmm writes.
-  dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
+  if mosaic:
+    dlhs = _mosaic_gmm(dout, rhs, ends, transpose_rhs=True)
+  else:
+    dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
   drhs = tgmm(lhs, dout, starts, ends, block_sizes=block_sizes)
   return dlhs, drhs.astype(rhs.dtype), None, None
 
@@ -318,18 +305,28 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
-                          ends: jax.Array, *,
-                          block_sizes: BlockSizes | None = None) -> jax.Array:
+                          ends: jax.Array, *, block_sizes: BlockSizes | None = None,
+                          mosaic: bool | None = None) -> jax.Array:
   """Differentiable grouped matmul on the Pallas kernels.
 
   Args:
     lhs: [M, K].
     rhs: [G, K, N] (same dtype as `lhs`).
     starts, ends: [G] int32 contiguous row bounds (`reference.group_bounds`).
-    block_sizes: tile sizes; defaults from `BlockSizes.get_default`.
+    block_sizes: tile sizes of the Triton kernels; defaults from
+      `BlockSizes.get_default`.
+    mosaic: run the matmuls over rows (forward, input gradient) on the Mosaic
+      GPU kernel (`mosaic.py`); the weight gradient stays on Triton's `tgmm`.
+      Default `mosaic.preferred(lhs.dtype)`: 16-bit inputs on a Hopper GPU.
+      Off the GPU it runs in Mosaic GPU interpret mode.
 
   Returns:
     [M, N] in `lhs.dtype`.
   """
+  if mosaic is None:
+    mosaic = mosaic_gmm.preferred(lhs.dtype)
+  if mosaic and lhs.dtype == jnp.float32:
+    raise ValueError("grouped_matmul: the Mosaic GPU kernel takes bfloat16 or "
+                     f"float16 `lhs`, got {lhs.dtype}")
   bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
-  return _grouped_matmul(lhs, rhs, starts, ends, bs)
+  return _grouped_matmul(lhs, rhs, starts, ends, bs, mosaic)

@@ -33,7 +33,6 @@ to the tiles.
 
 import dataclasses
 import functools
-import math
 from typing import NamedTuple
 
 import jax
@@ -44,63 +43,24 @@ import numpy as np
 
 from ops import _backend
 from ops import _shapes
+from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.pallas import BlockSizes
 from ops.grouped_matmul.pallas import gmm
 from ops.grouped_matmul.pallas import group_metadata
 from ops.grouped_matmul.pallas import tgmm
+from ops.grouped_mlp.activations import activation_grads
+from ops.grouped_mlp.activations import activation_value
+from ops.grouped_mlp.activations import col_offsets
+from ops.grouped_mlp.activations import halves
+from ops.grouped_mlp import mosaic as mosaic_mlp
 from ops.grouped_matmul.pallas import tile_of_step
 from ops.grouped_matmul.pallas import tile_products
 
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
-
-
-def _tanh(x, fast):
+def _tanh(fast):
   # `tanh.approx.f32` is one instruction (relative error ~2^-11, below the
   # bfloat16 rounding of the stored result); libdevice's tanh is a long
   # sequence, and the epilogue is not overlapped with any matmul.
-  return plgpu.approx_tanh(x) if fast else jnp.tanh(x)
-
-
-def _gelu(h, fast):
-  """`jax.nn.gelu(h)` (tanh form) and its derivative, float32 in and out."""
-  inner = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
-  t = _tanh(inner, fast)
-  value = 0.5 * h * (1.0 + t)
-  grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
-      1.0 + 3.0 * _GELU_CUBIC * h * h)
-  return value, grad
-
-
-def _sigmoid(g, fast):
-  return 0.5 + 0.5 * _tanh(0.5 * g, fast)  # no exp, no division
-
-
-def _activation_value(accs, activation, fast):
-  """act of the float32 pre-activation tile(s): [bm, bn]."""
-  if activation == "swiglu":
-    gate, value = accs
-    return gate * _sigmoid(gate, fast) * value
-  return _gelu(accs[0], fast)[0]
-
-
-def _activation_grads(da, pre, activation, fast):
-  """Gradients of the pre-activation tile(s) given d act: list of [bm, bn]."""
-  if activation == "swiglu":
-    gate, value = pre
-    s = _sigmoid(gate, fast)
-    return [da * value * s * (1.0 + gate * (1.0 - s)), da * gate * s]
-  return [da * _gelu(pre[0], fast)[1]]
-
-
-def _halves(activation):
-  """How many F-wide blocks of columns w_in has."""
-  return 2 if activation == "swiglu" else 1
-
-
-def _col_offsets(activation, hidden):
-  """First column of each F-wide block of w_in (padded F = `hidden`)."""
-  return tuple(i * hidden for i in range(_halves(activation)))
+  return plgpu.approx_tanh if fast else jnp.tanh
 
 
 class _Tiling(NamedTuple):
@@ -118,12 +78,12 @@ def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_re
   tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
                       num_groups=tiling.num_groups, block_m=tiling.block_m,
                       block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
-  offsets = _col_offsets(activation, hidden)
+  offsets = col_offsets(activation, hidden)
   accs = tile_products(x_ref, w_ref, tile, offsets, num_groups=tiling.num_groups,
                        k_steps=tiling.k_steps, block_k=tiling.block_k,
                        block_n=tiling.block_n, transpose_rhs=False)
   mask = tile.mine[:, None]
-  act = _activation_value(accs, activation, tiling.fast_math)
+  act = activation_value(accs, activation, _tanh(tiling.fast_math))
   plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
               act.astype(act_ref.dtype), mask=mask)
   if pre_ref:
@@ -140,11 +100,11 @@ def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_r
   [da] = tile_products(dy_ref, w_ref, tile, (0,), num_groups=tiling.num_groups,
                        k_steps=tiling.k_steps, block_k=tiling.block_k,
                        block_n=tiling.block_n, transpose_rhs=True)
-  offsets = _col_offsets(activation, hidden)
+  offsets = col_offsets(activation, hidden)
   col_sets = [pl.ds(tile.col0 + offset, tiling.block_n) for offset in offsets]
   pre = [plgpu.load(pre_ref.at[tile.rows, cols]).astype(jnp.float32)
          for cols in col_sets]
-  grads = _activation_grads(da, pre, activation, tiling.fast_math)
+  grads = activation_grads(da, pre, activation, _tanh(tiling.fast_math))
   for grad, cols in zip(grads, col_sets):
     plgpu.store(dpre_ref.at[tile.rows, cols], grad.astype(dpre_ref.dtype),
                 mask=tile.mine[:, None])
@@ -183,6 +143,19 @@ class _Statics(NamedTuple):
   w_out_dtype: np.dtype
   block_sizes: BlockSizes
   hidden_grad_block_sizes: BlockSizes  # of `grouped_mlp_hidden_grad`
+  mosaic: bool  # the Mosaic GPU kernels (Hopper) instead of the Triton ones
+  mosaic_config: mosaic_gmm.MosaicConfig | None  # None: each kernel's default
+
+  @property
+  def width_multiple(self) -> int:
+    """What D, F and D' are padded to: a multiple of every tile that spans them."""
+    bs = self.block_sizes
+    multiple = max(bs.block_k, bs.block_n)
+    if self.mosaic:
+      cfg = self.mosaic_config
+      multiple = max(multiple, *((cfg.block_k, cfg.block_n) if cfg
+                                 else (mosaic_gmm.WIDTH_MULTIPLE,)))
+    return multiple
 
 
 def _pad_hidden(w, axis, halves, multiple):
@@ -201,12 +174,11 @@ def _unpad_hidden(w, axis, halves, hidden):
 
 def _padded_weights(w_in, w_out, dtype, statics):
   """Weights in the compute dtype, padded: [G, Dp, Fip] and [G, Fp, D'p]."""
-  bs = statics.block_sizes
-  out_multiple = max(bs.block_k, bs.block_n)  # D' is N forward, K backward
-  w_in = _shapes.pad_axis(w_in.astype(dtype), 1, bs.block_k)
-  w_in = _pad_hidden(w_in, 2, _halves(statics.activation), bs.block_n)
-  w_out = _shapes.pad_axis(w_out.astype(dtype), 2, out_multiple)
-  w_out = _pad_hidden(w_out, 1, 1, bs.block_n)
+  multiple = statics.width_multiple
+  w_in = _shapes.pad_axis(w_in.astype(dtype), 1, multiple)
+  w_in = _pad_hidden(w_in, 2, halves(statics.activation), multiple)
+  w_out = _shapes.pad_axis(w_out.astype(dtype), 2, multiple)
+  w_out = _pad_hidden(w_out, 1, 1, multiple)
   return w_in, w_out
 
 
@@ -215,15 +187,24 @@ def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
   interpret = _backend.pallas_interpret()
   num_rows, out_width = x.shape[0], w_out.shape[2]
   w_in_p, w_out_p = _padded_weights(w_in, w_out, x.dtype, statics)
-  x_p = _shapes.pad_axis(_shapes.pad_axis(x, 0, bs.block_m), 1, bs.block_k)
-  padded_rows, hidden_p = x_p.shape[0], w_out_p.shape[1]
-  out_shapes = [jax.ShapeDtypeStruct((padded_rows, hidden_p), x.dtype)]
-  if save_hidden:
-    out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
-  a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
-                         hidden=hidden_p, activation=act, bs=bs, name="grouped_mlp_in",
-                         interpret=interpret)
-  y = gmm(a, w_out_p, starts, ends, block_sizes=bs, interpret=interpret)
+  x_p = _shapes.pad_axis(x, 1, statics.width_multiple)
+  hidden_p = w_out_p.shape[1]
+  if statics.mosaic:
+    cfg = statics.mosaic_config
+    a, *h = mosaic_mlp.mlp_in(x_p, w_in_p, ends, activation=act,
+                              hidden=hidden_p, save_hidden=save_hidden, config=cfg,
+                              interpret=interpret)
+    [y] = mosaic_gmm.gmm(a, w_out_p, ends, config=cfg, interpret=interpret)
+  else:
+    x_p = _shapes.pad_axis(x_p, 0, bs.block_m)
+    padded_rows = x_p.shape[0]
+    out_shapes = [jax.ShapeDtypeStruct((padded_rows, hidden_p), x.dtype)]
+    if save_hidden:
+      out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
+    a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
+                           hidden=hidden_p, activation=act, bs=bs,
+                           name="grouped_mlp_in", interpret=interpret)
+    y = gmm(a, w_out_p, starts, ends, block_sizes=bs, interpret=interpret)
   y = y[:num_rows, :out_width]
   residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)
   return y, residuals
@@ -243,22 +224,29 @@ def _grouped_mlp_bwd(statics, saved, dy):
   (x_p, w_in_p, w_out_p, h, a, starts, ends), x_shape, out_width = saved
   bs, act, hidden = statics.block_sizes, statics.activation, statics.hidden
   interpret = _backend.pallas_interpret()
-  padded_rows = x_p.shape[0]
   dy = dy.astype(x_p.dtype)
-  dy_p = _shapes.pad_axis(_shapes.pad_axis(dy, 0, bs.block_m), 1, w_out_p.shape[2])
-  dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
-                      jax.ShapeDtypeStruct((padded_rows, h.shape[1]), x_p.dtype),
-                      hidden=w_out_p.shape[1], activation=act,
-                      bs=statics.hidden_grad_block_sizes, name="grouped_mlp_hidden_grad",
-                      interpret=interpret, extra=(h,))
+  dy_p = _shapes.pad_axis(_shapes.pad_axis(dy, 0, x_p.shape[0]), 1, w_out_p.shape[2])
+  if statics.mosaic:
+    cfg = statics.mosaic_config
+    dh = mosaic_mlp.hidden_grad(dy_p, w_out_p, h, ends, activation=act,
+                                config=cfg, interpret=interpret)
+    [dx] = mosaic_gmm.gmm(dh, w_in_p, ends, transpose_rhs=True, config=cfg,
+                          interpret=interpret)  # [Mp, Dp]
+  else:
+    dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
+                        jax.ShapeDtypeStruct((x_p.shape[0], h.shape[1]), x_p.dtype),
+                        hidden=w_out_p.shape[1], activation=act,
+                        bs=statics.hidden_grad_block_sizes,
+                        name="grouped_mlp_hidden_grad", interpret=interpret,
+                        extra=(h,))
+    dx = gmm(dh, w_in_p, starts, ends, transpose_rhs=True, block_sizes=bs,
+             interpret=interpret)  # [Mp, Dp]
   dw_out = tgmm(a, dy_p, starts, ends, out_dtype=statics.w_out_dtype, block_sizes=bs,
                 interpret=interpret)  # [G, Fp, D'p]
-  dx = gmm(dh, w_in_p, starts, ends, transpose_rhs=True, block_sizes=bs,
-           interpret=interpret)  # [Mp, Dp]
   dw_in = tgmm(x_p, dh, starts, ends, out_dtype=statics.w_in_dtype, block_sizes=bs,
                interpret=interpret)  # [G, Dp, Fip]
   num_rows, width = x_shape
-  dw_in = _unpad_hidden(dw_in[:, :width], 2, _halves(act), hidden)
+  dw_in = _unpad_hidden(dw_in[:, :width], 2, halves(act), hidden)
   dw_out = _unpad_hidden(dw_out[:, :, :out_width], 1, 1, hidden)
   return dx[:num_rows, :width], dw_in, dw_out, None, None
 
@@ -268,7 +256,9 @@ _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
 
 def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        starts: jax.Array, ends: jax.Array, *, activation: str,
-                       block_sizes: BlockSizes | None = None) -> jax.Array:
+                       block_sizes: BlockSizes | None = None,
+                       mosaic: bool | None = None,
+                       mosaic_config: mosaic_gmm.MosaicConfig | None = None) -> jax.Array:
   """Differentiable grouped MLP on the Pallas kernels.
 
   Args:
@@ -277,13 +267,23 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     w_out: [G, F, D'], float32 or x.dtype.
     starts, ends: [G] int32 contiguous row bounds (`group_bounds`).
     activation: 'gelu' or 'swiglu'.
-    block_sizes: tile sizes of every kernel; defaults from
+    block_sizes: tile sizes of every Triton kernel; defaults from
       `BlockSizes.get_default(M, D, F)`, with 64-row tiles and 4 warps for
       the hidden gradient.
+    mosaic: run the matmuls with x's rows on the Mosaic GPU kernels (the
+      weight gradients stay on Triton's `tgmm`); default
+      `mosaic_gmm.preferred(x.dtype)`: 16-bit x on a Hopper GPU. Off the GPU
+      they run in Mosaic GPU interpret mode.
+    mosaic_config: their tiles; default per kernel (`mosaic_gmm.choose_config`).
 
   Returns:
     [M, D'] in `x.dtype`; gradients of the weights in their own dtypes.
   """
+  if mosaic is None:
+    mosaic = mosaic_gmm.preferred(x.dtype)
+  if mosaic and x.dtype == jnp.float32:
+    raise ValueError("grouped_mlp: the Mosaic GPU kernels take bfloat16 or float16 "
+                     f"`x`, got {x.dtype}")
   hidden = w_out.shape[1]
   grad_bs = block_sizes
   if block_sizes is None:
@@ -296,5 +296,6 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                                   num_warps=4)
   statics = _Statics(activation=activation, hidden=hidden,
                      w_in_dtype=np.dtype(w_in.dtype), w_out_dtype=np.dtype(w_out.dtype),
-                     block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs)
+                     block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
+                     mosaic=mosaic, mosaic_config=mosaic_config)
   return _grouped_mlp(x, w_in, w_out, starts, ends, statics)

@@ -1,0 +1,433 @@
+"""Mosaic GPU (Hopper) kernel for the grouped matmul: TMA, wgmma, warp specialization.
+
+The Triton kernel in `pallas.py` cannot use Hopper's tensor memory accelerator or
+split the work between warps that load and warps that multiply, and at the MoE
+sizes it runs at about 60 % of cuBLAS's dense rate. This kernel is the same
+computation (one grid step per (group, row tile), a tile that straddles a group
+boundary visited once per group; see `metadata.group_metadata`, which
+`_step_of` computes in registers) written for
+Mosaic GPU:
+
+- one persistent CUDA block per SM walks the (step, column block) grid;
+- three warpgroups per block: one issues the TMA loads of the lhs and rhs tiles
+  into a ring of `max_concurrent_steps` shared-memory slots, two run `wgmma`
+  on them, each into its own [tile_m, tile_n] float32 accumulator (the block's
+  tile is two of those side by side, along N or along M);
+- the epilogue runs an optional elementwise function on the accumulators (the
+  grouped MLP's activation and its derivative), writes the results to shared
+  memory and stores them with TMA. A TMA store has a static shape, so the rows a
+  visit owns, a run of 0 to tile_m rows, are stored as a sum of power-of-two
+  runs (at most log2(tile_m) + 1 stores; one for a tile that is all one group's).
+
+The same code runs on the CPU in Mosaic GPU interpret mode
+(`plgpu.InterpretGPUParams`), which is how the tests check it.
+
+Glossary: M rows, K contraction, N output columns, G groups, T grid steps over
+row tiles (`cdiv(M, block_m) + G`), WG warpgroup.
+"""
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from ops import _backend
+from ops import _shapes
+
+_NUM_COMPUTE_WGS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles of the Mosaic GPU grouped matmul.
+
+  The block's tile is [block_m, block_n]; `split` says which of its sides the
+  two compute warpgroups divide ('n': each takes [block_m, block_n / 2]). The
+  epilogue works on `epilogue_n`-column chunks of a warpgroup's tile, through
+  `store_slots` shared-memory buffers (2: a chunk's store overlaps the next
+  chunk's math). `wgmma_in_flight` 1 lets a step's wgmma run while the next is
+  issued (its input slot is released one step later).
+  """
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int = 64
+  max_concurrent_steps: int = 3
+  split: str = "n"
+  epilogue_n: int = 64
+  store_slots: int = 2
+  wgmma_in_flight: int = 0
+  columns_fastest: bool = True
+
+  def __post_init__(self):
+    if self.split not in ("m", "n"):
+      raise ValueError(f"`split` must be 'm' or 'n', got {self.split!r}")
+    for name in ("block_m", "block_n", "block_k", "epilogue_n"):
+      value = getattr(self, name)
+      if value < 16 or value & (value - 1):
+        raise ValueError(f"`{name}` must be a power of two >= 16, got {value}")
+    if self.epilogue_n > self.wg_tile[1]:
+      raise ValueError(f"`epilogue_n` ({self.epilogue_n}) must be at most a "
+                       f"warpgroup's columns ({self.wg_tile[1]})")
+    if self.max_concurrent_steps < 2:
+      raise ValueError("`max_concurrent_steps` must be >= 2, got "
+                       f"{self.max_concurrent_steps}")
+    if self.store_slots not in (1, 2) or self.wgmma_in_flight not in (0, 1):
+      raise ValueError("`store_slots` must be 1 or 2 and `wgmma_in_flight` 0 or 1")
+
+  def smem_bytes(self, *, num_accs: int, num_extras: int, itemsize: int = 2) -> int:
+    """Shared memory the kernel allocates (the pipeline's slots, the epilogue's
+    chunk buffers), barriers aside."""
+    step = self.block_m * self.block_k + num_accs * self.block_k * self.block_n
+    chunk = _NUM_COMPUTE_WGS * self.wg_tile[0] * self.epilogue_n
+    chunks = self.store_slots + 1 + num_extras  # + the straddling tiles' buffer
+    return itemsize * (self.max_concurrent_steps * step + chunks * chunk)
+
+  @property
+  def wg_tile(self) -> tuple[int, int]:
+    if self.split == "m":
+      return self.block_m // _NUM_COMPUTE_WGS, self.block_n
+    return self.block_m, self.block_n // _NUM_COMPUTE_WGS
+
+
+def _swizzled(dtype, minor: int):
+  """Tiling and swizzle transforms for a shared-memory tile with `minor` columns."""
+  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _store_rows(smem, gmem, first: jax.Array, count: jax.Array, rows: int):
+  """TMA-stores rows [first, first + count) of `smem` [rows, C] to the same
+  rows of `gmem` [rows, C], as power-of-two runs (count <= rows)."""
+  offset = first
+  size = rows
+  while size >= 1:
+    run = size
+
+    @pl.when((count & run) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(smem.at[pl.ds(offset, run)], gmem.at[pl.ds(offset, run)])
+
+    offset = offset + (count & run)
+    size //= 2
+
+
+class Epilogue(NamedTuple):
+  """What the epilogue reads and writes, beyond the accumulators.
+
+  fn: `(accs, extras) -> results`, elementwise on [tile_m, tile_n] float32
+    tiles; None returns the accumulators.
+  extras: (input index, column offset) per extra tile the epilogue reads.
+  results: (output index, column offset) per result it writes.
+  """
+  fn: Callable | None
+  extras: tuple[tuple[int, int], ...]
+  results: tuple[tuple[int, int], ...]
+
+
+def _step_of(ends: Sequence[jax.Array], step: jax.Array, *, block_m: int,
+             padded_rows: int):
+  """(group, row tile, first row, end row) of grid step `step`, from the groups'
+  end rows: `metadata.group_metadata` for one step, in scalar registers.
+
+  Reading four per-step values from global memory at the start of every tile
+  put their latency in front of each tile's pipeline (the memory warpgroup
+  needs them before its first load); the G ends are read once per kernel and
+  this unrolled arithmetic (G + 1 segments, selects) replaces the reads.
+  Segment G is the rows after the last group. A step past the last visit
+  gets an empty row range.
+  """
+  zero = jnp.int32(0)
+  group = tile = row_start = row_end = zero
+  seg_start, visits_before = zero, zero
+  for g, seg_end in enumerate(list(ends) + [jnp.int32(padded_rows)]):
+    first_tile = seg_start // block_m
+    num_tiles = jnp.where(seg_end > seg_start,
+                          (seg_end - 1) // block_m - first_tile + 1, 0)
+    mine = (step >= visits_before) & (step < visits_before + num_tiles)
+    group = jnp.where(mine, g, group)
+    tile = jnp.where(mine, first_tile + step - visits_before, tile)
+    row_start = jnp.where(mine, seg_start, row_start)
+    row_end = jnp.where(mine, seg_end, row_end)
+    visits_before = visits_before + num_tiles
+    seg_start = seg_end
+  return group, tile, row_start, row_end
+
+
+def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig, num_groups: int, num_steps: int,
+                num_col_blocks: int, col_offsets: Sequence[int], num_inputs: int,
+                epilogue: Epilogue, transpose_rhs: bool):
+  in_gmem, out_gmem = rest[:num_inputs], rest[num_inputs:]
+  dtype = lhs_gmem.dtype
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  tm, tn = config.wg_tile
+  en = config.epilogue_n
+  k_steps = lhs_gmem.shape[1] // bk
+  num_accs = len(col_offsets)
+  out_dtype = out_gmem[0].dtype
+  if any(o.dtype != out_dtype for o in out_gmem):
+    raise ValueError("mosaic.gmm: every output must have one dtype")
+
+  def spec(block, index):
+    return plgpu.BlockSpec(block, index, transforms=_swizzled(dtype, block[1]),
+                           delay_release=config.wgmma_in_flight)
+  lhs_spec = spec((bm, bk), lambda k: (0, k))
+  if transpose_rhs:
+    rhs_spec = spec((bn, bk), lambda k: (0, k))
+  else:
+    rhs_spec = spec((bk, bn), lambda k: (k, 0))
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40,
+        in_specs=[lhs_spec] + [rhs_spec] * num_accs,
+        wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS,
+        max_concurrent_steps=config.max_concurrent_steps,
+        compute_context=compute_context)
+
+  ignore = lambda *_, **__: None
+  chunk_shape = (_NUM_COMPUTE_WGS, tm, en)
+  # Buffers alternate within a tile; with an odd number of stores per tile the
+  # next tile would start on the buffer just stored from, so use one.
+  slots = config.store_slots if (tn // en * len(epilogue.results)) % 2 == 0 else 1
+
+  @functools.partial(
+      pl.run_scoped,
+      allocations=pipeline(ignore, ignore).get_allocations(
+          lhs_gmem, *[rhs_gmem] * num_accs),
+      # Whole tiles go through swizzled buffers (no bank conflicts when the
+      # accumulator's fragments are written); a tile that straddles a group
+      # boundary through a plain one, whose rows can be sliced anywhere.
+      store_smem=[plgpu.SMEM(chunk_shape, out_dtype,
+                             transforms=_swizzled(out_dtype, en))
+                  for _ in range(slots)],
+      ragged_smem=plgpu.SMEM(chunk_shape, out_dtype),
+      extra_smem=[plgpu.SMEM(chunk_shape, in_gmem[i].dtype,
+                             transforms=_swizzled(in_gmem[i].dtype, en))
+                  for i, _ in epilogue.extras],
+      extra_barrier=(plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS)
+                     if epilogue.extras else None),
+      collective_axes="wg",
+  )
+  def scope(allocations, store_smem, ragged_smem, extra_smem, extra_barrier):
+    wg = lax.axis_index("wg")
+    if config.split == "m":
+      wg_rows, wg_cols, wg_row0 = pl.ds(wg * tm, tm), slice(None), wg * tm
+    else:
+      wg_rows, wg_cols, wg_row0 = slice(None), pl.ds(wg * tn, tn), 0
+
+    ends = [ends_gmem[g] for g in range(num_groups)]
+
+    @plgpu.nd_loop((num_steps * num_col_blocks,), collective_axes="sm")
+    def loop(info):
+      (index,) = info.index
+      if config.columns_fastest:
+        step, col_block = index // num_col_blocks, index % num_col_blocks
+      else:
+        step, col_block = index % num_steps, index // num_steps
+      group, tile, row_start, row_end = _step_of(
+          ends, step, block_m=bm, padded_rows=lhs_gmem.shape[0])
+      row0 = tile * bm
+      first = jnp.maximum(row_start - row0, 0)  # rows of the tile it owns
+      last = jnp.minimum(row_end - row0, bm)
+      whole = (first == 0) & (last == bm)
+      weight = jnp.minimum(group, num_groups - 1)
+      block_rows = pl.ds(row0, bm)
+      # This warpgroup's share of the owned rows, relative to its own tile.
+      wg_first = jnp.clip(first - wg_row0, 0, tm)
+      wg_count = jnp.clip(last - wg_row0, 0, tm) - wg_first
+
+      def chunk_of(gmem, offset, chunk):
+        return gmem.at[block_rows, pl.ds(col_block * bn + offset, bn)].at[
+            wg_rows, wg_cols].at[:, pl.ds(chunk * en, en)]
+
+      def store(value, dst, slot):
+        @pl.when(whole)
+        def _():
+          smem = store_smem[slot]
+          # The store that last read this buffer must be done with it.
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+          smem[wg] = value
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(smem.at[wg], dst)
+
+        @pl.when(jnp.logical_not(whole))
+        def _():
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          ragged_smem[wg] = value
+          plgpu.commit_smem()
+          _store_rows(ragged_smem.at[wg], dst, wg_first, wg_count, tm)
+
+      def compute_context(run_pipeline):
+        @functools.partial(
+            pl.run_scoped,
+            accs=[plgpu.ACC((tm, tn), jnp.float32) for _ in range(num_accs)])
+        def _(accs):
+          run_pipeline(accs)
+          # The pseudo-group (rows after the last group) multiplies by no weight.
+          live = (group < num_groups).astype(jnp.float32)
+          values = [acc[...] * live for acc in accs]
+          count = 0
+          for chunk in range(tn // en):
+            cols = slice(chunk * en, (chunk + 1) * en)
+            for (i, offset), e_smem in zip(epilogue.extras, extra_smem):
+              plgpu.copy_gmem_to_smem(chunk_of(in_gmem[i], offset, chunk),
+                                      e_smem.at[wg], extra_barrier.at[wg])
+              plgpu.barrier_wait(extra_barrier.at[wg])
+            extras = [e_smem[wg].astype(jnp.float32) for e_smem in extra_smem]
+            parts = [v[:, cols] for v in values]
+            results = epilogue.fn(parts, extras) if epilogue.fn else parts
+            for result, (i, offset) in zip(results, epilogue.results):
+              store(result.astype(out_dtype), chunk_of(out_gmem[i], offset, chunk),
+                    count % slots)
+              count += 1
+
+      def mma(_, lhs_smem, *rhs_and_accs):
+        rhs_smems, accs = rhs_and_accs[:num_accs], rhs_and_accs[num_accs]
+        for rhs_smem, acc in zip(rhs_smems, accs):
+          b = (rhs_smem.at[wg_cols, :].transpose((1, 0)) if transpose_rhs
+               else rhs_smem.at[:, wg_cols])
+          plgpu.wgmma(acc, lhs_smem.at[wg_rows], b)
+        plgpu.wgmma_wait(config.wgmma_in_flight)
+        return accs
+
+      @pl.when(last > first)
+      def _():
+        cols = [pl.ds(col_block * bn + o, bn) for o in col_offsets]
+        if transpose_rhs:
+          rhs_tiles = [rhs_gmem.at[weight, c, :] for c in cols]
+        else:
+          rhs_tiles = [rhs_gmem.at[weight, :, c] for c in cols]
+        pipeline(mma, compute_context)(lhs_gmem.at[block_rows, :], *rhs_tiles,
+                                       allocations=allocations)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# Hopper's 227 KiB of shared memory per block, less room for the barriers.
+_SMEM_BUDGET = 232448 - 1024
+
+# Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
+# "## MoE"); `choose_config` takes the first that fits in shared memory, cutting
+# the pipeline's stages (to 2) and then the store buffers (to 1).
+_PREFERRED = (
+    MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
+    MosaicConfig(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
+)
+
+# What a width must be a multiple of for every preferred tile to span it.
+WIDTH_MULTIPLE = max(max(c.block_n, c.block_k) for c in _PREFERRED)
+
+
+def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
+                  preferred: Sequence[MosaicConfig] = _PREFERRED) -> MosaicConfig:
+  """The first preferred tiles that fit a kernel with these epilogue needs.
+
+  A tile wider than N (padded to 128) is skipped, and with two accumulators
+  (SwiGLU) a warpgroup tile of more than 64 x 128: two [128, 128] float32
+  accumulators take all of a thread's registers (it ran 1.6x slower than Triton).
+  """
+  for config in preferred:
+    if config.block_n > max(n, 128):
+      continue
+    if num_accs > 1 and config.wg_tile[0] * config.wg_tile[1] > 64 * 128:
+      continue
+    for slots in range(config.store_slots, 0, -1):
+      for steps in range(config.max_concurrent_steps, 1, -1):
+        candidate = dataclasses.replace(config, max_concurrent_steps=steps,
+                                        store_slots=slots)
+        if candidate.smem_bytes(num_accs=num_accs,
+                                num_extras=num_extras) <= _SMEM_BUDGET:
+          return candidate
+  raise ValueError(f"no Mosaic GPU tile fits {num_accs} accumulators and "
+                   f"{num_extras} extra tiles")
+
+
+def preferred(dtype) -> bool:
+  """Whether the Pallas path of the grouped ops runs these kernels (else Triton).
+
+  Mosaic GPU's wgmma and TMA are Hopper's (compute capability 9.x); the kernels
+  take 16-bit inputs (float32 stays on the Triton kernels, which multiply it at
+  full precision).
+  """
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return False
+  if not _backend.on_nvidia_gpu():
+    return False
+  capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
+  return capability.split(".")[0] == "9"
+
+
+def _num_sms() -> int:
+  device = jax.devices()[0]
+  return getattr(device, "core_count", None) or 132
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
+        transpose_rhs: bool = False, config: MosaicConfig | None = None,
+        col_offsets: Sequence[int] = (0,), inputs: Sequence[jax.Array] = (),
+        outputs: Sequence[jax.ShapeDtypeStruct] | None = None,
+        epilogue: Epilogue | None = None, approx_math: bool = False,
+        interpret: bool = False) -> list[jax.Array]:
+  """Grouped matmul on Mosaic GPU, with an optional fused epilogue.
+
+  A program's output columns are `cols = col_block * block_n + [0, block_n)`.
+
+  Args:
+    lhs: [M, K] bfloat16 or float16.
+    rhs: [G, K, N'] (or [G, N', K] with `transpose_rhs`), lhs's dtype.
+    ends: [G] int32 end row of each group; the groups are contiguous from row 0
+      (`reference.group_bounds`), so group g is rows [ends[g-1], ends[g]).
+    col_offsets: static column offsets; accumulator i multiplies by rhs columns
+      `cols + col_offsets[i]` (SwiGLU's gate and value halves). The programs
+      cover N = N' - max(col_offsets) columns.
+    inputs: [M, *] arrays whose tiles the epilogue reads (`epilogue.extras`).
+    outputs: shapes and dtypes of the outputs, each [M, *]; default one
+      [M, N] in lhs's dtype per accumulator.
+    epilogue: what runs between the accumulators and the stores; default: each
+      accumulator i is stored to output i.
+    config: the tiles; default `choose_config` for this epilogue.
+    approx_math: approximate transcendental functions in the epilogue (tanh).
+    interpret: run in Mosaic GPU interpret mode (the CPU).
+
+  Returns:
+    The outputs; rows after the last group are zero in the stored results.
+  """
+  num_rows, k = lhs.shape
+  num_groups = rhs.shape[0]
+  n = (rhs.shape[1] if transpose_rhs else rhs.shape[2]) - max(col_offsets)
+  if outputs is None:
+    outputs = [jax.ShapeDtypeStruct((num_rows, n), lhs.dtype)] * len(col_offsets)
+  if epilogue is None:
+    epilogue = Epilogue(None, (), tuple((i, 0) for i in range(len(col_offsets))))
+  config = config or choose_config(n, num_accs=len(col_offsets),
+                                   num_extras=len(epilogue.extras))
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  for name, size, multiple in (("K", k, bk), ("N", n, bn)):
+    if size % multiple:
+      raise ValueError(f"mosaic.gmm: {name} = {size} must be a multiple of {multiple}")
+  lhs_p = _shapes.pad_axis(lhs, 0, bm)
+  padded_rows = lhs_p.shape[0]
+  inputs_p = [_shapes.pad_axis(x, 0, bm) for x in inputs]
+  # Every row tile once, plus one more visit per group boundary inside a tile.
+  num_steps = padded_rows // bm + num_groups
+  kernel = functools.partial(
+      _gmm_kernel, config=config, num_groups=num_groups, num_steps=num_steps,
+      num_col_blocks=n // bn, col_offsets=tuple(col_offsets),
+      num_inputs=len(inputs), epilogue=epilogue, transpose_rhs=transpose_rhs)
+  out_type = [jax.ShapeDtypeStruct((padded_rows,) + o.shape[1:], o.dtype)
+              for o in outputs]
+  params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                approx_math=approx_math)
+  call = plgpu.kernel(
+      kernel, out_type=out_type, grid=(4 if interpret else _num_sms(),),
+      grid_names=("sm",), num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=params,
+      interpret=plgpu.InterpretGPUParams() if interpret else None)
+  outs = call(ends.astype(jnp.int32), lhs_p, rhs, *inputs_p)
+  return [o[:num_rows] for o in outs]

@@ -1,0 +1,59 @@
+"""The grouped MLP's activations and their derivatives, on float32 tiles.
+
+Shared by the Triton and Mosaic GPU kernels, which differ only in how they
+compute `tanh` (an approximate instruction when the result is 16-bit), so it is
+an argument. SwiGLU's gate and value are two tiles of the same rows and hidden
+columns (`col_offsets`).
+"""
+
+import math
+from typing import Callable, Sequence
+
+import jax
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
+
+Tanh = Callable[[jax.Array], jax.Array]
+
+
+def gelu(h: jax.Array, tanh: Tanh) -> tuple[jax.Array, jax.Array]:
+  """`jax.nn.gelu(h)` (tanh form) and its derivative."""
+  inner = _SQRT_2_OVER_PI * (h + _GELU_CUBIC * h * h * h)
+  t = tanh(inner)
+  value = 0.5 * h * (1.0 + t)
+  grad = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * _SQRT_2_OVER_PI * (
+      1.0 + 3.0 * _GELU_CUBIC * h * h)
+  return value, grad
+
+
+def sigmoid(g: jax.Array, tanh: Tanh) -> jax.Array:
+  return 0.5 + 0.5 * tanh(0.5 * g)  # no exp, no division
+
+
+def activation_value(pre: Sequence[jax.Array], activation: str, tanh: Tanh) -> jax.Array:
+  """act of the pre-activation tile(s) ([gate, value] for SwiGLU)."""
+  if activation == "swiglu":
+    gate, value = pre
+    return gate * sigmoid(gate, tanh) * value
+  return gelu(pre[0], tanh)[0]
+
+
+def activation_grads(da: jax.Array, pre: Sequence[jax.Array], activation: str,
+                     tanh: Tanh) -> list[jax.Array]:
+  """Gradients of the pre-activation tile(s) given d act."""
+  if activation == "swiglu":
+    gate, value = pre
+    s = sigmoid(gate, tanh)
+    return [da * value * s * (1.0 + gate * (1.0 - s)), da * gate * s]
+  return [da * gelu(pre[0], tanh)[1]]
+
+
+def halves(activation: str) -> int:
+  """How many F-wide blocks of columns w_in has."""
+  return 2 if activation == "swiglu" else 1
+
+
+def col_offsets(activation: str, hidden: int) -> tuple[int, ...]:
+  """First column of each F-wide block of w_in (padded F = `hidden`)."""
+  return tuple(i * hidden for i in range(halves(activation)))
