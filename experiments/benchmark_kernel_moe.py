@@ -18,17 +18,20 @@ JSON row each, `section` says which):
 - tiles: a few tile configurations of the forward (`gmm`) and weight-gradient
   (`tgmm`) kernels at M = `gmm_rows`.
 - op: grouped matmul [M, 512] x [8, 512, 1024] forward and fwd+bwd: the Pallas
-  kernel, `jax.lax.ragged_dot`, every expert on every row (a dense per-expert
+  path (on an H200 the Mosaic GPU kernel), the Triton kernel ('pallas_triton'),
+  `jax.lax.ragged_dot`, every expert on every row (a dense per-expert
   einsum, 8x the arithmetic) and one dense `jnp.matmul` of the same work
   (the TFLOP/s yardstick).
 - mlp: the experts' MLP alone (`ops.grouped_mlp`, GELU, bf16 rows, float32
   weights as in MoELayer) at `--mlp_rows`, forward and fwd+bwd: the fused
-  Pallas op, the same two Pallas grouped matmuls with `jax.nn.gelu` between
+  Pallas op (Triton), the same fusions on Mosaic GPU ('fused_pallas_mosaic'),
+  two Triton grouped matmuls with `jax.nn.gelu` between
   them (unfused), and `ragged_dot`.
 - parts: the router and the two sorts of the sorted paths, alone.
 - moe: MoELayer(8 experts, top-2, d_model 512, d_hidden 1024, GELU), bf16,
-  forward and fwd+bwd, one row per `dropless_impl`; ratios vs 'dense' and
-  'ragged_dot' from the same run.
+  forward and fwd+bwd, one row per `dropless_impl`, and 'gmm_mosaic' ('gmm'
+  with the grouped MLP on Mosaic GPU); ratios vs 'dense' and 'ragged_dot' from
+  the same run.
 - capacity (not in the default list: it runs until every path is out of
   memory): the moe layer's fwd+bwd (`--capacity_modes` may add forward) at
   `--capacity_start` tokens, then doubling up to `--capacity_max`, one column
@@ -65,7 +68,6 @@ import numpy as np
 from experiments import harness
 from experiments import workloads
 import ops
-from ops.grouped_matmul import mosaic as gmm_mosaic
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
 from ops.grouped_mlp import pallas as mlp_pallas
@@ -283,14 +285,14 @@ def mlp_rows(rows: int) -> list[dict]:
     h = gmm(x, w_in.astype(x.dtype), s)
     return gmm(jax.nn.gelu(h), w_out.astype(x.dtype), s)
 
-  def fused_triton(x, w_in, w_out, s):
+  def fused_mosaic(x, w_in, w_out, s):
     starts, ends = gmm_reference.group_bounds(s, x.shape[0])
     return mlp_pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends,
-                                         activation="gelu", mosaic=False)
+                                         activation="gelu", mosaic=True)
 
   impls = {
       "fused_pallas": functools.partial(ops.grouped_mlp, implementation="pallas"),
-      "fused_pallas_triton": fused_triton,
+      "fused_pallas_mosaic": fused_mosaic,
       "unfused_pallas": unfused,
       "ragged_dot": functools.partial(ops.grouped_mlp, implementation="xla"),
   }
@@ -358,27 +360,15 @@ def _moe_case(impl: str, mode: str, params, state, x, cotangent) -> tuple:
   return fn, (params, x, cotangent)
 
 
-@contextlib.contextmanager
-def _triton_kernels():
-  """The grouped ops' Pallas path on the Triton kernels (not Mosaic GPU's), for
-  the layer's comparison row 'gmm_triton'."""
-  preferred = gmm_mosaic.preferred
-  gmm_mosaic.preferred = lambda dtype: False
-  try:
-    yield
-  finally:
-    gmm_mosaic.preferred = preferred
-
-
 def moe_rows(tokens: int) -> list[dict]:
   inputs = _moe_inputs(tokens)
   out = []
   for mode in MODES:
-    for impl in IMPLS + ("gmm_triton",):
+    for impl in IMPLS + ("gmm_mosaic",):
       if _over_budget():
         break
-      layer_impl = "gmm" if impl == "gmm_triton" else impl
-      with _triton_kernels() if impl == "gmm_triton" else contextlib.nullcontext():
+      layer_impl = "gmm" if impl == "gmm_mosaic" else impl
+      with workloads.mosaic_grouped_mlp() if impl == "gmm_mosaic" else contextlib.nullcontext():
         row = harness.run_case(
             dict(section="moe", impl=impl, mode=mode, tokens=tokens),
             lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs),

@@ -80,7 +80,7 @@ def _vjp(fn, num_diff):
   return grad
 
 
-def _moe(impl, small):
+def _moe(impl, small, mosaic=False):
   import haiku as hk
   from probjax_hk import moe
   tokens = 256 if small else 8192
@@ -91,14 +91,35 @@ def _moe(impl, small):
   params, state = model.init(jax.random.key(1), x)
   cot = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   fn = _vjp(lambda p, x: model.apply(p, state, None, x)[0], 2)
+  if mosaic:  # the experts on ops.grouped_mlp's Mosaic GPU kernels
+    def fn(*args, grad=fn):
+      with workloads.mosaic_grouped_mlp():
+        return grad(*args)
   return fn, (params, x, cot)
 
 
 def _gmm(impl, small):
+  """The grouped matmul forward at M 131072 (1024 with --small), [8, 512, 1024]:
+  impl 'pallas' (the default kernel), 'triton' (the Triton kernel), 'xla',
+  'dense' (one matmul of the same work) or 'jax_mosaic' (JAX's own Mosaic GPU
+  ragged dot, `jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, at the
+  fastest of its tiles in a sweep on an H200; GPU only)."""
   import ops
+  from ops.grouped_matmul import pallas as gmm_pallas
+  from ops.grouped_matmul import reference
   lhs, rhs, sizes = workloads.gmm_inputs(1024 if small else 131072)
   if impl == "dense":
     return (lambda a, b, s: jnp.matmul(a, b[0])), (lhs, rhs, sizes)
+  if impl == "triton":
+    def triton(a, b, s):
+      return gmm_pallas.grouped_matmul_pallas(
+          a, b, *reference.group_bounds(s, a.shape[0]), mosaic=False)
+    return triton, (lhs, rhs, sizes)
+  if impl == "jax_mosaic":
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    return (lambda a, b, s: ragged_dot_mgpu.ragged_dot(
+        a, b, group_sizes=s, block_m=128, block_n=128, block_k=64,
+        max_concurrent_steps=5, grid_block_n=4)), (lhs, rhs, sizes)
   return (lambda a, b, s: ops.grouped_matmul(a, b, s, implementation=impl)), (lhs, rhs, sizes)
 
 
@@ -129,8 +150,11 @@ def _attention(impl, mode, small):
 
 CASES = {
     "moe_gmm": lambda small: _moe("gmm", small),
+    "moe_gmm_mosaic": lambda small: _moe("gmm", small, mosaic=True),
     "moe_dense": lambda small: _moe("dense", small),
     "gmm_op": lambda small: _gmm("pallas", small),
+    "gmm_op_triton": lambda small: _gmm("triton", small),
+    "gmm_jax_mosaic_ragged_dot": lambda small: _gmm("jax_mosaic", small),
     "gmm_dense_matmul": lambda small: _gmm("dense", small),
     "selective_scan_s16": lambda small: _selective_scan(16, small),
     "selective_scan_s128": lambda small: _selective_scan(128, small),

@@ -6,6 +6,7 @@ SSD / gated-delta-rule inputs and ops, the grouped-matmul inputs and the
 attention implementations.
 """
 
+import contextlib
 import functools
 import warnings
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from ops.flex_attention import api as flex_api
 from ops.gated_delta_rule import gated_delta_rule
+from ops.grouped_mlp import pallas as grouped_mlp_pallas
 from ops.ssd import ssd
 
 # ---------------------------------------------------------------------------
@@ -112,6 +114,19 @@ def gmm_inputs(rows: int):
 
 # JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
 # num_warps, num_stages); None = its defaults.
+@contextlib.contextmanager
+def mosaic_grouped_mlp():
+  """Within this block (while a function is traced), `ops.grouped_mlp`'s Pallas
+  path runs the Mosaic GPU kernels, not its default Triton ones: the comparison
+  rows of the MoE layer ('gmm_mosaic')."""
+  default = grouped_mlp_pallas.mosaic_default
+  grouped_mlp_pallas.mosaic_default = lambda dtype: True
+  try:
+    yield
+  finally:
+    grouped_mlp_pallas.mosaic_default = default
+
+
 MHA_CONFIGS = {
     "mha_default": None,
     "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),

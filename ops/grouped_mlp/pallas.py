@@ -254,6 +254,21 @@ def _grouped_mlp_bwd(statics, saved, dy):
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
 
 
+def mosaic_default(dtype) -> bool:
+  """Whether `grouped_mlp_pallas` runs the Mosaic GPU kernels by default: no.
+
+  Timed against the Triton kernels in one process on an H200 (MoELayer, 8
+  experts, top-2, d_model 512, d_hidden 1024, bf16, fwd+bwd, device time from
+  traces; BUILD_NOTES.md "## MoE"), the Mosaic path was 7 % slower at 8,192
+  tokens (389 against 361 us) and within 1 % at 65,536 (2,156 against 2,181 us): its
+  fused epilogues (two stored outputs; a tile of h read back) cost more than
+  its faster main loop saves. The plain grouped matmul is another matter
+  (`ops.grouped_matmul`, `mosaic_gmm.preferred`).
+  """
+  del dtype
+  return False
+
+
 def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        starts: jax.Array, ends: jax.Array, *, activation: str,
                        block_sizes: BlockSizes | None = None,
@@ -270,17 +285,17 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     block_sizes: tile sizes of every Triton kernel; defaults from
       `BlockSizes.get_default(M, D, F)`, with 64-row tiles and 4 warps for
       the hidden gradient.
-    mosaic: run the matmuls with x's rows on the Mosaic GPU kernels (the
-      weight gradients stay on Triton's `tgmm`); default
-      `mosaic_gmm.preferred(x.dtype)`: 16-bit x on a Hopper GPU. Off the GPU
-      they run in Mosaic GPU interpret mode.
+    mosaic: run the matmuls with x's rows on the Mosaic GPU kernels
+      (`mosaic.py`; the weight gradients stay on Triton's `tgmm`); default
+      `mosaic_default(x.dtype)`, which is False. Off the GPU they run in
+      Mosaic GPU interpret mode.
     mosaic_config: their tiles; default per kernel (`mosaic_gmm.choose_config`).
 
   Returns:
     [M, D'] in `x.dtype`; gradients of the weights in their own dtypes.
   """
   if mosaic is None:
-    mosaic = mosaic_gmm.preferred(x.dtype)
+    mosaic = mosaic_default(x.dtype)
   if mosaic and x.dtype == jnp.float32:
     raise ValueError("grouped_mlp: the Mosaic GPU kernels take bfloat16 or float16 "
                      f"`x`, got {x.dtype}")

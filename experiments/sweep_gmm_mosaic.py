@@ -1,0 +1,111 @@
+"""Tiles of the Mosaic GPU grouped matmul against the Triton kernel, JAX's Mosaic
+dense matmul and cuBLAS, by device time from traces (GPU only).
+
+    python -m experiments.sweep_gmm_mosaic --output docs/benchmarks/gmm_mosaic_sweep.json
+
+For each shape (M, K, N) with 8 groups of about M / 8 rows: one dense
+`jnp.matmul` of the same work (cuBLAS), JAX's warp-specialized Mosaic GPU dense
+matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`), the Triton `gmm`
+(`ops/grouped_matmul/pallas.py`) and, for every config in `CONFIGS`, the Mosaic
+`gmm` (`ops/grouped_matmul/mosaic.py`), each forward and with the transposed rhs
+(the input gradient). `err` is the max error against `jax.lax.ragged_dot` in
+float32, relative to the largest output. One row per (shape, kernel).
+"""
+
+import dataclasses
+import functools
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+
+from experiments import harness
+from experiments import profile_ops
+from ops.grouped_matmul import mosaic
+from ops.grouped_matmul import pallas as gmm_pallas
+
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gmm_mosaic_sweep.json", "JSON output.")
+_SHAPES = flags.DEFINE_list("shapes", ["16384x512x1024", "16384x1024x512", "131072x512x1024"],
+                            "MxKxN of each case.")
+
+C = mosaic.MosaicConfig
+CONFIGS = (
+    C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, store_slots=1),
+    C(block_m=256, block_n=128, split="m", max_concurrent_steps=3, store_slots=1),
+    C(block_m=128, block_n=128, split="m", max_concurrent_steps=4, store_slots=2,
+      wgmma_in_flight=1),
+    C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, store_slots=1,
+      columns_fastest=False),
+)
+NUM_GROUPS = 8
+
+
+def _name(config: mosaic.MosaicConfig) -> str:
+  return ("{block_m}x{block_n}{split}_stages{max_concurrent_steps}_slots{store_slots}"
+          "_inflight{wgmma_in_flight}".format(**dataclasses.asdict(config))
+          + ("" if config.columns_fastest else "_rows_fastest"))
+
+
+def _busy_us(fn, args) -> float:
+  return profile_ops.profile(jax.jit(fn), args, calls=20)["busy_us"]
+
+
+def shape_rows(m: int, k: int, n: int) -> list[dict]:
+  key = jax.random.key(0)
+  lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
+  rhs = (jax.random.normal(key, (NUM_GROUPS, k, n), jnp.float32) / k ** 0.5).astype(
+      jnp.bfloat16)
+  rhs_t = jnp.swapaxes(rhs, 1, 2)
+  sizes = jax.random.randint(key, (NUM_GROUPS,), m // 8 - m // 32, m // 8 + m // 32)
+  sizes = sizes.at[-1].set(m - sizes[:-1].sum()).astype(jnp.int32)
+  ends = jnp.cumsum(sizes).astype(jnp.int32)
+  starts = ends - sizes
+  want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+  scale = float(jnp.max(jnp.abs(want)))
+  base = dict(m=m, k=k, n=n)
+  rows = []
+
+  def add(kernel, fn, args, check=None):
+    try:
+      row = dict(base, kernel=kernel, status="ok", busy_us=_busy_us(fn, args))
+      if check is not None:
+        got = check()
+        row["err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want))) / scale
+    except Exception as e:  # a config that does not fit still gets its row
+      row = dict(base, kernel=kernel, status="error", message=str(e)[:300])
+    rows.append(row)
+    print(row, flush=True)
+
+  add("cublas_dense_same_work", lambda a, b: a @ b, (lhs, rhs[0]))
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+  config = hopper.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                               epi_tile_n=64, epi_tile_m=64)
+  add("jax_mosaic_dense_same_work", lambda a, b: hopper.matmul(a, b, None, config),
+      (lhs, rhs[0]))
+  add("triton_gmm", lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e),
+      (lhs, rhs, starts, ends))
+  add("triton_gmm_transposed",
+      lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e, transpose_rhs=True),
+      (lhs, rhs_t, starts, ends))
+  for config in CONFIGS:
+    for transpose in (False, True):
+      fn = functools.partial(lambda a, b, e, config, transpose: mosaic.gmm(
+          a, b, e, transpose_rhs=transpose, config=config)[0],
+                             config=config, transpose=transpose)
+      operand = rhs_t if transpose else rhs
+      add(f"mosaic_gmm{'_transposed' if transpose else ''}_{_name(config)}", fn,
+          (lhs, operand, ends), check=lambda fn=fn, operand=operand: fn(lhs, operand, ends))
+  return rows
+
+
+def main(argv):
+  del argv
+  rows = []
+  for shape in _SHAPES.value:
+    rows += shape_rows(*map(int, shape.split("x")))
+    harness.write_rows(rows, _OUTPUT.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,200 @@
+"""The Mosaic GPU grouped-matmul kernels (`ops/grouped_matmul/mosaic.py`, and the
+grouped MLP on them), on the CPU in Mosaic GPU interpret mode, against
+`jax.lax.ragged_dot` in float32; and their lowering for a Hopper GPU.
+
+Interpret mode simulates the kernel's warpgroups, barriers, TMA copies and
+wgmma, so these tests check the kernel's own indexing: tiles that straddle
+group boundaries (the power-of-two row stores), whole tiles (the swizzled
+stores), empty groups, rows after the last group, both warpgroup splits, the
+transposed rhs, and the epilogue's extra inputs and multiple outputs.
+"""
+
+import types
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import _backend
+from ops.grouped_matmul import mosaic
+from ops.grouped_matmul import pallas as gmm_pallas
+from ops.grouped_matmul import reference
+from ops.grouped_mlp import pallas as mlp_pallas
+from ops.grouped_mlp import reference as mlp_reference
+
+# Small tiles so that a few hundred rows make many tiles and boundaries.
+_TILES = {
+    "n": mosaic.MosaicConfig(block_m=64, block_n=64, block_k=32, split="n",
+                             max_concurrent_steps=2, epilogue_n=32),
+    "m": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="m",
+                             max_concurrent_steps=3, epilogue_n=64, store_slots=1,
+                             wgmma_in_flight=1),
+}
+
+
+def _operands(m, k, n, sizes, *, transpose, seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+  rhs = (jax.random.normal(k2, (len(sizes), k, n), jnp.float32) / np.sqrt(k)).astype(
+      jnp.bfloat16)
+  sizes = jnp.asarray(sizes, jnp.int32)
+  want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+  return lhs, (jnp.swapaxes(rhs, 1, 2) if transpose else rhs), sizes, want
+
+
+def _assert_bf16_close(got, want):
+  chex.assert_trees_all_close(got.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("split", ["n", "m"])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("sizes", [
+    (50, 0, 70, 60),    # every boundary inside a tile, an empty group, 20 rows after
+    (128, 0, 64, 108),  # whole tiles, then a boundary
+], ids=["straddling", "whole_tiles"])
+def test_gmm_matches_ragged_dot(split, transpose, sizes):
+  m = 200 if sum(sizes) < 300 else 300
+  lhs, rhs, sizes, want = _operands(m, 64, 128, sizes, transpose=transpose)
+  _, ends = reference.group_bounds(sizes, m)
+  [got] = mosaic.gmm(lhs, rhs, ends, transpose_rhs=transpose, config=_TILES[split],
+                     interpret=True)
+  assert got.shape == (m, 128) and got.dtype == jnp.bfloat16
+  _assert_bf16_close(got, want)
+  # Rows after the last group are zero, not left over.
+  np.testing.assert_array_equal(np.asarray(got[int(ends[-1]):], np.float32), 0.0)
+
+
+def test_gmm_epilogue_reads_extras_and_writes_several_outputs():
+  """Results go to (output, column offset) and extra tiles are read at theirs:
+  out0 = acc * e[:, :N], out1[:, N:] = acc + e[:, N:]."""
+  m, k, n = 150, 64, 64
+  lhs, rhs, sizes, want = _operands(m, k, n, (40, 90, 20), transpose=False, seed=1)
+  _, ends = reference.group_bounds(sizes, m)
+  extra = jax.random.normal(jax.random.key(2), (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
+  epilogue = mosaic.Epilogue(
+      fn=lambda accs, extras: [accs[0] * extras[0], accs[0] + extras[1]],
+      extras=((0, 0), (0, n)), results=((0, 0), (1, n)))
+  out0, out1 = mosaic.gmm(
+      lhs, rhs, ends, config=_TILES["n"], inputs=[extra],
+      outputs=[jax.ShapeDtypeStruct((m, n), jnp.float32),
+               jax.ShapeDtypeStruct((m, 2 * n), jnp.float32)],
+      epilogue=epilogue, interpret=True)
+  e = extra.astype(jnp.float32)
+  chex.assert_trees_all_close(out0, want * e[:, :n], atol=2e-2, rtol=2e-2)
+  chex.assert_trees_all_close(out1[:, n:], want + e[:, n:], atol=2e-2, rtol=2e-2)
+
+
+def test_grouped_matmul_values_and_gradients():
+  """The op's Pallas path on the Mosaic kernel (K and N padded to its tiles)."""
+  m, k, n = 200, 40, 72
+  lhs, rhs, sizes, _ = _operands(m, k, n, (50, 0, 70, 60), transpose=False, seed=3)
+  starts, ends = reference.group_bounds(sizes, m)
+  cot = jax.random.normal(jax.random.key(4), (m, n), jnp.float32).astype(jnp.bfloat16)
+
+  def run(fn):
+    out, pullback = jax.vjp(fn, lhs, rhs)
+    return (out.astype(jnp.float32), *pullback(cot.astype(out.dtype)))
+
+  got = run(lambda a, b: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=True))
+  want = run(lambda a, b: reference.grouped_matmul_reference(
+      a.astype(jnp.float32), b.astype(jnp.float32), sizes))
+  for g, w in zip(got, want):
+    chex.assert_trees_all_close(g.astype(jnp.float32), w.astype(jnp.float32),
+                                atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_grouped_mlp_values_and_gradients(activation):
+  m, d, f, d_out = 200, 64, 96, 48
+  k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
+  x = jax.random.normal(k1, (m, d), jnp.float32).astype(jnp.bfloat16)
+  w_in = jax.random.normal(k2, (4, d, f * (2 if activation == "swiglu" else 1))) / 8
+  w_out = jax.random.normal(k3, (4, f, d_out)) / 8
+  sizes = jnp.asarray([50, 0, 70, 60], jnp.int32)
+  starts, ends = reference.group_bounds(sizes, m)
+  cot = jax.random.normal(k4, (m, d_out), jnp.float32).astype(jnp.bfloat16)
+
+  def run(fn):
+    out, pullback = jax.vjp(fn, x, w_in, w_out)
+    return (out, *pullback(cot.astype(out.dtype)))
+
+  got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
+      *a, starts, ends, activation=activation, mosaic=True))
+  want = run(lambda x, *w: mlp_reference.grouped_mlp_reference(
+      x.astype(jnp.float32), *w, sizes, activation=activation))
+  assert got[0].dtype == jnp.bfloat16
+  assert got[2].dtype == got[3].dtype == jnp.float32  # float32 weights' gradients
+  for g, w in zip(got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    rel = np.linalg.norm(g - w) / np.linalg.norm(w)
+    assert rel < 1e-2, rel
+
+
+def test_float32_is_refused_by_name():
+  x = jnp.ones((16, 32), jnp.float32)
+  bounds = reference.group_bounds(jnp.array([16], jnp.int32), 16)
+  with pytest.raises(ValueError, match="lhs"):
+    gmm_pallas.grouped_matmul_pallas(x, jnp.ones((1, 32, 32)), *bounds, mosaic=True)
+  with pytest.raises(ValueError, match="`x`"):
+    mlp_pallas.grouped_mlp_pallas(x, jnp.ones((1, 32, 32)), jnp.ones((1, 32, 32)),
+                                  *bounds, activation="gelu", mosaic=True)
+
+
+def test_config_validation_and_choice():
+  with pytest.raises(ValueError, match="split"):
+    mosaic.MosaicConfig(split="k")
+  with pytest.raises(ValueError, match="epilogue_n"):
+    mosaic.MosaicConfig(block_n=64, split="n", epilogue_n=64)
+  with pytest.raises(ValueError, match="block_m"):
+    mosaic.MosaicConfig(block_m=96)
+  budget = mosaic._SMEM_BUDGET
+  for accs, extras in ((1, 0), (1, 1), (2, 0), (1, 2)):
+    config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras)
+    assert config.smem_bytes(num_accs=accs, num_extras=extras) <= budget
+    if accs == 2:  # SwiGLU: two accumulators of at most 64 x 128 per warpgroup
+      assert config.wg_tile[0] * config.wg_tile[1] <= 64 * 128
+  # A narrow N skips the 256-wide tile.
+  assert mosaic.choose_config(128).block_n == 128
+
+
+def test_preferred_only_for_16_bit_inputs_on_hopper(monkeypatch):
+  assert not mosaic.preferred(jnp.bfloat16)  # the CPU
+  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  for capability, dtype, want in (("9.0", jnp.bfloat16, True), ("9.0", jnp.float16, True),
+                                  ("9.0", jnp.float32, False), ("10.0", jnp.bfloat16, False),
+                                  ("8.0", jnp.bfloat16, False)):
+    device = types.SimpleNamespace(compute_capability=capability)
+    monkeypatch.setattr(jax, "devices", lambda device=device: [device])
+    assert mosaic.preferred(dtype) is want, (capability, dtype)
+  # The grouped MLP stays on Triton by default (measured faster in the layer).
+  assert not mlp_pallas.mosaic_default(jnp.bfloat16)
+
+
+def _spec(shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("op", ["grouped_matmul", "grouped_mlp_swiglu"])
+def test_lowers_to_mosaic_gpu_for_hopper(op, monkeypatch):
+  """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
+  does (shared memory budget, layouts, TMA shapes), without a GPU."""
+  from jax._src.pallas.triton import pallas_call_registration as triton_registration
+  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
+      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  monkeypatch.setattr(_backend, "pallas_interpret", lambda: False)
+  sizes = jnp.array([100, 0, 300, 112], jnp.int32)
+  bounds = reference.group_bounds(sizes, 512)
+  if op == "grouped_matmul":
+    fn = lambda x, w: gmm_pallas.grouped_matmul_pallas(x, w, *bounds, mosaic=True)
+    specs = (_spec((512, 256)), _spec((4, 256, 384)))
+  else:
+    fn = lambda x, w1, w2: mlp_pallas.grouped_mlp_pallas(
+        x, w1, w2, *bounds, activation="swiglu", mosaic=True)
+    specs = (_spec((512, 200)), _spec((4, 200, 640), jnp.float32),
+             _spec((4, 320, 136), jnp.float32))
+  loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32))
+  grad = jax.grad(loss, argnums=tuple(range(len(specs))))
+  text = jax.jit(grad).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
