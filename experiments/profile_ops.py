@@ -14,8 +14,6 @@ test this program; the numbers that matter come from the GPU.
 
 import functools
 import os
-import time
-from typing import Callable
 
 from absl import app
 from absl import flags
@@ -33,38 +31,6 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Write each case's optimized HLO here "
                                "(<case>.hlo.txt), to look up what a fusion computes.")
-
-
-def profile(fn: Callable, args: tuple, *, calls: int = 20,
-            hlo_path: str | None = None) -> dict:
-  """Per-kernel device time of `fn(*args)`, per call.
-
-  Returns {"wall_us", "busy_us", "idle_share", "kernels": [{"name", "us",
-  "launches", "share"}]} with kernels sorted by time, largest first. With
-  `hlo_path`, the optimized HLO (whose fusion names are the kernel names) is
-  written there.
-  """
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  compiled = jitted.lower(*args).compile()
-  if hlo_path:
-    with open(hlo_path, "w") as f:
-      f.write(compiled.as_text())
-
-  def run():
-    for _ in range(calls):
-      out = compiled(*args)
-    return jax.block_until_ready(out)
-  for _ in range(2):  # warm-up
-    jax.block_until_ready(compiled(*args))
-  start = time.perf_counter()
-  run()  # timed without the profiler
-  wall_us = (time.perf_counter() - start) * 1e6 / calls
-  _, events = tracing.traced(run)
-  kernels = tracing.kernel_rows(events, per=calls)
-  busy = tracing.busy_ns(events) / 1e3 / calls
-  return {"wall_us": wall_us, "busy_us": busy,
-          "idle_share": max(0.0, 1.0 - busy / wall_us) if wall_us else None,
-          "launches": sum(k["launches"] for k in kernels), "kernels": kernels}
 
 
 # ---------------------------------------------------------------------------
@@ -187,7 +153,7 @@ def main(argv):
         os.makedirs(_HLO_DIR.value, exist_ok=True)
         hlo_path = os.path.join(_HLO_DIR.value, f"{name}.hlo.txt")
       result = {"case": name, "status": "ok",
-                **profile(fn, args, calls=_CALLS.value, hlo_path=hlo_path)}
+                **tracing.profile(fn, args, calls=_CALLS.value, hlo_path=hlo_path)}
     except Exception as exc:  # One case's failure must not stop the others.
       result = {"case": name, "status": "error", "message": f"{type(exc).__name__}: {exc}"[:1000]}
       print(f"## {name}: {result['message']}", flush=True)

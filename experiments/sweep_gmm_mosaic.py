@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import harness
-from experiments import profile_ops
+from experiments import tracing
 from ops.grouped_matmul import mosaic
 from ops.grouped_matmul import pallas as gmm_pallas
 
@@ -48,7 +48,7 @@ def _name(config: mosaic.MosaicConfig) -> str:
 
 
 def _busy_us(fn, args) -> float:
-  return profile_ops.profile(jax.jit(fn), args, calls=20)["busy_us"]
+  return tracing.profile(jax.jit(fn), args, calls=20)["busy_us"]
 
 
 def shape_rows(m: int, k: int, n: int) -> list[dict]:

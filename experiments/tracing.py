@@ -2,7 +2,8 @@
 import it).
 
 `traced(thunk)` runs a Python callable under the profiler and returns its
-result with the device events; `kernel_rows` groups them by kernel name. On a
+result with the device events; `kernel_rows` groups them by kernel name;
+`profile(fn, args)` does both for a compiled call (per-kernel time per call). On a
 GPU the events are the kernels and copies on the device's streams; on the CPU
 the XLA ops the runtime reports stand in for kernels.
 """
@@ -11,6 +12,7 @@ import collections
 import glob
 import os
 import tempfile
+import time
 from typing import Any, Callable
 
 import jax
@@ -78,3 +80,35 @@ def kernel_rows(events, per: float = 1.0) -> list[dict]:
 
 def short_name(name: str, width: int = 70) -> str:
   return name if len(name) <= width else name[:width - 3] + "..."
+
+
+def profile(fn: Callable, args: tuple, *, calls: int = 20,
+            hlo_path: str | None = None) -> dict:
+  """Per-kernel device time of `fn(*args)`, per call.
+
+  Returns {"wall_us", "busy_us", "idle_share", "kernels": [{"name", "us",
+  "launches", "share"}]} with kernels sorted by time, largest first. With
+  `hlo_path`, the optimized HLO (whose fusion names are the kernel names) is
+  written there.
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  compiled = jitted.lower(*args).compile()
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(compiled.as_text())
+
+  def run():
+    for _ in range(calls):
+      out = compiled(*args)
+    return jax.block_until_ready(out)
+  for _ in range(2):  # warm-up
+    jax.block_until_ready(compiled(*args))
+  start = time.perf_counter()
+  run()  # timed without the profiler
+  wall_us = (time.perf_counter() - start) * 1e6 / calls
+  _, events = traced(run)
+  kernels = kernel_rows(events, per=calls)
+  busy = busy_ns(events) / 1e3 / calls
+  return {"wall_us": wall_us, "busy_us": busy,
+          "idle_share": max(0.0, 1.0 - busy / wall_us) if wall_us else None,
+          "launches": sum(k["launches"] for k in kernels), "kernels": kernels}

@@ -1,23 +1,30 @@
 """Mosaic GPU (Hopper) kernel for the grouped matmul: TMA, wgmma, warp specialization.
 
-The Triton kernel in `pallas.py` cannot use Hopper's tensor memory accelerator or
-split the work between warps that load and warps that multiply, and at the MoE
-sizes it runs at about 60 % of cuBLAS's dense rate. This kernel is the same
-computation (one grid step per (group, row tile), a tile that straddles a group
-boundary visited once per group; see `metadata.group_metadata`, which
-`_step_of` computes in registers) written for
-Mosaic GPU:
+The Triton kernel in `pallas.py` cannot use Hopper's tensor memory accelerator
+(TMA) or split a block's warps into loaders and multipliers. At the MoE sizes it
+runs at about 60 % of cuBLAS's dense rate. This kernel does the same computation
+on Mosaic GPU: one grid step per (group, row tile), and a tile that straddles a
+group boundary is visited once per group (see `metadata.group_metadata`, which
+`_step_of` computes in registers).
 
-- one persistent CUDA block per SM walks the (step, column block) grid;
-- three warpgroups per block: one issues the TMA loads of the lhs and rhs tiles
-  into a ring of `max_concurrent_steps` shared-memory slots, two run `wgmma`
-  on them, each into its own [tile_m, tile_n] float32 accumulator (the block's
-  tile is two of those side by side, along N or along M);
-- the epilogue runs an optional elementwise function on the accumulators (the
-  grouped MLP's activation and its derivative), writes the results to shared
-  memory and stores them with TMA. A TMA store has a static shape, so the rows a
-  visit owns, a run of 0 to tile_m rows, are stored as a sum of power-of-two
-  runs (at most log2(tile_m) + 1 stores; one for a tile that is all one group's).
+- One persistent CUDA block per SM walks the (step, column block) grid.
+- Each block has three warpgroups. One issues the TMA loads of the lhs and rhs
+  tiles into a ring of `max_concurrent_steps` shared-memory slots. The other two
+  run `wgmma` on them, each into its own [tile_m, tile_n] float32 accumulator;
+  the block's tile is two of those side by side, along N or along M.
+- The epilogue runs, chunk by chunk, an optional elementwise function of the
+  accumulators and of extra tiles it loads (the grouped MLP's activation and
+  its derivative). It then stores the results with TMA:
+  - a tile its group owns whole goes through a swizzled buffer, one store a
+    chunk;
+  - a TMA store has a static shape, so a straddling tile's rows (a run of 0 to
+    tile_m) go through a plain buffer as power-of-two runs, at most
+    log2(tile_m) + 1 stores.
+
+Measured on an H200 (BUILD_NOTES.md, "## MoE", seventh session):
+- 5-16 % faster than the Triton kernel at 131,072 rows;
+- about equal at 16,384 rows, where it is still about 1.4x JAX's dense Mosaic
+  matmul of the same work.
 
 The same code runs on the CPU in Mosaic GPU interpret mode
 (`plgpu.InterpretGPUParams`), which is how the tests check it.
@@ -120,8 +127,9 @@ def _store_rows(smem, gmem, first: jax.Array, count: jax.Array, rows: int):
 class Epilogue(NamedTuple):
   """What the epilogue reads and writes, beyond the accumulators.
 
-  fn: `(accs, extras) -> results`, elementwise on [tile_m, tile_n] float32
-    tiles; None returns the accumulators.
+  fn: `(accs, extras) -> results`, elementwise on [tile_m, epilogue_n] float32
+    chunks of the accumulators and of the extra tiles; None returns the
+    accumulators.
   extras: (input index, column offset) per extra tile the epilogue reads.
   results: (output index, column offset) per result it writes.
   """
@@ -135,10 +143,10 @@ def _step_of(ends: Sequence[jax.Array], step: jax.Array, *, block_m: int,
   """(group, row tile, first row, end row) of grid step `step`, from the groups'
   end rows: `metadata.group_metadata` for one step, in scalar registers.
 
-  Reading four per-step values from global memory at the start of every tile
-  put their latency in front of each tile's pipeline (the memory warpgroup
-  needs them before its first load); the G ends are read once per kernel and
-  this unrolled arithmetic (G + 1 segments, selects) replaces the reads.
+  The G ends are read once per kernel and this unrolled arithmetic (G + 1
+  segments, selects) replaces four per-step loads from global memory at the
+  start of every tile, which the memory warpgroup would wait on before its
+  first TMA load. (On an H200 the two measured the same; BUILD_NOTES.md.)
   Segment G is the rows after the last group. A step past the last visit
   gets an empty row range.
   """
@@ -159,9 +167,10 @@ def _step_of(ends: Sequence[jax.Array], step: jax.Array, *, block_m: int,
   return group, tile, row_start, row_end
 
 
-def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig, num_groups: int, num_steps: int,
-                num_col_blocks: int, col_offsets: Sequence[int], num_inputs: int,
-                epilogue: Epilogue, transpose_rhs: bool):
+def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
+                num_groups: int, num_steps: int, num_col_blocks: int,
+                col_offsets: Sequence[int], num_inputs: int, epilogue: Epilogue,
+                transpose_rhs: bool):
   in_gmem, out_gmem = rest[:num_inputs], rest[num_inputs:]
   dtype = lhs_gmem.dtype
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -424,6 +433,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
               for o in outputs]
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                 approx_math=approx_math)
+  # Interpret mode simulates every block: four still share the steps out
+  # (each walks several), at a fraction of an SM count's cost.
   call = plgpu.kernel(
       kernel, out_type=out_type, grid=(4 if interpret else _num_sms(),),
       grid_names=("sm",), num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg",

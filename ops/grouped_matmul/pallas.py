@@ -20,6 +20,10 @@ and `_grouped_matmul`, the `jax.custom_vjp` that ties them together.
 Rows after the last group (possible when `sum(group_sizes) < M`) are a
 pseudo-group G whose output is zero, as in `jax.lax.ragged_dot`.
 
+On Hopper with 16-bit inputs, `grouped_matmul_pallas` runs the forward and the
+input gradient on the Mosaic GPU kernel of `mosaic.py` instead
+(`mosaic.preferred`); `tgmm` serves both.
+
 Glossary of shapes: M rows, K contraction, N output columns, G groups,
 T grid steps over row tiles (`cdiv(M, block_m) + G`).
 """

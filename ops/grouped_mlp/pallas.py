@@ -26,6 +26,10 @@ gate column j is always `j + hidden`.
 Float32 weights with a bfloat16 `x` are cast once per call, and their
 gradients are stored in float32 straight from the kernels' accumulators.
 
+`mosaic=True` runs the same fusions on the Mosaic GPU kernel
+(`ops/grouped_mlp/mosaic.py`, Hopper, 16-bit rows); it is not the default
+(`mosaic_default` says why).
+
 Glossary of shapes: M rows, D input width, F hidden width (Fi = F, or 2F for
 SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
 to the tiles.

@@ -1,10 +1,10 @@
-"""experiments.profile_ops: per-kernel device times from a trace (on the CPU
-the XLA ops stand in for kernels), and the busy-time union."""
+"""experiments.tracing (what experiments.profile_ops prints): per-kernel device
+times from a trace (on the CPU the XLA ops stand in for kernels), and the
+busy-time union."""
 
 import jax
 import jax.numpy as jnp
 
-from experiments import profile_ops
 from experiments import tracing
 
 
@@ -16,7 +16,7 @@ def test_busy_time_is_the_union_of_intervals():
 
 def test_profile_reports_the_kernels_of_a_call():
   fn = jax.jit(lambda x: jnp.tanh(x @ x).sum())
-  result = profile_ops.profile(fn, (jnp.ones((128, 128)),), calls=3)
+  result = tracing.profile(fn, (jnp.ones((128, 128)),), calls=3)
   assert result["kernels"], "the trace must show the call's ops"
   assert result["wall_us"] > 0 and result["busy_us"] > 0
   shares = [k["share"] for k in result["kernels"]]

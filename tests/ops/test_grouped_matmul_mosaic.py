@@ -105,6 +105,23 @@ def test_grouped_matmul_values_and_gradients():
                                 atol=3e-2, rtol=3e-2)
 
 
+def test_vmap_over_batches_of_groupings():
+  m, k, n = 64, 32, 64
+  lhs = jax.random.normal(jax.random.key(6), (2, m, k), jnp.float32).astype(jnp.bfloat16)
+  rhs = jax.random.normal(jax.random.key(7), (2, 2, k, n), jnp.float32).astype(jnp.bfloat16)
+  sizes = jnp.array([[30, 34], [10, 40]], jnp.int32)
+
+  def fn(a, b, s):
+    return gmm_pallas.grouped_matmul_pallas(a, b, *reference.group_bounds(s, m),
+                                            mosaic=True)
+
+  got = jax.vmap(fn)(lhs, rhs, sizes)
+  for i in range(2):
+    want = jax.lax.ragged_dot(lhs[i].astype(jnp.float32), rhs[i].astype(jnp.float32),
+                              sizes[i])
+    _assert_bf16_close(got[i], want)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_grouped_mlp_values_and_gradients(activation):
   m, d, f, d_out = 200, 64, 96, 48
