@@ -37,6 +37,11 @@ CONFIGS = (
       wgmma_in_flight=1),
     C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, store_slots=1,
       columns_fastest=False),
+    # Not yet measured: narrower epilogue chunks, double-buffered, in the same
+    # shared memory as one 64-column buffer (a chunk's store no longer waits
+    # for the previous one; JAX's dense Mosaic matmul does this).
+    C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, epilogue_n=32,
+      store_slots=2),
 )
 NUM_GROUPS = 8
 
