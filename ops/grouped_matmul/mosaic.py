@@ -357,16 +357,24 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
                    f"{num_extras} extra tiles")
 
 
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_dtype(dtype, op: str, name: str) -> None:
+  """Raises a ValueError naming `op`'s argument `name` unless it is 16-bit."""
+  if jnp.dtype(dtype) not in _DTYPES:
+    raise ValueError(f"{op}: the Mosaic GPU kernels take bfloat16 or float16 "
+                     f"`{name}`, got {jnp.dtype(dtype)}")
+
+
 def preferred(dtype) -> bool:
-  """Whether the Pallas path of the grouped ops runs these kernels (else Triton).
+  """Whether `ops.grouped_matmul`'s Pallas path runs this kernel (else Triton's).
 
   Mosaic GPU's wgmma and TMA are Hopper's (compute capability 9.x); the kernels
   take 16-bit inputs (float32 stays on the Triton kernels, which multiply it at
   full precision).
   """
-  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-    return False
-  if not _backend.on_nvidia_gpu():
+  if jnp.dtype(dtype) not in _DTYPES or not _backend.on_nvidia_gpu():
     return False
   capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
   return capability.split(".")[0] == "9"

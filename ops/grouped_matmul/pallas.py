@@ -329,8 +329,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
   """
   if mosaic is None:
     mosaic = mosaic_gmm.preferred(lhs.dtype)
-  if mosaic and lhs.dtype == jnp.float32:
-    raise ValueError("grouped_matmul: the Mosaic GPU kernel takes bfloat16 or "
-                     f"float16 `lhs`, got {lhs.dtype}")
+  if mosaic:
+    mosaic_gmm.check_dtype(lhs.dtype, "grouped_matmul", "lhs")
   bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
   return _grouped_matmul(lhs, rhs, starts, ends, bs, mosaic)

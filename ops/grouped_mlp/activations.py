@@ -10,6 +10,7 @@ import math
 from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
@@ -47,6 +48,16 @@ def activation_grads(da: jax.Array, pre: Sequence[jax.Array], activation: str,
     s = sigmoid(gate, tanh)
     return [da * value * s * (1.0 + gate * (1.0 - s)), da * gate * s]
   return [da * gelu(pre[0], tanh)[1]]
+
+
+def approximate_tanh(dtype, interpret: bool) -> bool:
+  """Whether a kernel may use the approximate tanh: compiled, 16-bit results.
+
+  `tanh.approx.f32` is one instruction (relative error ~2^-11, below the
+  rounding of a 16-bit result); the exact tanh is a long sequence, and the
+  epilogue is not overlapped with any matmul. Interpret mode computes exactly.
+  """
+  return not interpret and jnp.dtype(dtype) != jnp.dtype(jnp.float32)
 
 
 def halves(activation: str) -> int:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from ops.grouped_matmul import mosaic
 from ops.grouped_mlp.activations import activation_grads
 from ops.grouped_mlp.activations import activation_value
+from ops.grouped_mlp.activations import approximate_tanh
 from ops.grouped_mlp.activations import col_offsets
 
 
@@ -41,7 +42,7 @@ def mlp_in(x, w_in, ends, *, activation: str, hidden: int, save_hidden: bool,
   return mosaic.gmm(x, w_in, ends, config=config, col_offsets=offsets,
                     outputs=outputs,
                     epilogue=mosaic.Epilogue(epilogue, (), tuple(results)),
-                    approx_math=_approx(x.dtype, interpret), interpret=interpret)
+                    approx_math=approximate_tanh(x.dtype, interpret), interpret=interpret)
 
 
 def hidden_grad(dy, w_out, h, ends, *, activation: str,
@@ -56,11 +57,5 @@ def hidden_grad(dy, w_out, h, ends, *, activation: str,
   [dh] = mosaic.gmm(dy, w_out, ends, transpose_rhs=True, config=config,
                     inputs=[h], outputs=[jax.ShapeDtypeStruct(h.shape, dy.dtype)],
                     epilogue=mosaic.Epilogue(epilogue, offsets, offsets),
-                    approx_math=_approx(dy.dtype, interpret), interpret=interpret)
+                    approx_math=approximate_tanh(dy.dtype, interpret), interpret=interpret)
   return dh
-
-
-def _approx(dtype, interpret: bool) -> bool:
-  # `tanh.approx.f32` (relative error ~2^-11) is below the rounding of a 16-bit
-  # result; interpret mode computes exactly either way.
-  return not interpret and dtype != jnp.float32

@@ -48,22 +48,21 @@ import numpy as np
 from ops import _backend
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
+from ops.grouped_matmul.metadata import group_metadata
 from ops.grouped_matmul.pallas import BlockSizes
 from ops.grouped_matmul.pallas import gmm
-from ops.grouped_matmul.pallas import group_metadata
 from ops.grouped_matmul.pallas import tgmm
-from ops.grouped_mlp.activations import activation_grads
-from ops.grouped_mlp.activations import activation_value
-from ops.grouped_mlp.activations import col_offsets
-from ops.grouped_mlp.activations import halves
-from ops.grouped_mlp import mosaic as mosaic_mlp
 from ops.grouped_matmul.pallas import tile_of_step
 from ops.grouped_matmul.pallas import tile_products
+from ops.grouped_mlp import mosaic as mosaic_mlp
+from ops.grouped_mlp.activations import activation_grads
+from ops.grouped_mlp.activations import activation_value
+from ops.grouped_mlp.activations import approximate_tanh
+from ops.grouped_mlp.activations import col_offsets
+from ops.grouped_mlp.activations import halves
+
 
 def _tanh(fast):
-  # `tanh.approx.f32` is one instruction (relative error ~2^-11, below the
-  # bfloat16 rounding of the stored result); libdevice's tanh is a long
-  # sequence, and the epilogue is not overlapped with any matmul.
   return plgpu.approx_tanh if fast else jnp.tanh
 
 
@@ -123,7 +122,7 @@ def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activa
   """
   padded_rows, padded_k = lhs.shape
   metadata = group_metadata(starts, ends, padded_rows, bs.block_m)
-  tiling = _Tiling(fast_math=not interpret and lhs.dtype != jnp.float32,
+  tiling = _Tiling(fast_math=approximate_tanh(lhs.dtype, interpret),
                    num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
                    block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
                    columns_fastest=bs.columns_fastest)
@@ -300,9 +299,8 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   """
   if mosaic is None:
     mosaic = mosaic_default(x.dtype)
-  if mosaic and x.dtype == jnp.float32:
-    raise ValueError("grouped_mlp: the Mosaic GPU kernels take bfloat16 or float16 "
-                     f"`x`, got {x.dtype}")
+  if mosaic:
+    mosaic_gmm.check_dtype(x.dtype, "grouped_mlp", "x")
   hidden = w_out.shape[1]
   grad_bs = block_sizes
   if block_sizes is None:
