@@ -323,7 +323,9 @@ _SMEM_BUDGET = 232448 - 1024
 
 # Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
 # "## MoE"); `choose_config` takes the first that fits in shared memory, cutting
-# the pipeline's stages (to 2) and then the store buffers (to 1).
+# the store buffers (to 1) before the pipeline's stages (to 2): in one run the
+# 128 x 256 tile with 3 stages and 1 buffer took 42.7 / 236.8 us at 16384 /
+# 131072 rows, with 2 stages and 2 buffers 48.6 / 283.3 us.
 _PREFERRED = (
     MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
     MosaicConfig(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
@@ -346,8 +348,8 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
       continue
     if num_accs > 1 and config.wg_tile[0] * config.wg_tile[1] > 64 * 128:
       continue
-    for slots in range(config.store_slots, 0, -1):
-      for steps in range(config.max_concurrent_steps, 1, -1):
+    for steps in range(config.max_concurrent_steps, 1, -1):
+      for slots in range(config.store_slots, 0, -1):
         candidate = dataclasses.replace(config, max_concurrent_steps=steps,
                                         store_slots=slots)
         if candidate.smem_bytes(num_accs=num_accs,
