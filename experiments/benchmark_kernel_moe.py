@@ -24,14 +24,16 @@ JSON row each, `section` says which):
   (the TFLOP/s yardstick).
 - mlp: the experts' MLP alone (`ops.grouped_mlp`, GELU, bf16 rows, float32
   weights as in MoELayer) at `--mlp_rows`, forward and fwd+bwd: the fused
-  Pallas op (Triton), the same fusions on Mosaic GPU ('fused_pallas_mosaic'),
+  Pallas op (its defaults: fused kernels on Triton, plain grouped matmuls on
+  Mosaic GPU on Hopper), every kernel on Mosaic GPU ('fused_pallas_mosaic'),
   two Triton grouped matmuls with `jax.nn.gelu` between
   them (unfused), and `ragged_dot`.
 - parts: the router and the two sorts of the sorted paths, alone.
 - moe: MoELayer(8 experts, top-2, d_model 512, d_hidden 1024, GELU), bf16,
-  forward and fwd+bwd, one row per `dropless_impl`, and 'gmm_mosaic' ('gmm'
-  with the grouped MLP on Mosaic GPU); ratios vs 'dense' and 'ragged_dot' from
-  the same run.
+  forward and fwd+bwd, one row per `dropless_impl`, and 'gmm' with the
+  grouped MLP's kernels chosen by hand ('gmm_triton': all on Triton,
+  'gmm_mosaic': all on Mosaic GPU; `workloads.GROUPED_MLP_VARIANTS`); ratios
+  vs 'dense' and 'ragged_dot' from the same run.
 - capacity (not in the default list: it runs until every path is out of
   memory): the moe layer's fwd+bwd (`--capacity_modes` may add forward) at
   `--capacity_start` tokens, then doubling up to `--capacity_max`, one column
@@ -364,11 +366,13 @@ def moe_rows(tokens: int) -> list[dict]:
   inputs = _moe_inputs(tokens)
   out = []
   for mode in MODES:
-    for impl in IMPLS + ("gmm_mosaic",):
+    for impl in IMPLS + tuple(workloads.GROUPED_MLP_VARIANTS):
       if _over_budget():
         break
-      layer_impl = "gmm" if impl == "gmm_mosaic" else impl
-      with workloads.mosaic_grouped_mlp() if impl == "gmm_mosaic" else contextlib.nullcontext():
+      variant = impl in workloads.GROUPED_MLP_VARIANTS
+      layer_impl = "gmm" if variant else impl
+      with (workloads.grouped_mlp_kernels(impl) if variant
+            else contextlib.nullcontext()):
         row = harness.run_case(
             dict(section="moe", impl=impl, mode=mode, tokens=tokens),
             lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs),

@@ -46,7 +46,7 @@ def _vjp(fn, num_diff):
   return grad
 
 
-def _moe(impl, small, mosaic=False):
+def _moe(impl, small, variant=None):
   import haiku as hk
   from probjax_hk import moe
   tokens = 256 if small else 8192
@@ -57,9 +57,9 @@ def _moe(impl, small, mosaic=False):
   params, state = model.init(jax.random.key(1), x)
   cot = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   fn = _vjp(lambda p, x: model.apply(p, state, None, x)[0], 2)
-  if mosaic:  # the experts on ops.grouped_mlp's Mosaic GPU kernels
+  if variant:  # the experts' kernels chosen by hand (workloads.GROUPED_MLP_VARIANTS)
     def fn(*args, grad=fn):
-      with workloads.mosaic_grouped_mlp():
+      with workloads.grouped_mlp_kernels(variant):
         return grad(*args)
   return fn, (params, x, cot)
 
@@ -116,7 +116,8 @@ def _attention(impl, mode, small):
 
 CASES = {
     "moe_gmm": lambda small: _moe("gmm", small),
-    "moe_gmm_mosaic": lambda small: _moe("gmm", small, mosaic=True),
+    "moe_gmm_mosaic": lambda small: _moe("gmm", small, "gmm_mosaic"),
+    "moe_gmm_triton": lambda small: _moe("gmm", small, "gmm_triton"),
     "moe_dense": lambda small: _moe("dense", small),
     "gmm_op": lambda small: _gmm("pallas", small),
     "gmm_op_triton": lambda small: _gmm("triton", small),

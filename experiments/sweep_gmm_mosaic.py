@@ -28,28 +28,38 @@ from ops.grouped_matmul import pallas as gmm_pallas
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gmm_mosaic_sweep.json", "JSON output.")
 _SHAPES = flags.DEFINE_list("shapes", ["16384x512x1024", "16384x1024x512", "131072x512x1024"],
                             "MxKxN of each case.")
+_CONFIGS = flags.DEFINE_list("configs", None, "Indices into CONFIGS (default: all). "
+                             "A kernel that faults poisons the process's CUDA "
+                             "context, so a new config is best run in a new process.")
+_PEERS = flags.DEFINE_bool("peers", True, "Also time cuBLAS, JAX's Mosaic dense "
+                           "matmul and the Triton kernels.")
 
 C = mosaic.MosaicConfig
 CONFIGS = (
+    # The seventh session's default: 3 stages do not divide 8 or 16 K steps,
+    # so its tiles' pipelines do not chain.
     C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, store_slots=1),
-    C(block_m=256, block_n=128, split="m", max_concurrent_steps=3, store_slots=1),
+    # Chained pipelines (the next tile's loads during this tile's epilogue).
+    C(block_m=128, block_n=256, split="n", max_concurrent_steps=2, store_slots=2),
+    C(block_m=128, block_n=256, split="n", max_concurrent_steps=2, store_slots=2,
+      chain_tiles=False),
+    C(block_m=128, block_n=128, split="m", max_concurrent_steps=4, store_slots=2),
+    C(block_m=128, block_n=256, block_k=32, split="n", max_concurrent_steps=4,
+      store_slots=2),
+    C(block_m=256, block_n=128, block_k=32, split="m", max_concurrent_steps=4,
+      store_slots=2),
+    # The fastest at 16,384 rows in the seventh session (unchained: a wgmma in flight).
     C(block_m=128, block_n=128, split="m", max_concurrent_steps=4, store_slots=2,
       wgmma_in_flight=1),
-    C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, store_slots=1,
-      columns_fastest=False),
-    # Not yet measured: narrower epilogue chunks, double-buffered, in the same
-    # shared memory as one 64-column buffer (a chunk's store no longer waits
-    # for the previous one; JAX's dense Mosaic matmul does this).
-    C(block_m=128, block_n=256, split="n", max_concurrent_steps=3, epilogue_n=32,
-      store_slots=2),
 )
 NUM_GROUPS = 8
 
 
 def _name(config: mosaic.MosaicConfig) -> str:
-  return ("{block_m}x{block_n}{split}_stages{max_concurrent_steps}_slots{store_slots}"
-          "_inflight{wgmma_in_flight}".format(**dataclasses.asdict(config))
-          + ("" if config.columns_fastest else "_rows_fastest"))
+  return ("{block_m}x{block_n}x{block_k}{split}_stages{max_concurrent_steps}_epi{epilogue_n}"
+          "_slots{store_slots}_inflight{wgmma_in_flight}".format(**dataclasses.asdict(config))
+          + ("" if config.columns_fastest else "_rows_fastest")
+          + ("" if config.chain_tiles else "_unchained"))
 
 
 def _busy_us(fn, args) -> float:
@@ -82,18 +92,21 @@ def shape_rows(m: int, k: int, n: int) -> list[dict]:
     rows.append(row)
     print(row, flush=True)
 
-  add("cublas_dense_same_work", lambda a, b: a @ b, (lhs, rhs[0]))
-  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
-  config = hopper.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
-                               epi_tile_n=64, epi_tile_m=64)
-  add("jax_mosaic_dense_same_work", lambda a, b: hopper.matmul(a, b, None, config),
-      (lhs, rhs[0]))
-  add("triton_gmm", lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e),
-      (lhs, rhs, starts, ends))
-  add("triton_gmm_transposed",
-      lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e, transpose_rhs=True),
-      (lhs, rhs_t, starts, ends))
-  for config in CONFIGS:
+  if _PEERS.value:
+    add("cublas_dense_same_work", lambda a, b: a @ b, (lhs, rhs[0]))
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
+    config = hopper.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                                 epi_tile_n=64, epi_tile_m=64)
+    add("jax_mosaic_dense_same_work", lambda a, b: hopper.matmul(a, b, None, config),
+        (lhs, rhs[0]))
+    add("triton_gmm", lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e),
+        (lhs, rhs, starts, ends))
+    add("triton_gmm_transposed",
+        lambda a, b, s, e: gmm_pallas.gmm(a, b, s, e, transpose_rhs=True),
+        (lhs, rhs_t, starts, ends))
+  chosen = ([CONFIGS[int(i)] for i in _CONFIGS.value] if _CONFIGS.value is not None
+            else CONFIGS)
+  for config in chosen:
     for transpose in (False, True):
       fn = functools.partial(lambda a, b, e, config, transpose: mosaic.gmm(
           a, b, e, transpose_rhs=transpose, config=config)[0],

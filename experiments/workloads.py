@@ -114,17 +114,27 @@ def gmm_inputs(rows: int):
 
 # JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
 # num_warps, num_stages); None = its defaults.
+# The MoE layer's 'gmm' path with the grouped MLP's kernels chosen by hand:
+# name -> (fused kernels on Mosaic GPU, plain grouped matmuls on Mosaic GPU).
+GROUPED_MLP_VARIANTS = {
+    "gmm_triton": (False, False),
+    "gmm_mosaic": (True, True),
+}
+
+
 @contextlib.contextmanager
-def mosaic_grouped_mlp():
+def grouped_mlp_kernels(variant: str):
   """Within this block (while a function is traced), `ops.grouped_mlp`'s Pallas
-  path runs the Mosaic GPU kernels, not its default Triton ones: the comparison
-  rows of the MoE layer ('gmm_mosaic')."""
-  default = grouped_mlp_pallas.mosaic_default
-  grouped_mlp_pallas.mosaic_default = lambda dtype: True
+  path runs the kernels of `GROUPED_MLP_VARIANTS[variant]` instead of its
+  defaults: the comparison rows of the MoE layer."""
+  fused, plain = GROUPED_MLP_VARIANTS[variant]
+  defaults = grouped_mlp_pallas.mosaic_default, grouped_mlp_pallas.mosaic_plain_default
+  grouped_mlp_pallas.mosaic_default = lambda dtype: fused
+  grouped_mlp_pallas.mosaic_plain_default = lambda dtype: plain
   try:
     yield
   finally:
-    grouped_mlp_pallas.mosaic_default = default
+    grouped_mlp_pallas.mosaic_default, grouped_mlp_pallas.mosaic_plain_default = defaults
 
 
 MHA_CONFIGS = {

@@ -47,6 +47,10 @@ from ops import _backend
 from ops import _shapes
 
 _NUM_COMPUTE_WGS = 2
+# A TMA store reads shared memory from a 128-byte boundary, and a straddling
+# tile's row runs start at any row of its chunk: a chunk row must be 128 bytes
+# (64 16-bit columns). 32 columns ran into a misaligned address on an H200.
+_MIN_EPILOGUE_N = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +62,10 @@ class MosaicConfig:
   epilogue works on `epilogue_n`-column chunks of a warpgroup's tile, through
   `store_slots` shared-memory buffers (2: a chunk's store overlaps the next
   chunk's math). `wgmma_in_flight` 1 lets a step's wgmma run while the next is
-  issued (its input slot is released one step later).
+  issued (its input slot is released one step later). `chain_tiles` lets the
+  loads of a block's next tile start during this tile's epilogue; it applies
+  when the K steps are a multiple of `max_concurrent_steps` and
+  `wgmma_in_flight` is 0 (what chained pipelines allow).
   """
   block_m: int = 128
   block_n: int = 256
@@ -69,6 +76,7 @@ class MosaicConfig:
   store_slots: int = 2
   wgmma_in_flight: int = 0
   columns_fastest: bool = True
+  chain_tiles: bool = True
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -77,9 +85,10 @@ class MosaicConfig:
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"`{name}` must be a power of two >= 16, got {value}")
-    if self.epilogue_n > self.wg_tile[1]:
-      raise ValueError(f"`epilogue_n` ({self.epilogue_n}) must be at most a "
-                       f"warpgroup's columns ({self.wg_tile[1]})")
+    if not _MIN_EPILOGUE_N <= self.epilogue_n <= self.wg_tile[1]:
+      raise ValueError(f"`epilogue_n` ({self.epilogue_n}) must be at least "
+                       f"{_MIN_EPILOGUE_N} and at most a warpgroup's columns "
+                       f"({self.wg_tile[1]})")
     if self.max_concurrent_steps < 2:
       raise ValueError("`max_concurrent_steps` must be >= 2, got "
                        f"{self.max_concurrent_steps}")
@@ -138,37 +147,61 @@ class Epilogue(NamedTuple):
   results: tuple[tuple[int, int], ...]
 
 
-def _step_of(ends: Sequence[jax.Array], step: jax.Array, *, block_m: int,
-             padded_rows: int):
-  """(group, row tile, first row, end row) of grid step `step`, from the groups'
-  end rows: `metadata.group_metadata` for one step, in scalar registers.
+def _segments(ends: Sequence[jax.Array], *, block_m: int, padded_rows: int):
+  """Per segment (the G groups, then the rows after the last group): its
+  index, rows [start, end), first row tile, number of row tiles it touches and
+  the visits of the segments before it; and the total number of visits.
 
-  The G ends are read once per kernel and this unrolled arithmetic (G + 1
-  segments, selects) replaces four per-step loads from global memory at the
-  start of every tile, which the memory warpgroup would wait on before its
-  first TMA load. (On an H200 the two measured the same; BUILD_NOTES.md.)
-  Segment G is the rows after the last group. A step past the last visit
-  gets an empty row range.
+  `metadata.group_metadata`'s arithmetic, unrolled over the G + 1 segments in
+  scalar registers (the ends are read once per kernel).
   """
-  zero = jnp.int32(0)
-  group = tile = row_start = row_end = zero
-  seg_start, visits_before = zero, zero
+  segments = []
+  seg_start, visits_before = jnp.int32(0), jnp.int32(0)
   for g, seg_end in enumerate(list(ends) + [jnp.int32(padded_rows)]):
     first_tile = seg_start // block_m
     num_tiles = jnp.where(seg_end > seg_start,
                           (seg_end - 1) // block_m - first_tile + 1, 0)
+    segments.append((g, seg_start, seg_end, first_tile, num_tiles, visits_before))
+    visits_before = visits_before + num_tiles
+    seg_start = seg_end
+  return segments, visits_before
+
+
+def _step_of(segments, step: jax.Array):
+  """(group, row tile, first row, end row) of visit `step` (< the number of
+  visits), from `_segments`.
+
+  This replaces four per-step loads from global memory at the start of every
+  tile, which the memory warpgroup would wait on before its first TMA load.
+  (On an H200 the two measured the same; BUILD_NOTES.md.)
+  """
+  zero = jnp.int32(0)
+  group = tile = row_start = row_end = zero
+  for g, seg_start, seg_end, first_tile, num_tiles, visits_before in segments:
     mine = (step >= visits_before) & (step < visits_before + num_tiles)
     group = jnp.where(mine, g, group)
     tile = jnp.where(mine, first_tile + step - visits_before, tile)
     row_start = jnp.where(mine, seg_start, row_start)
     row_end = jnp.where(mine, seg_end, row_end)
-    visits_before = visits_before + num_tiles
-    seg_start = seg_end
   return group, tile, row_start, row_end
 
 
+def _pipeline_state(info) -> jax.Array:
+  """Where a block's tile stands in the chain of its tiles' pipelines.
+
+  Chained pipelines let the memory warpgroup load the next tile's first
+  slots while the compute warpgroups run this tile's epilogue. The first
+  tile fills the ring (START), the last one waits for every slot to be
+  consumed (STOP). (A block with one tile runs an unchained pipeline.)
+  """
+  local, count = info.local_index, info.num_local_steps
+  return jnp.where(local == 0, int(plgpu.PipelinePipeline.START),
+                   jnp.where(local == count - 1, int(plgpu.PipelinePipeline.STOP),
+                             int(plgpu.PipelinePipeline.STEADY))).astype(jnp.int32)
+
+
 def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
-                num_groups: int, num_steps: int, num_col_blocks: int,
+                num_groups: int, num_col_blocks: int,
                 col_offsets: Sequence[int], num_inputs: int, epilogue: Epilogue,
                 transpose_rhs: bool):
   in_gmem, out_gmem = rest[:num_inputs], rest[num_inputs:]
@@ -191,13 +224,18 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
   else:
     rhs_spec = spec((bk, bn), lambda k: (k, 0))
 
-  def pipeline(body, compute_context):
+  # A block's tiles chain their pipelines (see `_pipeline_state`) where the
+  # pipeline allows it: whole rings per tile, and no delayed release.
+  chained = (config.chain_tiles and k_steps % config.max_concurrent_steps == 0
+             and config.wgmma_in_flight == 0)
+
+  def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
         in_specs=[lhs_spec] + [rhs_spec] * num_accs,
         wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS,
         max_concurrent_steps=config.max_concurrent_steps,
-        compute_context=compute_context)
+        compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
   chunk_shape = (_NUM_COMPUTE_WGS, tm, en)
@@ -231,16 +269,18 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
       wg_rows, wg_cols, wg_row0 = slice(None), pl.ds(wg * tn, tn), 0
 
     ends = [ends_gmem[g] for g in range(num_groups)]
+    segments, num_visits = _segments(ends, block_m=bm, padded_rows=lhs_gmem.shape[0])
 
-    @plgpu.nd_loop((num_steps * num_col_blocks,), collective_axes="sm")
+    # Only the visits the groups need (at most cdiv(M, block_m) + G): every tile a block
+    # walks has rows to compute, so its pipelines can chain.
+    @plgpu.nd_loop((num_visits * num_col_blocks,), collective_axes="sm")
     def loop(info):
       (index,) = info.index
       if config.columns_fastest:
         step, col_block = index // num_col_blocks, index % num_col_blocks
       else:
-        step, col_block = index % num_steps, index // num_steps
-      group, tile, row_start, row_end = _step_of(
-          ends, step, block_m=bm, padded_rows=lhs_gmem.shape[0])
+        step, col_block = index % num_visits, index // num_visits
+      group, tile, row_start, row_end = _step_of(segments, step)
       row0 = tile * bm
       first = jnp.maximum(row_start - row0, 0)  # rows of the tile it owns
       last = jnp.minimum(row_end - row0, bm)
@@ -305,15 +345,22 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
         plgpu.wgmma_wait(config.wgmma_in_flight)
         return accs
 
-      @pl.when(last > first)
-      def _():
-        cols = [pl.ds(col_block * bn + o, bn) for o in col_offsets]
-        if transpose_rhs:
-          rhs_tiles = [rhs_gmem.at[weight, c, :] for c in cols]
-        else:
-          rhs_tiles = [rhs_gmem.at[weight, :, c] for c in cols]
-        pipeline(mma, compute_context)(lhs_gmem.at[block_rows, :], *rhs_tiles,
-                                       allocations=allocations)
+      cols = [pl.ds(col_block * bn + o, bn) for o in col_offsets]
+      if transpose_rhs:
+        rhs_tiles = [rhs_gmem.at[weight, c, :] for c in cols]
+      else:
+        rhs_tiles = [rhs_gmem.at[weight, :, c] for c in cols]
+      def run(state):
+        pipeline(mma, compute_context, state)(lhs_gmem.at[block_rows, :], *rhs_tiles,
+                                              allocations=allocations)
+
+      if not chained:
+        run(None)
+      else:
+        # A chain needs two tiles: its first fills the ring, its last drains it.
+        alone = info.num_local_steps == 1
+        pl.when(alone)(lambda: run(None))
+        pl.when(jnp.logical_not(alone))(lambda: run(_pipeline_state(info)))
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -322,13 +369,15 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
 _SMEM_BUDGET = 232448 - 1024
 
 # Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
-# "## MoE"); `choose_config` takes the first that fits in shared memory, cutting
-# the store buffers (to 1) before the pipeline's stages (to 2): in one run the
-# 128 x 256 tile with 3 stages and 1 buffer took 42.7 / 236.8 us at 16384 /
-# 131072 rows, with 2 stages and 2 buffers 48.6 / 283.3 us.
+# "## MoE", eighth session); `choose_config` takes the first that fits in shared
+# memory, cutting the store buffers (to 1) before the pipeline's stages (to 2).
+# In one run (device us at M 16384 K 512 N 1024 / M 16384 K 1024 N 512 / M
+# 131072 K 512 N 1024): 128 x 128 split along M, 4 stages, chained: 38.4 /
+# 38.3 / 240.3; 128 x 256 split along N, 3 stages (unchained): 44.7 / 39.9 /
+# 258.7; cuBLAS on the same work 26.4 / 27.1 / 179.7.
 _PREFERRED = (
-    MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
     MosaicConfig(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
+    MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
 )
 
 # What a width must be a multiple of for every preferred tile to span it.
@@ -433,10 +482,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
   lhs_p = _shapes.pad_axis(lhs, 0, bm)
   padded_rows = lhs_p.shape[0]
   inputs_p = [_shapes.pad_axis(x, 0, bm) for x in inputs]
-  # Every row tile once, plus one more visit per group boundary inside a tile.
-  num_steps = padded_rows // bm + num_groups
   kernel = functools.partial(
-      _gmm_kernel, config=config, num_groups=num_groups, num_steps=num_steps,
+      _gmm_kernel, config=config, num_groups=num_groups,
       num_col_blocks=n // bn, col_offsets=tuple(col_offsets),
       num_inputs=len(inputs), epilogue=epilogue, transpose_rhs=transpose_rhs)
   out_type = [jax.ShapeDtypeStruct((padded_rows,) + o.shape[1:], o.dtype)

@@ -28,7 +28,8 @@ gradients are stored in float32 straight from the kernels' accumulators.
 
 `mosaic=True` runs the same fusions on the Mosaic GPU kernel
 (`ops/grouped_mlp/mosaic.py`, Hopper, 16-bit rows); it is not the default
-(`mosaic_default` says why).
+(`mosaic_default` says why). The two plain grouped matmuls choose their kernel
+on their own (`mosaic_plain`, default `mosaic_plain_default`).
 
 Glossary of shapes: M rows, D input width, F hidden width (Fi = F, or 2F for
 SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
@@ -146,7 +147,8 @@ class _Statics(NamedTuple):
   w_out_dtype: np.dtype
   block_sizes: BlockSizes
   hidden_grad_block_sizes: BlockSizes  # of `grouped_mlp_hidden_grad`
-  mosaic: bool  # the Mosaic GPU kernels (Hopper) instead of the Triton ones
+  mosaic: bool  # the fused kernels on Mosaic GPU (Hopper) instead of Triton
+  mosaic_plain: bool  # the plain grouped matmuls (y = a @ w_out, dx) on Mosaic GPU
   mosaic_config: mosaic_gmm.MosaicConfig | None  # None: each kernel's default
 
   @property
@@ -154,7 +156,7 @@ class _Statics(NamedTuple):
     """What D, F and D' are padded to: a multiple of every tile that spans them."""
     bs = self.block_sizes
     multiple = max(bs.block_k, bs.block_n)
-    if self.mosaic:
+    if self.mosaic or self.mosaic_plain:
       cfg = self.mosaic_config
       multiple = max(multiple, *((cfg.block_k, cfg.block_n) if cfg
                                  else (mosaic_gmm.WIDTH_MULTIPLE,)))
@@ -185,6 +187,19 @@ def _padded_weights(w_in, w_out, dtype, statics):
   return w_in, w_out
 
 
+def _plain_gmm(lhs, rhs, starts, ends, statics, *, transpose_rhs):
+  """lhs [Mp, K] times each row's group of rhs ([G, K, N], or [G, N, K] with
+  `transpose_rhs`), on the kernel `statics` names; either pads the rows to its
+  own tiles."""
+  interpret = _backend.pallas_interpret()
+  if statics.mosaic_plain:
+    [out] = mosaic_gmm.gmm(lhs, rhs, ends, transpose_rhs=transpose_rhs,
+                           config=statics.mosaic_config, interpret=interpret)
+    return out
+  return gmm(lhs, rhs, starts, ends, transpose_rhs=transpose_rhs,
+             block_sizes=statics.block_sizes, interpret=interpret)
+
+
 def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
   bs, act = statics.block_sizes, statics.activation
   interpret = _backend.pallas_interpret()
@@ -197,7 +212,6 @@ def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
     a, *h = mosaic_mlp.mlp_in(x_p, w_in_p, ends, activation=act,
                               hidden=hidden_p, save_hidden=save_hidden, config=cfg,
                               interpret=interpret)
-    [y] = mosaic_gmm.gmm(a, w_out_p, ends, config=cfg, interpret=interpret)
   else:
     x_p = _shapes.pad_axis(x_p, 0, bs.block_m)
     padded_rows = x_p.shape[0]
@@ -207,7 +221,7 @@ def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
     a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
                            hidden=hidden_p, activation=act, bs=bs,
                            name="grouped_mlp_in", interpret=interpret)
-    y = gmm(a, w_out_p, starts, ends, block_sizes=bs, interpret=interpret)
+  y = _plain_gmm(a, w_out_p, starts, ends, statics, transpose_rhs=False)
   y = y[:num_rows, :out_width]
   residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)
   return y, residuals
@@ -233,8 +247,6 @@ def _grouped_mlp_bwd(statics, saved, dy):
     cfg = statics.mosaic_config
     dh = mosaic_mlp.hidden_grad(dy_p, w_out_p, h, ends, activation=act,
                                 config=cfg, interpret=interpret)
-    [dx] = mosaic_gmm.gmm(dh, w_in_p, ends, transpose_rhs=True, config=cfg,
-                          interpret=interpret)  # [Mp, Dp]
   else:
     dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
                         jax.ShapeDtypeStruct((x_p.shape[0], h.shape[1]), x_p.dtype),
@@ -242,8 +254,7 @@ def _grouped_mlp_bwd(statics, saved, dy):
                         bs=statics.hidden_grad_block_sizes,
                         name="grouped_mlp_hidden_grad", interpret=interpret,
                         extra=(h,))
-    dx = gmm(dh, w_in_p, starts, ends, transpose_rhs=True, block_sizes=bs,
-             interpret=interpret)  # [Mp, Dp]
+  dx = _plain_gmm(dh, w_in_p, starts, ends, statics, transpose_rhs=True)  # [Mp, Dp]
   dw_out = tgmm(a, dy_p, starts, ends, out_dtype=statics.w_out_dtype, block_sizes=bs,
                 interpret=interpret)  # [G, Fp, D'p]
   dw_in = tgmm(x_p, dh, starts, ends, out_dtype=statics.w_in_dtype, block_sizes=bs,
@@ -266,16 +277,26 @@ def mosaic_default(dtype) -> bool:
   tokens (389 against 361 us) and within 1 % at 65,536 (2,156 against 2,181 us): its
   fused epilogues (two stored outputs; a tile of h read back) cost more than
   its faster main loop saves. The plain grouped matmul is another matter
-  (`ops.grouped_matmul`, `mosaic_gmm.preferred`).
+  (`ops.grouped_matmul`, `mosaic_gmm.preferred`), see `mosaic_plain_default`.
   """
   del dtype
   return False
+
+
+def mosaic_plain_default(dtype) -> bool:
+  """Whether the two plain grouped matmuls of the MLP (the forward's
+  `a @ w_out` and the input gradient `dh @ w_in^T`) run on the Mosaic GPU
+  kernel when the fused ones stay on Triton: as `ops.grouped_matmul` does
+  (`mosaic_gmm.preferred`, bf16/f16 on Hopper).
+  """
+  return mosaic_gmm.preferred(dtype)
 
 
 def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        starts: jax.Array, ends: jax.Array, *, activation: str,
                        block_sizes: BlockSizes | None = None,
                        mosaic: bool | None = None,
+                       mosaic_plain: bool | None = None,
                        mosaic_config: mosaic_gmm.MosaicConfig | None = None) -> jax.Array:
   """Differentiable grouped MLP on the Pallas kernels.
 
@@ -292,14 +313,19 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       (`mosaic.py`; the weight gradients stay on Triton's `tgmm`); default
       `mosaic_default(x.dtype)`, which is False. Off the GPU they run in
       Mosaic GPU interpret mode.
+    mosaic_plain: the same for the two plain grouped matmuls alone (the
+      fused kernels as `mosaic` says); default `mosaic` if given, else
+      `mosaic_plain_default(x.dtype)`.
     mosaic_config: their tiles; default per kernel (`mosaic_gmm.choose_config`).
 
   Returns:
     [M, D'] in `x.dtype`; gradients of the weights in their own dtypes.
   """
+  if mosaic_plain is None:
+    mosaic_plain = mosaic if mosaic is not None else mosaic_plain_default(x.dtype)
   if mosaic is None:
     mosaic = mosaic_default(x.dtype)
-  if mosaic:
+  if mosaic or mosaic_plain:
     mosaic_gmm.check_dtype(x.dtype, "grouped_mlp", "x")
   hidden = w_out.shape[1]
   grad_bs = block_sizes
@@ -314,5 +340,6 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   statics = _Statics(activation=activation, hidden=hidden,
                      w_in_dtype=np.dtype(w_in.dtype), w_out_dtype=np.dtype(w_out.dtype),
                      block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
-                     mosaic=mosaic, mosaic_config=mosaic_config)
+                     mosaic=mosaic, mosaic_plain=mosaic_plain,
+                     mosaic_config=mosaic_config)
   return _grouped_mlp(x, w_in, w_out, starts, ends, statics)

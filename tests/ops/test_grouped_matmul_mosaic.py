@@ -26,8 +26,10 @@ from ops.grouped_mlp import reference as mlp_reference
 
 # Small tiles so that a few hundred rows make many tiles and boundaries.
 _TILES = {
-    "n": mosaic.MosaicConfig(block_m=64, block_n=64, block_k=32, split="n",
-                             max_concurrent_steps=2, epilogue_n=32),
+    # 2 K steps on 2 stages: a block's tiles chain their pipelines.
+    "n": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="n",
+                             max_concurrent_steps=2, epilogue_n=64),
+    # A wgmma in flight: unchained.
     "m": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="m",
                              max_concurrent_steps=3, epilogue_n=64, store_slots=1,
                              wgmma_in_flight=1),
@@ -69,7 +71,7 @@ def test_gmm_matches_ragged_dot(split, transpose, sizes):
 def test_gmm_epilogue_reads_extras_and_writes_several_outputs():
   """Results go to (output, column offset) and extra tiles are read at theirs:
   out0 = acc * e[:, :N], out1[:, N:] = acc + e[:, N:]."""
-  m, k, n = 150, 64, 64
+  m, k, n = 150, 64, 128
   lhs, rhs, sizes, want = _operands(m, k, n, (40, 90, 20), transpose=False, seed=1)
   _, ends = reference.group_bounds(sizes, m)
   extra = jax.random.normal(jax.random.key(2), (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
@@ -122,8 +124,11 @@ def test_vmap_over_batches_of_groupings():
     _assert_bf16_close(got[i], want)
 
 
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_grouped_mlp_values_and_gradients(activation):
+@pytest.mark.parametrize("activation, fused_on_mosaic", [
+    ("gelu", True), ("swiglu", True),
+    ("gelu", False),  # Triton's fused kernels, the plain matmuls on Mosaic GPU
+])
+def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
   m, d, f, d_out = 200, 64, 96, 48
   k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(k1, (m, d), jnp.float32).astype(jnp.bfloat16)
@@ -138,7 +143,8 @@ def test_grouped_mlp_values_and_gradients(activation):
     return (out, *pullback(cot.astype(out.dtype)))
 
   got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
-      *a, starts, ends, activation=activation, mosaic=True))
+      *a, starts, ends, activation=activation, mosaic=fused_on_mosaic,
+      mosaic_plain=True))
   want = run(lambda x, *w: mlp_reference.grouped_mlp_reference(
       x.astype(jnp.float32), *w, sizes, activation=activation))
   assert got[0].dtype == jnp.bfloat16
@@ -164,6 +170,8 @@ def test_config_validation_and_choice():
     mosaic.MosaicConfig(split="k")
   with pytest.raises(ValueError, match="epilogue_n"):
     mosaic.MosaicConfig(block_n=64, split="n", epilogue_n=64)
+  with pytest.raises(ValueError, match="epilogue_n"):  # 64-byte rows: misaligned TMA
+    mosaic.MosaicConfig(epilogue_n=32)
   with pytest.raises(ValueError, match="block_m"):
     mosaic.MosaicConfig(block_m=96)
   budget = mosaic._SMEM_BUDGET
