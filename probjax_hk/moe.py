@@ -17,11 +17,11 @@ Every `dropless_impl` computes the same function:
 - 'sort': sort, pad each expert's rows to a block multiple, and run a batched
   matmul over blocks with each block's expert weights gathered.
 - 'gmm': sort, `ops.grouped_mlp`: both grouped matmuls with the activation in
-  their kernels, which gather the tokens as they load them (Pallas on NVIDIA
-  GPUs, `ragged_dot` elsewhere).
+  their kernels (Pallas on NVIDIA GPUs, `ragged_dot` elsewhere).
 - 'auto': `choose_dropless_impl` (the rule is in BUILD_NOTES.md, "## MoE").
 """
 
+import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -32,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 
 import ops
 from ops import _backend
-from ops import _row_gather
 from ops import _shapes
 from ops.grouped_mlp.reference import Activation
 from ops.grouped_mlp.reference import activate
@@ -185,10 +184,23 @@ def capacity_positions(expert_ids: jax.Array, num_experts: int,
 # Row permutations with gather-only backward passes (a scatter-add into the
 # token array is much slower than a gather on GPUs).
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _gather_tokens(x, order, inverse, top_k):
-  """xs[i] = x[order[i] // top_k]: [T, D] -> [A, D] in expert order, whose
-  gradient is a gather-sum over each token's k rows (no scatter-add)."""
-  return _row_gather.gather_rows(x, order // top_k, inverse.reshape(x.shape[0], top_k))
+  """xs[i] = x[order[i] // top_k]: [T, D] -> [A, D] in expert order."""
+  return x[order // top_k]
+
+
+def _gather_tokens_fwd(x, order, inverse, top_k):
+  return _gather_tokens(x, order, inverse, top_k), (order, inverse, x.shape[0])
+
+
+def _gather_tokens_bwd(top_k, residuals, dxs):
+  order, inverse, num_tokens = residuals
+  dx = dxs[inverse].reshape(num_tokens, top_k, -1).sum(axis=1)  # [T, D]
+  return dx.astype(dxs.dtype), None, None
+
+
+_gather_tokens.defvjp(_gather_tokens_fwd, _gather_tokens_bwd)
 
 
 @jax.custom_vjp
@@ -277,27 +289,20 @@ def _block_padded_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation):
   return y.reshape(num_blocks * block, d).at[dest].get(mode="fill", fill_value=0)
 
 
-def _grouped_experts(x, order, inverse, top_k, group_sizes, sorted_ids, w_in, w_out,
-                     *, activation, impl, gmm_implementation):
-  """Experts on x's rows in expert order: [T, D] -> [A, D] (empty rows -> 0).
+def _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, *, activation,
+                     impl, gmm_implementation):
+  """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0).
 
-  Row i is token `order[i] // top_k` (`_sort_by_expert`). 'gmm' and
-  'ragged_dot' are `ops.grouped_mlp` (its kernels, or its XLA path of two
-  `ragged_dot`s), which takes the float32 weights, casts them and returns
-  float32 gradients; 'gmm' passes it the row ids, so that its kernels gather
-  the tokens as they load them. 'sort' takes the weights in x's dtype.
+  'gmm' and 'ragged_dot' are `ops.grouped_mlp` (its kernels, or its XLA path
+  of two `ragged_dot`s), which takes the float32 weights, casts them and
+  returns float32 gradients; 'sort' takes them in xs's dtype.
   """
-  if impl == "gmm":
-    return ops.grouped_mlp(x, w_in, w_out, group_sizes, activation=activation,
-                           row_ids=order // top_k,
-                           row_ids_inverse=inverse.reshape(x.shape[0], top_k),
-                           implementation=gmm_implementation)
-  xs = _gather_tokens(x, order, inverse, top_k)
   if impl == "sort":
     return _block_padded_experts(xs, group_sizes, sorted_ids, w_in.astype(xs.dtype),
                                  w_out.astype(xs.dtype), activation)
+  implementation = gmm_implementation if impl == "gmm" else "xla"
   return ops.grouped_mlp(xs, w_in, w_out, group_sizes, activation=activation,
-                         implementation="xla")
+                         implementation=implementation)
 
 
 def _experts_on_rows(rows, ids, w_in, w_out, *, activation, impl, gmm_implementation):
@@ -309,9 +314,9 @@ def _experts_on_rows(rows, ids, w_in, w_out, *, activation, impl, gmm_implementa
     select = jax.nn.one_hot(ids, num_experts, dtype=rows.dtype)  # [R, E]
     return jnp.einsum("re,erd->rd", select, y)
   order, inverse, group_sizes, sorted_ids = _sort_by_expert(ids, num_experts)
-  ys = _grouped_experts(rows, order, inverse, 1, group_sizes, sorted_ids, w_in, w_out,
-                        activation=activation, impl=impl,
-                        gmm_implementation=gmm_implementation)
+  xs = _gather_tokens(rows, order, inverse, 1)
+  ys = _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation=activation,
+                        impl=impl, gmm_implementation=gmm_implementation)
   return _unsort(ys, order, inverse)
 
 
@@ -328,9 +333,9 @@ def _dropless_local(x, expert_ids, gates, w_in, w_out, *, activation, impl,
     return jnp.einsum("te,etd->td", combine.astype(x.dtype), y)
   order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
                                                             num_experts)
-  ys = _grouped_experts(x, order, inverse, top_k, group_sizes, sorted_ids, w_in, w_out,
-                        activation=activation, impl=impl,
-                        gmm_implementation=gmm_implementation)  # [A, D]
+  xs = _gather_tokens(x, order, inverse, top_k)  # [A, D]
+  ys = _grouped_experts(xs, group_sizes, sorted_ids, w_in, w_out, activation=activation,
+                        impl=impl, gmm_implementation=gmm_implementation)
   y = _unsort(ys, order, inverse).reshape(num_tokens, top_k, d)  # [T, k, D]
   return jnp.einsum("tk,tkd->td", gates.astype(x.dtype), y)
 

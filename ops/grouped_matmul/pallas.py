@@ -117,37 +117,23 @@ def tile_of_step(group_ref, tile_ref, start_ref, end_ref, *, num_groups, block_m
               col0=pl.multiple_of(col_block * block_n, block_n), mine=mine)
 
 
-def gathered_tile(lhs_ref, row_ids: jax.Array, col0, width: int, **mask):
-  """`lhs[row_ids][:, col0:col0 + width]`: a [len(row_ids), width] tile whose
-  rows are gathered. (Pallas indexes a gather with index arrays on both axes.)"""
-  cols = col0 + jnp.arange(width)
-  return plgpu.load(lhs_ref.at[row_ids[:, None], cols[None, :]], **mask)
-
-
 def tile_products(lhs_ref, rhs_ref, tile: Tile, col_offsets, *, num_groups, k_steps,
-                  block_k, block_n, transpose_rhs, lhs_rows_ref=None):
+                  block_k, block_n, transpose_rhs):
   """`lhs[rows] @ rhs[weight][:, cols]` for the tile, one per column offset.
 
   Args:
     col_offsets: static offsets added to the tile's columns; several offsets
       share each lhs tile load (SwiGLU's gate and value halves).
-    lhs_rows_ref: [Mp] int32, or None; if given, the tile's rows of lhs are
-      `lhs[lhs_rows[rows]]`, gathered as they are loaded.
 
   Returns:
     A list of [block_m, block_n] float32 accumulators, zero for the rows after
     the last group.
   """
   col_sets = [pl.ds(tile.col0 + offset, block_n) for offset in col_offsets]
-  row_ids = None if lhs_rows_ref is None else plgpu.load(lhs_rows_ref.at[tile.rows])
 
   def body(k, accs):
-    k0 = pl.multiple_of(k * block_k, block_k)
-    ks = pl.ds(k0, block_k)
-    if row_ids is None:
-      a = plgpu.load(lhs_ref.at[tile.rows, ks])  # [bm, bk]
-    else:
-      a = gathered_tile(lhs_ref, row_ids, k0, block_k)
+    ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
+    a = plgpu.load(lhs_ref.at[tile.rows, ks])  # [bm, bk]
     if transpose_rhs:
       return [acc + _dot(a, plgpu.load(rhs_ref.at[tile.weight, cols, ks]), trans_b=True)
               for acc, cols in zip(accs, col_sets)]  # rhs tile [bn, bk]
@@ -218,11 +204,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
   return out[:num_rows, :n]
 
 
-def _tgmm_kernel(start_ref, end_ref, *refs, block_m, block_k, block_n, gathered):
-  if gathered:
-    rows_ref, lhs_ref, dout_ref, out_ref = refs
-  else:
-    lhs_ref, dout_ref, out_ref = refs
+def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m,
+                 block_k, block_n):
   group, k_block, n_block = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   row_start, row_end = start_ref[group], end_ref[group]
   ks = pl.ds(pl.multiple_of(k_block * block_k, block_k), block_k)
@@ -235,11 +218,7 @@ def _tgmm_kernel(start_ref, end_ref, *refs, block_m, block_k, block_n, gathered)
     rows = pl.ds(row0, block_m)
     row_ids = row0 + jnp.arange(block_m)
     mine = ((row_ids >= row_start) & (row_ids < row_end))[:, None]  # [bm, 1]
-    if gathered:
-      a = gathered_tile(lhs_ref, plgpu.load(rows_ref.at[rows]), ks.start, block_k,
-                        mask=mine, other=0.0)
-    else:
-      a = plgpu.load(lhs_ref.at[rows, ks], mask=mine, other=0.0)  # [bm, bk]
+    a = plgpu.load(lhs_ref.at[rows, ks], mask=mine, other=0.0)  # [bm, bk]
     b = plgpu.load(dout_ref.at[rows, cols], mask=mine, other=0.0)  # [bm, bn]
     return acc + _dot(a, b, trans_a=True)
 
@@ -249,38 +228,30 @@ def _tgmm_kernel(start_ref, end_ref, *refs, block_m, block_k, block_n, gathered)
 
 def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
          out_dtype=None, block_sizes: BlockSizes | None = None,
-         interpret: bool | None = None, lhs_rows: jax.Array | None = None) -> jax.Array:
+         interpret: bool | None = None) -> jax.Array:
   """Transposed grouped matmul: the weight gradient of `gmm`.
 
   Args:
-    lhs: [M, K], or [T, K] with `lhs_rows`.
+    lhs: [M, K].
     dout: [M, N].
     starts, ends: [G] int32 row bounds of each group.
     out_dtype: the result's dtype (default `lhs.dtype`); float32 stores the
       accumulator as it is, for float32 master weights.
-    lhs_rows: [M] int32 in [0, T), or None: row i of the product's lhs is
-      `lhs[lhs_rows[i]]`, gathered as tiles are loaded.
 
   Returns:
     [G, K, N] in `out_dtype`: `lhs[rows of g]^T @ dout[rows of g]` (zero for
     an empty group).
   """
-  num_rows, n = dout.shape
-  k = lhs.shape[1]
+  num_rows, k = lhs.shape
+  n = dout.shape[1]
   num_groups = starts.shape[0]
   bs = block_sizes or BlockSizes.get_default(num_rows, k, n)
   interpret = _backend.pallas_interpret() if interpret is None else interpret
   bm, bk, bn = bs.tgmm_block_m, bs.tgmm_block_k, bs.tgmm_block_n
-  lhs_p = _shapes.pad_axis(lhs, 1, bk)  # [Mp or T, Kp]
-  gathered = []
-  if lhs_rows is None:
-    lhs_p = _shapes.pad_axis(lhs_p, 0, bm)
-  else:  # padding rows read row 0, and are masked
-    gathered = [_shapes.pad_axis(lhs_rows.astype(jnp.int32), 0, bm)]
+  lhs_p = _shapes.pad_axis(_shapes.pad_axis(lhs, 0, bm), 1, bk)  # [Mp, Kp]
   dout_p = _shapes.pad_axis(_shapes.pad_axis(dout, 0, bm), 1, bn)  # [Mp, Np]
   padded_k, padded_n = lhs_p.shape[1], dout_p.shape[1]
-  kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn,
-                             gathered=bool(gathered))
+  kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn)
   out = pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_groups, padded_k, padded_n),
@@ -290,7 +261,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
                                            num_stages=bs.tgmm_num_stages),
       interpret=interpret,
       name="transposed_grouped_matmul",
-  )(starts, ends, *gathered, lhs_p, dout_p)
+  )(starts, ends, lhs_p, dout_p)
   return out[:, :k, :n]
 
 

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
-from ops._row_gather import gather_rows
 from ops.grouped_matmul.api import validate_group_sizes
 from ops.grouped_matmul.reference import group_bounds
 from ops.grouped_mlp import pallas
@@ -25,7 +24,7 @@ from ops.grouped_mlp import xla
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
-def _validate(x, w_in, w_out, group_sizes, activation, row_ids, row_ids_inverse) -> None:
+def _validate(x, w_in, w_out, group_sizes, activation) -> None:
   if activation not in reference.ACTIVATIONS:
     raise ValueError(f"`activation` must be one of {reference.ACTIVATIONS}, got "
                      f"{activation!r}")
@@ -51,32 +50,16 @@ def _validate(x, w_in, w_out, group_sizes, activation, row_ids, row_ids_inverse)
     if w.dtype not in (jnp.float32, x.dtype):
       raise ValueError(f"`{name}` must be float32 or x's dtype {x.dtype}, got "
                        f"{w.dtype}")
-  num_rows = x.shape[0]
-  if row_ids is not None:
-    if row_ids.ndim != 1 or not jnp.issubdtype(row_ids.dtype, jnp.integer):
-      raise ValueError(f"`row_ids` must be [M] integers, got {row_ids.dtype}"
-                       f"{list(row_ids.shape)}")
-    num_rows = row_ids.shape[0]
-  if row_ids_inverse is not None:
-    if row_ids is None:
-      raise ValueError("`row_ids_inverse` needs `row_ids`")
-    if (row_ids_inverse.ndim != 2 or row_ids_inverse.shape[0] != x.shape[0]
-        or row_ids_inverse.shape[0] * row_ids_inverse.shape[1] != num_rows):
-      raise ValueError(f"`row_ids_inverse` must be [T, k] with T = {x.shape[0]} (x's "
-                       f"rows) and T * k = {num_rows} (row_ids'), got shape "
-                       f"{row_ids_inverse.shape}")
-  validate_group_sizes(group_sizes, num_rows, w_in.shape[0])
+  validate_group_sizes(group_sizes, x.shape[0], w_in.shape[0])
 
 
 def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                 group_sizes: jax.Array, *, activation: reference.Activation = "gelu",
-                row_ids: jax.Array | None = None,
-                row_ids_inverse: jax.Array | None = None,
                 implementation: _backend.Implementation = None) -> jax.Array:
   """Grouped two-layer MLP: row i of group g is `act(x[i] @ w_in[g]) @ w_out[g]`.
 
   Args:
-    x: [M, D] float32 or bfloat16; with `row_ids`, [T, D].
+    x: [M, D] float32 or bfloat16.
     w_in: [G, D, F] for 'gelu', [G, D, 2F] for 'swiglu' (gate columns first),
       float32 or x.dtype.
     w_out: [G, F, D'], float32 or x.dtype.
@@ -85,12 +68,6 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       in the output and get zero gradient).
     activation: 'gelu' (`jax.nn.gelu`, tanh form) or 'swiglu'
       (`jax.nn.silu(gate) * value`).
-    row_ids: [M] integers in [0, T), or None: row i is `x[row_ids[i]]` (a
-      mixture of experts' tokens in expert order). The Pallas kernels gather
-      the rows as they load them, so no [M, D] copy of x is written.
-    row_ids_inverse: [T, k], or None: the k rows i with `row_ids[i] == t`, for
-      every row t of x used exactly k times (M = T * k; top-k routing). It
-      makes x's gradient a gather-sum; without it, a scatter-add.
     implementation: None (the Pallas kernels on NVIDIA GPUs, else XLA),
       'pallas' (interpret mode off GPU) or 'xla' (`jax.lax.ragged_dot`).
 
@@ -103,14 +80,9 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     ValueError: for bad shapes, dtypes or activation, and for concrete
       `group_sizes` that are negative or sum to more than M.
   """
-  _validate(x, w_in, w_out, group_sizes, activation, row_ids, row_ids_inverse)
+  _validate(x, w_in, w_out, group_sizes, activation)
   backend = _backend.choose("grouped_mlp", implementation, lambda: None)
   if backend == "pallas":
-    num_rows = x.shape[0] if row_ids is None else row_ids.shape[0]
-    starts, ends = group_bounds(group_sizes, num_rows)
-    return pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends, activation=activation,
-                                     row_ids=row_ids, row_ids_inverse=row_ids_inverse)
-  if row_ids is not None:
-    x = (x[row_ids] if row_ids_inverse is None
-         else gather_rows(x, row_ids, row_ids_inverse))
+    starts, ends = group_bounds(group_sizes, x.shape[0])
+    return pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends, activation=activation)
   return xla.grouped_mlp_xla(x, w_in, w_out, group_sizes, activation=activation)

@@ -48,7 +48,6 @@ import numpy as np
 
 from ops import _backend
 from ops import _shapes
-from ops._row_gather import sum_gathered
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.metadata import group_metadata
 from ops.grouped_matmul.pallas import BlockSizes
@@ -76,21 +75,17 @@ class _Tiling(NamedTuple):
   block_k: int
   block_n: int
   columns_fastest: bool
-  gathered: bool  # the lhs rows are gathered through a row-id input
 
 
-def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, *refs, tiling, activation,
-                   hidden):
-  rows_ref, refs = (refs[0], refs[1:]) if tiling.gathered else (None, refs)
-  x_ref, w_ref, act_ref, *pre_ref = refs
+def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_ref,
+                   *pre_ref, tiling, activation, hidden):
   tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
                       num_groups=tiling.num_groups, block_m=tiling.block_m,
                       block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
   offsets = col_offsets(activation, hidden)
   accs = tile_products(x_ref, w_ref, tile, offsets, num_groups=tiling.num_groups,
                        k_steps=tiling.k_steps, block_k=tiling.block_k,
-                       block_n=tiling.block_n, transpose_rhs=False,
-                       lhs_rows_ref=rows_ref)
+                       block_n=tiling.block_n, transpose_rhs=False)
   mask = tile.mine[:, None]
   act = activation_value(accs, activation, _tanh(tiling.fast_math))
   plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
@@ -120,21 +115,18 @@ def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_r
 
 
 def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activation,
-                   bs: BlockSizes, name, interpret, extra=(), lhs_rows=None):
+                   bs: BlockSizes, name, interpret, extra=()):
   """Runs a `gmm`-style kernel over (row tile, hidden column block) programs.
 
-  `lhs` [Mp, Kp] (or [T, Kp] rows gathered by `lhs_rows` [Mp]) and `rhs` are
-  already padded to the tiles; the programs cover `hidden` output columns
-  (each half's, for SwiGLU).
+  `lhs` [Mp, Kp] and `rhs` are already padded to the tiles; the programs
+  cover `hidden` output columns (each half's, for SwiGLU).
   """
-  padded_k = lhs.shape[1]
-  padded_rows = lhs.shape[0] if lhs_rows is None else lhs_rows.shape[0]
+  padded_rows, padded_k = lhs.shape
   metadata = group_metadata(starts, ends, padded_rows, bs.block_m)
   tiling = _Tiling(fast_math=approximate_tanh(lhs.dtype, interpret),
                    num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
                    block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
-                   columns_fastest=bs.columns_fastest, gathered=lhs_rows is not None)
-  gathered = [] if lhs_rows is None else [lhs_rows]
+                   columns_fastest=bs.columns_fastest)
   grid = (metadata[0].shape[0], hidden // bs.block_n)
   return pl.pallas_call(
       functools.partial(kernel, tiling=tiling, activation=activation, hidden=hidden),
@@ -144,7 +136,7 @@ def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activa
                                            num_stages=bs.num_stages),
       interpret=interpret,
       name=name,
-  )(*metadata, *gathered, lhs, rhs, *extra)
+  )(*metadata, lhs, rhs, *extra)
 
 
 class _Statics(NamedTuple):
@@ -208,93 +200,69 @@ def _plain_gmm(lhs, rhs, starts, ends, statics, *, transpose_rhs):
              block_sizes=statics.block_sizes, interpret=interpret)
 
 
-def _forward(x, w_in, w_out, starts, ends, row_ids, statics, *, save_hidden):
+def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
   bs, act = statics.block_sizes, statics.activation
   interpret = _backend.pallas_interpret()
-  num_rows = x.shape[0] if row_ids is None else row_ids.shape[0]
-  out_width = w_out.shape[2]
+  num_rows, out_width = x.shape[0], w_out.shape[2]
   w_in_p, w_out_p = _padded_weights(w_in, w_out, x.dtype, statics)
   x_p = _shapes.pad_axis(x, 1, statics.width_multiple)
   hidden_p = w_out_p.shape[1]
-  lhs_rows = None  # the row ids the Triton kernels gather x's rows by
   if statics.mosaic:
-    if row_ids is not None:  # TMA loads whole tiles: gather the rows first
-      x_p = x_p[row_ids]
     cfg = statics.mosaic_config
     a, *h = mosaic_mlp.mlp_in(x_p, w_in_p, ends, activation=act,
                               hidden=hidden_p, save_hidden=save_hidden, config=cfg,
                               interpret=interpret)
   else:
-    if row_ids is None:
-      x_p = _shapes.pad_axis(x_p, 0, bs.block_m)
-      padded_rows = x_p.shape[0]
-    else:  # padding rows read x's row 0; their results are never stored
-      lhs_rows = _shapes.pad_axis(row_ids.astype(jnp.int32), 0, bs.block_m)
-      padded_rows = lhs_rows.shape[0]
+    x_p = _shapes.pad_axis(x_p, 0, bs.block_m)
+    padded_rows = x_p.shape[0]
     out_shapes = [jax.ShapeDtypeStruct((padded_rows, hidden_p), x.dtype)]
     if save_hidden:
       out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
     a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
                            hidden=hidden_p, activation=act, bs=bs,
-                           name="grouped_mlp_in", interpret=interpret, lhs_rows=lhs_rows)
+                           name="grouped_mlp_in", interpret=interpret)
   y = _plain_gmm(a, w_out_p, starts, ends, statics, transpose_rhs=False)
   y = y[:num_rows, :out_width]
-  residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends, lhs_rows)
+  residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)
   return y, residuals
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _grouped_mlp(x, w_in, w_out, starts, ends, row_ids, row_ids_inverse, statics):
-  del row_ids_inverse  # the backward pass's
-  return _forward(x, w_in, w_out, starts, ends, row_ids, statics, save_hidden=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _grouped_mlp(x, w_in, w_out, starts, ends, statics):
+  return _forward(x, w_in, w_out, starts, ends, statics, save_hidden=False)[0]
 
 
-def _grouped_mlp_fwd(x, w_in, w_out, starts, ends, row_ids, row_ids_inverse, statics):
-  y, residuals = _forward(x, w_in, w_out, starts, ends, row_ids, statics,
-                          save_hidden=True)
-  return y, (residuals, row_ids, row_ids_inverse, x.shape, w_out.shape[2])
-
-
-def _x_grad(dxs, row_ids, row_ids_inverse, x_shape):
-  """x's gradient [T, D] from the rows' [Mp, Dp] (rows past M are padding)."""
-  num_tokens, width = x_shape
-  dxs = dxs[:, :width]
-  if row_ids is None:
-    return dxs[:num_tokens]
-  if row_ids_inverse is not None:
-    return sum_gathered(dxs, row_ids_inverse)
-  return jnp.zeros(x_shape, dxs.dtype).at[row_ids].add(dxs[:row_ids.shape[0]])
+def _grouped_mlp_fwd(x, w_in, w_out, starts, ends, statics):
+  y, residuals = _forward(x, w_in, w_out, starts, ends, statics, save_hidden=True)
+  return y, (residuals, x.shape, w_out.shape[2])
 
 
 def _grouped_mlp_bwd(statics, saved, dy):
-  residuals, row_ids, row_ids_inverse, x_shape, out_width = saved
-  x_p, w_in_p, w_out_p, h, a, starts, ends, lhs_rows = residuals
+  (x_p, w_in_p, w_out_p, h, a, starts, ends), x_shape, out_width = saved
   bs, act, hidden = statics.block_sizes, statics.activation, statics.hidden
   interpret = _backend.pallas_interpret()
-  padded_rows = a.shape[0]
   dy = dy.astype(x_p.dtype)
-  dy_p = _shapes.pad_axis(_shapes.pad_axis(dy, 0, padded_rows), 1, w_out_p.shape[2])
+  dy_p = _shapes.pad_axis(_shapes.pad_axis(dy, 0, x_p.shape[0]), 1, w_out_p.shape[2])
   if statics.mosaic:
     cfg = statics.mosaic_config
     dh = mosaic_mlp.hidden_grad(dy_p, w_out_p, h, ends, activation=act,
                                 config=cfg, interpret=interpret)
   else:
     dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
-                        jax.ShapeDtypeStruct((padded_rows, h.shape[1]), x_p.dtype),
+                        jax.ShapeDtypeStruct((x_p.shape[0], h.shape[1]), x_p.dtype),
                         hidden=w_out_p.shape[1], activation=act,
                         bs=statics.hidden_grad_block_sizes,
                         name="grouped_mlp_hidden_grad", interpret=interpret,
                         extra=(h,))
-  dxs = _plain_gmm(dh, w_in_p, starts, ends, statics, transpose_rhs=True)  # [Mp, Dp]
+  dx = _plain_gmm(dh, w_in_p, starts, ends, statics, transpose_rhs=True)  # [Mp, Dp]
   dw_out = tgmm(a, dy_p, starts, ends, out_dtype=statics.w_out_dtype, block_sizes=bs,
                 interpret=interpret)  # [G, Fp, D'p]
   dw_in = tgmm(x_p, dh, starts, ends, out_dtype=statics.w_in_dtype, block_sizes=bs,
-               interpret=interpret, lhs_rows=lhs_rows)  # [G, Dp, Fip]
-  width = x_shape[1]
+               interpret=interpret)  # [G, Dp, Fip]
+  num_rows, width = x_shape
   dw_in = _unpad_hidden(dw_in[:, :width], 2, halves(act), hidden)
   dw_out = _unpad_hidden(dw_out[:, :, :out_width], 1, 1, hidden)
-  dx = _x_grad(dxs, row_ids, row_ids_inverse, x_shape)
-  return dx, dw_in, dw_out, None, None, None, None
+  return dx[:num_rows, :width], dw_in, dw_out, None, None
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
@@ -329,9 +297,7 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        block_sizes: BlockSizes | None = None,
                        mosaic: bool | None = None,
                        mosaic_plain: bool | None = None,
-                       mosaic_config: mosaic_gmm.MosaicConfig | None = None,
-                       row_ids: jax.Array | None = None,
-                       row_ids_inverse: jax.Array | None = None) -> jax.Array:
+                       mosaic_config: mosaic_gmm.MosaicConfig | None = None) -> jax.Array:
   """Differentiable grouped MLP on the Pallas kernels.
 
   Args:
@@ -351,8 +317,6 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       fused kernels as `mosaic` says); default `mosaic` if given, else
       `mosaic_plain_default(x.dtype)`.
     mosaic_config: their tiles; default per kernel (`mosaic_gmm.choose_config`).
-    row_ids, row_ids_inverse: see `ops.grouped_mlp`. The Triton kernels gather
-      x's rows as they load them; the Mosaic ones take a gathered copy.
 
   Returns:
     [M, D'] in `x.dtype`; gradients of the weights in their own dtypes.
@@ -366,8 +330,7 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   hidden = w_out.shape[1]
   grad_bs = block_sizes
   if block_sizes is None:
-    num_rows = x.shape[0] if row_ids is None else row_ids.shape[0]
-    block_sizes = BlockSizes.get_default(num_rows, x.shape[1], hidden)
+    block_sizes = BlockSizes.get_default(x.shape[0], x.shape[1], hidden)
     # 64-row tiles and 4 warps ran the hidden gradient (matmul, then the
     # derivative's epilogue with a tile load) faster on an H200: GELU 59 against
     # 61 us, SwiGLU 79 against 95 us at M 16384 (BUILD_NOTES.md); the other
@@ -379,4 +342,4 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                      block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
                      mosaic=mosaic, mosaic_plain=mosaic_plain,
                      mosaic_config=mosaic_config)
-  return _grouped_mlp(x, w_in, w_out, starts, ends, row_ids, row_ids_inverse, statics)
+  return _grouped_mlp(x, w_in, w_out, starts, ends, statics)

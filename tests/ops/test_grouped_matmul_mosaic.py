@@ -124,22 +124,14 @@ def test_vmap_over_batches_of_groupings():
     _assert_bf16_close(got[i], want)
 
 
-@pytest.mark.parametrize("activation, fused_on_mosaic, gathered", [
-    ("gelu", True, False),
-    ("swiglu", True, True),  # the rows gathered into a copy for the Mosaic kernels
-    ("gelu", False, True),  # Triton's fused kernels (gathering), plain ones on Mosaic
+@pytest.mark.parametrize("activation, fused_on_mosaic", [
+    ("gelu", True), ("swiglu", True),
+    ("gelu", False),  # Triton's fused kernels, the plain matmuls on Mosaic GPU
 ])
-def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic, gathered):
-  """Values and gradients; `gathered`: x holds 100 tokens, each in 2 rows."""
+def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
   m, d, f, d_out = 200, 64, 96, 48
   k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
   x = jax.random.normal(k1, (m, d), jnp.float32).astype(jnp.bfloat16)
-  gather = {}
-  if gathered:
-    order = jax.random.permutation(jax.random.key(6), m)
-    gather = dict(row_ids=(order // 2).astype(jnp.int32),
-                  row_ids_inverse=jnp.argsort(order).reshape(m // 2, 2).astype(jnp.int32))
-    x = x[:m // 2]
   w_in = jax.random.normal(k2, (4, d, f * (2 if activation == "swiglu" else 1))) / 8
   w_out = jax.random.normal(k3, (4, f, d_out)) / 8
   sizes = jnp.asarray([50, 0, 70, 60], jnp.int32)
@@ -152,10 +144,9 @@ def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic, gathered)
 
   got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
       *a, starts, ends, activation=activation, mosaic=fused_on_mosaic,
-      mosaic_plain=True, **gather))
-  rows = gather.get("row_ids", slice(None))
+      mosaic_plain=True))
   want = run(lambda x, *w: mlp_reference.grouped_mlp_reference(
-      x.astype(jnp.float32)[rows], *w, sizes, activation=activation))
+      x.astype(jnp.float32), *w, sizes, activation=activation))
   assert got[0].dtype == jnp.bfloat16
   assert got[2].dtype == got[3].dtype == jnp.float32  # float32 weights' gradients
   for g, w in zip(got, want):

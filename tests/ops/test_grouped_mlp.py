@@ -176,44 +176,6 @@ def test_default_implementation_on_cpu_is_ragged_dot():
   assert jaxpr.count("pallas_call") == 2  # the fused first matmul, then gmm
 
 
-def _routing(num_tokens, top_k, seed=3):
-  """Row ids of num_tokens * top_k rows in a random (expert) order, and their
-  inverse: row i is token row_ids[i]; token t's rows are inverse[t]."""
-  order = jax.random.permutation(jax.random.key(seed), num_tokens * top_k)
-  inverse = jnp.argsort(order).reshape(num_tokens, top_k).astype(jnp.int32)
-  return (order // top_k).astype(jnp.int32), inverse
-
-
-@pytest.mark.parametrize("with_inverse", [True, False])
-@pytest.mark.parametrize("impl", ["pallas_small_blocks", "xla"])
-def test_row_ids_gather_the_rows(impl, with_inverse):
-  """x [T, D] with row_ids: the same as the reference on x[row_ids], and x's
-  gradient sums each token's rows (a gather-sum with the inverse, else a
-  scatter-add)."""
-  x, w_in, w_out, cotangent = _inputs("gelu", jnp.float32, jnp.float32)
-  tokens = x[:M // 2]
-  row_ids, inverse = _routing(M // 2, 2)
-  sizes = jnp.asarray(GROUPS["mixed_with_empty"], jnp.int32)
-  kwargs = dict(row_ids=row_ids, row_ids_inverse=inverse if with_inverse else None)
-  if impl == "xla":
-    fn = functools.partial(ops.grouped_mlp, implementation="xla", **kwargs)
-  else:
-    starts, ends = group_bounds(sizes, M)
-    fn = lambda t, w1, w2, s: pallas.grouped_mlp_pallas(
-        t, w1, w2, starts, ends, activation="gelu", block_sizes=SMALL_BLOCKS, **kwargs)
-
-  def value_and_grads(f):
-    y, vjp = jax.vjp(lambda *a: f(*a, sizes), tokens, w_in, w_out)
-    return (y, *vjp(cotangent))
-
-  got = value_and_grads(fn)
-  want = value_and_grads(lambda t, *rest: grouped_mlp_reference(
-      t[row_ids], *rest, activation="gelu"))
-  for g, w, what in zip(got, want, ("y", "dx", "dw_in", "dw_out")):
-    assert g.shape == w.shape, what
-    _assert_close(g, w, jnp.float32, what)
-
-
 @pytest.mark.parametrize("change, match", [
     (dict(x=jnp.zeros((M,))), "`x` must be"),
     (dict(w_in=jnp.zeros((D, F))), "`w_in` and `w_out` must be"),
@@ -228,20 +190,12 @@ def test_row_ids_gather_the_rows(impl, with_inverse):
     (dict(sizes=[1] * (G + 1)), "`group_sizes` must be"),
     (dict(sizes=[40, 40, 0, 0]), "more than"),
     (dict(sizes=[-1, 2, 0, 0]), "non-negative"),
-    (dict(row_ids=jnp.zeros((M, 1), jnp.int32)), "`row_ids` must be"),
-    (dict(row_ids=jnp.zeros((M,)), ), "`row_ids` must be"),
-    (dict(row_ids=jnp.zeros((M,), jnp.int32), row_ids_inverse=jnp.zeros((M, 2), jnp.int32)),
-     "T \\* k = 70"),
-    (dict(row_ids_inverse=jnp.zeros((M, 1), jnp.int32)), "needs `row_ids`"),
-    (dict(row_ids=jnp.zeros((10,), jnp.int32), sizes=[5, 5, 1, 0]), "more than"),
 ])
 def test_bad_arguments_raise(change, match):
   args = dict(x=jnp.zeros((M, D)), w_in=jnp.zeros((G, D, F)),
-              w_out=jnp.zeros((G, F, D_OUT)), sizes=[1] * G, activation="gelu",
-              row_ids=None, row_ids_inverse=None)
+              w_out=jnp.zeros((G, F, D_OUT)), sizes=[1] * G, activation="gelu")
   args.update(change)
   with pytest.raises(ValueError, match=match):
     ops.grouped_mlp(args["x"], args["w_in"], args["w_out"],
                     jnp.asarray(args["sizes"], jnp.int32), activation=args["activation"],
-                    row_ids=args["row_ids"], row_ids_inverse=args["row_ids_inverse"],
                     implementation="xla")

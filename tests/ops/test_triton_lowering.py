@@ -65,13 +65,6 @@ CASES = {
         lambda x, w1, w2: ops.grouped_mlp(x, w1, w2, jnp.array([100, 0, 300, 112], jnp.int32),
                                           implementation="pallas"),
         (_spec((512, 256)), _spec((4, 256, 384), f32), _spec((4, 384, 256), f32))),
-    "grouped_mlp_gelu_gathered_rows": (  # 256 tokens, each in 2 of the 512 rows
-        lambda x, w1, w2: ops.grouped_mlp(
-            x, w1, w2, jnp.array([100, 0, 300, 112], jnp.int32),
-            row_ids=jnp.arange(512, dtype=jnp.int32) // 2,
-            row_ids_inverse=jnp.arange(512, dtype=jnp.int32).reshape(256, 2),
-            implementation="pallas"),
-        (_spec((256, 256)), _spec((4, 256, 384), f32), _spec((4, 384, 256), f32))),
     "grouped_mlp_swiglu": (
         lambda x, w1, w2: ops.grouped_mlp(x, w1, w2, jnp.array([100, 0, 300, 112], jnp.int32),
                                           activation="swiglu", implementation="pallas"),
