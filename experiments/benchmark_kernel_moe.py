@@ -32,7 +32,8 @@ JSON row each, `section` says which):
 - moe: MoELayer(8 experts, top-2, d_model 512, d_hidden 1024, GELU), bf16,
   forward and fwd+bwd, one row per `dropless_impl`, and 'gmm' with the
   grouped MLP's kernels chosen by hand ('gmm_triton': all on Triton,
-  'gmm_mosaic': all on Mosaic GPU; `workloads.GROUPED_MLP_VARIANTS`); ratios
+  'gmm_triton_tgmm': the weight gradients on Triton, 'gmm_mosaic': all on
+  Mosaic GPU; `workloads.GROUPED_MLP_VARIANTS`); ratios
   vs 'dense' and 'ragged_dot' from the same run.
 - capacity (not in the default list: it runs until every path is out of
   memory): the moe layer's fwd+bwd (`--capacity_modes` may add forward) at
@@ -253,7 +254,8 @@ def op_rows(rows: int) -> list[dict]:
 
   def triton(a, b, s):
     starts, ends = gmm_reference.group_bounds(s, a.shape[0])
-    return gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False)
+    return gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False,
+                                            mosaic_tgmm=False)
 
   peers = {
       "pallas": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="pallas"),
@@ -283,7 +285,8 @@ def mlp_rows(rows: int) -> list[dict]:
 
   def unfused(x, w_in, w_out, s):
     starts, ends = gmm_reference.group_bounds(s, x.shape[0])
-    gmm = lambda a, b, s: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False)
+    gmm = lambda a, b, s: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False,
+                                                           mosaic_tgmm=False)
     h = gmm(x, w_in.astype(x.dtype), s)
     return gmm(jax.nn.gelu(h), w_out.astype(x.dtype), s)
 

@@ -79,7 +79,7 @@ def _gmm(impl, small):
   if impl == "triton":
     def triton(a, b, s):
       return gmm_pallas.grouped_matmul_pallas(
-          a, b, *reference.group_bounds(s, a.shape[0]), mosaic=False)
+          a, b, *reference.group_bounds(s, a.shape[0]), mosaic=False, mosaic_tgmm=False)
     return triton, (lhs, rhs, sizes)
   if impl == "jax_mosaic":
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -118,6 +118,7 @@ CASES = {
     "moe_gmm": lambda small: _moe("gmm", small),
     "moe_gmm_mosaic": lambda small: _moe("gmm", small, "gmm_mosaic"),
     "moe_gmm_triton": lambda small: _moe("gmm", small, "gmm_triton"),
+    "moe_gmm_triton_tgmm": lambda small: _moe("gmm", small, "gmm_triton_tgmm"),
     "moe_dense": lambda small: _moe("dense", small),
     "gmm_op": lambda small: _gmm("pallas", small),
     "gmm_op_triton": lambda small: _gmm("triton", small),

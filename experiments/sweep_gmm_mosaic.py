@@ -1,7 +1,8 @@
-"""Tiles of the Mosaic GPU grouped matmul against the Triton kernel, JAX's Mosaic
+"""Tiles of the Mosaic GPU grouped matmuls against the Triton kernels, JAX's Mosaic
 dense matmul and cuBLAS, by device time from traces (GPU only).
 
     python -m experiments.sweep_gmm_mosaic --output docs/benchmarks/gmm_mosaic_sweep.json
+    python -m experiments.sweep_gmm_mosaic --kernel tgmm --output ...
 
 For each shape (M, K, N) with 8 groups of about M / 8 rows: one dense
 `jnp.matmul` of the same work (cuBLAS), JAX's warp-specialized Mosaic GPU dense
@@ -10,6 +11,12 @@ matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`), the Triton `gmm`
 `gmm` (`ops/grouped_matmul/mosaic.py`), each forward and with the transposed rhs
 (the input gradient). `err` is the max error against `jax.lax.ragged_dot` in
 float32, relative to the largest output. One row per (shape, kernel).
+
+With `--kernel tgmm` the same for the weight gradient: per group
+`lhs[rows]^T @ dout[rows]` into float32 (the MoE layer's master weights), the
+Triton `tgmm` and, for every config in `TGMM_CONFIGS`, the Mosaic kernel
+(`ops/grouped_matmul/mosaic_tgmm.py`), beside one dense `lhs^T @ dout` of the
+same work.
 """
 
 import dataclasses
@@ -23,6 +30,7 @@ import jax.numpy as jnp
 from experiments import harness
 from experiments import tracing
 from ops.grouped_matmul import mosaic
+from ops.grouped_matmul import mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gmm_mosaic_sweep.json", "JSON output.")
@@ -31,6 +39,8 @@ _SHAPES = flags.DEFINE_list("shapes", ["16384x512x1024", "16384x1024x512", "1310
 _CONFIGS = flags.DEFINE_list("configs", None, "Indices into CONFIGS (default: all). "
                              "A kernel that faults poisons the process's CUDA "
                              "context, so a new config is best run in a new process.")
+_KERNEL = flags.DEFINE_enum("kernel", "gmm", ["gmm", "tgmm"], "Which grouped matmul: "
+                            "the forward / input gradient, or the weight gradient.")
 _PEERS = flags.DEFINE_bool("peers", True, "Also time cuBLAS, JAX's Mosaic dense "
                            "matmul and the Triton kernels.")
 
@@ -52,6 +62,15 @@ CONFIGS = (
     C(block_m=128, block_n=128, split="m", max_concurrent_steps=4, store_slots=2,
       wgmma_in_flight=1),
 )
+T = mosaic_tgmm.TgmmConfig
+TGMM_CONFIGS = (
+    T(),  # the default: 64 x 128 x 256, 4 stages
+    T(block_m=128, max_concurrent_steps=2),
+    T(block_m=64, block_k=128, block_n=128, max_concurrent_steps=4),
+    T(block_m=64, block_k=256, block_n=128, max_concurrent_steps=4),
+    T(block_m=128, block_k=128, block_n=128, max_concurrent_steps=3),
+    T(block_m=64, max_concurrent_steps=3),
+)
 NUM_GROUPS = 8
 
 
@@ -62,24 +81,28 @@ def _name(config: mosaic.MosaicConfig) -> str:
           + ("" if config.chain_tiles else "_unchained"))
 
 
+def _tgmm_name(config: mosaic_tgmm.TgmmConfig) -> str:
+  return "{block_m}x{block_k}x{block_n}_stages{max_concurrent_steps}".format(
+      **dataclasses.asdict(config))
+
+
 def _busy_us(fn, args) -> float:
   return tracing.profile(jax.jit(fn), args, calls=20)["busy_us"]
 
 
-def shape_rows(m: int, k: int, n: int) -> list[dict]:
+def _groups(m: int):
+  """Sizes, starts and ends of NUM_GROUPS groups of about m / 8 rows."""
   key = jax.random.key(0)
-  lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
-  rhs = (jax.random.normal(key, (NUM_GROUPS, k, n), jnp.float32) / k ** 0.5).astype(
-      jnp.bfloat16)
-  rhs_t = jnp.swapaxes(rhs, 1, 2)
   sizes = jax.random.randint(key, (NUM_GROUPS,), m // 8 - m // 32, m // 8 + m // 32)
   sizes = sizes.at[-1].set(m - sizes[:-1].sum()).astype(jnp.int32)
   ends = jnp.cumsum(sizes).astype(jnp.int32)
-  starts = ends - sizes
-  want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+  return sizes, ends - sizes, ends
+
+
+def _adder(rows: list, base: dict, want: jax.Array):
+  """add(kernel, fn, args, check=None): times fn, appends and prints a row;
+  `check()`'s result is compared with `want`."""
   scale = float(jnp.max(jnp.abs(want)))
-  base = dict(m=m, k=k, n=n)
-  rows = []
 
   def add(kernel, fn, args, check=None):
     try:
@@ -92,6 +115,19 @@ def shape_rows(m: int, k: int, n: int) -> list[dict]:
     rows.append(row)
     print(row, flush=True)
 
+  return add
+
+
+def shape_rows(m: int, k: int, n: int) -> list[dict]:
+  key = jax.random.key(0)
+  lhs = jax.random.normal(key, (m, k), jnp.bfloat16)
+  rhs = (jax.random.normal(key, (NUM_GROUPS, k, n), jnp.float32) / k ** 0.5).astype(
+      jnp.bfloat16)
+  rhs_t = jnp.swapaxes(rhs, 1, 2)
+  sizes, starts, ends = _groups(m)
+  want = jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=jnp.float32)
+  rows = []
+  add = _adder(rows, dict(m=m, k=k, n=n), want)
   if _PEERS.value:
     add("cublas_dense_same_work", lambda a, b: a @ b, (lhs, rhs[0]))
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
@@ -117,11 +153,39 @@ def shape_rows(m: int, k: int, n: int) -> list[dict]:
   return rows
 
 
+def tgmm_shape_rows(m: int, k: int, n: int) -> list[dict]:
+  """The weight gradient [G, K, N] (float32) of lhs [M, K] and dout [M, N]."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  lhs = jax.random.normal(k1, (m, k), jnp.bfloat16)
+  dout = jax.random.normal(k2, (m, n), jnp.bfloat16)
+  _, starts, ends = _groups(m)
+  lf, df = lhs.astype(jnp.float32), dout.astype(jnp.float32)
+  want = jnp.stack([jnp.einsum("mk,mn->kn", lf, df * ((i >= s) & (i < e))[:, None])
+                    for s, e, i in zip(starts, ends, [jnp.arange(m)] * NUM_GROUPS)])
+  rows = []
+  add = _adder(rows, dict(m=m, k=k, n=n, kernel_kind="tgmm"), want)
+  if _PEERS.value:
+    add("cublas_dense_same_work",
+        lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32), (lhs, dout))
+    triton = lambda a, b, s, e: gmm_pallas.tgmm(a, b, s, e, out_dtype=jnp.float32)
+    add("triton_tgmm", triton, (lhs, dout, starts, ends),
+        check=lambda: triton(lhs, dout, starts, ends))
+  chosen = ([TGMM_CONFIGS[int(i)] for i in _CONFIGS.value] if _CONFIGS.value is not None
+            else TGMM_CONFIGS)
+  for config in chosen:
+    fn = functools.partial(lambda a, b, s, e, config: mosaic_tgmm.tgmm(
+        a, b, s, e, out_dtype=jnp.float32, config=config), config=config)
+    add(f"mosaic_tgmm_{_tgmm_name(config)}", fn, (lhs, dout, starts, ends),
+        check=lambda fn=fn: fn(lhs, dout, starts, ends))
+  return rows
+
+
 def main(argv):
   del argv
   rows = []
+  build = tgmm_shape_rows if _KERNEL.value == "tgmm" else shape_rows
   for shape in _SHAPES.value:
-    rows += shape_rows(*map(int, shape.split("x")))
+    rows += build(*map(int, shape.split("x")))
     harness.write_rows(rows, _OUTPUT.value)
 
 

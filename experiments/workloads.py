@@ -115,10 +115,11 @@ def gmm_inputs(rows: int):
 # JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
 # num_warps, num_stages); None = its defaults.
 # The MoE layer's 'gmm' path with the grouped MLP's kernels chosen by hand:
-# name -> (fused kernels on Mosaic GPU, plain grouped matmuls on Mosaic GPU).
+# name -> (fused kernels, plain grouped matmuls, weight gradients) on Mosaic GPU.
 GROUPED_MLP_VARIANTS = {
-    "gmm_triton": (False, False),
-    "gmm_mosaic": (True, True),
+    "gmm_triton": (False, False, False),
+    "gmm_triton_tgmm": (False, True, False),  # the defaults before mosaic_tgmm.py
+    "gmm_mosaic": (True, True, True),
 }
 
 
@@ -127,14 +128,16 @@ def grouped_mlp_kernels(variant: str):
   """Within this block (while a function is traced), `ops.grouped_mlp`'s Pallas
   path runs the kernels of `GROUPED_MLP_VARIANTS[variant]` instead of its
   defaults: the comparison rows of the MoE layer."""
-  fused, plain = GROUPED_MLP_VARIANTS[variant]
-  defaults = grouped_mlp_pallas.mosaic_default, grouped_mlp_pallas.mosaic_plain_default
-  grouped_mlp_pallas.mosaic_default = lambda dtype: fused
-  grouped_mlp_pallas.mosaic_plain_default = lambda dtype: plain
+  fused, plain, weight_grads = GROUPED_MLP_VARIANTS[variant]
+  module = grouped_mlp_pallas
+  defaults = module.mosaic_default, module.mosaic_plain_default, module.mosaic_tgmm_default
+  module.mosaic_default = lambda dtype: fused
+  module.mosaic_plain_default = lambda dtype: plain
+  module.mosaic_tgmm_default = lambda dtype: weight_grads
   try:
     yield
   finally:
-    grouped_mlp_pallas.mosaic_default, grouped_mlp_pallas.mosaic_plain_default = defaults
+    module.mosaic_default, module.mosaic_plain_default, module.mosaic_tgmm_default = defaults
 
 
 MHA_CONFIGS = {

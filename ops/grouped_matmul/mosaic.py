@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from ops import _backend
 from ops import _shapes
 
-_NUM_COMPUTE_WGS = 2
+NUM_COMPUTE_WGS = 2
 # A TMA store reads shared memory from a 128-byte boundary, and a straddling
 # tile's row runs start at any row of its chunk: a chunk row must be 128 bytes
 # (64 16-bit columns). 32 columns ran into a misaligned address on an H200.
@@ -99,18 +99,18 @@ class MosaicConfig:
     """Shared memory the kernel allocates (the pipeline's slots, the epilogue's
     chunk buffers), barriers aside."""
     step = self.block_m * self.block_k + num_accs * self.block_k * self.block_n
-    chunk = _NUM_COMPUTE_WGS * self.wg_tile[0] * self.epilogue_n
+    chunk = NUM_COMPUTE_WGS * self.wg_tile[0] * self.epilogue_n
     chunks = self.store_slots + 1 + num_extras  # + the straddling tiles' buffer
     return itemsize * (self.max_concurrent_steps * step + chunks * chunk)
 
   @property
   def wg_tile(self) -> tuple[int, int]:
     if self.split == "m":
-      return self.block_m // _NUM_COMPUTE_WGS, self.block_n
-    return self.block_m, self.block_n // _NUM_COMPUTE_WGS
+      return self.block_m // NUM_COMPUTE_WGS, self.block_n
+    return self.block_m, self.block_n // NUM_COMPUTE_WGS
 
 
-def _swizzled(dtype, minor: int):
+def swizzled(dtype, minor: int):
   """Tiling and swizzle transforms for a shared-memory tile with `minor` columns."""
   swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
@@ -216,7 +216,7 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
     raise ValueError("mosaic.gmm: every output must have one dtype")
 
   def spec(block, index):
-    return plgpu.BlockSpec(block, index, transforms=_swizzled(dtype, block[1]),
+    return plgpu.BlockSpec(block, index, transforms=swizzled(dtype, block[1]),
                            delay_release=config.wgmma_in_flight)
   lhs_spec = spec((bm, bk), lambda k: (0, k))
   if transpose_rhs:
@@ -233,12 +233,12 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40,
         in_specs=[lhs_spec] + [rhs_spec] * num_accs,
-        wg_axis="wg", num_compute_wgs=_NUM_COMPUTE_WGS,
+        wg_axis="wg", num_compute_wgs=NUM_COMPUTE_WGS,
         max_concurrent_steps=config.max_concurrent_steps,
         compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
-  chunk_shape = (_NUM_COMPUTE_WGS, tm, en)
+  chunk_shape = (NUM_COMPUTE_WGS, tm, en)
   # Buffers alternate within a tile; with an odd number of stores per tile the
   # next tile would start on the buffer just stored from, so use one.
   slots = config.store_slots if (tn // en * len(epilogue.results)) % 2 == 0 else 1
@@ -251,13 +251,13 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
       # accumulator's fragments are written); a tile that straddles a group
       # boundary through a plain one, whose rows can be sliced anywhere.
       store_smem=[plgpu.SMEM(chunk_shape, out_dtype,
-                             transforms=_swizzled(out_dtype, en))
+                             transforms=swizzled(out_dtype, en))
                   for _ in range(slots)],
       ragged_smem=plgpu.SMEM(chunk_shape, out_dtype),
       extra_smem=[plgpu.SMEM(chunk_shape, in_gmem[i].dtype,
-                             transforms=_swizzled(in_gmem[i].dtype, en))
+                             transforms=swizzled(in_gmem[i].dtype, en))
                   for i, _ in epilogue.extras],
-      extra_barrier=(plgpu.Barrier(num_barriers=_NUM_COMPUTE_WGS)
+      extra_barrier=(plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS)
                      if epilogue.extras else None),
       collective_axes="wg",
   )
@@ -366,7 +366,7 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
 
 
 # Hopper's 227 KiB of shared memory per block, less room for the barriers.
-_SMEM_BUDGET = 232448 - 1024
+SMEM_BUDGET = 232448 - 1024
 
 # Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
 # "## MoE", eighth session); `choose_config` takes the first that fits in shared
@@ -402,7 +402,7 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
         candidate = dataclasses.replace(config, max_concurrent_steps=steps,
                                         store_slots=slots)
         if candidate.smem_bytes(num_accs=num_accs,
-                                num_extras=num_extras) <= _SMEM_BUDGET:
+                                num_extras=num_extras) <= SMEM_BUDGET:
           return candidate
   raise ValueError(f"no Mosaic GPU tile fits {num_accs} accumulators and "
                    f"{num_extras} extra tiles")
@@ -431,7 +431,7 @@ def preferred(dtype) -> bool:
   return capability.split(".")[0] == "9"
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
   device = jax.devices()[0]
   return getattr(device, "core_count", None) or 132
 
@@ -493,8 +493,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
   # Interpret mode simulates every block: four still share the steps out
   # (each walks several), at a fraction of an SM count's cost.
   call = plgpu.kernel(
-      kernel, out_type=out_type, grid=(4 if interpret else _num_sms(),),
-      grid_names=("sm",), num_threads=_NUM_COMPUTE_WGS + 1, thread_name="wg",
+      kernel, out_type=out_type, grid=(4 if interpret else num_sms(),),
+      grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params,
       interpret=plgpu.InterpretGPUParams() if interpret else None)
   outs = call(ends.astype(jnp.int32), lhs_p, rhs, *inputs_p)

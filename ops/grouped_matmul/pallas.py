@@ -22,7 +22,8 @@ pseudo-group G whose output is zero, as in `jax.lax.ragged_dot`.
 
 On Hopper with 16-bit inputs, `grouped_matmul_pallas` runs the forward and the
 input gradient on the Mosaic GPU kernel of `mosaic.py` instead
-(`mosaic.preferred`); `tgmm` serves both.
+(`mosaic.preferred`), and the weight gradient on `mosaic_tgmm.py`'s where
+`mosaic_tgmm_default` says so (`weight_gradient` picks).
 
 Glossary of shapes: M rows, K contraction, N output columns, G groups,
 T grid steps over row tiles (`cdiv(M, block_m) + G`).
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 from ops import _backend
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
+from ops.grouped_matmul import mosaic_tgmm as tgmm_mosaic
 from ops.grouped_matmul.metadata import group_metadata
 
 
@@ -265,9 +267,29 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   return out[:, :k, :n]
 
 
+def weight_gradient(lhs: jax.Array, dout: jax.Array, starts: jax.Array,
+                    ends: jax.Array, *, out_dtype=None, mosaic: bool,
+                    block_sizes: BlockSizes | None = None,
+                    interpret: bool | None = None) -> jax.Array:
+  """`tgmm` on the Mosaic GPU kernel (`mosaic_tgmm.py`, 16-bit inputs) or on
+  Triton's; same arguments and result. `block_sizes` are Triton's tiles."""
+  interpret = _backend.pallas_interpret() if interpret is None else interpret
+  if mosaic:
+    return tgmm_mosaic.tgmm(lhs, dout, starts, ends, out_dtype=out_dtype,
+                            interpret=interpret)
+  return tgmm(lhs, dout, starts, ends, out_dtype=out_dtype, block_sizes=block_sizes,
+              interpret=interpret)
+
+
+class _Kernels(NamedTuple):
+  """Which kernel runs each of the op's matmuls (hashable: a custom_vjp static)."""
+  mosaic: bool       # the forward and the input gradient on Mosaic GPU
+  mosaic_tgmm: bool  # the weight gradient on Mosaic GPU
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped_matmul(lhs, rhs, starts, ends, block_sizes, mosaic):
-  return _forward(lhs, rhs, starts, ends, block_sizes, mosaic)
+def _grouped_matmul(lhs, rhs, starts, ends, block_sizes, kernels):
+  return _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic)
 
 
 def _forward(lhs, rhs, starts, ends, block_sizes, mosaic):
@@ -287,21 +309,22 @@ def _mosaic_gmm(lhs, rhs, ends, *, transpose_rhs):
   return out[:, :n]
 
 
-def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes, mosaic):
-  out = _forward(lhs, rhs, starts, ends, block_sizes, mosaic)
+def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes, kernels):
+  out = _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic)
   return out, (lhs, rhs, starts, ends)
 
 
-def _grouped_matmul_bwd(block_sizes, mosaic, residuals, dout):
+def _grouped_matmul_bwd(block_sizes, kernels, residuals, dout):
   lhs, rhs, starts, ends = residuals
   dout = dout.astype(lhs.dtype)
   # Rows outside every group got no weight: their lhs gradient is zero, which
   # the pseudo-group of gmm writes.
-  if mosaic:
+  if kernels.mosaic:
     dlhs = _mosaic_gmm(dout, rhs, ends, transpose_rhs=True)
   else:
     dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
-  drhs = tgmm(lhs, dout, starts, ends, block_sizes=block_sizes)
+  drhs = weight_gradient(lhs, dout, starts, ends, mosaic=kernels.mosaic_tgmm,
+                         block_sizes=block_sizes)
   return dlhs, drhs.astype(rhs.dtype), None, None
 
 
@@ -310,7 +333,8 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
                           ends: jax.Array, *, block_sizes: BlockSizes | None = None,
-                          mosaic: bool | None = None) -> jax.Array:
+                          mosaic: bool | None = None,
+                          mosaic_tgmm: bool | None = None) -> jax.Array:
   """Differentiable grouped matmul on the Pallas kernels.
 
   Args:
@@ -320,16 +344,26 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
     block_sizes: tile sizes of the Triton kernels; defaults from
       `BlockSizes.get_default`.
     mosaic: run the matmuls over rows (forward, input gradient) on the Mosaic
-      GPU kernel (`mosaic.py`); the weight gradient stays on Triton's `tgmm`.
-      Default `mosaic.preferred(lhs.dtype)`: 16-bit inputs on a Hopper GPU.
-      Off the GPU it runs in Mosaic GPU interpret mode.
+      GPU kernel (`mosaic.py`). Default `mosaic.preferred(lhs.dtype)`: 16-bit
+      inputs on a Hopper GPU. Off the GPU it runs in Mosaic GPU interpret mode.
+    mosaic_tgmm: the same for the weight gradient (`mosaic_tgmm.py`); default
+      `mosaic_tgmm.preferred(lhs.dtype)`.
 
   Returns:
     [M, N] in `lhs.dtype`.
   """
   if mosaic is None:
     mosaic = mosaic_gmm.preferred(lhs.dtype)
-  if mosaic:
+  if mosaic_tgmm is None:
+    mosaic_tgmm = mosaic_tgmm_default(lhs.dtype)
+  if mosaic or mosaic_tgmm:
     mosaic_gmm.check_dtype(lhs.dtype, "grouped_matmul", "lhs")
   bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
-  return _grouped_matmul(lhs, rhs, starts, ends, bs, mosaic)
+  return _grouped_matmul(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm))
+
+
+def mosaic_tgmm_default(dtype) -> bool:
+  """Whether the weight gradients of `grouped_matmul_pallas` and of the grouped
+  MLP run the Mosaic GPU kernel by default (`mosaic_tgmm.preferred`); one
+  place, so that a benchmark can compare both kernels."""
+  return tgmm_mosaic.preferred(dtype)

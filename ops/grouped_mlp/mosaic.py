@@ -7,8 +7,8 @@ The same two fused kernels as the Triton ones in `pallas.py`, on
 - `hidden_grad`: `dh = act'(h) * (dy @ w_out[g]^T)`, with the `h` tile read in
   the epilogue.
 The plain grouped matmuls of the MLP (`a @ w_out`, `dh @ w_in^T`) are
-`mosaic.gmm` without an epilogue; the weight gradients stay on the Triton
-`tgmm`.
+`mosaic.gmm` without an epilogue; the weight gradients are chosen on their
+own (`pallas.py`'s `mosaic_tgmm`).
 
 Shapes as in `pallas.py`: x [M, Dp], w_in [G, Dp, Fip], w_out [G, Fp, D'p], with
 every padded width a multiple of the config's `block_k` and `block_n`.

@@ -29,7 +29,8 @@ gradients are stored in float32 straight from the kernels' accumulators.
 `mosaic=True` runs the same fusions on the Mosaic GPU kernel
 (`ops/grouped_mlp/mosaic.py`, Hopper, 16-bit rows); it is not the default
 (`mosaic_default` says why). The two plain grouped matmuls choose their kernel
-on their own (`mosaic_plain`, default `mosaic_plain_default`).
+on their own (`mosaic_plain`, default `mosaic_plain_default`), and so do the
+two weight gradients (`mosaic_tgmm`, `ops/grouped_matmul/mosaic_tgmm.py`).
 
 Glossary of shapes: M rows, D input width, F hidden width (Fi = F, or 2F for
 SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
@@ -52,7 +53,8 @@ from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.metadata import group_metadata
 from ops.grouped_matmul.pallas import BlockSizes
 from ops.grouped_matmul.pallas import gmm
-from ops.grouped_matmul.pallas import tgmm
+from ops.grouped_matmul.pallas import mosaic_tgmm_default
+from ops.grouped_matmul.pallas import weight_gradient
 from ops.grouped_matmul.pallas import tile_of_step
 from ops.grouped_matmul.pallas import tile_products
 from ops.grouped_mlp import mosaic as mosaic_mlp
@@ -149,6 +151,7 @@ class _Statics(NamedTuple):
   hidden_grad_block_sizes: BlockSizes  # of `grouped_mlp_hidden_grad`
   mosaic: bool  # the fused kernels on Mosaic GPU (Hopper) instead of Triton
   mosaic_plain: bool  # the plain grouped matmuls (y = a @ w_out, dx) on Mosaic GPU
+  mosaic_tgmm: bool  # the weight gradients on Mosaic GPU
   mosaic_config: mosaic_gmm.MosaicConfig | None  # None: each kernel's default
 
   @property
@@ -255,10 +258,12 @@ def _grouped_mlp_bwd(statics, saved, dy):
                         name="grouped_mlp_hidden_grad", interpret=interpret,
                         extra=(h,))
   dx = _plain_gmm(dh, w_in_p, starts, ends, statics, transpose_rhs=True)  # [Mp, Dp]
-  dw_out = tgmm(a, dy_p, starts, ends, out_dtype=statics.w_out_dtype, block_sizes=bs,
-                interpret=interpret)  # [G, Fp, D'p]
-  dw_in = tgmm(x_p, dh, starts, ends, out_dtype=statics.w_in_dtype, block_sizes=bs,
-               interpret=interpret)  # [G, Dp, Fip]
+  def dw(lhs, dout, out_dtype):
+    return weight_gradient(lhs, dout, starts, ends, out_dtype=out_dtype,
+                           mosaic=statics.mosaic_tgmm, block_sizes=bs,
+                           interpret=interpret)
+  dw_out = dw(a, dy_p, statics.w_out_dtype)  # [G, Fp, D'p]
+  dw_in = dw(x_p, dh, statics.w_in_dtype)  # [G, Dp, Fip]
   num_rows, width = x_shape
   dw_in = _unpad_hidden(dw_in[:, :width], 2, halves(act), hidden)
   dw_out = _unpad_hidden(dw_out[:, :, :out_width], 1, 1, hidden)
@@ -297,6 +302,7 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        block_sizes: BlockSizes | None = None,
                        mosaic: bool | None = None,
                        mosaic_plain: bool | None = None,
+                       mosaic_tgmm: bool | None = None,
                        mosaic_config: mosaic_gmm.MosaicConfig | None = None) -> jax.Array:
   """Differentiable grouped MLP on the Pallas kernels.
 
@@ -310,12 +316,15 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       `BlockSizes.get_default(M, D, F)`, with 64-row tiles and 4 warps for
       the hidden gradient.
     mosaic: run the matmuls with x's rows on the Mosaic GPU kernels
-      (`mosaic.py`; the weight gradients stay on Triton's `tgmm`); default
+      (`mosaic.py`; the weight gradients as `mosaic_tgmm` says); default
       `mosaic_default(x.dtype)`, which is False. Off the GPU they run in
       Mosaic GPU interpret mode.
     mosaic_plain: the same for the two plain grouped matmuls alone (the
       fused kernels as `mosaic` says); default `mosaic` if given, else
       `mosaic_plain_default(x.dtype)`.
+    mosaic_tgmm: the two weight gradients on the Mosaic GPU kernel
+      (`ops/grouped_matmul/mosaic_tgmm.py`); default
+      `ops.grouped_matmul.pallas.mosaic_tgmm_default(x.dtype)`.
     mosaic_config: their tiles; default per kernel (`mosaic_gmm.choose_config`).
 
   Returns:
@@ -325,7 +334,9 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     mosaic_plain = mosaic if mosaic is not None else mosaic_plain_default(x.dtype)
   if mosaic is None:
     mosaic = mosaic_default(x.dtype)
-  if mosaic or mosaic_plain:
+  if mosaic_tgmm is None:
+    mosaic_tgmm = mosaic_tgmm_default(x.dtype)
+  if mosaic or mosaic_plain or mosaic_tgmm:
     mosaic_gmm.check_dtype(x.dtype, "grouped_mlp", "x")
   hidden = w_out.shape[1]
   grad_bs = block_sizes
@@ -341,5 +352,5 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                      w_in_dtype=np.dtype(w_in.dtype), w_out_dtype=np.dtype(w_out.dtype),
                      block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
                      mosaic=mosaic, mosaic_plain=mosaic_plain,
-                     mosaic_config=mosaic_config)
+                     mosaic_tgmm=mosaic_tgmm, mosaic_config=mosaic_config)
   return _grouped_mlp(x, w_in, w_out, starts, ends, statics)

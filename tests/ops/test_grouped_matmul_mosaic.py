@@ -174,7 +174,7 @@ def test_config_validation_and_choice():
     mosaic.MosaicConfig(epilogue_n=32)
   with pytest.raises(ValueError, match="block_m"):
     mosaic.MosaicConfig(block_m=96)
-  budget = mosaic._SMEM_BUDGET
+  budget = mosaic.SMEM_BUDGET
   for accs, extras in ((1, 0), (1, 1), (2, 0), (1, 2)):
     config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras)
     assert config.smem_bytes(num_accs=accs, num_extras=extras) <= budget
