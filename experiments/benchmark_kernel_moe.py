@@ -85,6 +85,10 @@ SECTIONS = ("check", "tiles", "op", "mlp", "parts", "moe", "capacity")
 _SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "mlp", "parts", "moe"],
                               "What to run, any of: " + ", ".join(SECTIONS) + ".")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_SAMPLE_MS = flags.DEFINE_float(
+    "sample_ms", 20.0, "Back-to-back calls per timed sample, in ms (harness.run_case). "
+    "Each sample ends in one sync, which costs about 0.4 ms on the H200: at 2 ms "
+    "it added tens of microseconds to every sub-millisecond call (BUILD_NOTES.md).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
 _CAPACITY_START = flags.DEFINE_integer("capacity_start", 262144,
                                        "capacity: the first token count.")
@@ -204,7 +208,7 @@ def tile_rows(rows: int) -> list[dict]:
         ("tgmm", lambda a, b, s, e, bs=bs: gmm_pallas.tgmm(a, b, s, e, block_sizes=bs),
          (lhs, dout, starts, ends))):
       row = harness.run_case(dict(section="tiles", tiles=name, kernel=kernel, rows=rows),
-                             lambda fn=fn, args=args: (fn, args), iters=_ITERS.value)
+                             lambda fn=fn, args=args: (fn, args), **_timing())
       if row["status"] == "ok":
         row["tflops"] = flops / row["median_ms"] / 1e9
       out.append(row)
@@ -232,7 +236,7 @@ def _forward_and_vjp_rows(section: str, impls: dict, diff_args: tuple, rest: tup
             return jax.vjp(lambda *d: fn(*d, *others), *diff)[1](cot)
           return grad, (*diff_args, *rest, cotangent)
       row = harness.run_case(dict(section=section, impl=name, mode=mode, **config), case,
-                             iters=_ITERS.value)
+                             **_timing())
       if row["status"] == "ok":
         row["tflops"] = flops * (1 if mode == "forward" else 3) / row["median_ms"] / 1e9
       out.append(row)
@@ -310,6 +314,11 @@ def mlp_rows(rows: int) -> list[dict]:
   return out
 
 
+def _timing() -> dict:
+  """`harness.run_case`'s timing arguments, from the flags."""
+  return dict(iters=_ITERS.value, sample_ms=_SAMPLE_MS.value)
+
+
 def _moe_model(impl: str):
   return hk.transform_with_state(lambda x: moe.MoELayer(
       workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_HIDDEN, activation="gelu", dropless_impl=impl)(x))
@@ -330,7 +339,7 @@ def part_rows(tokens: int) -> list[dict]:
   out = []
   for name, (fn, args) in cases.items():
     out.append(harness.run_case(dict(section="parts", part=name, tokens=tokens),
-                                lambda fn=fn, args=args: (fn, args), iters=_ITERS.value))
+                                lambda fn=fn, args=args: (fn, args), **_timing()))
   return out
 
 
@@ -379,7 +388,7 @@ def moe_rows(tokens: int) -> list[dict]:
         row = harness.run_case(
             dict(section="moe", impl=impl, mode=mode, tokens=tokens),
             lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs),
-            iters=_ITERS.value)
+            **_timing())
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
   for r in out:

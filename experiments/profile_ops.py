@@ -46,7 +46,7 @@ def _vjp(fn, num_diff):
   return grad
 
 
-def _moe(impl, small, variant=None):
+def _moe(impl, small, variant=None, tiles=None):
   import haiku as hk
   from probjax_hk import moe
   tokens = 256 if small else 8192
@@ -61,7 +61,16 @@ def _moe(impl, small, variant=None):
     def fn(*args, grad=fn):
       with workloads.grouped_mlp_kernels(variant):
         return grad(*args)
+  if tiles:  # the plain Mosaic grouped matmuls' tiles chosen by hand
+    def fn(*args, grad=fn):
+      with workloads.mosaic_gmm_tiles(tiles):
+        return grad(*args)
   return fn, (params, x, cot)
+
+
+def _mosaic_config(**tiles):
+  from ops.grouped_matmul import mosaic
+  return mosaic.MosaicConfig(**tiles)
 
 
 def _gmm(impl, small):
@@ -120,6 +129,12 @@ CASES = {
     "moe_gmm_triton": lambda small: _moe("gmm", small, "gmm_triton"),
     "moe_gmm_triton_tgmm": lambda small: _moe("gmm", small, "gmm_triton_tgmm"),
     "moe_dense": lambda small: _moe("dense", small),
+    # The plain Mosaic grouped matmuls on the tiles of a config, not the
+    # default's choice (which takes 64-row tiles for N 512 at 8192 tokens).
+    "moe_gmm_tiles_128x128m": lambda small: _moe("gmm", small, tiles=_mosaic_config(
+        block_m=128, block_n=128, split="m", max_concurrent_steps=4)),
+    "moe_gmm_tiles_64x256n": lambda small: _moe("gmm", small, tiles=_mosaic_config(
+        block_m=64, block_n=256, split="n", max_concurrent_steps=4)),
     "gmm_op": lambda small: _gmm("pallas", small),
     "gmm_op_triton": lambda small: _gmm("triton", small),
     "gmm_jax_mosaic_ragged_dot": lambda small: _gmm("jax_mosaic", small),

@@ -61,6 +61,10 @@ CONFIGS = (
     # The fastest at 16,384 rows in the seventh session (unchained: a wgmma in flight).
     C(block_m=128, block_n=128, split="m", max_concurrent_steps=4, store_slots=2,
       wgmma_in_flight=1),
+    # 64-row tiles: at M 16384 and N 512 the 128 x 128 tiles make 544 tiles on
+    # 132 SMs (4.12 waves, the last mostly empty); these make 528 and 1056.
+    C(block_m=64, block_n=256, split="n", max_concurrent_steps=4, store_slots=2),
+    C(block_m=64, block_n=128, split="n", max_concurrent_steps=4, store_slots=2),
 )
 T = mosaic_tgmm.TgmmConfig
 TGMM_CONFIGS = (

@@ -140,6 +140,21 @@ def grouped_mlp_kernels(variant: str):
     module.mosaic_default, module.mosaic_plain_default, module.mosaic_tgmm_default = defaults
 
 
+@contextlib.contextmanager
+def mosaic_gmm_tiles(config):
+  """Within this block (while a function is traced), the Mosaic GPU grouped
+  matmuls without an epilogue take `config`'s tiles (`mosaic.choose_config`,
+  its 64-row alternative off): the MoE layer with other tiles, for a
+  comparison row."""
+  from ops.grouped_matmul import mosaic
+  defaults = mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO
+  mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO = (config,) + defaults[0], 0.0
+  try:
+    yield
+  finally:
+    mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO = defaults
+
+
 MHA_CONFIGS = {
     "mha_default": None,
     "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),

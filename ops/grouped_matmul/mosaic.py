@@ -380,18 +380,52 @@ _PREFERRED = (
     MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
 )
 
+# 64-row tiles for a plain grouped matmul whose 128 x 128 tiles leave a mostly
+# empty last wave (ninth session, BUILD_NOTES.md "## MoE"). At equal work a wave
+# of them took 1.20-1.29x as long on an H200 (M 131072, K 512, N 1024: 303.9
+# against 242.8 us), so they are taken only when they need at least 20 % fewer
+# waves: at M 16384, N 512 (4 against 5 waves) they ran 36.6 against 38.0 us and
+# the MoE layer's fwd+bwd 338.5 against 344.5 us; at N 1024 (8 against 9) they
+# ran 43.7 against 38.2.
+_FEW_WAVES = MosaicConfig(block_m=64, block_n=256, split="n", max_concurrent_steps=4)
+_FEW_WAVES_MAX_RATIO = 0.8
+
 # What a width must be a multiple of for every preferred tile to span it.
-WIDTH_MULTIPLE = max(max(c.block_n, c.block_k) for c in _PREFERRED)
+WIDTH_MULTIPLE = max(max(c.block_n, c.block_k) for c in _PREFERRED + (_FEW_WAVES,))
+
+
+def waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
+  """Waves of (row tile, column block) visits over the SMs, at most: a tile
+  straddling a group boundary is visited once per group (`_segments`)."""
+  visits = (-(-rows // config.block_m) + num_groups) * -(-n // config.block_n)
+  return -(-visits // num_sms())
 
 
 def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
-                  preferred: Sequence[MosaicConfig] = _PREFERRED) -> MosaicConfig:
+                  rows: int | None = None, num_groups: int = 0,
+                  preferred: Sequence[MosaicConfig] | None = None) -> MosaicConfig:
   """The first preferred tiles that fit a kernel with these epilogue needs.
 
   A tile wider than N (padded to 128) is skipped, and with two accumulators
   (SwiGLU) a warpgroup tile of more than 64 x 128: two [128, 128] float32
   accumulators take all of a thread's registers (it ran 1.6x slower than Triton).
+  Given the `rows` and `num_groups` of a plain grouped matmul (no epilogue),
+  64-row tiles replace the first choice where they need at least 20 % fewer
+  waves (`_FEW_WAVES`).
   """
+  if preferred is None:
+    preferred = _PREFERRED
+  first = _fitting(preferred, n, num_accs=num_accs, num_extras=num_extras)
+  if rows is not None and num_accs == 1 and num_extras == 0 and _FEW_WAVES.block_n <= n:
+    shape = dict(rows=rows, n=n, num_groups=num_groups)
+    if (waves(_FEW_WAVES, **shape) <= _FEW_WAVES_MAX_RATIO * waves(first, **shape)):
+      return _fitting((_FEW_WAVES,), n, num_accs=1, num_extras=0)
+  return first
+
+
+def _fitting(preferred, n, *, num_accs, num_extras) -> MosaicConfig:
+  """The first of `preferred` that `choose_config`'s limits allow, with as many
+  stages and store buffers as fit in shared memory."""
   for config in preferred:
     if config.block_n > max(n, 128):
       continue
@@ -474,7 +508,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
   if epilogue is None:
     epilogue = Epilogue(None, (), tuple((i, 0) for i in range(len(col_offsets))))
   config = config or choose_config(n, num_accs=len(col_offsets),
-                                   num_extras=len(epilogue.extras))
+                                   num_extras=len(epilogue.extras),
+                                   rows=num_rows, num_groups=num_groups)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   for name, size, multiple in (("K", k, bk), ("N", n, bn)):
     if size % multiple:

@@ -184,6 +184,21 @@ def test_config_validation_and_choice():
   assert mosaic.choose_config(128).block_n == 128
 
 
+def test_few_waves_rule_takes_64_row_tiles_only_where_measured_faster(monkeypatch):
+  """At M 16384 and N 512 on 132 SMs the 128 x 128 tiles need 5 waves and the
+  64 x 256 ones 4; at N 1024 it is 9 against 8, at M 131072 63 against 63."""
+  monkeypatch.setattr(mosaic, "num_sms", lambda: 132)
+  pick = lambda rows, n, **kw: mosaic.choose_config(n, rows=rows, num_groups=8, **kw)
+  assert pick(16384, 512).block_m == 64
+  assert pick(16384, 512).smem_bytes(num_accs=1, num_extras=0) <= mosaic.SMEM_BUDGET
+  assert pick(16384, 1024).block_m == 128
+  assert pick(131072, 1024).block_m == 128
+  # Only for plain grouped matmuls: an epilogue's extras or two accumulators
+  # keep the preferred tiles.
+  assert pick(16384, 512, num_extras=1).block_m == 128
+  assert mosaic.choose_config(512).block_m == 128  # rows unknown
+
+
 def test_preferred_only_for_16_bit_inputs_on_hopper(monkeypatch):
   assert not mosaic.preferred(jnp.bfloat16)  # the CPU
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
