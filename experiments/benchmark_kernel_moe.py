@@ -86,9 +86,8 @@ _SECTIONS = flags.DEFINE_list("sections", ["check", "tiles", "op", "mlp", "parts
                               "What to run, any of: " + ", ".join(SECTIONS) + ".")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _SAMPLE_MS = flags.DEFINE_float(
-    "sample_ms", 20.0, "Back-to-back calls per timed sample, in ms (harness.run_case). "
-    "Each sample ends in one sync, which costs about 0.4 ms on the H200: at 2 ms "
-    "it added tens of microseconds to every sub-millisecond call (BUILD_NOTES.md).")
+    "sample_ms", harness.SAMPLE_MS, "Back-to-back calls per timed sample, in ms "
+    "(harness.run_case); 2 ms samples biased sub-millisecond calls (BUILD_NOTES.md).")
 _BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
 _CAPACITY_START = flags.DEFINE_integer("capacity_start", 262144,
                                        "capacity: the first token count.")

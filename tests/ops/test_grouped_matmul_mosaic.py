@@ -89,7 +89,8 @@ def test_gmm_epilogue_reads_extras_and_writes_several_outputs():
 
 
 def test_grouped_matmul_values_and_gradients():
-  """The op's Pallas path on the Mosaic kernel (K and N padded to its tiles)."""
+  """The op's Pallas path on the Mosaic kernels, the weight gradient's
+  (`mosaic_tgmm.py`) included; K and N padded to their tiles."""
   m, k, n = 200, 40, 72
   lhs, rhs, sizes, _ = _operands(m, k, n, (50, 0, 70, 60), transpose=False, seed=3)
   starts, ends = reference.group_bounds(sizes, m)
@@ -99,7 +100,8 @@ def test_grouped_matmul_values_and_gradients():
     out, pullback = jax.vjp(fn, lhs, rhs)
     return (out.astype(jnp.float32), *pullback(cot.astype(out.dtype)))
 
-  got = run(lambda a, b: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=True))
+  got = run(lambda a, b: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=True,
+                                                          mosaic_tgmm=True))
   want = run(lambda a, b: reference.grouped_matmul_reference(
       a.astype(jnp.float32), b.astype(jnp.float32), sizes))
   for g, w in zip(got, want):
@@ -125,8 +127,9 @@ def test_vmap_over_batches_of_groupings():
 
 
 @pytest.mark.parametrize("activation, fused_on_mosaic", [
-    ("gelu", True), ("swiglu", True),
-    ("gelu", False),  # Triton's fused kernels, the plain matmuls on Mosaic GPU
+    ("gelu", True), ("swiglu", True),  # every kernel on Mosaic GPU
+    # Triton's fused kernels and weight gradients, the plain matmuls on Mosaic GPU
+    ("gelu", False),
 ])
 def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
   m, d, f, d_out = 200, 64, 96, 48
@@ -144,7 +147,7 @@ def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
 
   got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
       *a, starts, ends, activation=activation, mosaic=fused_on_mosaic,
-      mosaic_plain=True))
+      mosaic_plain=True, mosaic_tgmm=fused_on_mosaic))
   want = run(lambda x, *w: mlp_reference.grouped_mlp_reference(
       x.astype(jnp.float32), *w, sizes, activation=activation))
   assert got[0].dtype == jnp.bfloat16

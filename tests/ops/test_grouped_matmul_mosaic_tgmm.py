@@ -1,6 +1,7 @@
 """The Mosaic GPU weight-gradient kernel (`ops/grouped_matmul/mosaic_tgmm.py`) on
-the CPU in Mosaic GPU interpret mode, against a per-group numpy product; the
-grouped ops' gradients with it; and its lowering for a Hopper GPU.
+the CPU in Mosaic GPU interpret mode, against a per-group numpy product, and
+its lowering for a Hopper GPU. (The grouped ops' gradients with it are in
+`test_grouped_matmul_mosaic.py`.)
 
 Interpret mode simulates the warpgroups, the TMA ring and wgmma, so these tests
 check the kernel's own indexing: the rows it zeroes in a group's boundary tiles,
@@ -10,7 +11,6 @@ group, several K and N blocks, and K and N padded to the tiles.
 
 import types
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +20,6 @@ from ops import _backend
 from ops.grouped_matmul import mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference
-from ops.grouped_mlp import pallas as mlp_pallas
-from ops.grouped_mlp import reference as mlp_reference
 
 # Small tiles so that a few hundred rows make many boundary tiles.
 _TILES = mosaic_tgmm.TgmmConfig(block_m=64, block_k=64, block_n=128,
@@ -58,55 +56,6 @@ def test_tgmm_matches_per_group_products(m, k, n, sizes, out_dtype):
   for g, size in enumerate(sizes):
     if size == 0:  # written as zeros, not left over
       np.testing.assert_array_equal(np.asarray(got[g], np.float32), 0.0)
-
-
-def test_grouped_matmul_weight_gradient_on_mosaic():
-  m, k, n = 200, 40, 72
-  k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
-  lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(k2, (4, k, n)) / 8).astype(jnp.bfloat16)
-  sizes = jnp.asarray([50, 0, 70, 60], jnp.int32)
-  starts, ends = reference.group_bounds(sizes, m)
-  cot = jax.random.normal(k3, (m, n), jnp.float32).astype(jnp.bfloat16)
-
-  def run(fn):
-    out, pullback = jax.vjp(fn, lhs, rhs)
-    return (out.astype(jnp.float32), *pullback(cot.astype(out.dtype)))
-
-  got = run(lambda a, b: gmm_pallas.grouped_matmul_pallas(
-      a, b, starts, ends, mosaic=False, mosaic_tgmm=True))
-  want = run(lambda a, b: reference.grouped_matmul_reference(
-      a.astype(jnp.float32), b.astype(jnp.float32), sizes))
-  assert got[2].dtype == jnp.bfloat16
-  for g, w in zip(got, want):
-    chex.assert_trees_all_close(g.astype(jnp.float32), w.astype(jnp.float32),
-                                atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
-def test_grouped_mlp_weight_gradients_on_mosaic(activation):
-  m, d, f, d_out = 200, 64, 96, 48
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
-  x = jax.random.normal(k1, (m, d), jnp.float32).astype(jnp.bfloat16)
-  w_in = jax.random.normal(k2, (4, d, f * (2 if activation == "swiglu" else 1))) / 8
-  w_out = jax.random.normal(k3, (4, f, d_out)) / 8
-  sizes = jnp.asarray([50, 0, 70, 60], jnp.int32)
-  starts, ends = reference.group_bounds(sizes, m)
-  cot = jax.random.normal(k4, (m, d_out), jnp.float32).astype(jnp.bfloat16)
-
-  def grads(fn):
-    out, pullback = jax.vjp(fn, w_in, w_out)
-    return pullback(cot.astype(out.dtype))
-
-  got = grads(lambda *w: mlp_pallas.grouped_mlp_pallas(
-      x, *w, starts, ends, activation=activation, mosaic=False, mosaic_plain=False,
-      mosaic_tgmm=True))
-  want = grads(lambda *w: mlp_reference.grouped_mlp_reference(
-      x.astype(jnp.float32), *w, sizes, activation=activation))
-  for g, w in zip(got, want):
-    assert g.dtype == jnp.float32  # float32 weights' gradients, from the accumulator
-    rel = np.linalg.norm(np.asarray(g) - np.asarray(w)) / np.linalg.norm(np.asarray(w))
-    assert rel < 1e-2, rel
 
 
 def test_refuses_float32_and_mixed_dtypes_by_name():
