@@ -46,8 +46,8 @@ def _classify(exc: BaseException, stage: str) -> str:
 MIN_CALLS_PER_SAMPLE = 3
 # Back-to-back calls per sample, in ms. A sample ends in one sync, which costs a
 # few hundred microseconds on the H200 machine: with 2 ms samples (the default
-# until the ninth MoE session) a 0.36 ms call was timed at 0.55 ms; with 20 ms
-# ones at 0.37, as its trace says (BUILD_NOTES.md, "## MoE").
+# until the ninth MoE session) a call whose trace says 0.36 ms was timed at
+# 0.55 ms; with 20 ms ones at 0.40 (BUILD_NOTES.md, "## MoE").
 SAMPLE_MS = 20.0
 
 

@@ -394,7 +394,7 @@ _FEW_WAVES_MAX_RATIO = 0.8
 WIDTH_MULTIPLE = max(max(c.block_n, c.block_k) for c in _PREFERRED + (_FEW_WAVES,))
 
 
-def waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
+def _waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
   """Waves of (row tile, column block) visits over the SMs, at most: a tile
   straddling a group boundary is visited once per group (`_segments`)."""
   visits = (-(-rows // config.block_m) + num_groups) * -(-n // config.block_n)
@@ -418,7 +418,7 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
   first = _fitting(preferred, n, num_accs=num_accs, num_extras=num_extras)
   if rows is not None and num_accs == 1 and num_extras == 0 and _FEW_WAVES.block_n <= n:
     shape = dict(rows=rows, n=n, num_groups=num_groups)
-    if (waves(_FEW_WAVES, **shape) <= _FEW_WAVES_MAX_RATIO * waves(first, **shape)):
+    if _waves(_FEW_WAVES, **shape) <= _FEW_WAVES_MAX_RATIO * _waves(first, **shape):
       return _fitting((_FEW_WAVES,), n, num_accs=1, num_extras=0)
   return first
 

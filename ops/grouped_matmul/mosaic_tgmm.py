@@ -37,8 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops import _shapes
-from ops.grouped_matmul import mosaic
 from ops.grouped_matmul.mosaic import NUM_COMPUTE_WGS
+from ops.grouped_matmul.mosaic import check_dtype
 from ops.grouped_matmul.mosaic import SMEM_BUDGET
 from ops.grouped_matmul.mosaic import num_sms
 from ops.grouped_matmul.mosaic import swizzled
@@ -84,13 +84,6 @@ def choose_config(out_dtype, preferred: TgmmConfig = TgmmConfig()) -> TgmmConfig
     if config.smem_bytes(out_dtype) <= SMEM_BUDGET:
       return config
   raise ValueError(f"no pipeline depth of {preferred} fits in shared memory")
-
-
-def preferred(dtype) -> bool:
-  """Whether the grouped ops' weight gradients run this kernel (else Triton's
-  `tgmm`): 16-bit inputs on Hopper, as for the forward (`mosaic.preferred`).
-  """
-  return mosaic.preferred(dtype)
 
 
 def _tgmm_kernel(starts_gmem, ends_gmem, lhs_gmem, dout_gmem, out_gmem, *,
@@ -199,7 +192,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
     [G, K, N]: `lhs[starts[g]:ends[g]]^T @ dout[starts[g]:ends[g]]` (zero for
     an empty group).
   """
-  mosaic.check_dtype(lhs.dtype, "tgmm", "lhs")
+  check_dtype(lhs.dtype, "tgmm", "lhs")
   if dout.dtype != lhs.dtype:
     raise ValueError(f"tgmm: `dout` must have lhs's dtype {lhs.dtype}, got {dout.dtype}")
   out_dtype = jnp.dtype(out_dtype or lhs.dtype)

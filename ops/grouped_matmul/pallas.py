@@ -347,7 +347,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
       GPU kernel (`mosaic.py`). Default `mosaic.preferred(lhs.dtype)`: 16-bit
       inputs on a Hopper GPU. Off the GPU it runs in Mosaic GPU interpret mode.
     mosaic_tgmm: the same for the weight gradient (`mosaic_tgmm.py`); default
-      `mosaic_tgmm.preferred(lhs.dtype)`.
+      `mosaic_tgmm_default(lhs.dtype)`.
 
   Returns:
     [M, N] in `lhs.dtype`.
@@ -364,6 +364,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
 
 def mosaic_tgmm_default(dtype) -> bool:
   """Whether the weight gradients of `grouped_matmul_pallas` and of the grouped
-  MLP run the Mosaic GPU kernel by default (`mosaic_tgmm.preferred`); one
+  MLP run the Mosaic GPU kernel (`mosaic_tgmm.py`) by default: where the
+  forward does (`mosaic.preferred`, 16-bit inputs on Hopper), measured faster
+  than Triton's `tgmm` there (BUILD_NOTES.md, "## MoE", ninth session). One
   place, so that a benchmark can compare both kernels."""
-  return tgmm_mosaic.preferred(dtype)
+  return mosaic_gmm.preferred(dtype)
