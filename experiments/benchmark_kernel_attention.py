@@ -28,11 +28,15 @@ from ops.flex_attention import api as flex_api
 from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
-_SHAPES = flags.DEFINE_list("shapes", None, "Subset of shape names (default: all).")
+_SHAPES = flags.DEFINE_list("shapes", None, "Shape names (default: DEFAULT_SHAPES, "
+                            "the ANCHORS.md shapes).")
 _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
-    "512-token documents), timed against plain flex on the same shapes.")
+    "512-token documents), timed against plain flex on the same shapes; "
+    "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps> (the Mosaic "
+    "forward on those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
+    "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
@@ -45,7 +49,11 @@ SHAPES = {
     "b8_n8_t1024_h32": (8, 8, 1024, 32, (False,)),
     "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
+    # Beyond cuDNN's head sizes (not in ANCHORS.md): flex's two forwards.
+    "b2_n16_t4096_h256": (2, 16, 4096, 256, (False, True)),
 }
+DEFAULT_SHAPES = ("b8_n8_t4096_h32", "b8_n8_t1024_h32", "b4_n16_t4096_h64",
+                  "b2_n16_t8192_h128")
 
 def _flops(b, n, t, h, causal, mode):
   fwd = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
@@ -104,7 +112,7 @@ def main(argv):
   del argv
   start = time.time()
   rows = _check_rows() if _CHECK.value else []
-  names = _SHAPES.value or list(SHAPES)
+  names = _SHAPES.value or list(DEFAULT_SHAPES)
   impls = []
   for impl in _IMPLS.value:
     if impl == "mha":
@@ -136,6 +144,11 @@ def main(argv):
   print(harness.format_table(summary, ["shape", "causal", "mode", "flex_ms", "cudnn_ms",
                                        "xla_ms", "mha_best_ms", "mha_best", "flex_tflops",
                                        "flex_vs_cudnn", "flex_vs_mha_best"]))
+  if any("flex_triton_ms" in r or "mgpu_best_ms" in r for r in summary):
+    print(harness.format_table(summary, [
+        "shape", "causal", "mode", "flex_ms", "flex_triton_ms", "flex_mosaic_best",
+        "flex_mosaic_best_ms", "mgpu_best", "mgpu_best_ms", "cudnn_ms",
+        "flex_triton_vs_cudnn", "mgpu_best_vs_cudnn"]))
 
 
 def _add_ratios(rows):
@@ -146,13 +159,18 @@ def _add_ratios(rows):
       groups.setdefault((r["shape"], r["causal"], r["mode"]), {})[r["impl"]] = r
   for (shape, causal, mode), by_impl in groups.items():
     s = dict(kind="summary", shape=shape, causal=causal, mode=mode)
-    for impl in ("flex", "cudnn", "xla"):
+    for impl in ("flex", "flex_triton", "cudnn", "xla"):
       if impl in by_impl:
         s[f"{impl}_ms"] = by_impl[impl]["median_ms"]
-    mhas = {k: v["median_ms"] for k, v in by_impl.items() if k.startswith("mha")}
-    if mhas:
-      s["mha_best"] = min(mhas, key=mhas.get)
-      s["mha_best_ms"] = mhas[s["mha_best"]]
+    for family in ("mha", "mgpu", "flex_mosaic"):  # best of each sweep
+      times = {k: v["median_ms"] for k, v in by_impl.items() if k.startswith(family)}
+      if times:
+        s[f"{family}_best"] = min(times, key=times.get)
+        s[f"{family}_best_ms"] = times[s[f"{family}_best"]]
+    if "flex_triton_ms" in s and "cudnn_ms" in s:
+      s["flex_triton_vs_cudnn"] = s["flex_triton_ms"] / s["cudnn_ms"]
+    if "mgpu_best_ms" in s and "cudnn_ms" in s:
+      s["mgpu_best_vs_cudnn"] = s["mgpu_best_ms"] / s["cudnn_ms"]
     if "flex" in by_impl:
       s["flex_tflops"] = by_impl["flex"]["tflops"]
       if "cudnn_ms" in s:

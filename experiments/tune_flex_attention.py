@@ -27,6 +27,8 @@ _OUTPUT = flags.DEFINE_string("output", "/tmp/tune_flex_attention.json", "JSON p
 _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after this.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per case.")
 _SMALL = flags.DEFINE_bool("small", False, "A short sweep (fewer candidates).")
+_KERNELS = flags.DEFINE_list("kernels", ["fwd", "dkdv", "dq"],
+                             "Kernels to sweep (fwd = the Triton forward).")
 
 # Head size -> (B, N, T): the ANCHORS.md shapes.
 _SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192)}
@@ -82,7 +84,7 @@ def main(argv):
   for head_dim in map(int, _HEAD_SIZES.value):
     base = configs.get_config(head_dim, jnp.bfloat16, interpret=False)
     for causal in (c == "1" for c in _CAUSAL.value):
-      for kernel in ("fwd", "dkdv", "dq"):
+      for kernel in _KERNELS.value:
         for cand in _candidates(kernel, head_dim, _SMALL.value):
           if time.time() - start > _BUDGET_S.value:
             break

@@ -7,13 +7,18 @@ attention implementations.
 """
 
 import contextlib
+import dataclasses
 import functools
+import re
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from ops.flex_attention import api as flex_api
+from ops.flex_attention import configs as flex_configs
+from ops.flex_attention import mosaic as flex_mosaic
+from ops.flex_attention import pallas as flex_pallas
 from ops.gated_delta_rule import gated_delta_rule
 from ops.grouped_mlp import pallas as grouped_mlp_pallas
 from ops.ssd import ssd
@@ -162,12 +167,60 @@ MHA_CONFIGS = {
 }
 
 
+# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>.
+_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)$")
+# JAX's Mosaic GPU attention (`attention_mgpu`, float16 inputs): mgpu_<block_kv>.
+_MGPU = re.compile(r"mgpu_(\d+)$")
+
+
+def _flex_with_forward(causal, mosaic_fwd):
+  """flex with the table's Triton tiles and its forward on `mosaic_fwd`'s
+  Mosaic GPU tiles (None: on the Triton kernel)."""
+  def fn(q, k, v):
+    hp = max(16, 1 << (q.shape[-1] - 1).bit_length())
+    config = dataclasses.replace(
+        flex_configs.get_config(hp, q.dtype, interpret=False), mosaic_fwd=mosaic_fwd)
+    return flex_pallas.flex_attention_pallas(
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, window=None,
+        q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+        interpret=False, config=config)
+  return fn
+
+
+def _mgpu_attention(h, causal, block_kv):
+  """JAX's Mosaic GPU reference attention (float16 only in jax 0.11.2: its
+  shared-memory buffers are float16; it leaves the logit scale to the caller)."""
+  from jax.experimental.pallas.ops.gpu import attention_mgpu
+  config = attention_mgpu.TuningConfig(
+      block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=causal,
+      block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+  scale = h ** -0.5
+  return lambda q, k, v: attention_mgpu.attention(q * jnp.asarray(scale, q.dtype),
+                                                  k, v, config)
+
+
+def input_dtype(impl):
+  """The dtype a timed implementation is fed: bfloat16, or float16 for JAX's
+  Mosaic GPU attention, which takes nothing else."""
+  return jnp.float16 if _MGPU.match(impl) else jnp.bfloat16
+
+
 def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
-  mask_mod variants), cudnn, xla, or a `MHA_CONFIGS` entry of JAX's mha."""
+  mask_mod variants, its Triton forward `flex_triton`, its Mosaic forward on
+  other tiles `flex_mosaic_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
+  mha, or JAX's Mosaic GPU attention `mgpu_*`."""
   if impl == "flex":
     return functools.partial(flex_api.flex_attention, is_causal=causal,
                              implementation="pallas")
+  if impl == "flex_triton":
+    return _flex_with_forward(causal, None)
+  if match := _FLEX_MOSAIC.match(impl):
+    bq, bk, steps = map(int, match.groups())
+    return _flex_with_forward(causal, flex_mosaic.MosaicForwardConfig(
+        block_q=bq, block_k=bk, max_concurrent_steps=steps))
+  if match := _MGPU.match(impl):
+    return _mgpu_attention(h, causal, int(match.group(1)))
   if impl == "flex_alibi":
     def alibi(score, b, n, t, s):
       del b
@@ -200,7 +253,7 @@ def attention_case(impl, shape, causal, mode):
   b, n, t, h = shape
   def build():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (b, t, n, h), jnp.bfloat16) for key in keys)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), input_dtype(impl)) for key in keys)
     fn = attention_fn(impl, h, causal)
     if mode == "fwd":
       return jax.jit(fn), (q, k, v)

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ops.flex_attention import mosaic
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
@@ -33,14 +35,21 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class FlexConfig:
-  """The three launches of one attention call: forward, dK/dV and dQ."""
+  """The three launches of one attention call: forward, dK/dV and dQ.
+
+  `mosaic_fwd`, where set, runs the forward on the Mosaic GPU kernel
+  (`mosaic.py`) instead of `fwd`'s Triton one, for the calls it takes
+  (`pallas.prepare` decides: 16-bit, no segments or mods, long enough).
+  """
   fwd: KernelConfig
   dkdv: KernelConfig
   dq: KernelConfig
+  mosaic_fwd: mosaic.MosaicForwardConfig | None = None
 
 
-def _c(fwd, dkdv, dq) -> FlexConfig:
-  return FlexConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq))
+def _c(fwd, dkdv, dq, mosaic_fwd=None) -> FlexConfig:
+  return FlexConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
+                    None if mosaic_fwd is None else mosaic.MosaicForwardConfig(*mosaic_fwd))
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -48,12 +57,25 @@ def _c(fwd, dkdv, dq) -> FlexConfig:
 # H32 and H64: winners of `experiments/tune_flex_attention.py --small` on an
 # H200 (docs/benchmarks/kernel_attention_tune_h200.json), causal and not; the
 # dK/dV block_k is the program's key tile and block_q its loop tile.
-# H128/H256: not swept yet (the H64 winners, smaller tiles at 256).
+# H128: the backward's winners of `tune_flex_attention --head_sizes 128
+# --kernels dkdv,dq --small` (docs/benchmarks/kernel_attention_tune_h128_h200.json,
+# causal and not: dK/dV 4.87 -> 4.15 ms, dQ 3.55 -> 2.98 ms at B 2, N 16,
+# T 8192); its Triton forward is not swept. H256: not swept (smaller tiles).
+# The fourth entry, (block_q, block_k, max_concurrent_steps), puts the forward
+# on the Mosaic GPU kernel (`mosaic.py`) for the 16-bit calls it takes: the
+# fastest tiles of `benchmark_kernel_attention --impls flex_mosaic_*` on an H200
+# (docs/benchmarks/kernel_attention_mosaic_h200.json; 64 x 128 x 3 and 64 x 64
+# x 2 were slower at both sizes; at H256 only 64 x 64 x 2 fits, 0.59-0.60x the
+# Triton forward's time in kernel_attention_h256_h200.json). At H32 it
+# measured 1.04-1.16x the Triton forward's time, so H32 stays on Triton.
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3)),
-    (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
-    (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),
-    (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1)),
+    (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
+                                 (64, 256, 2)),
+    (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
+                                  (64, 128, 2)),
+    (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1),
+                                  (64, 64, 2)),
 }
 
 # For any GPU and head size the table does not cover.

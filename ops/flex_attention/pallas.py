@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from ops import _shapes
 from ops.flex_attention import configs
+from ops.flex_attention import mosaic
 from ops.flex_attention import reference
 
 _LOG2E = math.log2(math.e)
@@ -269,6 +270,10 @@ def _row_list_specs(lists, num_q_tiles: int):
 
 def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
+  if st.config.mosaic_fwd is not None:
+    return mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
+                          key_tiles=functools.partial(_key_tiles, st),
+                          interpret=st.interpret)
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   cfg = st.config.fwd
@@ -548,10 +553,19 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   hp = max(16, pl.next_power_of_2(head_dim))
   if config is None:
     config = configs.get_config(hp, q.dtype, interpret=interpret)
+  mosaic_fwd = config.mosaic_fwd
+  if mosaic_fwd is not None and not mosaic.takes(
+      q.dtype, hp, seq_q, seq_kv, mosaic_fwd, segments=q_segment_ids is not None,
+      mods=mask_mod is not None or score_mod is not None):
+    mosaic_fwd = None  # The Triton forward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
-                                for c in (config.fwd, config.dkdv, config.dq)))
+                                for c in (config.fwd, config.dkdv, config.dq)),
+                              mosaic_fwd=mosaic_fwd)
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
+  if mosaic_fwd is not None:
+    q_multiple = max(q_multiple, mosaic_fwd.rows_per_block)
+    k_multiple = max(k_multiple, mosaic_fwd.block_k)
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
   left, right = (None, None) if window is None else window

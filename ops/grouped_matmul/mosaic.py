@@ -43,8 +43,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from ops import _backend
+from ops import _mosaic_gpu
 from ops import _shapes
+from ops._mosaic_gpu import SMEM_BUDGET
+from ops._mosaic_gpu import num_sms
+from ops._mosaic_gpu import swizzled
 
 NUM_COMPUTE_WGS = 2
 # A TMA store reads shared memory from a 128-byte boundary, and a straddling
@@ -108,13 +111,6 @@ class MosaicConfig:
     if self.split == "m":
       return self.block_m // NUM_COMPUTE_WGS, self.block_n
     return self.block_m, self.block_n // NUM_COMPUTE_WGS
-
-
-def swizzled(dtype, minor: int):
-  """Tiling and swizzle transforms for a shared-memory tile with `minor` columns."""
-  swizzle = plgpu.find_swizzle(minor * jnp.dtype(dtype).itemsize * 8)
-  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 def _store_rows(smem, gmem, first: jax.Array, count: jax.Array, rows: int):
@@ -365,9 +361,6 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-# Hopper's 227 KiB of shared memory per block, less room for the barriers.
-SMEM_BUDGET = 232448 - 1024
-
 # Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
 # "## MoE", eighth session); `choose_config` takes the first that fits in shared
 # memory, cutting the store buffers (to 1) before the pipeline's stages (to 2).
@@ -442,12 +435,9 @@ def _fitting(preferred, n, *, num_accs, num_extras) -> MosaicConfig:
                    f"{num_extras} extra tiles")
 
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
 def check_dtype(dtype, op: str, name: str) -> None:
   """Raises a ValueError naming `op`'s argument `name` unless it is 16-bit."""
-  if jnp.dtype(dtype) not in _DTYPES:
+  if jnp.dtype(dtype) not in _mosaic_gpu.DTYPES:
     raise ValueError(f"{op}: the Mosaic GPU kernels take bfloat16 or float16 "
                      f"`{name}`, got {jnp.dtype(dtype)}")
 
@@ -459,15 +449,7 @@ def preferred(dtype) -> bool:
   take 16-bit inputs (float32 stays on the Triton kernels, which multiply it at
   full precision).
   """
-  if jnp.dtype(dtype) not in _DTYPES or not _backend.on_nvidia_gpu():
-    return False
-  capability = str(getattr(jax.devices()[0], "compute_capability", "0"))
-  return capability.split(".")[0] == "9"
-
-
-def num_sms() -> int:
-  device = jax.devices()[0]
-  return getattr(device, "core_count", None) or 132
+  return _mosaic_gpu.takes(dtype)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,

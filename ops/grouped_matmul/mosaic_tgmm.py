@@ -37,11 +37,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops import _shapes
+from ops._mosaic_gpu import SMEM_BUDGET
+from ops._mosaic_gpu import num_sms
+from ops._mosaic_gpu import swizzled
 from ops.grouped_matmul.mosaic import NUM_COMPUTE_WGS
 from ops.grouped_matmul.mosaic import check_dtype
-from ops.grouped_matmul.mosaic import SMEM_BUDGET
-from ops.grouped_matmul.mosaic import num_sms
-from ops.grouped_matmul.mosaic import swizzled
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,199 @@
+"""flex attention's Mosaic GPU forward (`ops/flex_attention/mosaic.py`) on the
+CPU in Mosaic GPU interpret mode, against reference.py; when `prepare` gives
+it a call; its lowering for a Hopper GPU.
+
+Interpret mode simulates the three warpgroups, the TMA ring, the barriers and
+wgmma, so these tests check the kernel's indexing and masks: each warpgroup's
+key-tile ranges inside the block's (causal, windows on one or both sides, key
+lengths, an empty row), padding of T and S, GQA, and that its log-sum-exp is
+the one the Triton backward expects (the gradients run through it).
+"""
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import flex_attention_reference
+from ops.flex_attention import configs
+from ops.flex_attention import mosaic
+from ops.flex_attention import pallas
+
+# Relative L2 error bounds by input dtype (the reference runs in f32 on the
+# same, upcast inputs); as in test_flex_attention.py.
+_TOL = {jnp.bfloat16: 2.5e-2, jnp.float16: 5e-3}
+
+# 64-row key tiles keep the interpreted loops short; the ring has 2 slots.
+_TILES = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+_CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
+                              mosaic_fwd=_TILES)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(b, t, s, n, kh, h, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32).astype(dtype)
+  w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)  # output cotangent
+  return q, k, v, w
+
+
+def _kernel(config, *, is_causal=False, local_window_size=None, kv_seq_lengths=None):
+  def fn(q, k, v):
+    return pallas.flex_attention_pallas(
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=is_causal,
+        window=local_window_size, q_segment_ids=None, kv_segment_ids=None,
+        kv_seq_lengths=kv_seq_lengths, interpret=True, config=config)
+  return fn
+
+
+# b, t, s, n, kh, h, dtype, options: causal and not, windows (one and both
+# sides), key lengths (one of them 0: a batch row of empty rows), GQA 4:2 and
+# MQA 2:1, cross attention with T and S padded, H 32, 64, 80 (padded to 128), 128.
+_CASES = {
+    "causal_gqa4to2_h64_bf16": (1, 256, 256, 4, 2, 64, jnp.bfloat16,
+                                dict(is_causal=True)),
+    "cross_padded_lengths_h80_f16": (2, 200, 300, 2, 1, 80, jnp.float16,
+                                     dict(kv_seq_lengths=np.array([0, 250]))),
+    "window_causal_h128_bf16": (1, 256, 256, 2, 1, 128, jnp.bfloat16,
+                                dict(is_causal=True, local_window_size=(40, 0))),
+    "window_both_sides_lengths_h32_bf16": (1, 128, 192, 2, 2, 32, jnp.bfloat16,
+                                           dict(local_window_size=(30, 20),
+                                                kv_seq_lengths=np.array([150]))),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_forward_and_gradients_match_reference(name):
+  b, t, s, n, kh, h, dtype, options = _CASES[name]
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
+  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
+                         window=options.get("local_window_size"), q_segment_ids=None,
+                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         config=_CONFIG)
+  assert st.config.mosaic_fwd == _TILES  # this call runs the Mosaic forward
+  kernel = _kernel(_CONFIG, **options)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
+  def vjp(fn, q, k, v, w):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return out, pullback(w.astype(out.dtype))
+  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v, w)
+  assert out.dtype == dtype and out.shape == (b, t, n, h)
+  tol = _TOL[dtype]
+  for name_, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert not np.isnan(np.asarray(x, np.float32)).any(), name_
+    assert _rel(x, x_r) < tol, (name_, _rel(x, x_r))
+  lengths = options.get("kv_seq_lengths")
+  if lengths is not None and int(lengths[0]) == 0:  # sees no key: zeros
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+def test_log_sum_exp_is_the_triton_forwards():
+  """The backward reads the forward's base-2 lse; +inf where a row is empty."""
+  q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=3)
+  lengths = jnp.array([0, 77])
+  st, args = pallas.prepare(q, k, v, scale=0.125, is_causal=True, window=None,
+                            q_segment_ids=None, kv_segment_ids=None,
+                            kv_seq_lengths=lengths, interpret=True, config=_CONFIG)
+  out, lse = pallas._forward(st, *args[:6])
+  triton = dataclasses.replace(st, config=dataclasses.replace(st.config, mosaic_fwd=None))
+  out_t, lse_t = pallas._forward(triton, *args[:6])
+  assert lse.shape == lse_t.shape == (2, 2, 128)
+  assert np.all(np.isinf(np.asarray(lse[0])))
+  np.testing.assert_allclose(np.asarray(lse[1]), np.asarray(lse_t[1]), rtol=1e-5, atol=1e-5)
+  assert _rel(out, out_t) < 1e-2
+
+
+def test_vmap():
+  q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=1)
+  kernel = _kernel(_CONFIG, is_causal=True)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True)
+  got = jax.vmap(kernel)(q[:, None], k[:, None], v[:, None])[:, 0]
+  assert _rel(got, ref(q, k, v)) < _TOL[jnp.bfloat16]
+
+
+def test_prepare_gives_it_only_the_calls_it_takes():
+  def chosen(shape_q, shape_kv, dtype=jnp.bfloat16, **kw):
+    q = jnp.zeros(shape_q, dtype)
+    k = jnp.zeros(shape_kv, dtype)
+    options = dict(scale=1.0, is_causal=False, window=None, q_segment_ids=None,
+                   kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                   config=_CONFIG)
+    options.update(kw)
+    st, args = pallas.prepare(q, k, k, **options)
+    return st.config.mosaic_fwd, args[0].shape, args[1].shape
+
+  tiles, q_shape, k_shape = chosen((1, 200, 2, 80), (1, 300, 2, 80))
+  assert tiles == _TILES
+  # T padded to the block's 128 rows, S to the key tile, H to 128.
+  assert q_shape == (1, 256, 2, 128) and k_shape == (1, 320, 2, 128)
+  assert chosen((1, 256, 2, 64), (1, 256, 2, 64), jnp.float16)[0] == _TILES
+  segments = jnp.zeros((1, 256), jnp.int32)
+  for shapes, kw in [
+      (((1, 256, 2, 64), (1, 256, 2, 64), jnp.float32), {}),      # not 16-bit
+      (((1, 256, 2, 16), (1, 256, 2, 16)), {}),                    # head size 16
+      (((1, 100, 2, 64), (1, 256, 2, 64)), {}),                    # T < 128 rows
+      (((1, 256, 2, 64), (1, 40, 2, 64)), {}),                     # S < one key tile
+      (((1, 256, 2, 64), (1, 256, 2, 64)),
+       dict(q_segment_ids=segments, kv_segment_ids=segments)),     # segments
+      (((1, 256, 2, 64), (1, 256, 2, 64)), dict(mask_mod=lambda b, n, t, s: t >= s)),
+      (((1, 256, 2, 64), (1, 256, 2, 64)), dict(score_mod=lambda x, b, n, t, s: x)),
+  ]:
+    assert chosen(*shapes, **kw)[0] is None, (shapes, kw)
+
+
+def test_table_and_config_checks():
+  for h in (64, 128, 256):  # measured faster than the Triton forward on an H200
+    tiles = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90").mosaic_fwd
+    assert tiles is not None and tiles.smem_bytes(h) <= mosaic.SMEM_BUDGET
+  # Slower than the Triton forward at H32.
+  assert configs.get_config(32, jnp.bfloat16, interpret=False,
+                            generation="sm90").mosaic_fwd is None
+  assert configs.get_config(128, jnp.float32, interpret=False,
+                            generation="sm90").mosaic_fwd is None
+  assert configs.get_config(128, jnp.bfloat16, interpret=False,
+                            generation="sm80").mosaic_fwd is None
+  assert configs.get_config(128, jnp.bfloat16, interpret=True).mosaic_fwd is None
+  with pytest.raises(ValueError, match="block_q"):
+    mosaic.MosaicForwardConfig(block_q=32)
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    mosaic.MosaicForwardConfig(max_concurrent_steps=1)
+  with pytest.raises(ValueError, match="head sizes"):
+    mosaic.check_config(_TILES, 16)
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic.check_config(mosaic.MosaicForwardConfig(block_k=256, max_concurrent_steps=4), 256)
+
+
+@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
+def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, monkeypatch):
+  """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
+  does (registers as the P operand, layouts, TMA shapes), without a GPU. The
+  backward's Triton kernels lower in the same program."""
+  from jax._src.pallas.triton import pallas_call_registration as triton_registration
+  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
+      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
+  def loss(q, k, v):
+    out = pallas.flex_attention_pallas(
+        q, k, v, scale=0.1, is_causal=is_causal, window=None, q_segment_ids=None,
+        kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+    return jnp.sum(out.astype(jnp.float32))
+  spec_q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+  spec_kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      spec_q, spec_kv, spec_kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "flex_attention_dkdv" in text
