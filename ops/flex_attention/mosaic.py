@@ -118,7 +118,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   seq_kv = k_gmem.shape[1]
   batch, head = lax.axis_index("batch"), lax.axis_index("heads")
   kv_head = lax.div(head, jnp.int32(st.groups))
-  block_q0 = lax.axis_index("q_tiles") * (NUM_COMPUTE_WGS * bq)
+  # Query tiles in reverse order: under a causal mask the last ones have the
+  # most key tiles, and blocks start in grid order (heads fastest).
+  num_q_tiles = q_gmem.shape[1] // (NUM_COMPUTE_WGS * bq)
+  block_q0 = (num_q_tiles - 1 - lax.axis_index("q_tiles")) * (NUM_COMPUTE_WGS * bq)
   kv_len = kv_len_gmem[batch]
   c = st.scale * _LOG2E  # logits -> base-2 units
 
