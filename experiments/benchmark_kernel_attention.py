@@ -72,6 +72,7 @@ def _check_rows():
       (1, 512, 384, 2, 2, 128, jnp.float16, dict(is_causal=True)),
       (1, 128, 128, 2, 1, 256, jnp.bfloat16, dict(local_window_size=(16, 16))),
       (8, 1024, 1024, 8, 8, 32, jnp.bfloat16, dict(is_causal=True)),
+      (1, 256, 256, 2, 1, 256, jnp.float32, dict(is_causal=True)),
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]

@@ -30,8 +30,8 @@ _SMALL = flags.DEFINE_bool("small", False, "A short sweep (fewer candidates).")
 _KERNELS = flags.DEFINE_list("kernels", ["fwd", "dkdv", "dq"],
                              "Kernels to sweep (fwd = the Triton forward).")
 
-# Head size -> (B, N, T): the ANCHORS.md shapes.
-_SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192)}
+# Head size -> (B, N, T): the ANCHORS.md shapes (256: benchmark_kernel_attention's).
+_SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192), 256: (2, 16, 4096)}
 
 
 def _candidates(kernel: str, head_dim: int, small: bool):

@@ -60,7 +60,10 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None) -> FlexConfig:
 # H128: the backward's winners of `tune_flex_attention --head_sizes 128
 # --kernels dkdv,dq --small` (docs/benchmarks/kernel_attention_tune_h128_h200.json,
 # causal and not: dK/dV 4.87 -> 4.15 ms, dQ 3.55 -> 2.98 ms at B 2, N 16,
-# T 8192); its Triton forward is not swept. H256: not swept (smaller tiles).
+# T 8192); its Triton forward is not swept. H256's backward: the same sweep
+# (`--head_sizes 256 --causal 0`, kernel_attention_tune_h256_h200.json, B 2,
+# N 16, T 4096): dK/dV 11.63 -> 4.58 ms, dQ 2.17 -> 1.60 ms against the 32- and
+# 64-row, 4-warp, 1-stage tiles it had; its Triton forward is not swept.
 # The fourth entry, (block_q, block_k, max_concurrent_steps), puts the forward
 # on the Mosaic GPU kernel (`mosaic.py`) for the 16-bit calls it takes: the
 # fastest tiles of `benchmark_kernel_attention --impls flex_mosaic_*` on an H200
@@ -74,8 +77,12 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
                                  (64, 256, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                                   (64, 128, 2)),
-    (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (32, 64, 4, 1), (64, 32, 4, 1),
+    (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3),
                                   (64, 64, 2)),
+    # Halving the key tiles of the 16-bit entry asks 311,296 bytes of shared
+    # memory from the float32 dQ kernel on an H200; these (the 16-bit
+    # entry's halves before that entry was swept) fit.
+    (256, "float32", "sm90"): _c((64, 16, 4, 2), (32, 32, 4, 1), (64, 16, 4, 1)),
 }
 
 # For any GPU and head size the table does not cover.

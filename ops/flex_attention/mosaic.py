@@ -25,6 +25,11 @@ and released but not computed (both warpgroups must see every slot of the
 ring), partly masked tiles run a masked body, fully open ones a body without
 mask arithmetic (`pallas._key_tiles` gives the ranges).
 
+Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
+cuDNN's forward time at head sizes 64 and 128, 0.59-0.60x the Triton
+forward's at 256; at 32 it was 1.04-1.16x the Triton forward's, so the table
+(`configs.py`) keeps head size 32 on Triton.
+
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
 """
