@@ -154,6 +154,11 @@ def test_prepare_gives_it_only_the_calls_it_takes():
       (((1, 256, 2, 64), (1, 256, 2, 64)), dict(score_mod=lambda x, b, n, t, s: x)),
   ]:
     assert chosen(*shapes, **kw)[0] is None, (shapes, kw)
+  # Tiles over the shared-memory budget at this head size (256-row key tiles
+  # at H128): the Triton forward, not a compile error.
+  too_big = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(block_k=256))
+  assert chosen((1, 512, 2, 128), (1, 512, 2, 128), config=too_big)[0] is None
+  assert chosen((1, 512, 2, 64), (1, 512, 2, 64), config=too_big)[0] == too_big.mosaic_fwd
 
 
 def test_table_and_config_checks():
@@ -163,6 +168,11 @@ def test_table_and_config_checks():
   # Slower than the Triton forward at H32.
   assert configs.get_config(32, jnp.bfloat16, interpret=False,
                             generation="sm90").mosaic_fwd is None
+  # float32 at H256 has its own, smaller tiles: halving the 16-bit entry's key
+  # tiles overflowed the dQ kernel's shared memory on an H200.
+  f32, bf16 = (configs.get_config(256, d, interpret=False, generation="sm90")
+               for d in (jnp.float32, jnp.bfloat16))
+  assert f32.dq.block_q * f32.dq.block_k < bf16.dq.block_q * bf16.dq.block_k // 2
   assert configs.get_config(128, jnp.float32, interpret=False,
                             generation="sm90").mosaic_fwd is None
   assert configs.get_config(128, jnp.bfloat16, interpret=False,
