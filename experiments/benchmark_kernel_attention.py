@@ -41,6 +41,7 @@ _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference fir
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
+_MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
 _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after this.")
 
 # name: (B, N, T, H, causal values); keys = queries, K = N.
@@ -123,7 +124,7 @@ def main(argv):
   for name in names:
     b, n, t, h, causals = SHAPES[name]
     for causal in causals:
-      for mode in ("fwd", "fwd+bwd"):
+      for mode in _MODES.value:
         for impl in impls:
           config = dict(kind="time", shape=name, B=b, N=n, T=t, H=h, causal=causal,
                         mode=mode, impl=impl)

@@ -64,15 +64,19 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None) -> FlexConfig:
 # (`--head_sizes 256 --causal 0`, kernel_attention_tune_h256_h200.json, B 2,
 # N 16, T 4096): dK/dV 11.63 -> 4.58 ms, dQ 2.17 -> 1.60 ms against the 32- and
 # 64-row, 4-warp, 1-stage tiles it had; its Triton forward is not swept.
-# The fourth entry, (block_q, block_k, max_concurrent_steps), puts the forward
+# The fourth entry, (block_q, block_k, max_concurrent_steps[, causal_only]), puts the forward
 # on the Mosaic GPU kernel (`mosaic.py`) for the 16-bit calls it takes: the
 # fastest tiles of `benchmark_kernel_attention --impls flex_mosaic_*` on an H200
 # (docs/benchmarks/kernel_attention_mosaic_h200.json; 64 x 128 x 3 and 64 x 64
 # x 2 were slower at both sizes; at H256 only 64 x 64 x 2 fits, 0.59-0.60x the
-# Triton forward's time in kernel_attention_h256_h200.json). At H32 it
-# measured 1.04-1.16x the Triton forward's time, so H32 stays on Triton.
+# Triton forward's time in kernel_attention_h256_h200.json). At H32 its
+# 64-row tiles measured 1.04-1.16x the Triton forward's time, its 128 x 128 x 2
+# tiles 0.89-0.90x causal and 1.02x on full attention in two runs
+# (kernel_attention_bq128_h200.json, kernel_attention_h32_mosaic_h200.json), so
+# the H32 entry takes causal (right-bounded) calls only (a fifth field, True).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
-    (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3)),
+    (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
+                                 (128, 128, 2, True)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  (64, 256, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),

@@ -27,8 +27,9 @@ mask arithmetic (`pallas._key_tiles` gives the ranges).
 
 Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
 cuDNN's forward time at head sizes 64 and 128, 0.59-0.60x the Triton
-forward's at 256; at 32 it was 1.04-1.16x the Triton forward's, so the table
-(`configs.py`) keeps head size 32 on Triton.
+forward's at 256; at 32, with 128-row tiles, 0.89-0.90x the Triton forward's
+on causal calls and 1.02x on full attention, so the table (`configs.py`)
+gives it only the causal ones there.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
@@ -60,10 +61,14 @@ class MosaicForwardConfig:
   block_q: query rows per compute warpgroup (the block takes twice that).
   block_k: key rows per tile of the ring.
   max_concurrent_steps: slots of the key/value ring.
+  causal_only: take only calls whose keys are bounded on the right (causal,
+    or a window with a right side); at head size 32 the kernel measured
+    faster than the Triton forward there and not on full attention.
   """
   block_q: int = 64
   block_k: int = 128
   max_concurrent_steps: int = 2
+  causal_only: bool = False
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -92,15 +97,18 @@ class MosaicForwardConfig:
 
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
-          config: MosaicForwardConfig, *, segments: bool, mods: bool) -> bool:
+          config: MosaicForwardConfig, *, segments: bool, mods: bool,
+          right_bounded: bool) -> bool:
   """Whether this kernel runs a forward call (else the Triton kernel does).
 
   16-bit inputs at a padded head size it has, no segment ids or mods (not
   written here), and sequences that fill a block's query rows and a key tile
-  (shorter ones would be mostly padding; Triton's tiles shrink to fit).
+  (shorter ones would be mostly padding; Triton's tiles shrink to fit); with
+  `config.causal_only`, keys bounded on the right (`right_bounded`).
   """
   return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_SIZES and not segments
-          and not mods and seq_q >= config.rows_per_block
+          and not mods and (right_bounded or not config.causal_only)
+          and seq_q >= config.rows_per_block
           and seq_kv >= config.block_k
           and config.smem_bytes(head_dim) <= SMEM_BUDGET)
 

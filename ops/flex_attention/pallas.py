@@ -556,7 +556,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   mosaic_fwd = config.mosaic_fwd
   if mosaic_fwd is not None and not mosaic.takes(
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, segments=q_segment_ids is not None,
-      mods=mask_mod is not None or score_mod is not None):
+      mods=mask_mod is not None or score_mod is not None,
+      right_bounded=is_causal or (window is not None and window[1] is not None)):
     mosaic_fwd = None  # The Triton forward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
