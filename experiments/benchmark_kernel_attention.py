@@ -169,18 +169,13 @@ def _add_ratios(rows):
       if times:
         s[f"{family}_best"] = min(times, key=times.get)
         s[f"{family}_best_ms"] = times[s[f"{family}_best"]]
-    if "flex_triton_ms" in s and "cudnn_ms" in s:
-      s["flex_triton_vs_cudnn"] = s["flex_triton_ms"] / s["cudnn_ms"]
-    if "mgpu_best_ms" in s and "cudnn_ms" in s:
-      s["mgpu_best_vs_cudnn"] = s["mgpu_best_ms"] / s["cudnn_ms"]
+    for name in ("flex", "flex_triton", "mgpu_best", "mha_best"):
+      if f"{name}_ms" in s and "cudnn_ms" in s:
+        s[f"{name}_vs_cudnn"] = s[f"{name}_ms"] / s["cudnn_ms"]
     if "flex" in by_impl:
       s["flex_tflops"] = by_impl["flex"]["tflops"]
-      if "cudnn_ms" in s:
-        s["flex_vs_cudnn"] = s["flex_ms"] / s["cudnn_ms"]
       if "mha_best_ms" in s:
         s["flex_vs_mha_best"] = s["flex_ms"] / s["mha_best_ms"]
-    if "mha_best_ms" in s and "cudnn_ms" in s:
-      s["mha_best_vs_cudnn"] = s["mha_best_ms"] / s["cudnn_ms"]
     rows.append(s)
 
 

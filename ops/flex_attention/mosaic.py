@@ -23,7 +23,8 @@ Masks are those of `pallas._Static` without segments or mods: causal, a
 the block's key tiles in order: tiles outside its own range are waited for
 and released but not computed (both warpgroups must see every slot of the
 ring), partly masked tiles run a masked body, fully open ones a body without
-mask arithmetic (`pallas._key_tiles` gives the ranges).
+mask arithmetic (`pallas._key_tiles` gives the ranges, `pallas._open` the
+mask; the caller passes both).
 
 Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
 cuDNN's forward time at head sizes 64 and 128, 0.59-0.60x the Triton
@@ -106,24 +107,30 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
   (shorter ones would be mostly padding; Triton's tiles shrink to fit); with
   `config.causal_only`, keys bounded on the right (`right_bounded`).
   """
-  return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_SIZES and not segments
-          and not mods and (right_bounded or not config.causal_only)
-          and seq_q >= config.rows_per_block
-          and seq_kv >= config.block_k
-          and config.smem_bytes(head_dim) <= SMEM_BUDGET)
+  return (jnp.dtype(dtype) in DTYPES and not segments and not mods
+          and (right_bounded or not config.causal_only)
+          and seq_q >= config.rows_per_block and seq_kv >= config.block_k
+          and _config_limit(config, head_dim) is None)
+
+
+def _config_limit(config: MosaicForwardConfig, head_dim: int) -> str | None:
+  """None when `config` runs at this padded head size, else the reason."""
+  if head_dim not in HEAD_SIZES:
+    return (f"the Mosaic GPU attention forward takes padded head sizes "
+            f"{HEAD_SIZES}, got {head_dim}")
+  if config.smem_bytes(head_dim) > SMEM_BUDGET:
+    return (f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
+            f"memory at head size {head_dim}, more than {SMEM_BUDGET}")
+  return None
 
 
 def check_config(config: MosaicForwardConfig, head_dim: int) -> None:
-  if head_dim not in HEAD_SIZES:
-    raise ValueError(f"the Mosaic GPU attention forward takes padded head sizes "
-                     f"{HEAD_SIZES}, got {head_dim}")
-  if config.smem_bytes(head_dim) > SMEM_BUDGET:
-    raise ValueError(f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
-                     f"memory at head size {head_dim}, more than {SMEM_BUDGET}")
+  if (limit := _config_limit(config, head_dim)) is not None:
+    raise ValueError(limit)
 
 
 def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
-            config: MosaicForwardConfig, key_tiles, interpret: bool):
+            config: MosaicForwardConfig, key_tiles, is_open, interpret: bool):
   """One block: 2 x block_q query rows of one (batch, query head)."""
   bq, bk, steps = config.block_q, config.block_k, config.max_concurrent_steps
   hp = q_gmem.shape[-1]
@@ -193,8 +200,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           layout = plgpu.Layout.WGMMA
           q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=layout)
           k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=layout)
-          ok = _open(st, q_idx, k_idx, kv_len)
-          s = jnp.where(ok, s, -jnp.inf)
+          s = jnp.where(is_open(q_idx, k_idx, kv_len), s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1) * c)
         if masked:
           # A row with nothing open so far: keep exp2 away from inf - inf.
@@ -326,18 +332,8 @@ def _i32(x):
   return jnp.asarray(x, jnp.int32)
 
 
-def _open(st, q_idx, k_idx, kv_len):
-  """May query q_idx see key k_idx (the masks of `pallas._open` this kernel has)?"""
-  ok = k_idx < kv_len
-  if st.right is not None:
-    ok = jnp.logical_and(ok, k_idx <= q_idx + st.right)
-  if st.left is not None:
-    ok = jnp.logical_and(ok, k_idx >= q_idx - st.left)
-  return ok
-
-
 def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
-            interpret: bool = False):
+            is_open, interpret: bool = False):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] 16-bit -> out [B, Tp, N, Hp], lse [B, N, Tp].
 
   Args:
@@ -347,6 +343,8 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
     config: the tiles; Tp must be a multiple of 2 x block_q, Sp of block_k.
     key_tiles: `(q0, bq, bk, kv_len, seq_kv) -> (lo, full_lo, full_hi, hi)`,
       the key-tile ranges of a query tile (`pallas._key_tiles` for `st`).
+    is_open: `(q_idx, k_idx, kv_len) -> bool` on index tiles, the mask
+      (`pallas._open` for `st`).
     interpret: run in Mosaic GPU interpret mode (the CPU).
   """
   batch, seq_q, num_heads, hp = q.shape
@@ -356,6 +354,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
     raise ValueError(f"mosaic.forward: Tp = {seq_q} must be a multiple of "
                      f"{config.rows_per_block} and Sp = {seq_kv} of {config.block_k}")
   kernel = functools.partial(_kernel, st=st, config=config, key_tiles=key_tiles,
+                             is_open=is_open,
                              interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32))

@@ -273,6 +273,8 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   if st.config.mosaic_fwd is not None:
     return mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
                           key_tiles=functools.partial(_key_tiles, st),
+                          is_open=lambda q_idx, k_idx, kv_len: _open(
+                              st, q_idx, k_idx, kv_len, None, None),
                           interpret=st.interpret)
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
@@ -553,11 +555,14 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   hp = max(16, pl.next_power_of_2(head_dim))
   if config is None:
     config = configs.get_config(hp, q.dtype, interpret=interpret)
+  left, right = (None, None) if window is None else window
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
   mosaic_fwd = config.mosaic_fwd
   if mosaic_fwd is not None and not mosaic.takes(
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, segments=q_segment_ids is not None,
       mods=mask_mod is not None or score_mod is not None,
-      right_bounded=is_causal or (window is not None and window[1] is not None)):
+      right_bounded=right is not None):
     mosaic_fwd = None  # The Triton forward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
@@ -569,9 +574,6 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     k_multiple = max(k_multiple, mosaic_fwd.block_k)
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
-  left, right = (None, None) if window is None else window
-  if is_causal:
-    right = 0 if right is None else min(right, 0)
   st = _Static(scale=float(scale), left=left, right=right,
                kv_mask=kv_seq_lengths is not None or sp != seq_kv,
                segments=q_segment_ids is not None, groups=num_heads // num_kv,
