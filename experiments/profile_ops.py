@@ -123,6 +123,18 @@ def _attention(impl, mode, small):
   return workloads.attention_case(impl, shape, True, mode)()
 
 
+def _model_step(model_name, choice, small):
+  """model_steps' train step (bf16, batch 8, 4096 tokens), not donated.
+
+  Not donated so that the traced calls can reuse one set of arguments; the
+  kernels are the same, only the buffers' reuse differs.
+  """
+  from experiments import model_steps
+  tokens, batch = (128, 2) if small else (4096, 8)
+  return model_steps.build_train_step(model_name, choice, batch, tokens, jnp.bfloat16,
+                                      donate=False)()
+
+
 CASES = {
     "moe_gmm": lambda small: _moe("gmm", small),
     "moe_gmm_mosaic": lambda small: _moe("gmm", small, "gmm_mosaic"),
@@ -152,6 +164,11 @@ CASES = {
     "cudnn_h32_fwd": lambda small: _attention("cudnn", "fwd", small),
     "flex_h32_fwdbwd": lambda small: _attention("flex", "fwd+bwd", small),
     "cudnn_h32_fwdbwd": lambda small: _attention("cudnn", "fwd+bwd", small),
+    # The standard-profile model steps, per attention ('default' = flex on NVIDIA GPUs).
+    **{f"{model}_step_{choice}": functools.partial(
+        lambda small, model, choice: _model_step(model, choice, small),
+        model=model, choice=choice)
+       for model in ("transformer", "dit") for choice in ("default", "cudnn", "xla")},
 }
 
 
