@@ -11,11 +11,9 @@ reference on the GPU (forward and gradients, masks, GQA, odd lengths).
       --output docs/benchmarks/kernel_attention_h200.json
 """
 
-import dataclasses
 import functools
 import json
 import time
-from unittest import mock
 
 from absl import app
 from absl import flags
@@ -27,7 +25,6 @@ import numpy as np
 from experiments import harness
 from experiments import workloads
 from ops.flex_attention import api as flex_api
-from ops.flex_attention import configs as flex_configs
 from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
@@ -38,15 +35,10 @@ _IMPLS = flags.DEFINE_list(
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps> (the Mosaic "
-    "forward on those tiles), flex_fused[_<bq>x<bk>x<warps>x<stages>] (dQ fused "
-    "into the dK/dV launch, on the table's or these dK/dV tiles), flex_unfused "
-    "(dQ in its own launch) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
+    "forward on those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
-_CHECK_VARIANTS = flags.DEFINE_list(
-    "check_variants", ["table"], "Configs to check: 'table' (the dispatch's), "
-    "'fused_dq' and 'unfused_dq' (the table's with dQ fused into the dK/dV launch, or not).")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -86,20 +78,6 @@ def _check_rows():
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = []
-  for variant in _CHECK_VARIANTS.value:
-    if variant == "table":
-      rows += _check_cases(cases, variant)
-      continue
-    fused = {"fused_dq": True, "unfused_dq": False}[variant]
-    table = flex_configs.get_config
-    patched = lambda *a, **kw: dataclasses.replace(table(*a, **kw), fused_dq=fused)
-    with mock.patch.object(flex_configs, "get_config", patched):
-      rows += _check_cases(cases, variant)
-  return rows
-
-
-def _check_cases(cases, variant):
-  rows = []
   for b, t, s, n, kh, h, dtype, opts in cases:
     opts = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in opts.items()}
     keys = jax.random.split(jax.random.PRNGKey(1), 4)
@@ -112,8 +90,8 @@ def _check_cases(cases, variant):
     flex = lambda q, k, v: flex_api.flex_attention(q, k, v, implementation="pallas", **opts)
     ref = lambda q, k, v: reference.flex_attention_reference(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
-    row = dict(kind="check", variant=variant, shape=[b, t, s, n, kh, h],
-               dtype=jnp.dtype(dtype).name, options=sorted(opts))
+    row = dict(kind="check", shape=[b, t, s, n, kh, h], dtype=jnp.dtype(dtype).name,
+               options=sorted(opts))
     try:
       out, grads = jax.jit(jax.value_and_grad(functools.partial(loss, flex), (0, 1, 2)))(q, k, v)
       out_r, grads_r = jax.jit(jax.value_and_grad(functools.partial(loss, ref), (0, 1, 2)))(q, k, v)
@@ -168,11 +146,6 @@ def main(argv):
   print(harness.format_table(summary, ["shape", "causal", "mode", "flex_ms", "cudnn_ms",
                                        "xla_ms", "mha_best_ms", "mha_best", "flex_tflops",
                                        "flex_vs_cudnn", "flex_vs_mha_best"]))
-  if any("flex_unfused_ms" in r or "flex_fused_best_ms" in r for r in summary):
-    print(harness.format_table(summary, [
-        "shape", "causal", "mode", "flex_ms", "flex_unfused_ms", "flex_fused_best",
-        "flex_fused_best_ms", "cudnn_ms", "flex_unfused_vs_cudnn",
-        "flex_fused_best_vs_cudnn"]))
   if any("flex_triton_ms" in r or "mgpu_best_ms" in r for r in summary):
     print(harness.format_table(summary, [
         "shape", "causal", "mode", "flex_ms", "flex_triton_ms", "flex_mosaic_best",
@@ -188,16 +161,15 @@ def _add_ratios(rows):
       groups.setdefault((r["shape"], r["causal"], r["mode"]), {})[r["impl"]] = r
   for (shape, causal, mode), by_impl in groups.items():
     s = dict(kind="summary", shape=shape, causal=causal, mode=mode)
-    for impl in ("flex", "flex_triton", "flex_unfused", "cudnn", "xla"):
+    for impl in ("flex", "flex_triton", "cudnn", "xla"):
       if impl in by_impl:
         s[f"{impl}_ms"] = by_impl[impl]["median_ms"]
-    for family in ("mha", "mgpu", "flex_mosaic", "flex_fused"):  # best of each sweep
+    for family in ("mha", "mgpu", "flex_mosaic"):  # best of each sweep
       times = {k: v["median_ms"] for k, v in by_impl.items() if k.startswith(family)}
       if times:
         s[f"{family}_best"] = min(times, key=times.get)
         s[f"{family}_best_ms"] = times[s[f"{family}_best"]]
-    for name in ("flex", "flex_triton", "flex_unfused", "flex_fused_best", "mgpu_best",
-                 "mha_best"):
+    for name in ("flex", "flex_triton", "mgpu_best", "mha_best"):
       if f"{name}_ms" in s and "cudnn_ms" in s:
         s[f"{name}_vs_cudnn"] = s[f"{name}_ms"] / s["cudnn_ms"]
     if "flex" in by_impl:

@@ -173,11 +173,6 @@ _FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)$")
 _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
-# flex with the dQ fused into the dK/dV launch, on the table's tiles or on
-# dK/dV tiles given as flex_fused_<bq>x<bk>x<warps>x<stages>.
-_FLEX_FUSED = re.compile(r"flex_fused(?:_(\d+)x(\d+)x(\d+)x(\d+))?$")
-
-
 def _flex_with(causal, **changes):
   """flex with the table's config for the input, those fields replaced
   (e.g. `mosaic_fwd=None`: the forward on the Triton kernel)."""
@@ -213,21 +208,13 @@ def input_dtype(impl):
 def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
   mask_mod variants, its Triton forward `flex_triton`, its Mosaic forward on
-  other tiles `flex_mosaic_*`, its backward with dQ fused into the dK/dV
-  launch `flex_fused[_*]` or kept apart `flex_unfused`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
+  other tiles `flex_mosaic_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
   if impl == "flex":
     return functools.partial(flex_api.flex_attention, is_causal=causal,
                              implementation="pallas")
   if impl == "flex_triton":
     return _flex_with(causal, mosaic_fwd=None)
-  if impl == "flex_unfused":
-    return _flex_with(causal, fused_dq=False)
-  if match := _FLEX_FUSED.match(impl):
-    if match.group(1) is None:
-      return _flex_with(causal, fused_dq=True)
-    return _flex_with(causal, fused_dq=True,
-                      dkdv=flex_configs.KernelConfig(*map(int, match.groups())))
   if match := _FLEX_MOSAIC.match(impl):
     bq, bk, steps = map(int, match.groups())
     return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(

@@ -40,21 +40,16 @@ class FlexConfig:
   `mosaic_fwd`, where set, runs the forward on the Mosaic GPU kernel
   (`mosaic.py`) instead of `fwd`'s Triton one, for the calls it takes
   (`pallas.prepare` decides: 16-bit, no segments or mods, long enough).
-  `fused_dq` computes dQ inside the dK/dV launch with atomic adds into an
-  f32 buffer (one launch and five products per tile pair instead of seven;
-  not bitwise reproducible between runs); `dq` is then unused.
   """
   fwd: KernelConfig
   dkdv: KernelConfig
   dq: KernelConfig
   mosaic_fwd: mosaic.MosaicForwardConfig | None = None
-  fused_dq: bool = False
 
 
-def _c(fwd, dkdv, dq, mosaic_fwd=None, fused_dq=False) -> FlexConfig:
+def _c(fwd, dkdv, dq, mosaic_fwd=None) -> FlexConfig:
   return FlexConfig(KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
-                    None if mosaic_fwd is None else mosaic.MosaicForwardConfig(*mosaic_fwd),
-                    fused_dq)
+                    None if mosaic_fwd is None else mosaic.MosaicForwardConfig(*mosaic_fwd))
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.

@@ -42,7 +42,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from ops import _atomics
 from ops import _shapes
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
@@ -174,43 +173,26 @@ def _query_tiles(st: _Static, k0, bq: int, bk: int, kv_len, seq_q: int):
   return lo, full_lo, full_hi, hi
 
 
-def _rotated(body, lo, hi, offset):
-  """body(index, ...) visiting [lo, hi) from lo + offset % (hi - lo), wrapping."""
-  if offset is None:
-    return body
-  count = jnp.maximum(hi - lo, 1)
-  return lambda i, *a, **kw: body(lo + lax.rem(i - lo + offset, count), *a, **kw)
-
-
-def _three_loops(st: _Static, ranges, body, carry, rotate=None):
-  """Runs body(index, carry, masked) over the masked/open/masked ranges.
-
-  `rotate` (an int32 or None) starts the open range that many tiles in,
-  wrapping around, so that programs which accumulate into shared tiles
-  (the fused dQ) do not all start on the same one.
-  """
+def _three_loops(st: _Static, ranges, body, carry):
+  """Runs body(index, carry, masked) over the masked/open/masked ranges."""
   lo, full_lo, full_hi, hi = ranges
   if not st.any_mask:
-    return lax.fori_loop(lo, hi, _rotated(functools.partial(body, masked=False), lo, hi,
-                                          rotate), carry)
-  carry = lax.fori_loop(full_lo, full_hi, _rotated(functools.partial(body, masked=False),
-                                                   full_lo, full_hi, rotate), carry)
+    return lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
   carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
   return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
-def _tile_loop(st: _Static, ranges, lists, body, carry, group: int | None = None,
-               rotate=None):
+def _tile_loop(st: _Static, ranges, lists, body, carry, group: int | None = None):
   """Visits the tiles: from the mask's ranges, or from `mask_mod`'s lists.
 
   `lists` (refs) holds, for this program, the count and the indices of the
   fully open tiles and of the partly masked ones (computed in XLA from the
   dense mask, `_tile_lists`); tiles on neither list are never visited.
   `group` selects the row of [G, .] lists (dK/dV: one row per query head).
-  `rotate`: see `_three_loops` (the lists are visited in order).
   """
   if lists is None:
-    return _three_loops(st, ranges, body, carry, rotate)
+    return _three_loops(st, ranges, body, carry)
   full_count, full_index, part_count, part_index = lists
   at = (lambda i: (i,)) if group is None else (lambda i: (group, i))
   for count, index, masked in ((full_count, full_index, False),
@@ -329,18 +311,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
-                 q_seg_ref, k_seg_ref, lists, dq_init_ref, dk_ref, dv_ref, dq_ref=None,
-                 *, st: _Static):
-  """dK, dV of one key tile; with `dq_ref` (the fused backward) also dQ.
-
-  Fused, each visited (query tile, key tile) pair adds its dS^T K product
-  to the f32 dQ accumulator in memory (`dq_ref`, aliased to `dq_init_ref`'s
-  zeros) with atomic adds, so the backward is one launch of five products
-  per pair instead of two launches of seven (the dQ kernel recomputes the
-  logits and dP). The order of the additions, and so dQ's rounding, varies
-  between runs.
-  """
-  del dq_init_ref  # The same buffer as dq_ref.
+                 q_seg_ref, k_seg_ref, lists, dk_ref, dv_ref, *, st: _Static):
   bk, hp = k_ref.shape
   seq_q = q_ref.shape[0]
   bq = st.config.dkdv.block_q
@@ -378,20 +349,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
     ds_t = p_t * (dp_t - delta[None, :])
     if st.score_mod is not None:
       ds_t = mod_vjp(ds_t)[0]
-    ds_t = ds_t.astype(q.dtype)
-    dk = dk + plgpu.dot(ds_t, q)
-    if dq_ref is not None:  # Unscaled; the scale is applied with the cast to q's dtype.
-      _atomics.relaxed_atomic_add(dq_ref, (pl.ds(q0, bq), _i32(g), slice(None)),
-                                  plgpu.dot(ds_t, k, trans_a=True))  # [bq, Hp]
+    dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
     return dk, dv
 
   carry = (jnp.zeros((bk, hp), jnp.float32), jnp.zeros((bk, hp), jnp.float32))
-  # Fused: the key tiles of one head start their query loops at different
-  # tiles, so that their atomic adds spread over the dQ rows.
-  rotate = pl.program_id(0) if dq_ref is not None else None
   for g in range(st.groups):  # The query heads sharing this key/value head.
-    carry = _tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g,
-                       rotate=rotate)
+    carry = _tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g)
   dk, dv = carry
   dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -450,12 +413,8 @@ def _delta(out, dout):
 
 
 def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
-               lists=None, fused_dq: bool = False):
-  """dK, dV: grid over key tiles; q, dO, lse, delta of the whole head group.
-
-  With `fused_dq` also returns the unscaled f32 dQ [B, Tp, N, Hp] (see
-  `_dkdv_kernel`).
-  """
+               lists=None):
+  """dK, dV: grid over key tiles; q, dO, lse, delta of the whole head group."""
   batch, seq_q, _, hp = q.shape
   seq_kv, num_kv = k.shape[1], k.shape[2]
   g, cfg = st.groups, st.config.dkdv
@@ -476,32 +435,16 @@ def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
     index = pl.BlockSpec((None, None, g, None, lists[1].shape[-1]),
                          lambda j, b, h: (b, h, 0, j, 0))
     in_specs.append((count, index, count, index))
-  args = [grouped(q), k, v, grouped(dout), per_group(lse), per_group(delta), kv_len,
-          q_seg, k_seg, lists]
-  out_specs = [kv_spec, kv_spec]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  aliases = {}
-  if fused_dq:  # Every key tile of a head adds into its group's whole dQ block.
-    aliases = {len(jax.tree.leaves(args)): 2}
-    args.append(jnp.zeros((batch, seq_q, num_kv, g, hp), jnp.float32))
-    in_specs.append(group_spec)
-    out_specs.append(group_spec)
-    out_shape.append(jax.ShapeDtypeStruct(args[-1].shape, jnp.float32))
-  else:
-    args.append(None)
-    in_specs.append(None)
-  out = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dkdv_kernel, st=st),
       grid=(seq_kv // bk, batch, num_kv), in_specs=in_specs,
-      out_specs=out_specs, out_shape=out_shape, input_output_aliases=aliases,
-      interpret=st.interpret,
-      name="flex_attention_dkdv_dq" if fused_dq else "flex_attention_dkdv",
+      out_specs=[kv_spec, kv_spec],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret=st.interpret, name="flex_attention_dkdv",
       compiler_params=_params(cfg),
-  )(*args)
-  if fused_dq:
-    dk, dv, dq = out
-    return dk, dv, dq.reshape(q.shape)
-  return out
+  )(grouped(q), k, v, grouped(dout), per_group(lse), per_group(delta), kv_len,
+    q_seg, k_seg, lists)
 
 
 def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
@@ -533,10 +476,6 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
 def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout):
   delta = _delta(out, dout)
   args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
-  if st.config.fused_dq:
-    dk, dv, dq = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"],
-                            fused_dq=True)
-    return (dq * st.scale).astype(q.dtype), dk, dv
   dk, dv = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
   return _dq_call(*args, lists=None if lists is None else lists["dq"]), dk, dv
 
@@ -627,7 +566,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     mosaic_fwd = None  # The Triton forward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
-                              mosaic_fwd=mosaic_fwd, fused_dq=config.fused_dq)
+                              mosaic_fwd=mosaic_fwd)
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   if mosaic_fwd is not None:
@@ -660,8 +599,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
         kv_seq_lengths=kv_len[:, 0] if st.kv_mask else None)
     lists = {
         "fwd": _tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
-        "dq": None if config.fused_dq else _tile_lists(
-            dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
+        "dq": _tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
         "dkdv": _tile_lists(dense, config.dkdv.block_q, config.dkdv.block_k, batch,
                             num_heads, groups=st.groups),
     }

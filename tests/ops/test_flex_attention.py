@@ -4,8 +4,6 @@ Each case runs forward and backward in one jitted `jax.vjp`, so one compile
 checks the three kernels (forward, dK/dV, dQ) against the f32 reference.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,21 +206,3 @@ def test_mask_mod_tile_lists_skip_empty_tiles():
   # The dK/dV lists are the transpose, grouped by key/value head (G = 3).
   counts = pallas._tile_lists(dense, 16, 16, 2, 3, groups=3)[0]
   assert counts.shape == (2, 1, 3, 8, 1) and (counts == 2).all()
-
-
-# The backward with dQ fused into the dK/dV launch (atomic adds into an f32
-# buffer; the dQ kernel unused): the same cases, a subset covering GQA,
-# windows, key lengths, segments, and both mods.
-_FUSED_CASES = ["gqa8to2_cross_h64_bf16", "window_both_sides_lengths_f32",
-                "segments_causal_t300_f32", "alibi_causal_gqa", "documents_softcap_lengths"]
-
-
-@pytest.mark.parametrize("name", _FUSED_CASES)
-def test_fused_dq_backward_matches_reference(name, monkeypatch):
-  from ops.flex_attention import configs
-  monkeypatch.setattr(configs, "_INTERPRET",
-                      dataclasses.replace(configs._INTERPRET, fused_dq=True))
-  b, t, s, n, kh, h, dtype, options = {**_CASES, **_MOD_CASES}[name]
-  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-             for k, v in options.items()}
-  _check(b, t, s, n, kh, h, dtype, **options)

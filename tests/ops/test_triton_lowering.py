@@ -9,7 +9,6 @@ word; it catches the errors that would make `implementation=None` fail on a
 GPU before a GPU ever sees them.
 """
 
-import dataclasses
 import types
 
 import jax
@@ -18,8 +17,6 @@ import pytest
 
 import ops
 from ops import _backend
-from ops.flex_attention import configs as flex_configs
-from ops.flex_attention import pallas as flex_pallas
 
 # JAX 0.11.2 (pinned) asks this module for the GPU's compute capability while
 # lowering a Triton kernel; without a GPU we state the H200's.
@@ -60,16 +57,6 @@ CASES = {
     "flex_attention_h80_f32_cross": (
         lambda q, k, v: ops.flex_attention(q, k, v, implementation="pallas"),
         (_spec((B, 100, N, 80), f32), _spec((B, 300, N, 80), f32), _spec((B, 300, N, 80), f32))),
-    # The backward with dQ fused into the dK/dV launch (atomic adds).
-    "flex_attention_fused_dq_gqa_window": (
-        lambda q, k, v: flex_pallas.flex_attention_pallas(
-            q, k, v, scale=0.125, is_causal=True, window=(100, None), q_segment_ids=None,
-            kv_segment_ids=None, kv_seq_lengths=None, interpret=False,
-            config=dataclasses.replace(flex_configs.get_config(32, jnp.bfloat16,
-                                                               interpret=False,
-                                                               generation="sm90"),
-                                       mosaic_fwd=None, fused_dq=True)),
-        (_spec((B, T, N, 32)), _spec((B, T, 2, 32)), _spec((B, T, 2, 32)))),
     "grouped_matmul": (
         lambda x, w: ops.grouped_matmul(x, w, jnp.array([100, 0, 300, 112], jnp.int32),
                                         implementation="pallas"),
