@@ -11,9 +11,11 @@ reference on the GPU (forward and gradients, masks, GQA, odd lengths).
       --output docs/benchmarks/kernel_attention_h200.json
 """
 
+import dataclasses
 import functools
 import json
 import time
+from unittest import mock
 
 from absl import app
 from absl import flags
@@ -25,6 +27,8 @@ import numpy as np
 from experiments import harness
 from experiments import workloads
 from ops.flex_attention import api as flex_api
+from ops.flex_attention import configs as flex_configs
+from ops.flex_attention import mosaic_backward as flex_mosaic_backward
 from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
@@ -35,10 +39,14 @@ _IMPLS = flags.DEFINE_list(
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps> (the Mosaic "
-    "forward on those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
+    "forward on those tiles), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
+_CHECK_MOSAIC_BWD = flags.DEFINE_string(
+    "check_mosaic_bwd", None, "Also check flex with its backward on the Mosaic GPU "
+    "kernel on these tiles, <block_q>x<block_k>x<steps> (the table's config otherwise).")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -77,6 +85,19 @@ def _check_rows():
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
+  rows = _check_cases(cases, "table")
+  if _CHECK_MOSAIC_BWD.value:
+    tiles = flex_mosaic_backward.MosaicBackwardConfig(
+        *map(int, _CHECK_MOSAIC_BWD.value.split("x")))
+    table = flex_configs.get_config
+    patched = lambda *a, **kw: dataclasses.replace(table(*a, **kw), mosaic_bwd=tiles)
+    with mock.patch.object(flex_configs, "get_config", patched):
+      rows += _check_cases(cases, f"mosaic_bwd_{_CHECK_MOSAIC_BWD.value}")
+  return rows
+
+
+def _check_cases(cases, variant):
+  """Checks each case with flex's config for it as `variant` names it."""
   rows = []
   for b, t, s, n, kh, h, dtype, opts in cases:
     opts = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in opts.items()}
@@ -90,8 +111,8 @@ def _check_rows():
     flex = lambda q, k, v: flex_api.flex_attention(q, k, v, implementation="pallas", **opts)
     ref = lambda q, k, v: reference.flex_attention_reference(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
-    row = dict(kind="check", shape=[b, t, s, n, kh, h], dtype=jnp.dtype(dtype).name,
-               options=sorted(opts))
+    row = dict(kind="check", variant=variant, shape=[b, t, s, n, kh, h],
+               dtype=jnp.dtype(dtype).name, options=sorted(opts))
     try:
       out, grads = jax.jit(jax.value_and_grad(functools.partial(loss, flex), (0, 1, 2)))(q, k, v)
       out_r, grads_r = jax.jit(jax.value_and_grad(functools.partial(loss, ref), (0, 1, 2)))(q, k, v)
@@ -146,11 +167,24 @@ def main(argv):
   print(harness.format_table(summary, ["shape", "causal", "mode", "flex_ms", "cudnn_ms",
                                        "xla_ms", "mha_best_ms", "mha_best", "flex_tflops",
                                        "flex_vs_cudnn", "flex_vs_mha_best"]))
+  if any("flex_mosaic_bwd_best_ms" in r for r in summary):
+    print(harness.format_table(summary, [
+        "shape", "causal", "mode", "flex_ms", "flex_mosaic_bwd_best",
+        "flex_mosaic_bwd_best_ms", "cudnn_ms", "flex_vs_cudnn",
+        "flex_mosaic_bwd_best_vs_cudnn"]))
   if any("flex_triton_ms" in r or "mgpu_best_ms" in r for r in summary):
     print(harness.format_table(summary, [
         "shape", "causal", "mode", "flex_ms", "flex_triton_ms", "flex_mosaic_best",
         "flex_mosaic_best_ms", "mgpu_best", "mgpu_best_ms", "cudnn_ms",
         "flex_triton_vs_cudnn", "mgpu_best_vs_cudnn"]))
+
+
+def _family(impl: str) -> str | None:
+  """The sweep an implementation belongs to (None: not a sweep)."""
+  for prefix in ("flex_mosaic_bwd_", "flex_mosaic_", "mha", "mgpu_"):
+    if impl.startswith(prefix):
+      return prefix.rstrip("_")
+  return None
 
 
 def _add_ratios(rows):
@@ -164,12 +198,12 @@ def _add_ratios(rows):
     for impl in ("flex", "flex_triton", "cudnn", "xla"):
       if impl in by_impl:
         s[f"{impl}_ms"] = by_impl[impl]["median_ms"]
-    for family in ("mha", "mgpu", "flex_mosaic"):  # best of each sweep
-      times = {k: v["median_ms"] for k, v in by_impl.items() if k.startswith(family)}
+    for family in ("mha", "mgpu", "flex_mosaic", "flex_mosaic_bwd"):  # best of each sweep
+      times = {k: v["median_ms"] for k, v in by_impl.items() if _family(k) == family}
       if times:
         s[f"{family}_best"] = min(times, key=times.get)
         s[f"{family}_best_ms"] = times[s[f"{family}_best"]]
-    for name in ("flex", "flex_triton", "mgpu_best", "mha_best"):
+    for name in ("flex", "flex_triton", "mgpu_best", "mha_best", "flex_mosaic_bwd_best"):
       if f"{name}_ms" in s and "cudnn_ms" in s:
         s[f"{name}_vs_cudnn"] = s[f"{name}_ms"] / s["cudnn_ms"]
     if "flex" in by_impl:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
 from ops.flex_attention import mosaic as flex_mosaic
+from ops.flex_attention import mosaic_backward as flex_mosaic_backward
 from ops.flex_attention import pallas as flex_pallas
 from ops.gated_delta_rule import gated_delta_rule
 from ops.grouped_mlp import pallas as grouped_mlp_pallas
@@ -173,6 +174,11 @@ _FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)$")
 _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
+# flex with its backward on the one-launch Mosaic GPU kernel's tiles:
+# flex_mosaic_bwd_<bq>x<bk>x<steps>.
+_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(\d+)x(\d+)x(\d+)$")
+
+
 def _flex_with(causal, **changes):
   """flex with the table's config for the input, those fields replaced
   (e.g. `mosaic_fwd=None`: the forward on the Triton kernel)."""
@@ -208,13 +214,17 @@ def input_dtype(impl):
 def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
   mask_mod variants, its Triton forward `flex_triton`, its Mosaic forward on
-  other tiles `flex_mosaic_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
+  other tiles `flex_mosaic_*`, its backward on the Mosaic GPU kernel
+  `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
   if impl == "flex":
     return functools.partial(flex_api.flex_attention, is_causal=causal,
                              implementation="pallas")
   if impl == "flex_triton":
     return _flex_with(causal, mosaic_fwd=None)
+  if match := _FLEX_MOSAIC_BWD.match(impl):
+    return _flex_with(causal, mosaic_bwd=flex_mosaic_backward.MosaicBackwardConfig(
+        *map(int, match.groups())))
   if match := _FLEX_MOSAIC.match(impl):
     bq, bk, steps = map(int, match.groups())
     return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(

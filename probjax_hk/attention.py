@@ -35,11 +35,11 @@ AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
 IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
 
 # Where both fit, `None` picks flex over cuDNN only up to this head size: on
-# the H200 flex beat cuDNN at H = 32 (forward 0.81-0.89 x, fwd+bwd 0.74-0.79 x)
-# and lost at H = 64 (1.05-1.14 x) and H = 128 (1.33-1.59 x); BUILD_NOTES.md,
-# "## flex_attention". Above it flex still runs where cuDNN cannot (f32, H > 128,
-# a window looking right).
-FLEX_PREFERRED_MAX_HEAD_DIM = 32
+# the H200 flex's fwd+bwd beat cuDNN's at H = 32 (0.82-0.85 x) and, with the
+# Mosaic GPU backward, at H = 64 (0.88-0.96 x), and lost at H = 128 (1.14-1.21 x);
+# BUILD_NOTES.md, "## flex_attention". Above it flex still runs where cuDNN
+# cannot (f32, H > 128, a window looking right).
+FLEX_PREFERRED_MAX_HEAD_DIM = 64
 
 
 def _normalize_window(local_window_size):

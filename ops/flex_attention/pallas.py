@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_backward
 from ops.flex_attention import reference
 
 _LOG2E = math.log2(math.e)
@@ -475,6 +476,12 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
 
 def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout):
   delta = _delta(out, dout)
+  if st.config.mosaic_bwd is not None:
+    return mosaic_backward.backward(
+        st, q, k, v, kv_len[:, 0], lse, delta, dout, config=st.config.mosaic_bwd,
+        query_tiles=functools.partial(_query_tiles, st),
+        is_open=lambda q_idx, k_idx, kv_len: _open(st, q_idx, k_idx, kv_len, None, None),
+        interpret=st.interpret)
   args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
   dk, dv = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
   return _dq_call(*args, lists=None if lists is None else lists["dq"]), dk, dv
@@ -564,14 +571,22 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       mods=mask_mod is not None or score_mod is not None,
       right_bounded=right is not None):
     mosaic_fwd = None  # The Triton forward takes this call.
+  mosaic_bwd = config.mosaic_bwd
+  if mosaic_bwd is not None and not mosaic_backward.takes(
+      q.dtype, hp, seq_q, seq_kv, mosaic_bwd, segments=q_segment_ids is not None,
+      mods=mask_mod is not None or score_mod is not None):
+    mosaic_bwd = None  # The Triton backward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
-                              mosaic_fwd=mosaic_fwd)
+                              mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd)
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   if mosaic_fwd is not None:
     q_multiple = max(q_multiple, mosaic_fwd.rows_per_block)
     k_multiple = max(k_multiple, mosaic_fwd.block_k)
+  if mosaic_bwd is not None:
+    q_multiple = max(q_multiple, mosaic_bwd.block_q)
+    k_multiple = max(k_multiple, mosaic_bwd.keys_per_block)
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
   st = _Static(scale=float(scale), left=left, right=right,

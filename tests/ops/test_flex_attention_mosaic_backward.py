@@ -1,0 +1,156 @@
+"""flex attention's one-launch Mosaic GPU backward (`mosaic_backward.py`) on
+the CPU in Mosaic GPU interpret mode, against reference.py; when `prepare`
+gives it a call; its lowering for a Hopper GPU.
+
+Interpret mode simulates the three warpgroups, the query-side ring, the
+barriers (including the two that hand the shared dS^T tile between the
+warpgroups) and wgmma, so these tests check the kernel's indexing, masks and
+GQA loop. It has no TMA reductions: there each block writes its dQ terms to
+its own slice and XLA sums them; the reduction itself is checked on a GPU
+(`benchmark_kernel_attention --check --check_mosaic_bwd ...`).
+"""
+
+import dataclasses
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops import flex_attention_reference
+from ops.flex_attention import configs
+from ops.flex_attention import mosaic_backward
+from ops.flex_attention import pallas
+
+_TOL = {jnp.bfloat16: 2.5e-2, jnp.float16: 5e-3}
+_TILES = mosaic_backward.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+_CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
+                              mosaic_bwd=_TILES)
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _inputs(b, t, s, n, kh, h, dtype, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32).astype(dtype)
+  w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)  # output cotangent
+  return q, k, v, w
+
+
+def _options(is_causal=False, local_window_size=None, kv_seq_lengths=None):
+  return dict(scale=None, is_causal=is_causal, window=local_window_size,
+              q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=kv_seq_lengths)
+
+
+# b, t, s, n, kh, h, dtype, options: causal with a window, key lengths and GQA
+# 4:2 (two query heads per block's loop); cross attention with T padded to
+# the query tile and S to the block's 128 keys (f16, H128); a window on both
+# sides at H80 (padded to 128), MQA 4:1.
+_CASES = {
+    "causal_window_lengths_gqa_h64_bf16": (
+        2, 200, 200, 4, 2, 64, jnp.bfloat16,
+        dict(is_causal=True, local_window_size=(70, 0), kv_seq_lengths=np.array([200, 77]))),
+    "cross_padded_h128_f16": (1, 100, 300, 2, 2, 128, jnp.float16, {}),
+    "window_both_sides_mqa_h80_bf16": (1, 128, 256, 4, 1, 80, jnp.bfloat16,
+                                       dict(local_window_size=(40, 30))),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_gradients_match_reference(name):
+  b, t, s, n, kh, h, dtype, options = _CASES[name]
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
+  call = dict(_options(**options), scale=h ** -0.5)
+  st, _ = pallas.prepare(q, k, v, interpret=True, config=_CONFIG, **call)
+  assert st.config.mosaic_bwd == _TILES  # this call runs the Mosaic backward
+  kernel = lambda q, k, v: pallas.flex_attention_pallas(
+      q, k, v, interpret=True, config=_CONFIG, **call)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
+  def vjp(fn, q, k, v, w):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return out, pullback(w.astype(out.dtype))
+  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v, w)
+  _, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v, w)
+  for name_, g, g_r in zip(("dq", "dk", "dv"), grads, grads_r):
+    assert g.dtype == dtype and g.shape == g_r.shape, name_
+    assert not np.isnan(np.asarray(g, np.float32)).any(), name_
+    assert _rel(g, g_r) < _TOL[dtype], (name_, _rel(g, g_r))
+
+
+def test_prepare_gives_it_only_the_calls_it_takes():
+  def chosen(shape_q, shape_kv, dtype=jnp.bfloat16, config=_CONFIG, **kw):
+    q, k = jnp.zeros(shape_q, dtype), jnp.zeros(shape_kv, dtype)
+    options = dict(_options(), scale=1.0)
+    options.update(kw)
+    st, args = pallas.prepare(q, k, k, interpret=True, config=config, **options)
+    return st.config.mosaic_bwd, args[0].shape, args[1].shape
+
+  tiles, q_shape, k_shape = chosen((1, 100, 2, 80), (1, 300, 2, 80))
+  assert tiles == _TILES
+  # S padded to the block's 2 x 64 keys, T to the query tile, H to 128.
+  assert k_shape == (1, 384, 2, 128) and q_shape[1] % 64 == 0
+  segments = jnp.zeros((1, 256), jnp.int32)
+  for shapes, kw in [
+      (((1, 256, 2, 64), (1, 256, 2, 64), jnp.float32), {}),      # not 16-bit
+      (((1, 256, 2, 32), (1, 256, 2, 32)), {}),                    # head size 32
+      (((1, 256, 2, 256), (1, 256, 2, 256)), {}),                  # head size 256
+      (((1, 40, 2, 64), (1, 256, 2, 64)), {}),                     # T < one query tile
+      (((1, 256, 2, 64), (1, 100, 2, 64)), {}),                    # S < the block's keys
+      (((1, 256, 2, 64), (1, 256, 2, 64)),
+       dict(q_segment_ids=segments, kv_segment_ids=segments)),     # segments
+      (((1, 256, 2, 64), (1, 256, 2, 64)), dict(mask_mod=lambda b, n, t, s: t >= s)),
+      (((1, 256, 2, 64), (1, 256, 2, 64)), dict(score_mod=lambda x, b, n, t, s: x)),
+  ]:
+    assert chosen(*shapes, **kw)[0] is None, (shapes, kw)
+  # Tiles over the shared-memory budget (128-row query tiles at H128): the
+  # Triton backward, not a compile error.
+  too_big = dataclasses.replace(_CONFIG, mosaic_bwd=mosaic_backward.MosaicBackwardConfig(
+      block_q=128))
+  assert chosen((1, 512, 2, 128), (1, 512, 2, 128), config=too_big)[0] is None
+  assert chosen((1, 512, 2, 64), (1, 512, 2, 64), config=too_big)[0] == too_big.mosaic_bwd
+
+
+def test_table_and_config_checks():
+  for h in (64, 128):  # measured faster than the Triton backward on an H200
+    tiles = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90").mosaic_bwd
+    assert tiles is not None and tiles.smem_bytes(h) <= mosaic_backward.SMEM_BUDGET
+  for h, dtype, generation in ((32, jnp.bfloat16, "sm90"), (64, jnp.float32, "sm90"),
+                               (64, jnp.bfloat16, "sm80")):
+    assert configs.get_config(h, dtype, interpret=False,
+                              generation=generation).mosaic_bwd is None
+  with pytest.raises(ValueError, match="block_k"):
+    mosaic_backward.MosaicBackwardConfig(block_k=32)
+  with pytest.raises(ValueError, match="max_concurrent_steps"):
+    mosaic_backward.MosaicBackwardConfig(max_concurrent_steps=1)
+  with pytest.raises(ValueError, match="head sizes"):
+    mosaic_backward.check_config(_TILES, 256)
+
+
+@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
+def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, monkeypatch):
+  """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
+  does (register operands, the transposed dS^T operand, the TMA reduction),
+  without a GPU. The table's tiles for the head size."""
+  from jax._src.pallas.triton import pallas_call_registration as triton_registration
+  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
+      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
+  def loss(q, k, v):
+    out = pallas.flex_attention_pallas(q, k, v, interpret=False, config=config,
+                                       **dict(_options(is_causal=is_causal), scale=0.1))
+    return jnp.sum(out.astype(jnp.float32))
+  spec_q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
+  spec_kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
+      spec_q, spec_kv, spec_kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flex_attention_mosaic_bwd" in text and "flex_attention_dkdv" not in text
