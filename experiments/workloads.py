@@ -175,8 +175,8 @@ _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
-# flex_mosaic_bwd_<bq>x<bk>x<steps>.
-_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(\d+)x(\d+)x(\d+)$")
+# flex_mosaic_bwd_<bq>x<bk>x<steps>[x<dQ column chunks>].
+_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(\d+)x(\d+)x(\d+)(?:x(\d+))?$")
 
 
 def _flex_with(causal, **changes):
@@ -224,7 +224,7 @@ def attention_fn(impl, h, causal):
     return _flex_with(causal, mosaic_fwd=None)
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=flex_mosaic_backward.MosaicBackwardConfig(
-        *map(int, match.groups())))
+        *(int(x) for x in match.groups() if x is not None)))
   if match := _FLEX_MOSAIC.match(impl):
     bq, bk, steps = map(int, match.groups())
     return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(

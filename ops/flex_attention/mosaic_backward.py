@@ -64,10 +64,13 @@ class MosaicBackwardConfig:
   block_q: query rows per step (the dQ tile).
   block_k: key rows per compute warpgroup (the block takes twice that).
   max_concurrent_steps: slots of the query-side ring.
+  dq_column_chunks: the dQ product in this many column slices of >= 64
+    (fewer accumulator registers live at once, next to dK and dV).
   """
   block_q: int = 64
   block_k: int = 64
   max_concurrent_steps: int = 2
+  dq_column_chunks: int = 1
 
   def __post_init__(self):
     for name in ("block_q", "block_k"):
@@ -77,6 +80,8 @@ class MosaicBackwardConfig:
     if self.max_concurrent_steps < 2:
       raise ValueError("`max_concurrent_steps` must be >= 2, got "
                        f"{self.max_concurrent_steps}")
+    if self.dq_column_chunks not in (1, 2):
+      raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
 
   @property
   def keys_per_block(self) -> int:
@@ -109,6 +114,9 @@ def _config_limit(config: MosaicBackwardConfig, head_dim: int) -> str | None:
   if head_dim not in HEAD_SIZES:
     return (f"the Mosaic GPU attention backward takes padded head sizes "
             f"{HEAD_SIZES}, got {head_dim}")
+  if head_dim // config.dq_column_chunks < 64:
+    return (f"`dq_column_chunks` {config.dq_column_chunks} leaves slices of fewer "
+            f"than 64 columns at head size {head_dim}")
   if config.smem_bytes(head_dim) > SMEM_BUDGET:
     return (f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
             f"memory at head size {head_dim}, more than {SMEM_BUDGET}")
@@ -214,14 +222,18 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
 
         @pl.when(lax.rem(t, NUM_COMPUTE_WGS) == wg)
         def _dq():
-          def dsk(acc_ref):
-            plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), k_smem)
-            return acc_ref[...]
-          dq = pl.run_scoped(dsk, plgpu.ACC((bq, hp), jnp.float32))
-          plgpu.barrier_arrive(ds_free)
           tile = dq_smem.at[wg]
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last add has read it
-          tile[...] = dq
+          width = hp // config.dq_column_chunks
+          for chunk in range(config.dq_column_chunks):
+            columns = pl.ds(chunk * width, width)
+            def dsk(acc_ref):
+              plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), k_smem.at[:, columns])
+              return acc_ref[...]
+            dq = pl.run_scoped(dsk, plgpu.ACC((bq, width), jnp.float32))
+            if chunk == config.dq_column_chunks - 1:
+              plgpu.barrier_arrive(ds_free)
+            tile.at[:, columns][...] = dq
           plgpu.commit_smem()
           n = kv_head * groups + g
           if interpret:  # No TMA reductions: this block's own slice, summed in XLA.

@@ -63,17 +63,22 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(_CASES))
-def test_gradients_match_reference(name):
+@pytest.mark.parametrize("name, tiles", [
+    *((name, _TILES) for name in _CASES),
+    # The dQ product in two 64-column slices (H128).
+    ("cross_padded_h128_f16", dataclasses.replace(_TILES, dq_column_chunks=2)),
+])
+def test_gradients_match_reference(name, tiles):
+  config = dataclasses.replace(_CONFIG, mosaic_bwd=tiles)
   b, t, s, n, kh, h, dtype, options = _CASES[name]
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
   call = dict(_options(**options), scale=h ** -0.5)
-  st, _ = pallas.prepare(q, k, v, interpret=True, config=_CONFIG, **call)
-  assert st.config.mosaic_bwd == _TILES  # this call runs the Mosaic backward
+  st, _ = pallas.prepare(q, k, v, interpret=True, config=config, **call)
+  assert st.config.mosaic_bwd == tiles  # this call runs the Mosaic backward
   kernel = lambda q, k, v: pallas.flex_attention_pallas(
-      q, k, v, interpret=True, config=_CONFIG, **call)
+      q, k, v, interpret=True, config=config, **call)
   ref = lambda q, k, v: flex_attention_reference(
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
   def vjp(fn, q, k, v, w):
@@ -134,6 +139,8 @@ def test_table_and_config_checks():
     mosaic_backward.MosaicBackwardConfig(max_concurrent_steps=1)
   with pytest.raises(ValueError, match="head sizes"):
     mosaic_backward.check_config(_TILES, 256)
+  with pytest.raises(ValueError, match="dq_column_chunks"):
+    mosaic_backward.check_config(dataclasses.replace(_TILES, dq_column_chunks=2), 64)
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
