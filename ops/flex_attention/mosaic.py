@@ -72,13 +72,7 @@ class MosaicForwardConfig:
   causal_only: bool = False
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if value < 64 or value % 64:
-        raise ValueError(f"`{name}` must be a multiple of 64, got {value}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError("`max_concurrent_steps` must be >= 2, got "
-                       f"{self.max_concurrent_steps}")
+    check_tiles(self)
 
   @property
   def rows_per_block(self) -> int:
@@ -95,6 +89,18 @@ class MosaicForwardConfig:
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
     lse = NUM_COMPUTE_WGS * self.block_q * 4
     return align(q) + 2 * align(ring) + align(lse) + 2048
+
+
+def check_tiles(config) -> None:
+  """The tile rules of both Mosaic attention kernels: `block_q` and `block_k`
+  multiples of 64 (wgmma's rows), a ring of at least two slots."""
+  for name in ("block_q", "block_k"):
+    value = getattr(config, name)
+    if value < 64 or value % 64:
+      raise ValueError(f"`{name}` must be a multiple of 64, got {value}")
+  if config.max_concurrent_steps < 2:
+    raise ValueError("`max_concurrent_steps` must be >= 2, got "
+                     f"{config.max_concurrent_steps}")
 
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
@@ -114,10 +120,15 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
 
 
 def _config_limit(config: MosaicForwardConfig, head_dim: int) -> str | None:
-  """None when `config` runs at this padded head size, else the reason."""
-  if head_dim not in HEAD_SIZES:
-    return (f"the Mosaic GPU attention forward takes padded head sizes "
-            f"{HEAD_SIZES}, got {head_dim}")
+  return config_limit(config, head_dim, kernel="forward", head_sizes=HEAD_SIZES)
+
+
+def config_limit(config, head_dim: int, *, kernel: str, head_sizes) -> str | None:
+  """None when `config` (a tile config with `smem_bytes`) runs at this padded
+  head size, else the reason; shared with the backward (`mosaic_backward.py`)."""
+  if head_dim not in head_sizes:
+    return (f"the Mosaic GPU attention {kernel} takes padded head sizes "
+            f"{head_sizes}, got {head_dim}")
   if config.smem_bytes(head_dim) > SMEM_BUDGET:
     return (f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
             f"memory at head size {head_dim}, more than {SMEM_BUDGET}")

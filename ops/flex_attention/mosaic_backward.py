@@ -48,7 +48,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops._mosaic_gpu import DTYPES
-from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import mosaic
 
@@ -73,13 +72,7 @@ class MosaicBackwardConfig:
   dq_column_chunks: int = 1
 
   def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      value = getattr(self, name)
-      if value < 64 or value % 64:
-        raise ValueError(f"`{name}` must be a multiple of 64, got {value}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError("`max_concurrent_steps` must be >= 2, got "
-                       f"{self.max_concurrent_steps}")
+    mosaic.check_tiles(self)
     if self.dq_column_chunks not in (1, 2):
       raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
 
@@ -111,16 +104,10 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
 
 
 def _config_limit(config: MosaicBackwardConfig, head_dim: int) -> str | None:
-  if head_dim not in HEAD_SIZES:
-    return (f"the Mosaic GPU attention backward takes padded head sizes "
-            f"{HEAD_SIZES}, got {head_dim}")
-  if head_dim // config.dq_column_chunks < 64:
+  if head_dim in HEAD_SIZES and head_dim // config.dq_column_chunks < 64:
     return (f"`dq_column_chunks` {config.dq_column_chunks} leaves slices of fewer "
             f"than 64 columns at head size {head_dim}")
-  if config.smem_bytes(head_dim) > SMEM_BUDGET:
-    return (f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
-            f"memory at head size {head_dim}, more than {SMEM_BUDGET}")
-  return None
+  return mosaic.config_limit(config, head_dim, kernel="backward", head_sizes=HEAD_SIZES)
 
 
 def check_config(config: MosaicBackwardConfig, head_dim: int) -> None:

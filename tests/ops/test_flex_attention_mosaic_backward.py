@@ -20,28 +20,15 @@ import numpy as np
 import pytest
 
 from ops import flex_attention_reference
+from ops._mosaic_gpu import SMEM_BUDGET
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import pallas
+from tests.ops.test_flex_attention_mosaic import _inputs, _rel, _TOL
 
-_TOL = {jnp.bfloat16: 2.5e-2, jnp.float16: 5e-3}
 _TILES = mosaic_backward.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
                               mosaic_bwd=_TILES)
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _inputs(b, t, s, n, kh, h, dtype, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32).astype(dtype)
-  w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)  # output cotangent
-  return q, k, v, w
 
 
 def _options(is_causal=False, local_window_size=None, kv_seq_lengths=None):
@@ -128,7 +115,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
 def test_table_and_config_checks():
   for h in (64, 128):  # measured faster than the Triton backward on an H200
     tiles = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90").mosaic_bwd
-    assert tiles is not None and tiles.smem_bytes(h) <= mosaic_backward.SMEM_BUDGET
+    assert tiles is not None and tiles.smem_bytes(h) <= SMEM_BUDGET
   for h, dtype, generation in ((32, jnp.bfloat16, "sm90"), (64, jnp.float32, "sm90"),
                                (64, jnp.bfloat16, "sm80")):
     assert configs.get_config(h, dtype, interpret=False,
