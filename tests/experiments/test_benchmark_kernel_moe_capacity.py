@@ -12,7 +12,9 @@ import sys
 
 from experiments import harness
 
-IMPLS = ("dense", "ragged_dot", "sort", "gmm")
+# Two of the four paths: each case is a fresh process (JAX's import and a
+# compile, seconds on CI's CPU), and the sweep's logic is the same per path.
+IMPLS = ("dense", "gmm")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -31,7 +33,7 @@ def _run_capacity(tmp_path, *flags: str) -> tuple[list[dict], str]:
 
 def test_capacity_rows_double_per_path_and_summarize(tmp_path):
   rows, stdout = _run_capacity(tmp_path, "--capacity_start=64", "--capacity_max=128",
-                               "--capacity_iters=1")
+                               "--capacity_iters=1", f"--capacity_impls={','.join(IMPLS)}")
   cases = [r for r in rows if r["section"] == "capacity"]
   for impl in IMPLS:
     mine = [r for r in cases if r["impl"] == impl]
@@ -49,7 +51,7 @@ def test_capacity_rows_double_per_path_and_summarize(tmp_path):
     assert r["max_ok_tokens"] == 128
     assert r["first_failed_tokens"] is None
     assert r["stopped_by"] == "capacity_max"
-  assert "| mode | tokens | dense | ragged_dot | sort | gmm |" in stdout
+  assert "| mode | tokens | dense | gmm |" in stdout
 
 
 def test_a_case_whose_process_dies_still_gives_a_row(tmp_path):

@@ -148,3 +148,20 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, monkeypatch):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
       spec_q, spec_kv, spec_kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "flex_attention_mosaic_bwd" in text and "flex_attention_dkdv" not in text
+
+
+def test_vmap_of_gradients():
+  """The kernel's dQ buffer is a `jax.new_ref` operand; vmap batches it."""
+  q, k, v, w = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=4)
+  call = dict(_options(is_causal=True), scale=0.125)
+  kernel = lambda q, k, v: pallas.flex_attention_pallas(
+      q, k, v, interpret=True, config=_CONFIG, **call)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      is_causal=True, scale=0.125)
+  def grads(fn):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w[0])
+    return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(
+        q[:, None], k[:, None], v[:, None])
+  for g, g_r in zip(grads(kernel), grads(ref)):
+    assert _rel(g, g_r) < _TOL[jnp.bfloat16]
