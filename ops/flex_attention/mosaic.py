@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
@@ -369,7 +370,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
                              interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32))
-  return plgpu.kernel(
+  return _pallas.mosaic_kernel(
       kernel, out_type=out_type,
       grid=(num_heads, seq_q // config.rows_per_block, batch),
       grid_names=("heads", "q_tiles", "batch"),

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import mosaic
@@ -353,7 +354,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
   dq_acc = jax.new_ref(jnp.zeros(dq_shape, jnp.float32))
   kernel = functools.partial(_kernel, st=st, config=config, query_tiles=query_tiles,
                              is_open=is_open, interpret=interpret)
-  dk, dv = plgpu.kernel(
+  dk, dv = _pallas.mosaic_kernel(
       kernel, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                         jax.ShapeDtypeStruct(v.shape, v.dtype)),
       grid=(num_kv, num_blocks, batch), grid_names=("kv_heads", "k_blocks", "batch"),
@@ -365,4 +366,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
   dq = jax.freeze(dq_acc)
   if interpret:
     dq = dq.sum(axis=0)
+  # Under shard_map the kernel's outputs come back typed as not varying (its
+  # Ref operand cannot be typed as varying); `pallas._flex_bwd` types the
+  # gradients as q, k and v.
   return (dq * st.scale).astype(q.dtype), dk, dv

@@ -42,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops import _shapes
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
@@ -298,7 +299,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   ]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)]
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_fwd_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
@@ -436,7 +437,7 @@ def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
     index = pl.BlockSpec((None, None, g, None, lists[1].shape[-1]),
                          lambda j, b, h: (b, h, 0, j, 0))
     in_specs.append((count, index, count, index))
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_dkdv_kernel, st=st),
       grid=(seq_kv // bk, batch, num_kv), in_specs=in_specs,
       out_specs=[kv_spec, kv_spec],
@@ -465,7 +466,7 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
               *_seg_specs(st, (None, bq), (None, seq_kv),
                           lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
               _row_list_specs(lists, nq)]
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_dq_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -502,7 +503,7 @@ def _flex_fwd(st, q, k, v, kv_len, q_seg, k_seg, lists):
 def _flex_bwd(st, residuals, dout):
   q, k, v, kv_len, q_seg, k_seg, lists, out, lse = residuals
   dq, dk, dv = _backward(st, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout)
-  return dq, dk, dv, None, None, None, None
+  return (*_pallas.typed_like((dq, dk, dv), (q, k, v)), None, None, None, None)
 
 
 _flex.defvjp(_flex_fwd, _flex_bwd)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops._tile_scan import pick_row
@@ -315,7 +316,7 @@ def _prepare(k, v, b, beta, blocks, *, save_inverse):
   if save_inverse:
     out_specs.append(sp["square"])
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), _F32))
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_prepare_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], head(value), sp["vec"], sp["vec"]],
@@ -341,7 +342,7 @@ def _states(k, w, u, b, h0, blocks):
   chunk, bv = blocks.chunk, blocks.block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks),
       grid=(batch, heads, value // bv),
       in_specs=[sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
@@ -365,7 +366,7 @@ def _output(q, k, w, u, b, states, scale, blocks, *, save_scores):
   if save_scores:  # S^T of each chunk
     out_specs.append(sp["square"])
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), u.dtype))
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(key), head(value), sp["vec"],
@@ -383,7 +384,7 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   chunk, bv = blocks.chunk, blocks.block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_states_bwd_kernel, chunk=chunk, num_chunks=num_chunks,
                         scale=scale),
       grid=(batch, heads, value // bv),
@@ -407,7 +408,7 @@ def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
   head = sp["head"]
   s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
   dqk_dtype = q.dtype if rep == 1 else _F32
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
@@ -443,11 +444,11 @@ def _gdr_core(q, k, v, b, beta, h0, scale, blocks):
 
 def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
   y, final, saved = _core_forward(q, k, v, b, beta, h0, scale, blocks, residuals=True)
-  return (y, final), (q, k, v, b, beta) + saved
+  return (y, final), (q, k, v, b, beta, _pallas.type_tokens(q, k, v, b, beta, h0)) + saved
 
 
 def _core_bwd(scale, blocks, residuals, cotangents):
-  q, k, v, b, beta, w, u, t, states, scores = residuals
+  q, k, v, b, beta, tokens, w, u, t, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
   dstates, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale, blocks)
@@ -458,7 +459,8 @@ def _core_bwd(scale, blocks, residuals, cotangents):
     batch, time, _, key = q.shape
     fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
     dq, dk = fold(dq), fold(dk)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dbeta, dh0
+  return _pallas.typed_like((dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dbeta, dh0),
+                            tokens)
 
 
 _gdr_core.defvjp(_core_fwd, _core_bwd)

@@ -43,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops import _mosaic_gpu
 from ops import _shapes
 from ops._mosaic_gpu import SMEM_BUDGET
@@ -509,7 +510,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
                                 approx_math=approx_math)
   # Interpret mode simulates every block: four still share the steps out
   # (each walks several), at a fraction of an SM count's cost.
-  call = plgpu.kernel(
+  call = _pallas.mosaic_kernel(
       kernel, out_type=out_type, grid=(4 if interpret else num_sms(),),
       grid_names=("sm",), num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=params,

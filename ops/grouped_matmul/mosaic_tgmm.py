@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops import _shapes
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
@@ -207,7 +208,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   kernel = functools.partial(_tgmm_kernel, config=config, num_groups=num_groups,
                              k_blocks=k_blocks, n_blocks=n_blocks)
   params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
-  call = plgpu.kernel(
+  call = _pallas.mosaic_kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((num_groups, k_blocks * bk, n_blocks * bn), out_dtype),
       grid=(4 if interpret else num_sms(),), grid_names=("sm",),

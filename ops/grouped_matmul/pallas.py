@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
@@ -194,7 +195,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
       block_k=bk, block_n=bn, transpose_rhs=transpose_rhs,
       columns_fastest=bs.columns_fastest)
   grid = (steps, padded_n // bn)
-  out = pl.pallas_call(
+  out = _pallas.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((padded_rows, padded_n), lhs.dtype),
       grid=grid[::-1] if bs.columns_fastest else grid,
@@ -254,7 +255,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   dout_p = _shapes.pad_axis(_shapes.pad_axis(dout, 0, bm), 1, bn)  # [Mp, Np]
   padded_k, padded_n = lhs_p.shape[1], dout_p.shape[1]
   kernel = functools.partial(_tgmm_kernel, block_m=bm, block_k=bk, block_n=bn)
-  out = pl.pallas_call(
+  out = _pallas.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((num_groups, padded_k, padded_n),
                                      out_dtype or lhs.dtype),

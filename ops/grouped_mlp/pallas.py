@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
@@ -130,7 +131,7 @@ def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activa
                    block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
                    columns_fastest=bs.columns_fastest)
   grid = (metadata[0].shape[0], hidden // bs.block_n)
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(kernel, tiling=tiling, activation=activation, hidden=hidden),
       out_shape=out_shapes,
       grid=grid[::-1] if bs.columns_fastest else grid,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops._tile_scan import pick_row
@@ -203,7 +204,7 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
   summaries = []
   if fold:
     summary_shape = jax.ShapeDtypeStruct((batch, num_chunks, padded_d), jnp.float32)
-    summaries = pl.pallas_call(
+    summaries = _pallas.pallas_call(
         functools.partial(kernel, mode="summary", fold=False),
         grid=grid,
         in_specs=[a_spec] * planes + [seq_spec] * planes + [one_spec] * planes,
@@ -213,7 +214,7 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
         name="linear_scan_summary")(*a_p, *b_p, *h0_p)
   store_dtype = jnp.float32 if is_complex else out_dtype
   all_spec = pl.BlockSpec((None, num_chunks, bd), lambda i, d, c: (i, 0, d))
-  h = pl.pallas_call(
+  h = _pallas.pallas_call(
       functools.partial(kernel, mode="apply", fold=fold),
       grid=grid,
       in_specs=[a_spec] * planes + [seq_spec] * planes + [one_spec] * planes
@@ -239,14 +240,15 @@ def _linear_scan(a, b, h0, reverse, blocks):
 
 def _linear_scan_fwd(a, b, h0, reverse, blocks):
   h = _scan_call(a, b, h0, reverse=reverse, blocks=blocks)
-  return (h, _final(h, reverse)), (a, h, h0)
+  return (h, _final(h, reverse)), (a, h, h0, _pallas.type_tokens(a, b, h0))
 
 
 def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
-  a, h, h0 = residuals
+  a, h, h0, tokens = residuals
   dh_out, dfinal = cotangents  # [B, T, D], [B, D]
   if a.ndim == 1:
-    return _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal)
+    return _pallas.typed_like(_const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal),
+                              tokens)
   one = jnp.ones_like(a[:, :1])
   h0 = h0.astype(h.dtype)[:, None]
   if reverse:
@@ -261,7 +263,7 @@ def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
   da = (dh * h_prev).astype(a.dtype)
   first = -1 if reverse else 0
   dh0 = (a[:, first] * dh[:, first]).astype(residuals[2].dtype)
-  return da, dh.astype(h.dtype), dh0
+  return _pallas.typed_like((da, dh.astype(h.dtype), dh0), tokens)
 
 
 def _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal):

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops._tile_scan import pick_row
@@ -306,7 +307,7 @@ def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
   fold = num_chunks > 1
   summaries = ()
   if fold:
-    summaries = pl.pallas_call(
+    summaries = _pallas.pallas_call(
         functools.partial(_forward_kernel, mode="summary", fold=False, save=False, **kw),
         grid=grid, in_specs=in_specs, out_specs=[sp["chunk_state"], sp["chunk_vec"]],
         out_shape=[states, vecs], compiler_params=params, interpret=interpret,
@@ -317,7 +318,7 @@ def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
     out_specs.append(sp["ckpt"])
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, num_chunks * chunk // blocks.unroll, padded_d, state), _F32))
-  outs = pl.pallas_call(
+  outs = _pallas.pallas_call(
       functools.partial(_forward_kernel, mode="apply", fold=fold, save=save, **kw),
       grid=grid, in_specs=in_specs + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
       out_specs=out_specs, out_shape=out_shape, compiler_params=params,
@@ -354,7 +355,7 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   fold = num_chunks > 1
   summaries = ()
   if fold:
-    summaries = pl.pallas_call(
+    summaries = _pallas.pallas_call(
         functools.partial(_backward_summary_kernel, reverse=reverse, **kw),
         grid=grid, in_specs=[sp["seq"], sp["a"], sp["seq_s"], sp["seq"]],
         out_specs=[sp["chunk_state"], sp["chunk_vec"]], out_shape=[states, vecs],
@@ -362,7 +363,7 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
         name="selective_scan_backward_summary")(delta_next, A_p, C_p, dy_p)
   seq = jax.ShapeDtypeStruct(u_p.shape, _F32)
   partial_s = jax.ShapeDtypeStruct((batch, padded_d // bd, u_p.shape[1], state), _F32)
-  du, ddelta, dB, dC, dA, c = pl.pallas_call(
+  du, ddelta, dB, dC, dA, c = _pallas.pallas_call(
       functools.partial(_backward_kernel, reverse=reverse, fold=fold, **kw),
       grid=grid,
       in_specs=[sp["seq"], sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"],
@@ -400,16 +401,18 @@ def _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks):
 def _core_fwd(u, delta, A, B, C, h0, reverse, blocks):
   y, final, ckpt = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
                             save=True)
-  return (y, final), (u, delta, A, B, C, ckpt)
+  return (y, final), (u, delta, A, B, C, ckpt,
+                      _pallas.type_tokens(u, delta, A, B, C, h0))
 
 
 def _core_bwd(reverse, blocks, residuals, cotangents):
-  u, delta, A, B, C, ckpt = residuals
+  u, delta, A, B, C, ckpt, tokens = residuals
   dy, dfinal = cotangents
   du, ddelta, dA, dB, dC, dh0 = _backward(u, delta, A, B, C, ckpt, dy, dfinal,
                                           reverse=reverse, blocks=blocks)
-  return (du.astype(u.dtype), ddelta.astype(delta.dtype), dA.astype(A.dtype),
-          dB.astype(B.dtype), dC.astype(C.dtype), dh0)
+  return _pallas.typed_like((du.astype(u.dtype), ddelta.astype(delta.dtype),
+                             dA.astype(A.dtype), dB.astype(B.dtype), dC.astype(C.dtype),
+                             dh0), tokens)
 
 
 _selective_scan_core.defvjp(_core_fwd, _core_bwd)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from ops import _pallas
 from ops import _backend
 from ops import _shapes
 from ops._tile_scan import pick_row
@@ -249,7 +250,7 @@ def _states(x, y, b, h0, *, heads, blocks, reverse):
                             lambda i, n, a, c, g: (i, n, g, a, c))
   group_tiles = jax.ShapeDtypeStruct((batch, heads, num_groups, key, value), _F32)
   call = functools.partial(
-      pl.pallas_call, grid=grid,
+      _pallas.pallas_call, grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=blocks.state_num_warps,
                                            num_stages=2),
       interpret=_backend.pallas_interpret())
@@ -291,7 +292,7 @@ def _output(q, k, v, b, states, *, blocks):
   grid = (batch, heads, time // chunk, value // bv)
   qk_spec = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, e: (i, c, n // rep, 0))
   v_spec = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, e: (i, c, n, e))
-  return pl.pallas_call(
+  return _pallas.pallas_call(
       functools.partial(_output_kernel, chunk=chunk),
       grid=grid,
       in_specs=[qk_spec, qk_spec, v_spec,
@@ -319,7 +320,7 @@ def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
   key_tile = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n // rep, t))
   state_rows = pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, t: (i, n, c, t, 0))
   head_key_tile = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, t: (i, c, n, t))
-  dq, dk, db_shares = pl.pallas_call(
+  dq, dk, db_shares = _pallas.pallas_call(
       functools.partial(_chunk_grad_keys_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk, k_tiles),
       in_specs=[key_tile, key_tile, full_v, b_spec, state_rows, state_rows, full_v],
@@ -333,7 +334,7 @@ def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
       name="ssd_chunk_grads_keys")(q, k, v, b, states, dstates, dy)
   full_qk = pl.BlockSpec((None, chunk, None, key), lambda i, n, c, t: (i, c, n // rep, 0))
   v_tile = pl.BlockSpec((None, chunk, None, bv), lambda i, n, c, t: (i, c, n, t))
-  dv = pl.pallas_call(
+  dv = _pallas.pallas_call(
       functools.partial(_chunk_grad_values_kernel, chunk=chunk),
       grid=(batch, heads, time // chunk, v_tiles),
       in_specs=[full_qk, full_qk, b_spec,
@@ -363,11 +364,11 @@ def _core_forward(q, k, v, b, h0, blocks):
 
 def _core_fwd(q, k, v, b, h0, blocks):
   y, final, states = _core_forward(q, k, v, b, h0, blocks)
-  return (y, final), (q, k, v, b, states)
+  return (y, final), (q, k, v, b, states, _pallas.type_tokens(q, k, v, b, h0))
 
 
 def _core_bwd(blocks, residuals, cotangents):
-  q, k, v, b, states = residuals
+  q, k, v, b, states, tokens = residuals
   dy, dfinal = cotangents
   heads = v.shape[2]
   groups = q.shape[2]
@@ -379,7 +380,7 @@ def _core_bwd(blocks, residuals, cotangents):
     batch, time, _, key = q.shape
     fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
     dq, dk = fold(dq), fold(dk)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dh0
+  return _pallas.typed_like((dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dh0), tokens)
 
 
 _ssd_core.defvjp(_core_fwd, _core_bwd)
