@@ -12,9 +12,7 @@ it varies over, and:
   residuals) and `typed_like` (on the gradients) see to it.
 
 Outside shard_map, or with `check_vma=False`, nothing varies and these change
-nothing. `ops.grouped_matmul` and `ops.grouped_mlp` do not type their
-gradients yet (the MoE layer's expert parallelism runs them with
-`check_vma=False`).
+nothing.
 """
 
 import jax

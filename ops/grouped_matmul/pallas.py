@@ -326,7 +326,7 @@ def _grouped_matmul_bwd(block_sizes, kernels, residuals, dout):
     dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
   drhs = weight_gradient(lhs, dout, starts, ends, mosaic=kernels.mosaic_tgmm,
                          block_sizes=block_sizes)
-  return dlhs, drhs.astype(rhs.dtype), None, None
+  return (*_pallas.typed_like((dlhs, drhs.astype(rhs.dtype)), (lhs, rhs)), None, None)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

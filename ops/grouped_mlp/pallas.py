@@ -268,7 +268,8 @@ def _grouped_mlp_bwd(statics, saved, dy):
   num_rows, width = x_shape
   dw_in = _unpad_hidden(dw_in[:, :width], 2, halves(act), hidden)
   dw_out = _unpad_hidden(dw_out[:, :, :out_width], 1, 1, hidden)
-  return dx[:num_rows, :width], dw_in, dw_out, None, None
+  grads = _pallas.typed_like((dx[:num_rows, :width], dw_in, dw_out), (x_p, w_in_p, w_out_p))
+  return (*grads, None, None)
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)

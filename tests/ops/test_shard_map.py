@@ -48,6 +48,14 @@ def _cases():
       "linear_scan": (lambda a, x: ops.linear_scan(a, x, implementation="pallas")[0],
                       [jax.nn.sigmoid(_normal(keys[0], (b, t, d))), _normal(keys[1], (b, t, d))],
                       (_B, _B)),
+      # Rows sharded (data parallel), the experts' weights replicated.
+      "grouped_matmul": (lambda x, w: ops.grouped_matmul(
+          x, w, jnp.array([10, 0, 22], jnp.int32), implementation="pallas"),
+          [_normal(keys[0], (64, 16)), _normal(keys[1], (3, 16, 24))], (_B, _R)),
+      "grouped_mlp": (lambda x, w1, w2: ops.grouped_mlp(
+          x, w1, w2, jnp.array([10, 0, 22], jnp.int32), implementation="pallas"),
+          [_normal(keys[0], (64, 16)), _normal(keys[1], (3, 16, 24)),
+           _normal(keys[2], (3, 24, 16))], (_B, _R, _R)),
   }
 
 
@@ -85,7 +93,8 @@ def hopper(monkeypatch):
   monkeypatch.setattr(_backend, "pallas_interpret", lambda: False)
 
 
-@pytest.mark.parametrize("name", ["ssd", "gated_delta_rule", "selective_scan", "linear_scan"])
+@pytest.mark.parametrize("name", ["ssd", "gated_delta_rule", "selective_scan", "linear_scan",
+                                  "grouped_matmul", "grouped_mlp"])
 def test_gradients_lower_under_shard_map(name, hopper):
   """The output types of every kernel and the custom VJPs' gradient types
   (`ops/_pallas.py`) pass shard_map's checks when traced and lowered."""
