@@ -109,7 +109,7 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
 
 
 def _config_limit(config: MosaicBackwardConfig, head_dim: int) -> str | None:
-  if head_dim in HEAD_SIZES and head_dim // config.dq_column_chunks < 64:
+  if config.dq_column_chunks > 1 and head_dim // config.dq_column_chunks < 64:
     return (f"`dq_column_chunks` {config.dq_column_chunks} leaves slices of fewer "
             f"than 64 columns at head size {head_dim}")
   return mosaic.config_limit(config, head_dim, kernel="backward", head_sizes=HEAD_SIZES)
