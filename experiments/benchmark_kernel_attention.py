@@ -28,7 +28,6 @@ from experiments import harness
 from experiments import workloads
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
-from ops.flex_attention import mosaic_backward as flex_mosaic_backward
 from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
@@ -46,7 +45,7 @@ _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference fir
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _CHECK_MOSAIC_BWD = flags.DEFINE_string(
     "check_mosaic_bwd", None, "Also check flex with its backward on the Mosaic GPU "
-    "kernel on these tiles, <block_q>x<block_k>x<steps> (the table's config otherwise).")
+    "kernel on these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>].")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -87,8 +86,7 @@ def _check_rows():
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = _check_cases(cases, "table")
   if _CHECK_MOSAIC_BWD.value:
-    tiles = flex_mosaic_backward.MosaicBackwardConfig(
-        *map(int, _CHECK_MOSAIC_BWD.value.split("x")))
+    tiles = workloads.mosaic_bwd_tiles(_CHECK_MOSAIC_BWD.value)
     table = flex_configs.get_config
     patched = lambda *a, **kw: dataclasses.replace(table(*a, **kw), mosaic_bwd=tiles)
     with mock.patch.object(flex_configs, "get_config", patched):

@@ -170,13 +170,19 @@ MHA_CONFIGS = {
 
 # flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>.
 _FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)$")
+# flex with its backward on the one-launch Mosaic GPU kernel's tiles:
+# flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
+_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
 # JAX's Mosaic GPU attention (`attention_mgpu`, float16 inputs): mgpu_<block_kv>.
 _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
-# flex with its backward on the one-launch Mosaic GPU kernel's tiles:
-# flex_mosaic_bwd_<bq>x<bk>x<steps>[x<dQ column chunks>].
-_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(\d+)x(\d+)x(\d+)(?:x(\d+))?$")
+def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
+  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>]' -> the backward's tiles."""
+  if not re.fullmatch(r"\d+x\d+x\d+(x\d+)?", spec):
+    raise ValueError("Mosaic backward tiles must be <bq>x<bk>x<steps>[x<chunks>], "
+                     f"got {spec!r}")
+  return flex_mosaic_backward.MosaicBackwardConfig(*map(int, spec.split("x")))
 
 
 def _flex_with(causal, **changes):
@@ -223,8 +229,7 @@ def attention_fn(impl, h, causal):
   if impl == "flex_triton":
     return _flex_with(causal, mosaic_fwd=None)
   if match := _FLEX_MOSAIC_BWD.match(impl):
-    return _flex_with(causal, mosaic_bwd=flex_mosaic_backward.MosaicBackwardConfig(
-        *(int(x) for x in match.groups() if x is not None)))
+    return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
   if match := _FLEX_MOSAIC.match(impl):
     bq, bk, steps = map(int, match.groups())
     return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(

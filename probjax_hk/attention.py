@@ -36,7 +36,7 @@ IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
 
 # Where both fit, `None` picks flex over cuDNN only up to this head size: on
 # the H200 flex's fwd+bwd beat cuDNN's at H = 32 (0.82-0.85 x) and, with the
-# Mosaic GPU backward, at H = 64 (0.88-0.96 x), and lost at H = 128 (1.14-1.21 x);
+# Mosaic GPU backward, at H = 64 (0.88-0.95 x), and lost at H = 128 (1.07-1.12 x);
 # BUILD_NOTES.md, "## flex_attention". Above it flex still runs where cuDNN
 # cannot (f32, H > 128, a window looking right).
 FLEX_PREFERRED_MAX_HEAD_DIM = 64

@@ -566,16 +566,16 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   left, right = (None, None) if window is None else window
   if is_causal:
     right = 0 if right is None else min(right, 0)
+  unsupported = dict(segments=q_segment_ids is not None,
+                     mods=mask_mod is not None or score_mod is not None)
   mosaic_fwd = config.mosaic_fwd
   if mosaic_fwd is not None and not mosaic.takes(
-      q.dtype, hp, seq_q, seq_kv, mosaic_fwd, segments=q_segment_ids is not None,
-      mods=mask_mod is not None or score_mod is not None,
-      right_bounded=right is not None):
+      q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
+      **unsupported):
     mosaic_fwd = None  # The Triton forward takes this call.
   mosaic_bwd = config.mosaic_bwd
   if mosaic_bwd is not None and not mosaic_backward.takes(
-      q.dtype, hp, seq_q, seq_kv, mosaic_bwd, segments=q_segment_ids is not None,
-      mods=mask_mod is not None or score_mod is not None):
+      q.dtype, hp, seq_q, seq_kv, mosaic_bwd, **unsupported):
     mosaic_bwd = None  # The Triton backward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),

@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from ops import _pallas
 from ops import _mosaic_gpu
+from ops import _pallas
 from ops import _shapes
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms

@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from ops import _pallas
 from ops import _backend
+from ops import _pallas
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul import mosaic_tgmm as tgmm_mosaic

@@ -47,8 +47,8 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 import numpy as np
 
-from ops import _pallas
 from ops import _backend
+from ops import _pallas
 from ops import _shapes
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.metadata import group_metadata

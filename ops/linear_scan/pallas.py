@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ops import _pallas
 from ops import _backend
+from ops import _pallas
 from ops import _shapes
 from ops._tile_scan import pick_row
 from ops._tile_scan import tile_associative_scan

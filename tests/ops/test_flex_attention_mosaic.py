@@ -11,7 +11,6 @@ the one the Triton backward expects (the gradients run through it).
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -207,13 +206,11 @@ def test_table_and_config_checks():
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
-def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, monkeypatch):
+def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (registers as the P operand, layouts, TMA shapes), without a GPU. The
   backward's kernels lower in the same program."""
-  from jax._src.pallas.triton import pallas_call_registration as triton_registration
-  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
   def loss(q, k, v):
     out = pallas.flex_attention_pallas(

@@ -12,7 +12,6 @@ its own slice and XLA sums them; the reduction itself is checked on a GPU
 
 import dataclasses
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -131,13 +130,11 @@ def test_table_and_config_checks():
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
-def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, monkeypatch):
+def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (register operands, the transposed dS^T operand, the TMA reduction),
   without a GPU. The table's tiles for the head size."""
-  from jax._src.pallas.triton import pallas_call_registration as triton_registration
-  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
+  del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
   def loss(q, k, v):
     out = pallas.flex_attention_pallas(q, k, v, interpret=False, config=config,

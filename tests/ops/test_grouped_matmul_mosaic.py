@@ -220,13 +220,10 @@ def _spec(shape, dtype=jnp.bfloat16):
 
 
 @pytest.mark.parametrize("op", ["grouped_matmul", "grouped_mlp_swiglu"])
-def test_lowers_to_mosaic_gpu_for_hopper(op, monkeypatch):
+def test_lowers_to_mosaic_gpu_for_hopper(op, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (shared memory budget, layouts, TMA shapes), without a GPU."""
-  from jax._src.pallas.triton import pallas_call_registration as triton_registration
-  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  monkeypatch.setattr(_backend, "pallas_interpret", lambda: False)
+  del hopper_lowering
   sizes = jnp.array([100, 0, 300, 112], jnp.int32)
   bounds = reference.group_bounds(sizes, 512)
   if op == "grouped_matmul":

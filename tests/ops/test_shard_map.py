@@ -8,7 +8,6 @@ sharded and parameters replicated, and must give the unsharded gradients. The
 Mosaic GPU attention kernels are lowered for Hopper the same way.
 """
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -83,34 +82,24 @@ def test_attention_gradients_under_shard_map_match():
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-  """Lowering for a Hopper GPU on the CPU (see test_triton_lowering.py)."""
-  from jax._src.pallas.triton import pallas_call_registration as triton_registration
-  from ops import _backend
-  monkeypatch.setattr(triton_registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  monkeypatch.setattr(_backend, "pallas_interpret", lambda: False)
-
-
 @pytest.mark.parametrize("name", ["ssd", "gated_delta_rule", "selective_scan", "linear_scan",
                                   "grouped_matmul", "grouped_mlp"])
-def test_gradients_lower_under_shard_map(name, hopper):
+def test_gradients_lower_under_shard_map(name, hopper_lowering):
   """The output types of every kernel and the custom VJPs' gradient types
   (`ops/_pallas.py`) pass shard_map's checks when traced and lowered."""
-  del hopper
+  del hopper_lowering
   sharded, _, args = _sharded_grad(name)
   text = jax.jit(sharded).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_mosaic_attention_lowers_under_shard_map(head_dim, hopper):
+def test_mosaic_attention_lowers_under_shard_map(head_dim, hopper_lowering):
   """The Mosaic forward and backward (the table's, for Hopper) under
   shard_map: their output types, and the backward's gradients, which come
   back typed as not varying (its dQ buffer is a Ref operand) and are typed
   as q, k and v by the custom VJP."""
-  del hopper
+  del hopper_lowering
   from ops.flex_attention import configs
   from ops.flex_attention import pallas
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")

@@ -9,25 +9,14 @@ word; it catches the errors that would make `implementation=None` fail on a
 GPU before a GPU ever sees them.
 """
 
-import types
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 import ops
-from ops import _backend
 
-# JAX 0.11.2 (pinned) asks this module for the GPU's compute capability while
-# lowering a Triton kernel; without a GPU we state the H200's.
-from jax._src.pallas.triton import pallas_call_registration as _triton_registration
-
-
-@pytest.fixture(autouse=True)
-def _hopper_lowering(monkeypatch):
-  monkeypatch.setattr(_triton_registration, "gpu_info_lib", types.SimpleNamespace(
-      get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90)))
-  monkeypatch.setattr(_backend, "pallas_interpret", lambda: False)
+# Every test here lowers for a Hopper GPU without one (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("hopper_lowering")
 
 
 def _spec(shape, dtype=jnp.bfloat16):
