@@ -91,7 +91,7 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # (kernel_attention_h128_dq_chunks_h200.json).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-                                 (128, 128, 2, True)),
+                                 (128, 128, 2, True), (128, 64, 3)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  (64, 256, 2), (128, 64, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),

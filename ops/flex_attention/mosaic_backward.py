@@ -58,7 +58,7 @@ from ops.flex_attention import mosaic
 
 NUM_COMPUTE_WGS = 2
 _LOG2E = math.log2(math.e)
-HEAD_SIZES = (64, 128)  # Padded head sizes the kernel takes.
+HEAD_SIZES = (32, 64, 128)  # Padded head sizes the kernel takes.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,7 +305,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
       ring(dtype, (bq, hp), transforms=transforms),  # dO
       ring(jnp.float32, (bq,)),  # lse
       ring(jnp.float32, (bq,)),  # delta
-      plgpu.SMEM((config.keys_per_block, bq), dtype, transforms=swizzled(dtype, bq)),  # dS^T
+      plgpu.SMEM((config.keys_per_block, bq), dtype, transforms=swizzled(dtype, min(bq, hp))),  # dS^T
       plgpu.SMEM((NUM_COMPUTE_WGS, bq, hp), jnp.float32,
                  transforms=swizzled(jnp.float32, hp)),  # dQ tiles
       # The staging buffer of the register operands, interpret mode only.
