@@ -53,6 +53,21 @@ def mosaic_kernel(body, *, out_type, **kwargs):
   return call
 
 
+def shared_lowering(custom_vjp_fn, *, static_argnums: tuple[int, ...]):
+  """`jax.jit(custom_vjp_fn, static_argnums=...)`: an op's custom VJP, called
+  through this, lowers its kernels once per distinct static configuration.
+
+  A model calls an op with the same static arguments in every layer. Under one
+  jit the calls share jit's trace and lowering caches, so the program embeds
+  each kernel (forward and backward) once and XLA compiles it once. Without
+  it every call site lowered and compiled its own copy: an unrolled 24-layer
+  Transformer's train step with flex attention embedded 48 Mosaic GPU kernels
+  where 2 are distinct (43 s to lower on the CPU, 34 MB of StableHLO, against
+  4 s and 3 MB through this), and took 143 s to compile on an H200.
+  """
+  return jax.jit(custom_vjp_fn, static_argnums=static_argnums)
+
+
 def type_tokens(*primals) -> tuple:
   """Zero-size slices of a custom VJP's primal inputs, for its residuals: they
   carry each input's shard_map type into the backward (`typed_like`)."""

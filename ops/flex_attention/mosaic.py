@@ -375,6 +375,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
       grid=(num_heads, seq_q // config.rows_per_block, batch),
       grid_names=("heads", "q_tiles", "batch"),
       num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
+      kernel_name="flex_attention_mosaic_fwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(kv_len.astype(jnp.int32), q, k, v)

@@ -507,6 +507,7 @@ def _flex_bwd(st, residuals, dout):
 
 
 _flex.defvjp(_flex_fwd, _flex_bwd)
+_flex_shared = _pallas.shared_lowering(_flex, static_argnums=(0,))
 
 
 def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelConfig:
@@ -650,5 +651,5 @@ def flex_attention_pallas(
                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                      kv_seq_lengths=kv_seq_lengths, interpret=interpret,
                      config=config, mask_mod=mask_mod, score_mod=score_mod)
-  out = _flex(st, *args)
+  out = _flex_shared(st, *args)
   return out[:, :seq_q, :, :head_dim]

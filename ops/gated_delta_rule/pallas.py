@@ -464,6 +464,7 @@ def _core_bwd(scale, blocks, residuals, cotangents):
 
 
 _gdr_core.defvjp(_core_fwd, _core_bwd)
+_gdr_core_shared = _pallas.shared_lowering(_gdr_core, static_argnums=(6, 7))
 
 
 def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_state=None,
@@ -493,5 +494,5 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
   h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
         else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
                               3, value_p))
-  y, final = _gdr_core(q_p, k_p, v_p, b, beta_p, h0, scale, blocks)
+  y, final = _gdr_core_shared(q_p, k_p, v_p, b, beta_p, h0, scale, blocks)
   return y[:, :time, :, :value], final[:, :, :key, :value]

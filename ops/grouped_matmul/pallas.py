@@ -330,6 +330,7 @@ def _grouped_matmul_bwd(block_sizes, kernels, residuals, dout):
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+_grouped_matmul_shared = _pallas.shared_lowering(_grouped_matmul, static_argnums=(4, 5))
 
 
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
@@ -360,7 +361,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
   if mosaic or mosaic_tgmm:
     mosaic_gmm.check_dtype(lhs.dtype, "grouped_matmul", "lhs")
   bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
-  return _grouped_matmul(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm))
+  return _grouped_matmul_shared(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm))
 
 
 def mosaic_tgmm_default(dtype) -> bool:

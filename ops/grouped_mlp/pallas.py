@@ -273,6 +273,7 @@ def _grouped_mlp_bwd(statics, saved, dy):
 
 
 _grouped_mlp.defvjp(_grouped_mlp_fwd, _grouped_mlp_bwd)
+_grouped_mlp_shared = _pallas.shared_lowering(_grouped_mlp, static_argnums=(5,))
 
 
 def mosaic_default(dtype) -> bool:
@@ -355,4 +356,4 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                      block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
                      mosaic=mosaic, mosaic_plain=mosaic_plain,
                      mosaic_tgmm=mosaic_tgmm, mosaic_config=mosaic_config)
-  return _grouped_mlp(x, w_in, w_out, starts, ends, statics)
+  return _grouped_mlp_shared(x, w_in, w_out, starts, ends, statics)

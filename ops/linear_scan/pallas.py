@@ -290,6 +290,7 @@ def _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal):
 
 
 _linear_scan.defvjp(_linear_scan_fwd, _linear_scan_bwd)
+_linear_scan_shared = _pallas.shared_lowering(_linear_scan, static_argnums=(3, 4))
 
 
 def linear_scan_pallas(a: jax.Array, b: jax.Array, *,
@@ -304,5 +305,5 @@ def linear_scan_pallas(a: jax.Array, b: jax.Array, *,
     blocks = LinearScanBlocks.get_default(batch, time, width)
   if initial_state is None:
     initial_state = jnp.zeros((batch, width), out_dtype)
-  return _linear_scan(a.astype(out_dtype), b.astype(out_dtype),
-                      initial_state.astype(out_dtype), reverse, blocks)
+  return _linear_scan_shared(a.astype(out_dtype), b.astype(out_dtype),
+                             initial_state.astype(out_dtype), reverse, blocks)

@@ -416,6 +416,8 @@ def _core_bwd(reverse, blocks, residuals, cotangents):
 
 
 _selective_scan_core.defvjp(_core_fwd, _core_bwd)
+_selective_scan_core_shared = _pallas.shared_lowering(
+    _selective_scan_core, static_argnums=(6, 7))
 
 
 def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
@@ -444,5 +446,5 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   # keeps them at zero and out of y).
   padded = _next_pow2(state)
   A, B, C, h0 = (_shapes.pad_axis(x, x.ndim - 1, padded) for x in (A.astype(_F32), B, C, h0))
-  y, final = _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks)
+  y, final = _selective_scan_core_shared(u, delta, A, B, C, h0, reverse, blocks)
   return finish_output(y, u, D, z), final[..., :state]

@@ -384,6 +384,7 @@ def _core_bwd(blocks, residuals, cotangents):
 
 
 _ssd_core.defvjp(_core_fwd, _core_bwd)
+_ssd_core_shared = _pallas.shared_lowering(_ssd_core, static_argnums=(5,))
 
 
 def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
@@ -418,5 +419,5 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
   h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
         else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
                               3, value_p))
-  y, final = _ssd_core(q_p, k_p, v_p, b, h0, blocks)
+  y, final = _ssd_core_shared(q_p, k_p, v_p, b, h0, blocks)
   return y[:, :time, :, :value], final[:, :, :key, :value]
