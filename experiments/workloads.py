@@ -178,10 +178,11 @@ _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
-  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>]' -> the backward's tiles."""
-  if not re.fullmatch(r"\d+x\d+x\d+(x\d+)?", spec):
-    raise ValueError("Mosaic backward tiles must be <bq>x<bk>x<steps>[x<chunks>], "
-                     f"got {spec!r}")
+  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>[x<compute registers>]]'
+  -> the backward's tiles."""
+  if not re.fullmatch(r"\d+x\d+x\d+(x\d+){0,2}", spec):
+    raise ValueError("Mosaic backward tiles must be "
+                     f"<bq>x<bk>x<steps>[x<chunks>[x<registers>]], got {spec!r}")
   return flex_mosaic_backward.MosaicBackwardConfig(*map(int, spec.split("x")))
 
 

@@ -80,7 +80,8 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # tiles 0.89-0.90x causal and 1.02x on full attention in two runs
 # (kernel_attention_bq128_h200.json, kernel_attention_h32_mosaic_h200.json), so
 # the H32 entry takes causal (right-bounded) calls only (a fifth field, True).
-# The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks]),
+# The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks[,
+# compute_registers]]),
 # puts the backward on the one-launch Mosaic GPU kernel (`mosaic_backward.py`)
 # for the 16-bit calls it takes: the fastest of four tile sets in one H200 run
 # (docs/benchmarks/kernel_attention_mosaic_bwd_h200.json, fwd+bwd): H64
@@ -88,14 +89,20 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # backward's 2.70 / 1.53), H128 64 x 64 x 2 (8.26 / 4.43 against 8.85 / 4.83;
 # larger tiles do not fit in shared memory there), and at H128 the dQ product
 # in two column slices, 7.41 / 4.04 against 8.39 / 4.38 in a later run
-# (kernel_attention_h128_dq_chunks_h200.json).
+# (kernel_attention_h128_dq_chunks_h200.json). The H32 entry, 128 x 64 x 3, won a
+# sweep of six tile sets (kernel_attention_h32_mosaic_bwd_h200.json: 1.69 / 0.93
+# ms against the Triton backward's 1.80 / 1.09). 240 registers per compute
+# warpgroup (24 for the memory one) took H128 from 7.46 / 4.08 to 7.24 / 3.86 ms
+# and did not help H32 or H64 (-0.6 to +2.5 % on the table's tiles;
+# kernel_attention_h128_regs240_h200.json, kernel_attention_regs240_h200.json),
+# so only H128 takes it.
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
                                  (128, 128, 2, True), (128, 64, 3)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  (64, 256, 2), (128, 64, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
-                                  (64, 128, 2), (64, 64, 2, 2)),
+                                  (64, 128, 2), (64, 64, 2, 2, 240)),
     (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3),
                                   (64, 64, 2)),
     # Halving the key tiles of the 16-bit entry asks 311,296 bytes of shared

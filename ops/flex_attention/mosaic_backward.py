@@ -22,9 +22,14 @@ one atomic operation. This kernel follows FlashAttention-3
   global dQ buffer with one TMA bulk reduction (`reduction_op="add"`), so the
   L2 adds whole tiles instead of one word per atomic operation.
 
-Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): fwd+bwd 0.95 /
-0.88 x cuDNN's time at head size 64 (non-causal / causal; the Triton backward
-gave 1.18 / 1.10), 1.07-1.12 x at 128 (from 1.30 / 1.25).
+Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): fwd+bwd 0.77 /
+0.71 x cuDNN's time at head size 32 (non-causal / causal; the Triton backward
+gave 0.82 / 0.82), 0.95 / 0.88 x at 64 (from 1.18 / 1.10), 1.04 / 1.00 x at
+128 (from 1.30 / 1.25).
+
+At head size 32 the dS^T tile takes K's 64-byte swizzle rather than its own
+128-byte one: wgmma reads both operands of the dQ product `dS K` with one
+swizzle.
 
 Masks are those of the Mosaic forward (causal, `(left, right)` windows, key
 lengths; no segments or mods), evaluated on tile indices over the query-tile
@@ -59,6 +64,8 @@ from ops.flex_attention import mosaic
 NUM_COMPUTE_WGS = 2
 _LOG2E = math.log2(math.e)
 HEAD_SIZES = (32, 64, 128)  # Padded head sizes the kernel takes.
+# 64K registers per SM over 3 x 128 threads, rounded down to a multiple of 8.
+_REGISTERS_PER_BLOCK_THREAD = 504
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,16 +77,26 @@ class MosaicBackwardConfig:
   max_concurrent_steps: slots of the query-side ring.
   dq_column_chunks: the dQ product in this many column slices of >= 64
     (fewer accumulator registers live at once, next to dK and dV).
+  compute_registers: registers per thread of each compute warpgroup; the
+    memory warpgroup gets what is left of the 504 that three warpgroups of
+    one block can hold (232 -> 40, 240 -> 24).
   """
   block_q: int = 64
   block_k: int = 64
   max_concurrent_steps: int = 2
   dq_column_chunks: int = 1
+  compute_registers: int = 232
 
   def __post_init__(self):
     mosaic.check_tiles(self)
     if self.dq_column_chunks not in (1, 2):
       raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
+    if self.compute_registers not in (232, 240):
+      raise ValueError(f"`compute_registers` must be 232 or 240, got {self.compute_registers}")
+
+  @property
+  def memory_registers(self) -> int:
+    return _REGISTERS_PER_BLOCK_THREAD - NUM_COMPUTE_WGS * self.compute_registers
 
   @property
   def keys_per_block(self) -> int:
@@ -159,7 +176,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(config.compute_registers, action="increase")
       rows = pl.ds(wg * bk, bk)
       k_rows, v_rows = k_smem.at[rows], v_smem.at[rows]
       stage = None if stage_smem is None else stage_smem.at[wg]
@@ -258,7 +275,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
 
     @pl.when(wg == NUM_COMPUTE_WGS)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(config.memory_registers, action="decrease")
       keys = (batch, pl.ds(k0, config.keys_per_block), kv_head)
       plgpu.copy_gmem_to_smem(k_gmem.at[keys], k_smem, kv_ready)
       plgpu.copy_gmem_to_smem(v_gmem.at[keys], v_smem, kv_ready)

@@ -130,6 +130,10 @@ def test_table_and_config_checks():
     mosaic_backward.check_config(_TILES, 256)
   with pytest.raises(ValueError, match="dq_column_chunks"):
     mosaic_backward.check_config(dataclasses.replace(_TILES, dq_column_chunks=2), 64)
+  with pytest.raises(ValueError, match="compute_registers"):
+    mosaic_backward.MosaicBackwardConfig(compute_registers=256)
+  registers = mosaic_backward.MosaicBackwardConfig(compute_registers=240)
+  assert 2 * registers.compute_registers + registers.memory_registers <= 504
 
 
 @pytest.mark.parametrize("head_dim, is_causal", [(32, False), (64, True), (128, False)])
