@@ -35,10 +35,11 @@ AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
 IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
 
 # Where both fit, `None` picks flex over cuDNN only up to this head size: on
-# the H200 flex's fwd+bwd beat cuDNN's at H = 32 (0.82-0.85 x) and, with the
-# Mosaic GPU backward, at H = 64 (0.88-0.95 x), and lost at H = 128 (1.07-1.12 x);
-# BUILD_NOTES.md, "## flex_attention". Above it flex still runs where cuDNN
-# cannot (f32, H > 128, a window looking right).
+# the H200, with the Mosaic GPU backward, flex's fwd+bwd beats cuDNN's at
+# H = 32 (0.71-0.77 x) and H = 64 (0.87-0.95 x); at H = 128 it is at parity
+# (1.00-1.04 x, forward 0.96-1.03 x), and head sizes between 64 and 128 pad to
+# 128, so cuDNN keeps those; BUILD_NOTES.md, "## flex_attention". Above it
+# flex still runs where cuDNN cannot (f32, H > 128, a window looking right).
 FLEX_PREFERRED_MAX_HEAD_DIM = 64
 
 
