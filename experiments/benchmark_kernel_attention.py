@@ -37,8 +37,8 @@ _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
-    "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps> (the Mosaic "
-    "forward on those tiles), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps>[_free] (the Mosaic "
+    "forward on those tiles; _free: without ping-pong turns), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
     "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")

@@ -168,8 +168,9 @@ MHA_CONFIGS = {
 }
 
 
-# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>.
-_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)$")
+# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>,
+# with `_free` the compute warpgroups without ping-pong turns.
+_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)(_free)?$")
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
 # flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
 _FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
@@ -232,9 +233,10 @@ def attention_fn(impl, h, causal):
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
   if match := _FLEX_MOSAIC.match(impl):
-    bq, bk, steps = map(int, match.groups())
+    bq, bk, steps = map(int, match.groups()[:3])
     return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(
-        block_q=bq, block_k=bk, max_concurrent_steps=steps))
+        block_q=bq, block_k=bk, max_concurrent_steps=steps,
+        ping_pong=match.group(4) is None))
   if match := _MGPU.match(impl):
     return _mgpu_attention(h, causal, int(match.group(1)))
   if impl == "flex_alibi":

@@ -66,11 +66,16 @@ class MosaicForwardConfig:
   causal_only: take only calls whose keys are bounded on the right (causal,
     or a window with a right side); at head size 32 the kernel measured
     faster than the Triton forward there and not on full attention.
+  ping_pong: the two compute warpgroups take turns on the tensor cores (one's
+    softmax under the other's matmuls). False lets both run freely: where the
+    softmax is most of a step (small heads), the two softmaxes can then run
+    at once, with two warps per SM quarter to hide each other's latencies.
   """
   block_q: int = 64
   block_k: int = 128
   max_concurrent_steps: int = 2
   causal_only: bool = False
+  ping_pong: bool = True
 
   def __post_init__(self):
     check_tiles(self)
@@ -170,8 +175,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
     wg = lax.axis_index("wg")
 
     def take_turn():
-      plgpu.barrier_arrive(turn)
-      plgpu.barrier_wait(turn)
+      if config.ping_pong:
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
@@ -225,9 +231,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         l = l * alpha + p.sum(axis=1)
         p16 = p.astype(dtype)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        plgpu.barrier_arrive(turn)  # softmax done
+        if config.ping_pong:
+          plgpu.barrier_arrive(turn)  # softmax done
         plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_wait(turn)  # the tensor cores are ours again
+        if config.ping_pong:
+          plgpu.barrier_wait(turn)  # the tensor cores are ours again
 
         acc = _add_product(acc, p16, v_smem.at[slot],
                            None if p_smem2 is None else p_smem2.at[wg])

@@ -100,11 +100,13 @@ def test_forward_and_gradients_match_reference(name):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-def test_128_row_tiles_match_reference():
+@pytest.mark.parametrize("ping_pong", [True, False])
+def test_128_row_tiles_match_reference(ping_pong):
   """The head-size-32 entry's tiles: 128 rows per warpgroup (two wgmma row
-  tiles each), 128-row key tiles; causal, T padded to two blocks."""
+  tiles each), 128-row key tiles; causal, T padded to two blocks; with the
+  warpgroups taking turns and running freely."""
   config = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(
-      block_q=128, block_k=128, max_concurrent_steps=2))
+      block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong))
   q, k, v, _ = _inputs(1, 300, 300, 2, 1, 32, jnp.bfloat16, seed=2)
   got = _kernel(config, is_causal=True)(q, k, v)
   want = flex_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
@@ -224,3 +226,18 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   # The backward: the Triton kernels, or the Mosaic one where the table has it.
   assert "mosaic_gpu" in text and ("flex_attention_dkdv" in text
                                    or "flex_attention_mosaic_bwd" in text)
+
+
+def test_free_running_warpgroups_lower_for_hopper(hopper_lowering):
+  """`ping_pong=False` at head size 32 on full attention (where the turns
+  are dropped to let both softmaxes run at once): Mosaic GPU's checks."""
+  del hopper_lowering
+  base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
+  config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
+      block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=False))
+  spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
+  fn = lambda q, k, v: pallas.flex_attention_pallas(
+      q, k, v, scale=0.1, is_causal=False, window=None, q_segment_ids=None,
+      kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+  text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flex_attention_mosaic_fwd" in text
