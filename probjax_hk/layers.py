@@ -13,6 +13,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from probjax_hk import lean_backward
+
 Activation = Literal["gelu", "swiglu"]
 
 
@@ -56,11 +58,9 @@ class RMSNorm(hk.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """[..., D] -> [..., D]."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) + self.eps)
-    if self.create_scale:
-      y = y * hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
-    return y.astype(x.dtype)
+    scale = (hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
+             if self.create_scale else None)
+    return lean_backward.rms_norm(x, scale, self.eps)
 
 
 class LayerNorm(hk.Module):
@@ -79,15 +79,11 @@ class LayerNorm(hk.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """[..., D] -> [..., D]."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-    if self.create_scale:
-      y = y * hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
-    if self.create_offset:
-      y = y + hk.get_parameter("offset", [x.shape[-1]], jnp.float32, init=jnp.zeros)
-    return y.astype(x.dtype)
+    scale = (hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
+             if self.create_scale else None)
+    offset = (hk.get_parameter("offset", [x.shape[-1]], jnp.float32, init=jnp.zeros)
+              if self.create_offset else None)
+    return lean_backward.layer_norm(x, scale, offset, self.eps)
 
 
 class MLP(hk.Module):
@@ -110,7 +106,7 @@ class MLP(hk.Module):
       gate, value = jnp.split(gate_and_value, 2, axis=-1)
       h = jax.nn.silu(gate) * value
     else:
-      h = jax.nn.gelu(Linear(self.hidden_dim, name="w_in")(x))
+      h = lean_backward.gelu(Linear(self.hidden_dim, name="w_in")(x))
     return Linear(output_dim, with_bias=self.activation == "gelu", name="w_out")(h)
 
 
