@@ -1,6 +1,6 @@
 """The norms and GELU whose backward keeps only their inputs
 (`probjax_hk/lean_backward.py`): values and gradients equal autodiff of the
-plain formulas, and what they keep for the backward."""
+plain formulas, what they keep for the backward, forward mode."""
 
 import jax
 from jax import lax
@@ -101,6 +101,22 @@ def test_backward_keeps_only_inputs_and_row_statistics():
   assert sum(shape == x.shape and dtype == jnp.float32 for shape, dtype in plain) >= 2
   for shape, dtype in residuals(lambda x, s, o: lean_backward.gelu(x)):
     assert not (shape == x.shape and dtype == jnp.float32), (shape, dtype)
+
+
+def test_forward_mode():
+  """Rematerialization, not a custom VJP: jax.jvp works through them (e.g. a
+  consistency model's JVP through a DiffusionTransformer)."""
+  x, scale, offset, _ = _inputs(jnp.float32)
+  tangent = jnp.ones_like(x)
+  for fn, plain in [
+      (lambda x: lean_backward.layer_norm(x, scale, offset, 1e-6),
+       lambda x: _plain_layer_norm(x, scale, offset, 1e-6)),
+      (lambda x: lean_backward.rms_norm(x, scale, 1e-6),
+       lambda x: _plain_rms_norm(x, scale, 1e-6)),
+      (lean_backward.gelu, lambda x: jax.nn.gelu(x, approximate=True))]:
+    _, got = jax.jvp(fn, (x,), (tangent,))
+    _, want = jax.jvp(plain, (x,), (tangent,))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_vmap_and_jit():
