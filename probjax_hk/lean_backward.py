@@ -10,7 +10,7 @@ with `jax.ad_checkpoint`'s `saved_residuals` (BUILD_NOTES.md, "scan_layers x
 remat_policy"): a width-512 Transformer layer at B 2, T 4096 kept 334 MB, of
 which 101 MB were the two layer norms' intermediates and 67 MB the GELU's;
 with these it keeps 149 MB. On XLA:CPU the unrolled 24-layer stack's step
-went from 15.9 to 3.3 s (not measured on a GPU).
+went from 15.9 to 3.0 s (not measured on a GPU).
 
 Each function is rematerialized on its own (`jax.checkpoint` saving nothing
 inside it): the backward keeps its inputs and recomputes the rest. Unlike a
