@@ -174,10 +174,18 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
              q_ready, k_free, v_free, turn):
     wg = lax.axis_index("wg")
 
-    def take_turn():
+    # The ping-pong turns; without them (`ping_pong=False`) no-ops.
+    def arrive_turn():
       if config.ping_pong:
         plgpu.barrier_arrive(turn)
+
+    def wait_turn():
+      if config.ping_pong:
         plgpu.barrier_wait(turn)
+
+    def take_turn():
+      arrive_turn()
+      wait_turn()
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _compute():
@@ -231,11 +239,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         l = l * alpha + p.sum(axis=1)
         p16 = p.astype(dtype)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-        if config.ping_pong:
-          plgpu.barrier_arrive(turn)  # softmax done
+        arrive_turn()  # softmax done
         plgpu.barrier_wait(v_ready.at[slot])
-        if config.ping_pong:
-          plgpu.barrier_wait(turn)  # the tensor cores are ours again
+        wait_turn()  # the tensor cores are ours again
 
         acc = _add_product(acc, p16, v_smem.at[slot],
                            None if p_smem2 is None else p_smem2.at[wg])

@@ -46,12 +46,15 @@ def _inputs(b, t, s, n, kh, h, dtype, seed=0):
   return q, k, v, w
 
 
-def _kernel(config, *, is_causal=False, local_window_size=None, kv_seq_lengths=None):
+def _kernel(config, *, is_causal=False, local_window_size=None, kv_seq_lengths=None,
+            scale=None, interpret=True):
+  """flex's kernel path on `config` (Mosaic GPU interpret mode by default)."""
   def fn(q, k, v):
     return pallas.flex_attention_pallas(
-        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=is_causal,
-        window=local_window_size, q_segment_ids=None, kv_segment_ids=None,
-        kv_seq_lengths=kv_seq_lengths, interpret=True, config=config)
+        q, k, v, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        is_causal=is_causal, window=local_window_size, q_segment_ids=None,
+        kv_segment_ids=None, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
+        config=config)
   return fn
 
 
@@ -214,11 +217,9 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   backward's kernels lower in the same program."""
   del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
+  attention = _kernel(config, is_causal=is_causal, scale=0.1, interpret=False)
   def loss(q, k, v):
-    out = pallas.flex_attention_pallas(
-        q, k, v, scale=0.1, is_causal=is_causal, window=None, q_segment_ids=None,
-        kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
-    return jnp.sum(out.astype(jnp.float32))
+    return jnp.sum(attention(q, k, v).astype(jnp.float32))
   spec_q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
   spec_kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
@@ -236,8 +237,6 @@ def test_free_running_warpgroups_lower_for_hopper(hopper_lowering):
   config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
       block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=False))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
-  fn = lambda q, k, v: pallas.flex_attention_pallas(
-      q, k, v, scale=0.1, is_causal=False, window=None, q_segment_ids=None,
-      kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+  fn = _kernel(config, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
   assert "flex_attention_mosaic_fwd" in text

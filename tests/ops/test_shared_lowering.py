@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from ops.flex_attention import configs
-from ops.flex_attention import pallas as flex_pallas
+from tests.ops.test_flex_attention_mosaic import _kernel
 from tests.ops.test_shard_map import _cases
 
 
@@ -37,10 +37,7 @@ def test_triton_kernels_are_lowered_once(name, hopper_lowering):
 def test_mosaic_attention_kernels_are_lowered_once(hopper_lowering):
   del hopper_lowering
   config = configs.get_config(64, jnp.bfloat16, interpret=False, generation="sm90")
-  def attention(q, k, v):
-    return flex_pallas.flex_attention_pallas(
-        q, k, v, scale=0.125, is_causal=True, window=None, q_segment_ids=None,
-        kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+  attention = _kernel(config, is_causal=True, scale=0.125, interpret=False)
   spec = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   args = [jnp.zeros(spec.shape, spec.dtype)] * 3
   texts = [_lowered_text(attention, args, calls) for calls in (1, 3)]
