@@ -31,6 +31,11 @@ _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Write each case's optimized HLO here "
                                "(<case>.hlo.txt), to look up what a fusion computes.")
+_PLAIN_CALLS = flags.DEFINE_integer(
+    "plain_calls", 0, "Instead of tracing, only run each case's call this many times "
+    "(blocking on each), for an outside profiler to pick a launch from, e.g. "
+    "`ncu -k regex:flex_attention_fwd -s 2 -c 1 --section WarpStateStats python -m "
+    "experiments.profile_ops --cases flex_triton_h32_fwd_full --plain_calls 3`.")
 
 
 # ---------------------------------------------------------------------------
@@ -118,9 +123,9 @@ def _ssd(op, impl, shape, mode, small):
   return jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)), args
 
 
-def _attention(impl, mode, small):
+def _attention(impl, mode, small, causal=True):
   shape = (1, 2, 128, 32) if small else (8, 8, 4096, 32)
-  return workloads.attention_case(impl, shape, True, mode)()
+  return workloads.attention_case(impl, shape, causal, mode)()
 
 
 def _model_step(model_name, choice, small):
@@ -164,6 +169,9 @@ CASES = {
     "cudnn_h32_fwd": lambda small: _attention("cudnn", "fwd", small),
     "flex_h32_fwdbwd": lambda small: _attention("flex", "fwd+bwd", small),
     "cudnn_h32_fwdbwd": lambda small: _attention("cudnn", "fwd+bwd", small),
+    # Full attention: the Triton forward's case (the Mosaic one takes causal calls).
+    "flex_triton_h32_fwd_full": lambda small: _attention("flex_triton", "fwd", small, False),
+    "cudnn_h32_fwd_full": lambda small: _attention("cudnn", "fwd", small, False),
     # The standard-profile model steps, per attention ('default' = flex on NVIDIA GPUs).
     **{f"{model}_step_{choice}": functools.partial(
         lambda small, model, choice: _model_step(model, choice, small),
@@ -182,6 +190,11 @@ def main(argv):
   for name in names:
     try:
       fn, args = CASES[name](_SMALL.value)
+      if _PLAIN_CALLS.value:
+        for _ in range(_PLAIN_CALLS.value):
+          jax.block_until_ready(fn(*args))
+        print(f"## {name}: {_PLAIN_CALLS.value} plain calls", flush=True)
+        continue
       hlo_path = None
       if _HLO_DIR.value:
         os.makedirs(_HLO_DIR.value, exist_ok=True)

@@ -70,7 +70,7 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # (`--head_sizes 256 --causal 0`, kernel_attention_tune_h256_h200.json, B 2,
 # N 16, T 4096): dK/dV 11.63 -> 4.58 ms, dQ 2.17 -> 1.60 ms against the 32- and
 # 64-row, 4-warp, 1-stage tiles it had; its Triton forward is not swept.
-# The fourth entry, (block_q, block_k, max_concurrent_steps[, causal_only]), puts the forward
+# The fourth entry, (block_q, block_k, max_concurrent_steps[, causal_only[, ping_pong]]), puts the forward
 # on the Mosaic GPU kernel (`mosaic.py`) for the 16-bit calls it takes: the
 # fastest tiles of `benchmark_kernel_attention --impls flex_mosaic_*` on an H200
 # (docs/benchmarks/kernel_attention_mosaic_h200.json; 64 x 128 x 3 and 64 x 64
@@ -79,7 +79,12 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # 64-row tiles measured 1.04-1.16x the Triton forward's time, its 128 x 128 x 2
 # tiles 0.89-0.90x causal and 1.02x on full attention in two runs
 # (kernel_attention_bq128_h200.json, kernel_attention_h32_mosaic_h200.json), so
-# the H32 entry takes causal (right-bounded) calls only (a fifth field, True).
+# the H32 entry takes causal (right-bounded) calls only (a fourth field, True).
+# Its fifth field (False) drops the ping-pong turns between the two compute
+# warpgroups: on the causal H32 forward that was 3-5 % faster than with them in
+# three runs (kernel_attention_h32_bf16exp_h200.json, kernel_attention_fma_h200.json,
+# kernel_attention_before_fma_h200.json: 0.285 / 0.289 / 0.298 ms against
+# 0.298 / 0.304 / 0.308), and no faster on full attention.
 # The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks[,
 # compute_registers]]),
 # puts the backward on the one-launch Mosaic GPU kernel (`mosaic_backward.py`)
@@ -98,7 +103,7 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # so only H128 takes it.
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-                                 (128, 128, 2, True), (128, 64, 3)),
+                                 (128, 128, 2, True, False), (128, 64, 3)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  (64, 256, 2), (128, 64, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
