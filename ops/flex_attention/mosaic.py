@@ -30,7 +30,8 @@ Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
 cuDNN's forward time at head sizes 64 and 128, 0.59-0.60x the Triton
 forward's at 256; at 32, with 128-row tiles, 0.89-0.90x the Triton forward's
 on causal calls and 1.02x on full attention, so the table (`configs.py`)
-gives it only the causal ones there.
+gives it only the causal ones there, with the warpgroups running freely
+(`ping_pong=False`: 3-5 % faster than with the turns at that size).
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
