@@ -6,6 +6,8 @@ sweep is additive rather than a product. The winners go, by hand, into
 
   python3 -m experiments.tune_flex_attention --head_sizes 32,64,128 \
       --output /tmp/tune_flex.json
+  python3 -m experiments.tune_flex_attention --head_sizes 32 --causal 0 \
+      --kernels fwd --seq_len 1024 --output /tmp/tune_flex_t1024.json
 """
 
 import itertools
@@ -29,6 +31,10 @@ _ITERS = flags.DEFINE_integer("iters", 10, "Timed calls per case.")
 _SMALL = flags.DEFINE_bool("small", False, "A short sweep (fewer candidates).")
 _KERNELS = flags.DEFINE_list("kernels", ["fwd", "dkdv", "dq"],
                              "Kernels to sweep (fwd = the Triton forward).")
+_SEQ_LEN = flags.DEFINE_integer(
+    "seq_len", None, "T instead of the head size's shape's (B and N kept), e.g. 1024 "
+    "for ANCHORS.md's short head-size-32 shape, where the T 4096 winners meet "
+    "fewer programs than two full waves.")
 
 # Head size -> (B, N, T): the ANCHORS.md shapes (256: benchmark_kernel_attention's).
 _SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192), 256: (2, 16, 4096)}
@@ -56,6 +62,7 @@ def _candidates(kernel: str, head_dim: int, small: bool):
 
 def _time(kernel, head_dim, causal, cand, base):
   b, n, t = _SHAPES[head_dim]
+  t = _SEQ_LEN.value or t
   cfg = configs.KernelConfig(*cand)
   flex_cfg = configs.FlexConfig(**{**{k: getattr(base, k) for k in ("fwd", "dkdv", "dq")},
                                    kernel: cfg})
