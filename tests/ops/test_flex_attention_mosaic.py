@@ -210,7 +210,8 @@ def test_table_and_config_checks():
     mosaic.check_config(mosaic.MosaicForwardConfig(block_k=256, max_concurrent_steps=4), 256)
 
 
-@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
+# (32, True): the table's H32 entry, causal only and without ping-pong turns.
+@pytest.mark.parametrize("head_dim, is_causal", [(32, True), (64, True), (128, False)])
 def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (registers as the P operand, layouts, TMA shapes), without a GPU. The
