@@ -37,8 +37,10 @@ _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
-    "flex_triton (the Triton forward), flex_mosaic_<bq>x<bk>x<steps>[_free] (the Mosaic "
-    "forward on those tiles; _free: without ping-pong turns), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "flex_triton (the Triton forward; flex_triton_<bq>x<bk>x<warps>x<stages> on those "
+    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free[_wg3]] (the Mosaic "
+    "forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
+    "warpgroups), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
     "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
@@ -46,6 +48,10 @@ _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check case
 _CHECK_MOSAIC_BWD = flags.DEFINE_string(
     "check_mosaic_bwd", None, "Also check flex with its backward on the Mosaic GPU "
     "kernel on these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>].")
+_CHECK_MOSAIC_FWD = flags.DEFINE_string(
+    "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
+    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free[_wg3]] (for the "
+    "16-bit cases it takes).")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -85,12 +91,14 @@ def _check_rows():
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = _check_cases(cases, "table")
-  if _CHECK_MOSAIC_BWD.value:
-    tiles = workloads.mosaic_bwd_tiles(_CHECK_MOSAIC_BWD.value)
-    table = flex_configs.get_config
-    patched = lambda *a, **kw: dataclasses.replace(table(*a, **kw), mosaic_bwd=tiles)
-    with mock.patch.object(flex_configs, "get_config", patched):
-      rows += _check_cases(cases, f"mosaic_bwd_{_CHECK_MOSAIC_BWD.value}")
+  for field, spec, parse in (("mosaic_fwd", _CHECK_MOSAIC_FWD.value, workloads.mosaic_fwd_tiles),
+                             ("mosaic_bwd", _CHECK_MOSAIC_BWD.value, workloads.mosaic_bwd_tiles)):
+    if spec:  # The table's config with this kernel's tiles replaced.
+      tiles, table = parse(spec), flex_configs.get_config
+      patched = lambda *a, field=field, tiles=tiles, **kw: dataclasses.replace(
+          table(*a, **kw), **{field: tiles})
+      with mock.patch.object(flex_configs, "get_config", patched):
+        rows += _check_cases(cases, f"{field}_{spec}")
   return rows
 
 

@@ -169,13 +169,32 @@ MHA_CONFIGS = {
 
 
 # flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>,
-# with `_free` the compute warpgroups without ping-pong turns.
-_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)(_free)?$")
+# with `_free` the compute warpgroups without ping-pong turns, `_wg3` three of
+# them (free-running only).
+_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?$")
+# flex with its forward on the Triton kernel with given tiles:
+# flex_triton_<bq>x<bk>x<warps>x<stages> (the tuning sweep's `--small` set left
+# 8 warps out at head sizes below 64).
+_FLEX_TRITON = re.compile(r"flex_triton_(\d+)x(\d+)x(\d+)x(\d+)$")
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
 # flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
 _FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
 # JAX's Mosaic GPU attention (`attention_mgpu`, float16 inputs): mgpu_<block_kv>.
 _MGPU = re.compile(r"mgpu_(\d+)$")
+
+
+def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
+  """'<block_q>x<block_k>x<steps>[_free[_wg<compute warpgroups>]]' -> the
+  Mosaic forward's tiles."""
+  match = _FLEX_MOSAIC.match("flex_mosaic_" + spec)
+  if match is None:
+    raise ValueError("Mosaic forward tiles must be <bq>x<bk>x<steps>[_free[_wg3]], "
+                     f"got {spec!r}")
+  bq, bk, steps = map(int, match.groups()[:3])
+  return flex_mosaic.MosaicForwardConfig(
+      block_q=bq, block_k=bk, max_concurrent_steps=steps,
+      ping_pong=match.group(4) is None,
+      compute_warpgroups=int(match.group(5) or flex_mosaic.NUM_COMPUTE_WGS))
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
@@ -221,7 +240,8 @@ def input_dtype(impl):
 
 def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
-  mask_mod variants, its Triton forward `flex_triton`, its Mosaic forward on
+  mask_mod variants, its Triton forward `flex_triton` (on given tiles:
+  `flex_triton_<bq>x<bk>x<warps>x<stages>`), its Mosaic forward on
   other tiles `flex_mosaic_*`, its backward on the Mosaic GPU kernel
   `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
@@ -230,13 +250,13 @@ def attention_fn(impl, h, causal):
                              implementation="pallas")
   if impl == "flex_triton":
     return _flex_with(causal, mosaic_fwd=None)
+  if match := _FLEX_TRITON.match(impl):
+    return _flex_with(causal, mosaic_fwd=None,
+                      fwd=flex_configs.KernelConfig(*map(int, match.groups())))
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
-  if match := _FLEX_MOSAIC.match(impl):
-    bq, bk, steps = map(int, match.groups()[:3])
-    return _flex_with(causal, mosaic_fwd=flex_mosaic.MosaicForwardConfig(
-        block_q=bq, block_k=bk, max_concurrent_steps=steps,
-        ping_pong=match.group(4) is None))
+  if impl.startswith("flex_mosaic_"):
+    return _flex_with(causal, mosaic_fwd=mosaic_fwd_tiles(impl[len("flex_mosaic_"):]))
   if match := _MGPU.match(impl):
     return _mgpu_attention(h, causal, int(match.group(1)))
   if impl == "flex_alibi":

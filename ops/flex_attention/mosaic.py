@@ -52,7 +52,17 @@ from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 
-NUM_COMPUTE_WGS = 2
+NUM_COMPUTE_WGS = 2  # The default; `MosaicForwardConfig.compute_warpgroups`.
+# The memory warpgroup's registers per thread, by compute warpgroups; the
+# compute ones share the rest of the block's pool (`compute_registers`).
+_MEMORY_REGISTERS = {2: 40, 3: 32}
+
+
+def _register_pool(warpgroups: int) -> int:
+  """Registers per thread that a block of `warpgroups` x 128 threads holds
+  between its warpgroups: the SM's 65,536 split evenly, in multiples of 8
+  (504 for three warpgroups, 512 for four); `setmaxnreg` moves them."""
+  return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
 _LOG2E = math.log2(math.e)
 HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
 
@@ -71,19 +81,41 @@ class MosaicForwardConfig:
     softmax under the other's matmuls). False lets both run freely: where the
     softmax is most of a step (small heads), the two softmaxes can then run
     at once, with two warps per SM quarter to hide each other's latencies.
+  compute_warpgroups: query-row warpgroups per block (2 or 3; 3 only without
+    ping-pong). A third gives each SM quarter a third warp of softmax work
+    to hide latencies with, at fewer registers each (160 instead of 232).
   """
   block_q: int = 64
   block_k: int = 128
   max_concurrent_steps: int = 2
   causal_only: bool = False
   ping_pong: bool = True
+  compute_warpgroups: int = NUM_COMPUTE_WGS
 
   def __post_init__(self):
     check_tiles(self)
+    if self.compute_warpgroups not in _MEMORY_REGISTERS:
+      raise ValueError("`compute_warpgroups` must be 2 or 3, got "
+                       f"{self.compute_warpgroups}")
+    if self.compute_warpgroups != 2 and self.ping_pong:
+      raise ValueError("`ping_pong` turns take two compute warpgroups; with "
+                       f"`compute_warpgroups={self.compute_warpgroups}` set ping_pong=False")
 
   @property
   def rows_per_block(self) -> int:
-    return NUM_COMPUTE_WGS * self.block_q
+    return self.compute_warpgroups * self.block_q
+
+  @property
+  def memory_registers(self) -> int:
+    return _MEMORY_REGISTERS[self.compute_warpgroups]
+
+  @property
+  def compute_registers(self) -> int:
+    """Per thread of each compute warpgroup: what the memory one leaves, in
+    multiples of 8 (`setmaxnreg`), at most 232."""
+    pool = _register_pool(self.compute_warpgroups + 1)
+    share = (pool - self.memory_registers) // self.compute_warpgroups
+    return min(232, share // 8 * 8)
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """Shared memory for the query/output tiles, the ring and the lse rows,
@@ -92,9 +124,9 @@ class MosaicForwardConfig:
     here, over the budget; Mosaic GPU asked for 232,568 and refused it on an
     H200.)"""
     align = lambda n: -(-n // 1024) * 1024
-    q = NUM_COMPUTE_WGS * self.block_q * head_dim * itemsize
+    q = self.compute_warpgroups * self.block_q * head_dim * itemsize
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
-    lse = NUM_COMPUTE_WGS * self.block_q * 4
+    lse = self.compute_warpgroups * self.block_q * 4
     return align(q) + 2 * align(ring) + align(lse) + 2048
 
 
@@ -158,15 +190,16 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   kv_head = lax.div(head, jnp.int32(st.groups))
   # Query tiles in reverse order: under a causal mask the last ones have the
   # most key tiles, and blocks start in grid order (heads fastest).
-  num_q_tiles = q_gmem.shape[1] // (NUM_COMPUTE_WGS * bq)
-  block_q0 = (num_q_tiles - 1 - lax.axis_index("q_tiles")) * (NUM_COMPUTE_WGS * bq)
+  wgs = config.compute_warpgroups
+  num_q_tiles = q_gmem.shape[1] // config.rows_per_block
+  block_q0 = (num_q_tiles - 1 - lax.axis_index("q_tiles")) * config.rows_per_block
   kv_len = kv_len_gmem[batch]
   c = st.scale * _LOG2E  # logits -> base-2 units
 
   # Key tiles of each warpgroup ([lo, full_lo, full_hi, hi]) and of the block
   # (their union, what the memory warpgroup loads).
   ranges = [key_tiles(block_q0 + wg * bq, bq, bk, kv_len, seq_kv)
-            for wg in range(NUM_COMPUTE_WGS)]
+            for wg in range(wgs)]
   block_lo = functools.reduce(jnp.minimum, [_i32(r[0]) for r in ranges])
   block_hi = functools.reduce(jnp.maximum, [_i32(r[3]) for r in ranges])
   block_hi = jnp.maximum(block_hi, block_lo)
@@ -188,13 +221,15 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       arrive_turn()
       wait_turn()
 
-    @pl.when(wg < NUM_COMPUTE_WGS)
+    @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
+      plgpu.set_max_registers(config.compute_registers, action="increase")
       q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
       q0 = block_q0 + wg * bq
-      lo, full_lo, full_hi, hi = (
-          jnp.where(wg == 0, _i32(a), _i32(b)) for a, b in zip(*ranges))
+      lo, full_lo, full_hi, hi = (  # this warpgroup's ranges
+          functools.reduce(lambda picked, i: jnp.where(wg == i, _i32(per_wg[i]), picked),
+                           range(1, wgs), _i32(per_wg[0]))
+          for per_wg in zip(*ranges))
       # (A window can put lo past hi, and past the block's last tile.)
       lo = jnp.clip(lo, block_lo, block_hi)
       hi = jnp.clip(hi, lo, block_hi)
@@ -285,9 +320,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[batch, head, pl.ds(q0, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == NUM_COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _memory():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(config.memory_registers, action="decrease")
 
       def load(j, slot):
         tile = (batch, pl.ds(j * bk, bk), kv_head)
@@ -317,19 +352,19 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   transforms = swizzled(dtype, hp)
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((NUM_COMPUTE_WGS, bq, hp), dtype, transforms=transforms),
+      plgpu.SMEM((wgs, bq, hp), dtype, transforms=transforms),
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
-      plgpu.SMEM((NUM_COMPUTE_WGS, bq), jnp.float32),
+      plgpu.SMEM((wgs, bq), jnp.float32),
       # P's staging buffer, interpret mode only (see `_add_product`).
-      (plgpu.SMEM((NUM_COMPUTE_WGS, bq, bk), dtype, transforms=swizzled(dtype, bk))
+      (plgpu.SMEM((wgs, bq, bk), dtype, transforms=swizzled(dtype, bk))
        if interpret else None),
       plgpu.Barrier(num_barriers=steps),
       plgpu.Barrier(num_barriers=steps),
-      plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=steps),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=steps),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),
+      plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
+      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),  # the ping-pong turn (two)
       collective_axes="wg",
   )
 
@@ -389,7 +424,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
       kernel, out_type=out_type,
       grid=(num_heads, seq_q // config.rows_per_block, batch),
       grid_names=("heads", "q_tiles", "batch"),
-      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
+      num_threads=config.compute_warpgroups + 1, thread_name="wg",
       kernel_name="flex_attention_mosaic_fwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -583,12 +583,14 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
                               mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd)
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
+  # Least common multiples: a Mosaic forward with three compute warpgroups
+  # takes 3 x block_q query rows per block.
   if mosaic_fwd is not None:
-    q_multiple = max(q_multiple, mosaic_fwd.rows_per_block)
-    k_multiple = max(k_multiple, mosaic_fwd.block_k)
+    q_multiple = math.lcm(q_multiple, mosaic_fwd.rows_per_block)
+    k_multiple = math.lcm(k_multiple, mosaic_fwd.block_k)
   if mosaic_bwd is not None:
-    q_multiple = max(q_multiple, mosaic_bwd.block_q)
-    k_multiple = max(k_multiple, mosaic_bwd.keys_per_block)
+    q_multiple = math.lcm(q_multiple, mosaic_bwd.block_q)
+    k_multiple = math.lcm(k_multiple, mosaic_bwd.keys_per_block)
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
   st = _Static(scale=float(scale), left=left, right=right,

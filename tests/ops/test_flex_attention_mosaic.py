@@ -117,6 +117,46 @@ def test_128_row_tiles_match_reference(ping_pong):
   assert _rel(got, want) < _TOL[jnp.bfloat16]
 
 
+@pytest.mark.parametrize("options", [
+    dict(is_causal=True),
+    dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 250])),
+], ids=["causal", "window_lengths_empty_row"])
+def test_three_compute_warpgroups_match_reference(options):
+  """`compute_warpgroups=3` (free-running): a block owns 3 x 64 query rows, so
+  T pads to a multiple of 192 (and of the backward's tiles); each warpgroup
+  picks its own key-tile ranges among three. GQA 4:2, forward and gradients."""
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2,
+                                     ping_pong=False, compute_warpgroups=3)
+  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
+  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=4)
+  kernel = _kernel(config, **options)
+  ref = lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
+  def vjp(fn, q, k, v):
+    out, pullback = jax.vjp(fn, q, k, v)
+    return out, pullback(w.astype(out.dtype))
+  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v)
+  out_r, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v)
+  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
+  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+def test_three_compute_warpgroups_config():
+  tiles = mosaic.MosaicForwardConfig(block_q=64, ping_pong=False, compute_warpgroups=3)
+  assert tiles.rows_per_block == 192
+  # The block's register pool (512 per thread for four warpgroups) is shared out.
+  assert 3 * tiles.compute_registers + tiles.memory_registers <= 512
+  assert mosaic.MosaicForwardConfig().compute_registers == 232  # two: as before
+  with pytest.raises(ValueError, match="ping_pong"):
+    mosaic.MosaicForwardConfig(compute_warpgroups=3)
+  with pytest.raises(ValueError, match="compute_warpgroups"):
+    mosaic.MosaicForwardConfig(compute_warpgroups=4, ping_pong=False)
+
+
 def test_log_sum_exp_is_the_triton_forwards():
   """The backward reads the forward's base-2 lse; +inf where a row is empty."""
   q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=3)
@@ -230,13 +270,17 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
-def test_free_running_warpgroups_lower_for_hopper(hopper_lowering):
+@pytest.mark.parametrize("block_q, compute_warpgroups", [(128, 2), (64, 3)])
+def test_free_running_warpgroups_lower_for_hopper(block_q, compute_warpgroups,
+                                                  hopper_lowering):
   """`ping_pong=False` at head size 32 on full attention (where the turns
-  are dropped to let both softmaxes run at once): Mosaic GPU's checks."""
+  are dropped to let the softmaxes run at once), with two or three compute
+  warpgroups: Mosaic GPU's checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
-      block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=False))
+      block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=False,
+      compute_warpgroups=compute_warpgroups))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(config, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
