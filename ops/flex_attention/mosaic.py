@@ -53,18 +53,19 @@ from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 
 NUM_COMPUTE_WGS = 2  # The default; `MosaicForwardConfig.compute_warpgroups`.
+_LOG2E = math.log2(math.e)
+HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
 # The memory warpgroup's registers per thread, by compute warpgroups; the
 # compute ones share the rest of the block's pool (`compute_registers`).
 _MEMORY_REGISTERS = {2: 40, 3: 32}
 
 
-def _register_pool(warpgroups: int) -> int:
+def register_pool(warpgroups: int) -> int:
   """Registers per thread that a block of `warpgroups` x 128 threads holds
   between its warpgroups: the SM's 65,536 split evenly, in multiples of 8
-  (504 for three warpgroups, 512 for four); `setmaxnreg` moves them."""
+  (504 for three warpgroups, 512 for four); `setmaxnreg` moves them. Shared
+  with the backward (`mosaic_backward.py`)."""
   return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
-_LOG2E = math.log2(math.e)
-HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +114,7 @@ class MosaicForwardConfig:
   def compute_registers(self) -> int:
     """Per thread of each compute warpgroup: what the memory one leaves, in
     multiples of 8 (`setmaxnreg`), at most 232."""
-    pool = _register_pool(self.compute_warpgroups + 1)
+    pool = register_pool(self.compute_warpgroups + 1)
     share = (pool - self.memory_registers) // self.compute_warpgroups
     return min(232, share // 8 * 8)
 

@@ -64,8 +64,7 @@ from ops.flex_attention import mosaic
 NUM_COMPUTE_WGS = 2
 _LOG2E = math.log2(math.e)
 HEAD_SIZES = (32, 64, 128)  # Padded head sizes the kernel takes.
-# 64K registers per SM over 3 x 128 threads, rounded down to a multiple of 8.
-_REGISTERS_PER_BLOCK_THREAD = 504
+_REGISTERS_PER_BLOCK_THREAD = mosaic.register_pool(NUM_COMPUTE_WGS + 1)  # 504
 
 
 @dataclasses.dataclass(frozen=True)
