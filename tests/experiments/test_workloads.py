@@ -1,0 +1,33 @@
+"""experiments.workloads: the attention implementation names that the
+benchmarks take map to the configs they say."""
+
+import pytest
+
+from experiments import workloads
+from ops.flex_attention import mosaic
+
+
+def test_mosaic_forward_tiles():
+  tiles = workloads.mosaic_fwd_tiles("64x128x2_free_wg3")
+  assert (tiles.block_q, tiles.block_k, tiles.max_concurrent_steps) == (64, 128, 2)
+  assert not tiles.ping_pong and tiles.compute_warpgroups == 3
+  tiles = workloads.mosaic_fwd_tiles("128x128x2")
+  assert tiles.ping_pong and tiles.compute_warpgroups == mosaic.NUM_COMPUTE_WGS
+  with pytest.raises(ValueError, match="Mosaic forward tiles"):
+    workloads.mosaic_fwd_tiles("128x128")
+  with pytest.raises(ValueError, match="ping_pong"):  # three need free-running
+    workloads.mosaic_fwd_tiles("64x128x2_wg3")
+
+
+def test_mosaic_backward_tiles():
+  tiles = workloads.mosaic_bwd_tiles("128x64x3x1x240")
+  assert (tiles.block_q, tiles.block_k, tiles.compute_registers) == (128, 64, 240)
+  with pytest.raises(ValueError, match="Mosaic backward tiles"):
+    workloads.mosaic_bwd_tiles("128x64")
+
+
+@pytest.mark.parametrize("impl", ["flex", "flex_triton", "flex_triton_128x128x8x3",
+                                  "flex_mosaic_64x128x2_free_wg3",
+                                  "flex_mosaic_bwd_128x64x3", "cudnn", "mha_128x64"])
+def test_attention_names_resolve(impl):
+  assert callable(workloads.attention_fn(impl, 32, True))
