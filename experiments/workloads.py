@@ -168,10 +168,9 @@ MHA_CONFIGS = {
 }
 
 
-# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<bq>x<bk>x<steps>,
-# with `_free` the compute warpgroups without ping-pong turns, `_wg3` three of
-# them (free-running only).
-_FLEX_MOSAIC = re.compile(r"flex_mosaic_(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?$")
+# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<tiles>, see
+# `mosaic_fwd_tiles`.
+_MOSAIC_FWD_TILES = re.compile(r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?$")
 # flex with its forward on the Triton kernel with given tiles:
 # flex_triton_<bq>x<bk>x<warps>x<stages> (the tuning sweep's `--small` set left
 # 8 warps out at head sizes below 64).
@@ -185,8 +184,9 @@ _MGPU = re.compile(r"mgpu_(\d+)$")
 
 def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
   """'<block_q>x<block_k>x<steps>[_free[_wg<compute warpgroups>]]' -> the
-  Mosaic forward's tiles."""
-  match = _FLEX_MOSAIC.match("flex_mosaic_" + spec)
+  Mosaic forward's tiles (`_free`: without ping-pong turns; `_wg3`: three
+  compute warpgroups, free-running only)."""
+  match = _MOSAIC_FWD_TILES.match(spec)
   if match is None:
     raise ValueError("Mosaic forward tiles must be <bq>x<bk>x<steps>[_free[_wg3]], "
                      f"got {spec!r}")

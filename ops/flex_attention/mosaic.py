@@ -113,10 +113,9 @@ class MosaicForwardConfig:
   @property
   def compute_registers(self) -> int:
     """Per thread of each compute warpgroup: what the memory one leaves, in
-    multiples of 8 (`setmaxnreg`), at most 232."""
+    multiples of 8 (`setmaxnreg`): 232 for two, 160 for three."""
     pool = register_pool(self.compute_warpgroups + 1)
-    share = (pool - self.memory_registers) // self.compute_warpgroups
-    return min(232, share // 8 * 8)
+    return (pool - self.memory_registers) // self.compute_warpgroups // 8 * 8
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """Shared memory for the query/output tiles, the ring and the lse rows,

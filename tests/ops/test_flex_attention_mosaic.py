@@ -21,6 +21,7 @@ from ops import flex_attention_reference
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
 from ops.flex_attention import pallas
+from tests.ops.test_flex_attention import _vjp
 
 # Relative L2 error bounds by input dtype (the reference runs in f32 on the
 # same, upcast inputs); as in test_flex_attention.py.
@@ -44,6 +45,12 @@ def _inputs(b, t, s, n, kh, h, dtype, seed=0):
   v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32).astype(dtype)
   w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)  # output cotangent
   return q, k, v, w
+
+
+def _reference(**options):
+  """The f32 reference on upcast inputs, with flex's options."""
+  return lambda q, k, v: flex_attention_reference(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
 
 
 def _kernel(config, *, is_causal=False, local_window_size=None, kv_seq_lengths=None,
@@ -85,14 +92,8 @@ def test_forward_and_gradients_match_reference(name):
                          kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
                          config=_CONFIG)
   assert st.config.mosaic_fwd == _TILES  # this call runs the Mosaic forward
-  kernel = _kernel(_CONFIG, **options)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
-  def vjp(fn, q, k, v, w):
-    out, pullback = jax.vjp(fn, q, k, v)
-    return out, pullback(w.astype(out.dtype))
-  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v, w)
-  out_r, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v, w)
+  out, grads = jax.jit(functools.partial(_vjp, _kernel(_CONFIG, **options)))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   assert out.dtype == dtype and out.shape == (b, t, n, h)
   tol = _TOL[dtype]
   for name_, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
@@ -112,8 +113,7 @@ def test_128_row_tiles_match_reference(ping_pong):
       block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong))
   q, k, v, _ = _inputs(1, 300, 300, 2, 1, 32, jnp.bfloat16, seed=2)
   got = _kernel(config, is_causal=True)(q, k, v)
-  want = flex_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                  v.astype(jnp.float32), is_causal=True)
+  want = _reference(is_causal=True)(q, k, v)
   assert _rel(got, want) < _TOL[jnp.bfloat16]
 
 
@@ -131,14 +131,8 @@ def test_three_compute_warpgroups_match_reference(options):
                                      ping_pong=False, compute_warpgroups=3)
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=4)
-  kernel = _kernel(config, **options)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
-  def vjp(fn, q, k, v):
-    out, pullback = jax.vjp(fn, q, k, v)
-    return out, pullback(w.astype(out.dtype))
-  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v)
-  out_r, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v)
+  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
     assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
   if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
@@ -176,10 +170,8 @@ def test_log_sum_exp_is_the_triton_forwards():
 def test_vmap():
   q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=1)
   kernel = _kernel(_CONFIG, is_causal=True)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), is_causal=True)
   got = jax.vmap(kernel)(q[:, None], k[:, None], v[:, None])[:, 0]
-  assert _rel(got, ref(q, k, v)) < _TOL[jnp.bfloat16]
+  assert _rel(got, _reference(is_causal=True)(q, k, v)) < _TOL[jnp.bfloat16]
 
 
 def test_prepare_gives_it_only_the_calls_it_takes():

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops import flex_attention_reference
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import pallas
-from tests.ops.test_flex_attention_mosaic import _inputs, _rel, _TOL
+from tests.ops.test_flex_attention import _vjp
+from tests.ops.test_flex_attention_mosaic import _inputs, _reference, _rel, _TOL
 
 _TILES = mosaic_backward.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
@@ -69,13 +69,8 @@ def test_gradients_match_reference(name, tiles):
   assert st.config.mosaic_bwd == tiles  # this call runs the Mosaic backward
   kernel = lambda q, k, v: pallas.flex_attention_pallas(
       q, k, v, interpret=True, config=config, **call)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
-  def vjp(fn, q, k, v, w):
-    out, pullback = jax.vjp(fn, q, k, v)
-    return out, pullback(w.astype(out.dtype))
-  out, grads = jax.jit(functools.partial(vjp, kernel))(q, k, v, w)
-  _, grads_r = jax.jit(functools.partial(vjp, ref))(q, k, v, w)
+  out, grads = jax.jit(functools.partial(_vjp, kernel))(q, k, v, w)
+  _, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   for name_, g, g_r in zip(("dq", "dk", "dv"), grads, grads_r):
     assert g.dtype == dtype and g.shape == g_r.shape, name_
     assert not np.isnan(np.asarray(g, np.float32)).any(), name_
@@ -160,9 +155,7 @@ def test_vmap_of_gradients():
   call = dict(_options(is_causal=True), scale=0.125)
   kernel = lambda q, k, v: pallas.flex_attention_pallas(
       q, k, v, interpret=True, config=_CONFIG, **call)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-      is_causal=True, scale=0.125)
+  ref = _reference(is_causal=True, scale=0.125)
   def grads(fn):
     loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w[0])
     return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(
