@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
-from ops._tile_scan import pick_row
+from ops._rows import pick_row
 from ops.ssd.pallas import _causal_decay
 from ops.ssd.pallas import _dot
 from ops.ssd.pallas import _is_pow2

@@ -1,13 +1,13 @@
 """Pallas kernel for the linear recurrence `h_t = a_t * h_{t-1} + b_t`.
 
 Each program owns `block_d` channels of one batch row and one chunk of
-`chunk` time steps, and walks through the chunk a tile of `unroll` steps at
-a time: the tile is loaded whole, scanned in registers with Triton's
-associative scan on the pair operator (`ops/_tile_scan.py`) and joined to
-the carried state, so the serial chain is one join per tile rather than one
-dependent load-multiply-store per step (the per-step loop measured slower
-than XLA's `lax.associative_scan` on the H200). Two launches make the chunks
-independent:
+`chunk` time steps, and walks through the chunk `unroll` steps per loop
+iteration: the iteration's rows are loaded first, then the recurrence runs
+row by row, elementwise on [1, block_d] rows (an earlier version scanned
+each tile with Triton's associative scan, whose operands crossed threads
+through shared memory at every step; a loop that loaded, multiplied and
+stored one step at a time waited on memory at every step). Two launches
+make the chunks independent:
 
 1. summary: every chunk runs from a zero state and writes its end state and
    the product of its `a`s (`[B, C, D]` each);
@@ -39,8 +39,6 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
-from ops._tile_scan import pick_row
-from ops._tile_scan import tile_associative_scan
 
 
 def _next_pow2(n: int) -> int:
@@ -51,25 +49,26 @@ def _next_pow2(n: int) -> int:
 class LinearScanBlocks:
   """Tiling of the linear scan kernel."""
   block_d: int = 32     # channels per program; a power of two
-  unroll: int = 16      # time steps per tile (scanned as a whole); a power of two
+  unroll: int = 16      # time steps per loop iteration (loaded together); a power of two
   chunk: int = 256      # time steps per program; a multiple of `unroll`
-  num_warps: int = 2    # warps per program
-  num_stages: int = 1   # Triton's software pipelining of the tile loads
+  num_warps: int = 1    # warps per program
+  num_stages: int = 1   # Triton's software pipelining of the loop
 
   def __post_init__(self):
     _shapes.check_time_blocks(self)
 
   @classmethod
   def get_default(cls, batch: int, time: int, width: int) -> "LinearScanBlocks":
-    """Tiles of 16 steps x 32 channels, about a thousand programs, at most 64
-    chunks (the best of a sweep on the H200 at B 8, T 4096, D 256, complex)."""
+    """16 steps per iteration x 32 channels, one warp (one channel per
+    thread), about a thousand programs, at most 64 chunks: the best of the
+    row walk's sweep on the H200 at B 8, T 4096, D 256, complex
+    (BUILD_NOTES.md, "SSM scans"; two warps were 14-33 % slower)."""
     block_d = max(8, min(32, _next_pow2(width)))
     unroll = min(16, _next_pow2(time))
     chains = batch * _shapes.cdiv(width, block_d)
     num_chunks = min(64, max(1, _shapes.cdiv(1024, chains)))
     chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
-    return cls(block_d=block_d, unroll=unroll, chunk=chunk,
-               num_warps=max(1, min(4, block_d * unroll // 256)))
+    return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=1)
 
 
 def _mul(x, y):
@@ -81,14 +80,6 @@ def _mul(x, y):
 
 def _add(x, y):
   return tuple(p + q for p, q in zip(x, y))
-
-
-def _compose(first, second):
-  """The recurrence step `first` followed by `second`, each (a planes, b planes)."""
-  planes = len(first) // 2
-  a1, b1 = first[:planes], first[planes:]
-  a2, b2 = second[:planes], second[planes:]
-  return _mul(a2, a1) + _add(_mul(a2, b1), b2)
 
 
 def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
@@ -123,30 +114,29 @@ def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
     prod = (jnp.ones((1, block_d), jnp.float32),) + tuple(
         jnp.zeros((1, block_d), jnp.float32) for _ in range(planes - 1))
 
-  # Each tile of `unroll` steps is scanned as a whole (a log-depth tree in
-  # registers), then joined to the carry: the serial chain is one join per
-  # tile, not one step per time step.
-  last = 0 if reverse else unroll - 1
+  # Each loop iteration walks a tile of `unroll` steps one row at a time:
+  # the tile's rows are loaded first (a load after a store cannot be moved
+  # above it), then the recurrence runs elementwise on [1, block_d] rows,
+  # so nothing crosses threads (a tile-wide associative scan moved its
+  # operands through shared memory at every step; see the selective scan).
+  order = range(unroll - 1, -1, -1) if reverse else range(unroll)
+  a_const = tuple(r[...].astype(jnp.float32) for r in a_refs) if const_a else None
 
   def body(j, carry):
     h, prod = carry
     tile = j if not reverse else chunk // unroll - 1 - j
-    rows = pl.ds(tile * unroll, unroll)
-    if const_a:
-      a = tuple(jnp.broadcast_to(r[...].astype(jnp.float32), (unroll, block_d))
-                for r in a_refs)
-    else:
-      a = tuple(r[rows, :].astype(jnp.float32) for r in a_refs)
-    b = tuple(r[rows, :].astype(jnp.float32) for r in b_refs)
-    scanned = tile_associative_scan(_compose, a + b, axis=0, reverse=reverse)
-    a_cum, b_cum = scanned[:planes], scanned[planes:]
-    h_tile = _add(_mul(a_cum, h), b_cum)
-    if mode == "apply":
-      for r, v in zip(out_refs, h_tile):
-        r[rows, :] = v.astype(r.dtype)
-    else:
-      prod = _mul(tuple(pick_row(p, last, keepdims=True) for p in a_cum), prod)
-    return tuple(pick_row(p, last, keepdims=True) for p in h_tile), prod
+    steps = [tile * unroll + r for r in order]
+    a_rows = ([a_const] * unroll if const_a else
+              [tuple(row(r, t) for r in a_refs) for t in steps])
+    b_rows = [tuple(row(r, t) for r in b_refs) for t in steps]
+    for t, a, b in zip(steps, a_rows, b_rows):
+      h = _add(_mul(a, h), b)
+      if mode == "apply":
+        for r, v in zip(out_refs, h):
+          r[pl.ds(t, 1), :] = v.astype(r.dtype)
+      else:
+        prod = _mul(a, prod)
+    return h, prod
 
   h, prod = jax.lax.fori_loop(0, chunk // unroll, body, (h, prod))
   if mode == "summary":

@@ -2,12 +2,15 @@
 
 The state `h` ([block_d, S] per program) lives in registers and never goes to
 memory as a sequence; each program owns `block_d` channels of one batch row
-and one chunk of `chunk` time steps, and walks through its chunk a tile of
-`unroll` steps at a time: the tile's decays `exp(delta A)` and inputs
-`delta u B` (`[unroll, block_d, S]`) are scanned as a whole with Triton's
-associative scan (`ops/_tile_scan.py`) and joined to the carried state, so
-the serial chain is one join per tile instead of one step per time step.
-Positions are counted in *processing order* (descending time when
+and one chunk of `chunk` time steps, and walks through its chunk one step at
+a time, `unroll` steps per loop iteration (a *tile*): the tile's rows are
+loaded first, then `h <- exp(delta A) h + delta u B` runs row by row,
+elementwise on the [block_d, S] state, so the serial chain is one
+multiply-add per step and only the reductions over S or over channels cross
+threads. (An earlier version scanned each tile with a tile-wide associative
+scan; on the H200 its operands went through shared memory several times per
+step and every kernel was bound by that traffic: BUILD_NOTES.md, "SSM
+scans".) Positions are counted in *processing order* (descending time when
 `reverse`), so the same kernels serve both directions.
 
 Forward, two launches:
@@ -23,8 +26,8 @@ Backward, two launches in the opposite order of time, on the adjoint
 next step in forward order, read from a copy of `delta` shifted by one):
 1. summary: each chunk's adjoint from zero (it reads only `C`, `dy`, `delta`).
 2. apply: each chunk folds the later chunks' summaries into its adjoint;
-   each tile (last first) recomputes its states from its checkpoint (a
-   forward tile scan), scans the adjoint backward (a reverse tile scan) and
+   each tile (last first) recomputes its states from its checkpoint
+   (forward over its rows), walks its rows backward with the adjoint and
    forms du, ddelta, dB and dC (per channel block, summed outside) and dA
    (per program, summed outside) from the two; `a_t h_{t-1} = h_t - delta_t
    u_t B_t` needs neither a shift nor a division. The adjoint of the
@@ -47,8 +50,6 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
-from ops._tile_scan import pick_row
-from ops._tile_scan import tile_associative_scan
 from ops.selective_scan.reference import finish_output
 from ops.selective_scan.reference import prepare_delta
 
@@ -63,11 +64,11 @@ def _next_pow2(n: int) -> int:
 class SelectiveScanBlocks:
   """Tiling of the selective scan kernels."""
   block_d: int = 8      # channels per program; a power of two
-  unroll: int = 16      # time steps per tile (scanned as a whole, one
-                        # checkpoint each); a power of two
+  unroll: int = 4       # time steps per loop iteration (loaded together,
+                        # one checkpoint each); a power of two
   chunk: int = 256      # time steps per program; a multiple of `unroll`
   num_warps: int = 4    # warps per program
-  num_stages: int = 1   # Triton's software pipelining of the tile loads
+  num_stages: int = 1   # Triton's software pipelining of the loop
 
   def __post_init__(self):
     _shapes.check_time_blocks(self)
@@ -75,55 +76,66 @@ class SelectiveScanBlocks:
   @classmethod
   def get_default(cls, batch: int, time: int, width: int,
                   state: int) -> "SelectiveScanBlocks":
-    """From sweeps on the H200 (B 8, T 4096, D 256). S 16: 8 channels x 16
-    steps per tile, 8 chunks per row. S 128: 4 channels x 4 steps; fewer
-    channels per program ran up to 15 % faster but the backward's dB/dC
-    partials (`[B, D / block_d, T, S]`) grow with their count (block_d 1:
-    37 GB at T 16384). About two thousand programs either way."""
+    """From the H200 sweep of the row walk (B 8, T 4096, D 256;
+    BUILD_NOTES.md, "SSM scans"). S <= 32: 8 channels, tiles of 4 steps,
+    one warp (a [8, 16] state is four values per thread, so the reductions
+    over channels stay inside a warp), 16 chunks per row (about 4,000
+    programs; 8 chunks were 18 % slower). S 128: 4 channels, tiles of 4
+    steps, two warps, about 2,000 programs. More channels per program
+    shrink the backward's dB/dC partials (`[B, D / block_d, T, S]`)."""
     state = _next_pow2(state)
     if state <= 32:
-      block_d, unroll = min(8, 128 // state), 16
+      block_d, unroll, num_warps, programs = min(8, 128 // state), 4, 1, 4096
     else:
-      block_d, unroll = max(1, 512 // state), 4
+      block_d, unroll, num_warps, programs = max(1, 512 // state), 4, 2, 2048
     block_d = min(block_d, _next_pow2(width))
     unroll = min(unroll, _next_pow2(time))
-    num_warps = max(1, min(4, unroll * block_d * state // 512))
     chains = batch * _shapes.cdiv(width, block_d)
-    num_chunks = min(64, max(1, _shapes.cdiv(2048, chains)))
+    num_chunks = min(64, max(1, _shapes.cdiv(programs, chains)))
     chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
     return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=num_warps)
 
 
-def _compose(first, second):
-  """Step pair `first` then `second` of `h <- a h + b`, as (a, b) tuples."""
-  return first[0] * second[0], second[0] * first[1] + second[1]
+class _Walk:
+  """The rows of one tile of `unroll` time steps, in processing order.
 
-
-class _Tile:
-  """Loads one tile of `unroll` time steps, its rows in time order."""
+  `j` counts tiles in processing order (descending time when `reverse`);
+  `row(r)` is the time index (within the chunk's block) of the tile's r-th
+  processed step.
+  """
 
   def __init__(self, j, chunk, unroll, reverse):
-    self.reverse = reverse
-    self.first = (chunk // unroll - 1 - j) if reverse else j   # tile index in time
-    self.rows = pl.ds(self.first * unroll, unroll)
-    # The last row in processing order, and the first.
-    self.last, self.start = (0, unroll - 1) if reverse else (unroll - 1, 0)
+    num_tiles = chunk // unroll
+    self.first = (num_tiles - 1 - j) if reverse else j   # tile index in time
+    self.unroll, self.reverse = unroll, reverse
 
-  def seq(self, ref):  # [unroll, bd]
-    return ref[self.rows, :].astype(_F32)
-
-  def store(self, ref, value):
-    ref[self.rows, :] = value.astype(ref.dtype)
+  def row(self, r):
+    r = self.unroll - 1 - r if self.reverse else r
+    return self.first * self.unroll + r
 
 
-def _states(tile, delta, x, B, A, h):
-  """The tile's states `[unroll, bd, S]` of `h <- exp(delta A) h + x B`, in
-  the tile's processing order, from the state `h` before the tile.
-  delta, x: [unroll, bd]; B: [unroll, S]; A: [bd, S]; h: [bd, S]."""
-  decay = jnp.exp(delta[:, :, None] * A[None])
-  scanned = tile_associative_scan(
-      _compose, (decay, x[:, :, None] * B[:, None, :]), reverse=tile.reverse)
-  return scanned[0] * h[None] + scanned[1]
+def _rows(ref, walk):
+  """`ref`'s rows of the tile, float32, in processing order. Every load of the
+  tile is issued before any of its arithmetic and stores: a load after a
+  store cannot be moved above it (the compiler cannot prove the buffers
+  apart), so loading row by row would pay a memory latency per step."""
+  return [ref[walk.row(r), :].astype(_F32) for r in range(walk.unroll)]
+
+
+def _walk_states(walk, deltas, xs, vs, A, h):
+  """`h <- exp(delta A) h + x v` over the tile's rows, in processing order.
+
+  deltas, xs: per row [bd]; vs: per row [S]; A, h: [bd, S]. Returns the
+  state after every row. Each row is elementwise on the [bd, S] state, so
+  the serial chain is one multiply-add per step and nothing crosses threads
+  (a tile-wide associative scan over time moved its operands through shared
+  memory several times per step on the H200).
+  """
+  states = []
+  for delta, x, v in zip(deltas, xs, vs):
+    h = jnp.exp(delta[:, None] * A) * h + x[:, None] * v[None, :]
+    states.append(h)
+  return states
 
 
 def _fold(h, k_end, end_ref, dsum_ref, A):
@@ -154,16 +166,18 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
 
   def body(j, carry):
     h, dsum = carry
-    tile = _Tile(j, chunk, unroll, reverse)
+    walk = _Walk(j, chunk, unroll, reverse)
     if save:
       ckpt_ref[j] = h
-    delta = tile.seq(delta_ref)
-    hs = _states(tile, delta, delta * tile.seq(u_ref), tile.seq(B_ref), A, h)
-    if mode == "apply":
-      tile.store(y_ref, jnp.sum(hs * tile.seq(C_ref)[:, None, :], axis=2))
-    else:
-      dsum = dsum + jnp.sum(delta, axis=0)
-    return pick_row(hs, tile.last), dsum
+    deltas, us, Bs = _rows(delta_ref, walk), _rows(u_ref, walk), _rows(B_ref, walk)
+    Cs = _rows(C_ref, walk) if mode == "apply" else None
+    states = _walk_states(walk, deltas, [d * u for d, u in zip(deltas, us)], Bs, A, h)
+    for r, state in enumerate(states):
+      if mode == "apply":
+        y_ref[walk.row(r), :] = jnp.sum(state * Cs[r][None, :], axis=1)
+      else:
+        dsum = dsum + deltas[r]
+    return states[-1], dsum
 
   h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
   end_ref[...] = h
@@ -177,7 +191,7 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
 
   `reverse` is the forward direction. The adjoint `c_t = dL/dh_t` obeys
   `c_t = a_{t+1} c_{t+1} + dy_t C_t` (`t+1` the next step in forward order),
-  so it is a scan of `(a_next, dy C)` the other way.
+  so it is the same recurrence on `(delta_next, dy, C)` the other way.
   """
   A = A_ref[...].astype(_F32)
   c = jnp.zeros(A.shape, _F32)
@@ -185,10 +199,10 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
 
   def body(j, carry):
     c, dsum = carry
-    tile = _Tile(j, chunk, unroll, not reverse)
-    delta_next = tile.seq(delta_next_ref)
-    cs = _states(tile, delta_next, tile.seq(dy_ref), tile.seq(C_ref), A, c)
-    return pick_row(cs, tile.last), dsum + jnp.sum(delta_next, axis=0)
+    walk = _Walk(j, chunk, unroll, not reverse)
+    deltas_next = _rows(delta_next_ref, walk)
+    cs = _walk_states(walk, deltas_next, _rows(dy_ref, walk), _rows(C_ref, walk), A, c)
+    return cs[-1], dsum + sum(deltas_next)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
   end_ref[...] = c
@@ -201,8 +215,9 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
   the adjoint `c` at the chunk's first step (forward order).
 
   `reverse` is the *forward* direction; this kernel walks the other way.
-  Each tile recomputes its states from its checkpoint (a forward tile scan),
-  scans the adjoint backward, and forms every gradient from the two at once.
+  Each tile recomputes its states from its checkpoint (forward over its
+  rows), then walks its rows backward with the adjoint and forms every
+  gradient of the step from the two.
   """
   A = A_ref[...].astype(_F32)
   if fold:
@@ -215,23 +230,26 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
 
   def body(jb, carry):
     c, dA_acc = carry
-    j = num_tiles - 1 - jb                # the tile, in forward processing order
-    fwd = _Tile(j, chunk, unroll, reverse)
-    bwd = _Tile(jb, chunk, unroll, not reverse)   # the same rows
-    delta, u, B = fwd.seq(delta_ref), fwd.seq(u_ref), fwd.seq(B_ref)
-    dy = fwd.seq(dy_ref)
-    x = delta * u
-    hs = _states(fwd, delta, x, B, A, ckpt_ref[j])
-    cs = _states(bwd, fwd.seq(delta_next_ref), dy, fwd.seq(C_ref), A, c)
-    bx = x[:, :, None] * B[:, None, :]
-    g = cs * (hs - bx)                    # dL/d(delta A): c_t a_t h_{t-1}
-    dx = jnp.sum(cs * B[:, None, :], axis=2)                   # [U, bd]
-    fwd.store(dC_ref, jnp.sum(dy[:, :, None] * hs, axis=1))    # [U, S]
-    fwd.store(dB_ref, jnp.sum(cs * x[:, :, None], axis=1))
-    fwd.store(du_ref, dx * delta)
-    fwd.store(ddelta_ref, dx * u + jnp.sum(g * A[None], axis=2))
-    dA_acc = dA_acc + jnp.sum(g * delta[:, :, None], axis=0)
-    return pick_row(cs, bwd.last), dA_acc
+    # The tile's rows in forward processing order; the walk below goes back.
+    walk = _Walk(num_tiles - 1 - jb, chunk, unroll, reverse)
+    deltas, us, Bs = _rows(delta_ref, walk), _rows(u_ref, walk), _rows(B_ref, walk)
+    Cs, dys = _rows(C_ref, walk), _rows(dy_ref, walk)
+    deltas_next = _rows(delta_next_ref, walk)
+    xs = [d * u for d, u in zip(deltas, us)]
+    hs = _walk_states(walk, deltas, xs, Bs, A, ckpt_ref[num_tiles - 1 - jb])
+    for r in reversed(range(unroll)):
+      t = walk.row(r)
+      delta, x, B, dy = deltas[r], xs[r], Bs[r], dys[r]
+      c = jnp.exp(deltas_next[r][:, None] * A) * c + dy[:, None] * Cs[r][None, :]
+      # dL/d(delta A) = c_t a_t h_{t-1}, with a_t h_{t-1} = h_t - x_t B_t.
+      g = c * (hs[r] - x[:, None] * B[None, :])
+      dx = jnp.sum(c * B[None, :], axis=1)                              # [bd]
+      dC_ref[t, :] = jnp.sum(dy[:, None] * hs[r], axis=0)                # [S]
+      dB_ref[t, :] = jnp.sum(c * x[:, None], axis=0)
+      du_ref[t, :] = dx * delta
+      ddelta_ref[t, :] = dx * us[r] + jnp.sum(g * A, axis=1)
+      dA_acc = dA_acc + g * delta[:, None]
+    return c, dA_acc
 
   c, dA_acc = jax.lax.fori_loop(0, num_tiles, body, (c, jnp.zeros(A.shape, _F32)))
   dA_ref[...] = dA_acc

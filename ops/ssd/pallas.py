@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
-from ops._tile_scan import pick_row
+from ops._rows import pick_row
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
