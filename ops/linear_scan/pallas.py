@@ -39,6 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
+from ops._rows import tile_steps
 
 
 def _next_pow2(n: int) -> int:
@@ -116,16 +117,12 @@ def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
 
   # Each loop iteration walks a tile of `unroll` steps one row at a time:
   # the tile's rows are loaded first (a load after a store cannot be moved
-  # above it), then the recurrence runs elementwise on [1, block_d] rows,
-  # so nothing crosses threads (a tile-wide associative scan moved its
-  # operands through shared memory at every step; see the selective scan).
-  order = range(unroll - 1, -1, -1) if reverse else range(unroll)
+  # above it), then the recurrence runs elementwise on [1, block_d] rows.
   a_const = tuple(r[...].astype(jnp.float32) for r in a_refs) if const_a else None
 
   def body(j, carry):
     h, prod = carry
-    tile = j if not reverse else chunk // unroll - 1 - j
-    steps = [tile * unroll + r for r in order]
+    steps = tile_steps(j, chunk, unroll, reverse)
     a_rows = ([a_const] * unroll if const_a else
               [tuple(row(r, t) for r in a_refs) for t in steps])
     b_rows = [tuple(row(r, t) for r in b_refs) for t in steps]

@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
+from ops._rows import tile_steps
 from ops.selective_scan.reference import finish_output
 from ops.selective_scan.reference import prepare_delta
 
@@ -96,40 +97,19 @@ class SelectiveScanBlocks:
     return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=num_warps)
 
 
-class _Walk:
-  """The rows of one tile of `unroll` time steps, in processing order.
-
-  `j` counts tiles in processing order (descending time when `reverse`);
-  `row(r)` is the time index (within the chunk's block) of the tile's r-th
-  processed step.
-  """
-
-  def __init__(self, j, chunk, unroll, reverse):
-    num_tiles = chunk // unroll
-    self.first = (num_tiles - 1 - j) if reverse else j   # tile index in time
-    self.unroll, self.reverse = unroll, reverse
-
-  def row(self, r):
-    r = self.unroll - 1 - r if self.reverse else r
-    return self.first * self.unroll + r
-
-
-def _rows(ref, walk):
-  """`ref`'s rows of the tile, float32, in processing order. Every load of the
+def _rows(ref, steps):
+  """`ref`'s rows at `steps` (from `tile_steps`), float32. Every load of a
   tile is issued before any of its arithmetic and stores: a load after a
   store cannot be moved above it (the compiler cannot prove the buffers
   apart), so loading row by row would pay a memory latency per step."""
-  return [ref[walk.row(r), :].astype(_F32) for r in range(walk.unroll)]
+  return [ref[t, :].astype(_F32) for t in steps]
 
 
-def _walk_states(walk, deltas, xs, vs, A, h):
-  """`h <- exp(delta A) h + x v` over the tile's rows, in processing order.
+def _walk_states(deltas, xs, vs, A, h):
+  """`h <- exp(delta A) h + x v` over a tile's rows, in processing order.
 
   deltas, xs: per row [bd]; vs: per row [S]; A, h: [bd, S]. Returns the
-  state after every row. Each row is elementwise on the [bd, S] state, so
-  the serial chain is one multiply-add per step and nothing crosses threads
-  (a tile-wide associative scan over time moved its operands through shared
-  memory several times per step on the H200).
+  state after every row; each row is elementwise on the state.
   """
   states = []
   for delta, x, v in zip(deltas, xs, vs):
@@ -166,17 +146,17 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
 
   def body(j, carry):
     h, dsum = carry
-    walk = _Walk(j, chunk, unroll, reverse)
+    steps = tile_steps(j, chunk, unroll, reverse)
     if save:
       ckpt_ref[j] = h
-    deltas, us, Bs = _rows(delta_ref, walk), _rows(u_ref, walk), _rows(B_ref, walk)
-    Cs = _rows(C_ref, walk) if mode == "apply" else None
-    states = _walk_states(walk, deltas, [d * u for d, u in zip(deltas, us)], Bs, A, h)
-    for r, state in enumerate(states):
-      if mode == "apply":
-        y_ref[walk.row(r), :] = jnp.sum(state * Cs[r][None, :], axis=1)
-      else:
-        dsum = dsum + deltas[r]
+    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
+    Cs = _rows(C_ref, steps) if mode == "apply" else None
+    states = _walk_states(deltas, [d * u for d, u in zip(deltas, us)], Bs, A, h)
+    if mode == "apply":
+      for t, state, C in zip(steps, states, Cs):
+        y_ref[t, :] = jnp.sum(state * C[None, :], axis=1)
+    else:
+      dsum = dsum + sum(deltas)
     return states[-1], dsum
 
   h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
@@ -199,9 +179,9 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
 
   def body(j, carry):
     c, dsum = carry
-    walk = _Walk(j, chunk, unroll, not reverse)
-    deltas_next = _rows(delta_next_ref, walk)
-    cs = _walk_states(walk, deltas_next, _rows(dy_ref, walk), _rows(C_ref, walk), A, c)
+    steps = tile_steps(j, chunk, unroll, not reverse)
+    deltas_next = _rows(delta_next_ref, steps)
+    cs = _walk_states(deltas_next, _rows(dy_ref, steps), _rows(C_ref, steps), A, c)
     return cs[-1], dsum + sum(deltas_next)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
@@ -231,14 +211,15 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
   def body(jb, carry):
     c, dA_acc = carry
     # The tile's rows in forward processing order; the walk below goes back.
-    walk = _Walk(num_tiles - 1 - jb, chunk, unroll, reverse)
-    deltas, us, Bs = _rows(delta_ref, walk), _rows(u_ref, walk), _rows(B_ref, walk)
-    Cs, dys = _rows(C_ref, walk), _rows(dy_ref, walk)
-    deltas_next = _rows(delta_next_ref, walk)
+    j = num_tiles - 1 - jb
+    steps = tile_steps(j, chunk, unroll, reverse)
+    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
+    Cs, dys = _rows(C_ref, steps), _rows(dy_ref, steps)
+    deltas_next = _rows(delta_next_ref, steps)
     xs = [d * u for d, u in zip(deltas, us)]
-    hs = _walk_states(walk, deltas, xs, Bs, A, ckpt_ref[num_tiles - 1 - jb])
+    hs = _walk_states(deltas, xs, Bs, A, ckpt_ref[j])
     for r in reversed(range(unroll)):
-      t = walk.row(r)
+      t = steps[r]
       delta, x, B, dy = deltas[r], xs[r], Bs[r], dys[r]
       c = jnp.exp(deltas_next[r][:, None] * A) * c + dy[:, None] * Cs[r][None, :]
       # dL/d(delta A) = c_t a_t h_{t-1}, with a_t h_{t-1} = h_t - x_t B_t.
