@@ -85,6 +85,12 @@ class MosaicForwardConfig:
   compute_warpgroups: query-row warpgroups per block (2 or 3; 3 only without
     ping-pong). A third gives each SM quarter a third warp of softmax work
     to hide latencies with, at fewer registers each (160 instead of 232).
+  pipelined: inside each compute warpgroup, issue the next key tile's
+    `Q K^T` and this tile's `P V` before the softmax that sits between them
+    (FlashAttention-3's intra-warpgroup pipelining), so that the tensor cores
+    work under the softmax of the same warps; needs `ping_pong=False`. Two
+    logit tiles are live at once, so it suits `block_q` 64, and a ring of
+    three slots (a value tile is released one step later).
   """
   block_q: int = 64
   block_k: int = 128
@@ -92,6 +98,7 @@ class MosaicForwardConfig:
   causal_only: bool = False
   ping_pong: bool = True
   compute_warpgroups: int = NUM_COMPUTE_WGS
+  pipelined: bool = False
 
   def __post_init__(self):
     check_tiles(self)
@@ -101,6 +108,9 @@ class MosaicForwardConfig:
     if self.compute_warpgroups != 2 and self.ping_pong:
       raise ValueError("`ping_pong` turns take two compute warpgroups; with "
                        f"`compute_warpgroups={self.compute_warpgroups}` set ping_pong=False")
+    if self.pipelined and self.ping_pong:
+      raise ValueError("`pipelined` overlaps a warpgroup's own matmuls and softmax; "
+                       "it takes ping_pong=False")
 
   @property
   def rows_per_block(self) -> int:
@@ -247,17 +257,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
-      def body(j, carry, masked):
-        acc, m, l = carry
-        slot = lax.rem(j - block_lo, steps)
-        plgpu.barrier_wait(k_ready.at[slot])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          take_turn()
-          return acc_ref[...]
-        s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_free.at[slot])
+      def softmax(s, j, m, l, masked):
+        """Key tile j's logits s [bq, bk] -> (P in the input dtype, the new
+        running max, the new running sum, the factor for the accumulator)."""
         if masked:
           layout = plgpu.Layout.WGMMA
           q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=layout)
@@ -271,16 +273,38 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           m_use = m_new
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l = l * alpha + p.sum(axis=1)
-        p16 = p.astype(dtype)
+        return p.astype(dtype), m_new, l, alpha
+
+      def rescale(acc, alpha):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+      def logits(slot, turn_inside):
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          if turn_inside:
+            take_turn()
+          return acc_ref[...]
+        return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+
+      def add_pv(acc, p16, slot):
+        return _add_product(acc, p16, v_smem.at[slot],
+                            None if p_smem2 is None else p_smem2.at[wg])
+
+      def body(j, carry, masked):
+        acc, m, l = carry
+        slot = lax.rem(j - block_lo, steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+        s = logits(slot, turn_inside=True)
+        plgpu.barrier_arrive(k_free.at[slot])
+        p16, m_new, l, alpha = softmax(s, j, m, l, masked)
+        acc = rescale(acc, alpha)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         arrive_turn()  # softmax done
         plgpu.barrier_wait(v_ready.at[slot])
         wait_turn()  # the tensor cores are ours again
 
-        acc = _add_product(acc, p16, v_smem.at[slot],
-                           None if p_smem2 is None else p_smem2.at[wg])
+        acc = add_pv(acc, p16, slot)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -295,17 +319,86 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         take_turn()
         return carry
 
-      carry = (acc, m, l)
-      carry = lax.fori_loop(block_lo, lo, skip, carry)
-      masked_body = functools.partial(body, masked=True)
-      open_body = functools.partial(body, masked=False)
-      if st.any_mask:
-        carry = lax.fori_loop(lo, full_lo, masked_body, carry)
-        carry = lax.fori_loop(full_lo, full_hi, open_body, carry)
-        carry = lax.fori_loop(full_hi, hi, masked_body, carry)
+      # The pipelined walk (`config.pipelined`): the carry holds the P of the
+      # tile before, whose P V is issued together with this tile's Q K^T.
+      def first(j, carry):
+        # The warpgroup's first tile: its logits and softmax (acc is zero).
+        acc, m, l, _ = carry
+        slot = lax.rem(j - block_lo, steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+        s = logits(slot, turn_inside=False)
+        plgpu.barrier_arrive(k_free.at[slot])
+        p16, m, l, _ = softmax(s, j, m, l, st.any_mask)
+        return acc, m, l, p16
+
+      def step(j, carry, masked):
+        # Tile j's Q K^T and tile j - 1's P V on the tensor cores, tile j's
+        # softmax under the second; then the accumulator's rescale.
+        acc, m, l, p16 = carry
+        slot = lax.rem(j - block_lo, steps)
+        prev = lax.rem(j - 1 - block_lo, steps)
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_wait(v_ready.at[prev])
+        if interpret:  # the same order of operations, one at a time
+          s = logits(slot, turn_inside=False)
+          plgpu.barrier_arrive(k_free.at[slot])
+          acc = add_pv(acc, p16, prev)
+          p16, m, l, alpha = softmax(s, j, m, l, masked)
+        else:
+          def overlapped(refs):
+            acc_ref, s_ref, m_ref, l_ref, p_ref, alpha_ref = refs
+            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
+            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T only
+            plgpu.barrier_arrive(k_free.at[slot])
+            p_new, m_ref[...], l_ref[...], alpha_ref[...] = softmax(
+                s, j, m_ref[...], l_ref[...], masked)
+            plgpu.wgmma_wait(0)  # P V has read the old P
+            p_ref[...] = p_new
+          s0 = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
+          acc, _, m, l, p16, alpha = pl.run_state(overlapped)(
+              (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p16, m))
+        plgpu.barrier_arrive(v_free.at[prev])
+        return rescale(acc, alpha), m, l, p16
+
+      def last(j, carry):
+        # The P V of the warpgroup's last tile.
+        acc, m, l, p16 = carry
+        slot = lax.rem(j - block_lo, steps)
+        plgpu.barrier_wait(v_ready.at[slot])
+        acc = add_pv(acc, p16, slot)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return acc, m, l, p16
+
+      if config.pipelined:
+        p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
+        carry = lax.fori_loop(block_lo, lo, skip, (acc, m, l, p0))
+        carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
+        start = lo + 1  # past hi when the warpgroup has no tile: no steps
+        masked_step = functools.partial(step, masked=True)
+        open_step = functools.partial(step, masked=False)
+        if st.any_mask:
+          open_lo = jnp.maximum(start, full_lo)
+          open_hi = jnp.maximum(open_lo, full_hi)
+          carry = lax.fori_loop(start, open_lo, masked_step, carry)
+          carry = lax.fori_loop(open_lo, open_hi, open_step, carry)
+          carry = lax.fori_loop(jnp.maximum(start, open_hi), hi, masked_step, carry)
+        else:
+          carry = lax.fori_loop(start, hi, open_step, carry)
+        carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
+        acc, m, l, _ = lax.fori_loop(hi, block_hi, skip, carry)
       else:
-        carry = lax.fori_loop(lo, hi, open_body, carry)
-      acc, m, l = lax.fori_loop(hi, block_hi, skip, carry)
+        carry = (acc, m, l)
+        carry = lax.fori_loop(block_lo, lo, skip, carry)
+        masked_body = functools.partial(body, masked=True)
+        open_body = functools.partial(body, masked=False)
+        if st.any_mask:
+          carry = lax.fori_loop(lo, full_lo, masked_body, carry)
+          carry = lax.fori_loop(full_lo, full_hi, open_body, carry)
+          carry = lax.fori_loop(full_hi, hi, masked_body, carry)
+        else:
+          carry = lax.fori_loop(lo, hi, open_body, carry)
+        acc, m, l = lax.fori_loop(hi, block_hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
       empty = l == 0.0
