@@ -16,13 +16,13 @@ from ops.linear_scan.xla import linear_scan_xla
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 
-# Measured on an H200 (BUILD_NOTES.md, "SSM scans"): at B 8, D 256 with a
-# per-step `a` the kernel is within 0.88-1.27 x of `lax.associative_scan`, so
-# `None` stays on XLA there; with a shared decay `a` [D] (the LRU's) it won
-# the forward (1.55 x at T 4096) and the LRU model's train step (0.88 x), so
-# `None` picks it on NVIDIA GPUs; 'pallas' selects it anywhere.
-_PALLAS_IS_GPU_DEFAULT = False
-_PALLAS_FOR_SHARED_DECAY_ON_GPU = True
+# Measured on an H200 (BUILD_NOTES.md, "SSM scans", fifteenth session; B 8,
+# D 256): the kernel's fwd+bwd is 1.18 x (T 4096) and 1.45 x (T 16384) faster
+# than `lax.associative_scan` with a per-step complex `a`, its forward level
+# with it (0.98 / 1.02 x); with a shared decay `a` [D] (the LRU's) 1.19 /
+# 1.37 x (fwd+bwd) and 1.49 / 1.56 x (forward). So `None` picks the kernel on
+# NVIDIA GPUs for both forms.
+_PALLAS_IS_GPU_DEFAULT = True
 
 
 def _validate(a, b, initial_state):
@@ -54,8 +54,8 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     initial_state: [B, D], the state before the first step processed (zeros
       when None).
     reverse: run from the last time step to the first.
-    implementation: None (on NVIDIA GPUs the kernel for a shared decay `a`
-      [D] and XLA for a per-step one, as measured on an H200; XLA elsewhere),
+    implementation: None (the kernel on NVIDIA GPUs, as measured on an H200;
+      XLA elsewhere),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
       (`lax.associative_scan`).
 
@@ -72,10 +72,8 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
     return None
 
-  default_on_gpu = (_PALLAS_FOR_SHARED_DECAY_ON_GPU if a.ndim == 1
-                    else _PALLAS_IS_GPU_DEFAULT)
   backend = _backend.choose("linear_scan", implementation, kernel_limit,
-                            default_on_gpu=default_on_gpu)
+                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
   if backend == "pallas":
     return pallas_impl.linear_scan_pallas(a, b, initial_state=initial_state,
                                           reverse=reverse)

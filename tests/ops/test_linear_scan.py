@@ -144,14 +144,15 @@ def test_default_backend_on_cpu_is_xla():
 
 @pytest.mark.parametrize("gpu_default", [False, True])
 def test_default_backend_on_gpu_follows_the_flag(monkeypatch, gpu_default):
-  # A per-step decay follows `_PALLAS_IS_GPU_DEFAULT` (XLA as measured); a
-  # shared decay [D] (the LRU's) picks the kernel on NVIDIA GPUs.
+  # A per-step decay and a shared one [D] (the LRU's) both follow
+  # `_PALLAS_IS_GPU_DEFAULT` (the kernel, as measured) on NVIDIA GPUs only.
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
   monkeypatch.setattr(api, "_PALLAS_IS_GPU_DEFAULT", gpu_default)
   a, b, _ = _inputs(1, 8, 4, "float32")
   assert _has_pallas_call(lambda a, b: linear_scan(a, b), a, b) == gpu_default
-  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b)
+  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b) == gpu_default
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: False)
+  assert not _has_pallas_call(lambda a, b: linear_scan(a, b), a, b)
   assert not _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b)
 
 
