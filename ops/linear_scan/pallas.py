@@ -20,10 +20,18 @@ With a single chunk the summary launch is skipped.
 
 A decay shared by every step (`a` [D], the LRU's) is read once per program
 as one [1, block_d] row. Complex inputs (the LRU's) travel as separate real
-and imaginary float32 planes; Triton has no complex type. The backward pass
-is the same kernel run in the other direction on (`a` shifted by one step,
-the output cotangent): it gives `dh`, then `da_t = dh_t h_{t-1}` and
-`db_t = dh_t` (for a shared decay, `da` sums over batch and time).
+and imaginary float32 planes; Triton has no complex type, and XLA cannot
+bitcast a complex buffer, so each split or merge is a pass over memory: the
+custom VJP keeps its residuals (`a` and `h`) as the kernel's planes, and the
+backward works on planes until its results.
+
+The backward is the same kernel run in the other direction on the output
+cotangent, with the carry kept *decayed* (`decayed_carry`): the carry is
+`c_t = a_t dh_t`, each step computes `dh_t = dh_out_t + c_{t+1}` and then
+`c_t = a_t dh_t`. So it reads `a` unshifted, and `dfinal` (whose step has no
+decay in front of it) is simply the carry it starts from. Then
+`da_t = dh_t h_{t-1}` (for a shared decay, summed over batch and time),
+`db_t = dh_t` and d initial_state is the last carry, `a dh` at the first step.
 
 Glossary of shapes: B batch, T time, D channels, C chunks.
 """
@@ -84,12 +92,15 @@ def _add(x, y):
 
 
 def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
-                 unroll: int, fold: bool, const_a: bool):
+                 unroll: int, fold: bool, const_a: bool, decayed_carry: bool):
   """One program: `block_d` channels, one chunk of time, planes of f32.
 
   refs: a planes, b planes, h0 planes, [prod planes, end planes if fold],
   then the outputs: (prod, end) planes for mode 'summary', h planes for 'apply'.
   With `const_a` the a planes are one [1, block_d] row used at every step.
+  With `decayed_carry` the carry is `c = a h` instead of `h`: a step writes
+  `h = b + c` and carries `a h` (the backward's form, module docstring); the
+  chunk summaries compose the same way.
   """
   a_refs, b_refs, refs = refs[:planes], refs[planes:2 * planes], refs[2 * planes:]
   h0_refs, refs = refs[:planes], refs[planes:]
@@ -127,9 +138,10 @@ def _scan_kernel(*refs, planes: int, mode: str, reverse: bool, chunk: int,
               [tuple(row(r, t) for r in a_refs) for t in steps])
     b_rows = [tuple(row(r, t) for r in b_refs) for t in steps]
     for t, a, b in zip(steps, a_rows, b_rows):
-      h = _add(_mul(a, h), b)
+      out = _add(b, h) if decayed_carry else _add(_mul(a, h), b)
+      h = _mul(a, out) if decayed_carry else out
       if mode == "apply":
-        for r, v in zip(out_refs, h):
+        for r, v in zip(out_refs, out):
           r[pl.ds(t, 1), :] = v.astype(r.dtype)
       else:
         prod = _mul(a, prod)
@@ -147,15 +159,20 @@ def _to_planes(x: jax.Array) -> tuple[jax.Array, ...]:
   return (x,)
 
 
-def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
-               blocks: LinearScanBlocks) -> jax.Array:
-  """The kernel pair without a gradient rule: a [B, T, D] or [D], b [B, T, D],
-  h0 [B, D] -> h."""
-  out_dtype = jnp.result_type(a, b)
-  is_complex = jnp.issubdtype(out_dtype, jnp.complexfloating)
-  batch, time, width = b.shape
-  const_a = a.ndim == 1
-  planes = 2 if is_complex else 1
+def _from_planes(planes: tuple[jax.Array, ...], dtype) -> jax.Array:
+  if len(planes) == 2:
+    return jax.lax.complex(*planes).astype(dtype)
+  return planes[0].astype(dtype)
+
+
+def _scan_planes(a_planes, b_planes, h0_planes, *, reverse: bool,
+                 blocks: LinearScanBlocks, decayed_carry: bool = False) -> tuple:
+  """The kernel pair on planes (module docstring): a [B, T, D] or [D], b
+  [B, T, D], h0 [B, D], one plane each or (re, im) -> h planes [B, T, D]
+  (float32 for complex, else b's dtype)."""
+  planes = len(b_planes)
+  batch, time, width = b_planes[0].shape
+  const_a = a_planes[0].ndim == 1
   bd, chunk = blocks.block_d, blocks.chunk
   num_chunks = _shapes.cdiv(time, chunk)
   # Padded steps go after the real ones in processing order (at the start of
@@ -163,16 +180,14 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
   # per-step `a` they are the identity step (a = 1, b = 0) besides.
   extra = num_chunks * chunk - time
   pad_time = lambda p, value=0.0: _shapes.pad_axis(p, 1, chunk, value, at_start=reverse)
-  a_planes = _to_planes(a.astype(out_dtype))
   if const_a:
     a_p = [_shapes.pad_axis(p, 0, bd, 1.0 if k == 0 else 0.0)[None, :]
            for k, p in enumerate(a_planes)]                       # [1, Dp]
   else:
     a_p = [_shapes.pad_axis(pad_time(p, 1.0 if k == 0 else 0.0), 2, bd)
            for k, p in enumerate(a_planes)]
-  b_p = [_shapes.pad_axis(pad_time(p), 2, bd) for p in _to_planes(b.astype(out_dtype))]
-  h0_p = [_shapes.pad_axis(p.astype(jnp.float32), 1, bd)[:, None, :]
-          for p in _to_planes(h0)]
+  b_p = [_shapes.pad_axis(pad_time(p), 2, bd) for p in b_planes]
+  h0_p = [_shapes.pad_axis(p.astype(jnp.float32), 1, bd)[:, None, :] for p in h0_planes]
   padded_d = b_p[0].shape[2]
   grid = (batch, padded_d // bd, num_chunks)
 
@@ -183,7 +198,8 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
   one_spec = pl.BlockSpec((None, 1, bd), lambda i, d, c: (i, 0, d))
   a_spec = pl.BlockSpec((1, bd), lambda i, d, c: (0, d)) if const_a else seq_spec
   kernel = functools.partial(_scan_kernel, planes=planes, reverse=reverse,
-                             chunk=chunk, unroll=blocks.unroll, const_a=const_a)
+                             chunk=chunk, unroll=blocks.unroll, const_a=const_a,
+                             decayed_carry=decayed_carry)
   params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                 num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
@@ -199,7 +215,6 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
         out_shape=[summary_shape] * (2 * planes),
         compiler_params=params, interpret=interpret,
         name="linear_scan_summary")(*a_p, *b_p, *h0_p)
-  store_dtype = jnp.float32 if is_complex else out_dtype
   all_spec = pl.BlockSpec((None, num_chunks, bd), lambda i, d, c: (i, 0, d))
   h = _pallas.pallas_call(
       functools.partial(kernel, mode="apply", fold=fold),
@@ -207,73 +222,65 @@ def _scan_call(a: jax.Array, b: jax.Array, h0: jax.Array, *, reverse: bool,
       in_specs=[a_spec] * planes + [seq_spec] * planes + [one_spec] * planes
       + [all_spec] * len(summaries),
       out_specs=[seq_spec] * planes,
-      out_shape=[jax.ShapeDtypeStruct(b_p[0].shape, store_dtype)] * planes,
+      out_shape=[jax.ShapeDtypeStruct(b_p[0].shape, b_p[0].dtype)] * planes,
       compiler_params=params, interpret=interpret,
       name="linear_scan")(*a_p, *b_p, *h0_p, *summaries)
   first = extra if reverse else 0
-  h = [p[:, first:first + time, :width] for p in h]
-  return jax.lax.complex(*h) if is_complex else h[0]
+  return tuple(p[:, first:first + time, :width] for p in h)
 
 
 def _final(h: jax.Array, reverse: bool) -> jax.Array:
   return h[:, 0] if reverse else h[:, -1]
 
 
+def _forward(a, b, h0, reverse, blocks):
+  """(h, final state, a's and h's planes)."""
+  dtype = jnp.result_type(a, b)
+  a_planes = _to_planes(a.astype(dtype))
+  b_planes = _to_planes(b.astype(dtype))
+  h_planes = _scan_planes(a_planes, b_planes, _to_planes(h0.astype(dtype)),
+                          reverse=reverse, blocks=blocks)
+  h = _from_planes(h_planes, dtype)
+  return h, _final(h, reverse), a_planes, h_planes
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _linear_scan(a, b, h0, reverse, blocks):
-  h = _scan_call(a, b, h0, reverse=reverse, blocks=blocks)
-  return h, _final(h, reverse)
+  h, final, _, _ = _forward(a, b, h0, reverse, blocks)
+  return h, final
 
 
 def _linear_scan_fwd(a, b, h0, reverse, blocks):
-  h = _scan_call(a, b, h0, reverse=reverse, blocks=blocks)
-  return (h, _final(h, reverse)), (a, h, h0, _pallas.type_tokens(a, b, h0))
+  h, final, a_planes, h_planes = _forward(a, b, h0, reverse, blocks)
+  return (h, final), (a_planes, h_planes, h0, _pallas.type_tokens(a, b, h0))
 
 
 def _linear_scan_bwd(reverse, blocks, residuals, cotangents):
-  a, h, h0, tokens = residuals
+  a_planes, h_planes, h0, tokens = residuals
   dh_out, dfinal = cotangents  # [B, T, D], [B, D]
-  if a.ndim == 1:
-    return _pallas.typed_like(_const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal),
-                              tokens)
-  one = jnp.ones_like(a[:, :1])
-  h0 = h0.astype(h.dtype)[:, None]
+  dtype = jnp.result_type(*tokens[:2])
+  as_planes = lambda x: _to_planes(x.astype(dtype))
+  # The adjoint scan, reversed, with the carry c = a dh; dfinal is its start.
+  dh = _scan_planes(a_planes, as_planes(dh_out), as_planes(dfinal),
+                    reverse=not reverse, blocks=blocks, decayed_carry=True)
+  f32 = lambda planes: tuple(p.astype(jnp.float32) for p in planes)
+  dh32, h32, h0_32 = f32(dh), f32(h_planes), f32(as_planes(h0))
+  # h_{t-1} of each step in processing order; the first step's is h0.
   if reverse:
-    a_next = jnp.concatenate([one, a[:, :-1]], axis=1)    # a_{t-1}
-    h_prev = jnp.concatenate([h[:, 1:], h0], axis=1)       # h_{t+1}
+    h_prev = tuple(jnp.concatenate([h[:, 1:], p[:, None]], axis=1)
+                   for h, p in zip(h32, h0_32))
   else:
-    a_next = jnp.concatenate([a[:, 1:], one], axis=1)     # a_{t+1}
-    h_prev = jnp.concatenate([h0, h[:, :-1]], axis=1)      # h_{t-1}
-  # dL/dh_t = dh_out_t + a_{t+1} dL/dh_{t+1}, starting from dfinal.
-  dh = _scan_call(a_next, dh_out.astype(h.dtype), dfinal.astype(h.dtype),
-                  reverse=not reverse, blocks=blocks)
-  da = (dh * h_prev).astype(a.dtype)
+    h_prev = tuple(jnp.concatenate([p[:, None], h[:, :-1]], axis=1)
+                   for h, p in zip(h32, h0_32))
+  da = _mul(dh32, h_prev)
+  if a_planes[0].ndim == 1:  # a shared decay: summed over batch and time
+    da = tuple(jnp.sum(p, axis=(0, 1)) for p in da)
   first = -1 if reverse else 0
-  dh0 = (a[:, first] * dh[:, first]).astype(residuals[2].dtype)
-  return _pallas.typed_like((da, dh.astype(h.dtype), dh0), tokens)
-
-
-def _const_decay_bwd(reverse, blocks, a, h, h0, dh_out, dfinal):
-  """The backward for a decay `a` [D] shared by every step.
-
-  The adjoint scan runs with the same `a` at every step, so `dfinal` (whose
-  step has no decay in front of it) enters as an addition to the cotangent of
-  the first step the backward processes instead of as its initial state; `da`
-  sums `dh_t h_{t-1}` over batch and time.
-  """
-  dtype = h.dtype
-  first_back = 0 if reverse else -1  # the step the adjoint scan starts from
-  dh_in = dh_out.astype(dtype).at[:, first_back].add(dfinal.astype(dtype))
-  dh = _scan_call(a, dh_in, jnp.zeros_like(dfinal, dtype), reverse=not reverse,
-                  blocks=blocks)
-  h0 = h0.astype(dtype)
-  if reverse:   # h_prev of step t is h_{t+1}; the last step's is h0
-    da = jnp.sum(dh[:, :-1] * h[:, 1:], axis=(0, 1)) + jnp.sum(dh[:, -1] * h0, axis=0)
-  else:         # h_prev of step t is h_{t-1}; the first step's is h0
-    da = jnp.sum(dh[:, 1:] * h[:, :-1], axis=(0, 1)) + jnp.sum(dh[:, 0] * h0, axis=0)
-  first = -1 if reverse else 0
-  dh0 = (a * dh[:, first]).astype(h0.dtype)
-  return da.astype(a.dtype), dh, dh0
+  a_first = tuple(p if p.ndim == 1 else p[:, first] for p in f32(a_planes))
+  dh0 = _mul(a_first, tuple(p[:, first] for p in dh32))
+  a_dtype, h0_dtype = tokens[0].dtype, tokens[2].dtype
+  return _pallas.typed_like((_from_planes(da, a_dtype), _from_planes(dh, dtype),
+                             _from_planes(dh0, h0_dtype)), tokens)
 
 
 _linear_scan.defvjp(_linear_scan_fwd, _linear_scan_bwd)
