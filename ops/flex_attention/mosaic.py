@@ -356,6 +356,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
             plgpu.wgmma_wait(0)  # P V has read the old P
             p_ref[...] = p_new
           s0 = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
+          # (`m` only gives alpha's slot its row layout; the step overwrites it.)
           acc, _, m, l, p16, alpha = pl.run_state(overlapped)(
               (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p16, m))
         plgpu.barrier_arrive(v_free.at[prev])
@@ -382,7 +383,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           open_hi = jnp.maximum(open_lo, full_hi)
           carry = lax.fori_loop(start, open_lo, masked_step, carry)
           carry = lax.fori_loop(open_lo, open_hi, open_step, carry)
-          carry = lax.fori_loop(jnp.maximum(start, open_hi), hi, masked_step, carry)
+          carry = lax.fori_loop(open_hi, hi, masked_step, carry)
         else:
           carry = lax.fori_loop(start, hi, open_step, carry)
         carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
