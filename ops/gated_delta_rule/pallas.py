@@ -150,12 +150,11 @@ def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
   dtype = u_ref.dtype
 
   def body(c, h):
-    # Loads before the store of the carried tile (see ops/ssd/pallas.py).
+    out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     k, w, u_t = k_ref[rows, :], w_ref[rows, :], u_ref[rows, :]
     b = b_ref[rows]
-    b_last = b_ref[pl.ds(c * chunk + chunk - 1, 1)]              # [1]
-    out_ref[c] = h.astype(out_ref.dtype)
+    b_last = pick_row(b, chunk - 1)
     u = u_t.astype(_F32) - _mm(w, h, dtype)                      # [L, bv]
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)       # [L, K]
     return jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
@@ -195,13 +194,12 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
 
   def body(step, g):
     c = num_chunks - 1 - step
-    # Loads before the store of the carried tile (see ops/ssd/pallas.py).
+    out_ref[c] = g.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
     b = b_ref[rows]
-    b_last = b_ref[pl.ds(c * chunk + chunk - 1, 1)]              # [1]
+    b_last = pick_row(b, chunk - 1)
     scores_t = scores_ref[rows, :]                               # [L, L]: S^T
-    out_ref[c] = g.astype(out_ref.dtype)
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
     du = scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)
     q_in = jnp.exp(b)[:, None] * q.astype(_F32)

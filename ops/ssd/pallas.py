@@ -148,16 +148,13 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
 
   def body(step, h):
     c = num_chunks - 1 - step if reverse else step
-    # The chunk's loads come before the store of the carried tile: a load
-    # after a store waits for it (the compiler cannot prove the buffers
-    # apart), and the store waits for the previous step's product.
+    if mode == "apply":
+      out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     x = x_ref[rows, :]                                          # [L, bk]
     y = y_ref[rows, :]                                          # [L, bv]
     b = b_ref[rows]                                             # [L]
-    b_last = b_ref[pl.ds(c * chunk + chunk - 1, 1)]  # [1]: the chunk's total log-decay
-    if mode == "apply":
-      out_ref[c] = h.astype(out_ref.dtype)
+    b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
     w = jnp.exp(b) if reverse else jnp.exp(b_last - b)          # [L]
     xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
     return jnp.exp(b_last) * h + _dot(xw, y, trans_a=True)      # [bk, bv]
