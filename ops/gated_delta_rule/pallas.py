@@ -62,6 +62,8 @@ class GatedDeltaBlocks:
   num_warps: int = 4           # warps of the output/gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
   prepare_num_warps: int = 4   # warps of the prepare kernel
+  state_block_v: int | None = None  # V columns of a states program (None: block_v)
+  grad_num_stages: int = 2     # Triton pipeline stages of the chunk-gradient loop
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "num_warps", "state_num_warps", "prepare_num_warps"):
@@ -70,6 +72,16 @@ class GatedDeltaBlocks:
     for name in ("chunk", "block_v"):
       if getattr(self, name) < 16:
         raise ValueError(f"`{name}` must be >= 16, got {getattr(self, name)}")
+    if self.state_block_v is not None and (not _is_pow2(self.state_block_v)
+                                           or self.state_block_v < 16):
+      raise ValueError("`state_block_v` must be a power of two >= 16, got "
+                       f"{self.state_block_v}")
+    if self.grad_num_stages < 1:
+      raise ValueError(f"`grad_num_stages` must be >= 1, got {self.grad_num_stages}")
+
+  @property
+  def states_block_v(self) -> int:
+    return self.block_v if self.state_block_v is None else self.state_block_v
 
   @classmethod
   def get_default(cls, time: int, key: int, value: int,
@@ -339,7 +351,7 @@ def _seq_specs(time, key, rep, bv, chunk):
 def _states(k, w, u, b, h0, blocks):
   batch, time, groups, key = k.shape
   heads, value = u.shape[2:]
-  chunk, bv = blocks.chunk, blocks.block_v
+  chunk, bv = blocks.chunk, blocks.states_block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -381,7 +393,7 @@ def _output(q, k, w, u, b, states, scale, blocks, *, save_scores):
 def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
-  chunk, bv = blocks.chunk, blocks.block_v
+  chunk, bv = blocks.chunk, blocks.states_block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -422,7 +434,7 @@ def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
                  jax.ShapeDtypeStruct(b.shape, _F32)],
       # Two stages: Triton prefetches the next V tile's state tiles during the
       # loop (12 % faster at K = V = 128 on the H200; BUILD_NOTES.md).
-      compiler_params=_params(blocks.num_warps, 2),
+      compiler_params=_params(blocks.num_warps, blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, t, states, dstates, dy)
 
@@ -483,7 +495,9 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
   key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
-  blocks = dataclasses.replace(blocks, block_v=min(blocks.block_v, value_p))
+  blocks = dataclasses.replace(
+      blocks, block_v=min(blocks.block_v, value_p),
+      state_block_v=min(blocks.states_block_v, value_p))
   dtype = v.dtype
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)

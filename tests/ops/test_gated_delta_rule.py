@@ -113,12 +113,17 @@ def test_unit_lower_inverse(case):
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
-def test_kernels_loop_over_several_value_tiles():
+@pytest.mark.parametrize("block_v, state_block_v, grad_num_stages",
+                         [(16, None, 2), (32, 16, 1)])
+def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_stages):
   """The output and chunk-gradient kernels visit V a `block_v` tile at a time
-  (V 40 pads to 64: four tiles, the last one all padding) and the states
-  kernels run one program per tile; outputs and every gradient still match."""
+  (V 40 pads to 64: four or two tiles, the last one all padding) and the
+  states kernels run one program per `state_block_v` tile (`block_v`'s when
+  None); outputs and every gradient still match."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
-  blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=16)
+  blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=block_v,
+                                           state_block_v=state_block_v,
+                                           grad_num_stages=grad_num_stages)
   args = _inputs(1, 40, 2, 16, 40, jnp.float32, seed=3)
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
