@@ -32,6 +32,9 @@ forward's at 256; at 32, with 128-row tiles, 0.89-0.90x the Triton forward's
 on causal calls and 1.02x on full attention, so the table (`configs.py`)
 gives it only the causal ones there, with the warpgroups running freely
 (`ping_pong=False`: 3-5 % faster than with the turns at that size).
+`pipelined=True` (each warpgroup's next `Q K^T` and last `P V` in flight
+under its softmax) took 2-4 % off the same 64-row tiles on full attention
+and nothing on causal calls, short of the table's kernels: no entry uses it.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
