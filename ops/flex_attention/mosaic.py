@@ -217,6 +217,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   block_hi = functools.reduce(jnp.maximum, [_i32(r[3]) for r in ranges])
   block_hi = jnp.maximum(block_hi, block_lo)
 
+  def ring_slot(j):  # the ring slot that holds key tile j
+    return lax.rem(j - block_lo, steps)
+
   def scoped(q_smem2, k_smem, v_smem, lse_smem2, p_smem2, k_ready, v_ready,
              q_ready, k_free, v_free, turn):
     wg = lax.axis_index("wg")
@@ -260,6 +263,17 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
+      def over_tiles(start, masked_fn, open_fn, carry):
+        """Key tiles [start, hi) of this warpgroup: partly masked ones through
+        `masked_fn`, fully open ones through `open_fn`."""
+        if not st.any_mask:
+          return lax.fori_loop(start, hi, open_fn, carry)
+        open_lo = jnp.maximum(start, full_lo)
+        open_hi = jnp.maximum(open_lo, full_hi)
+        carry = lax.fori_loop(start, open_lo, masked_fn, carry)
+        carry = lax.fori_loop(open_lo, open_hi, open_fn, carry)
+        return lax.fori_loop(open_hi, hi, masked_fn, carry)
+
       def softmax(s, j, m, l, masked):
         """Key tile j's logits s [bq, bk] -> (P in the input dtype, the new
         running max, the new running sum, the factor for the accumulator)."""
@@ -296,7 +310,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
       def body(j, carry, masked):
         acc, m, l = carry
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
         s = logits(slot, turn_inside=True)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -313,7 +327,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
       def skip(j, carry):
         # Not this warpgroup's tile: see the slot through, keep the turns.
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         take_turn()
@@ -327,7 +341,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       def first(j, carry):
         # The warpgroup's first tile: its logits and softmax (acc is zero).
         acc, m, l, _ = carry
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
         s = logits(slot, turn_inside=False)
         plgpu.barrier_arrive(k_free.at[slot])
@@ -338,8 +352,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         # Tile j's Q K^T and tile j - 1's P V on the tensor cores, tile j's
         # softmax under the second; then the accumulator's rescale.
         acc, m, l, p16 = carry
-        slot = lax.rem(j - block_lo, steps)
-        prev = lax.rem(j - 1 - block_lo, steps)
+        slot = ring_slot(j)
+        prev = ring_slot(j - 1)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
         if interpret:  # the same order of operations, one at a time
@@ -368,7 +382,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       def last(j, carry):
         # The P V of the warpgroup's last tile.
         acc, m, l, p16 = carry
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(v_ready.at[slot])
         acc = add_pv(acc, p16, slot)
         plgpu.barrier_arrive(v_free.at[slot])
@@ -378,30 +392,15 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
         carry = lax.fori_loop(block_lo, lo, skip, (acc, m, l, p0))
         carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
-        start = lo + 1  # past hi when the warpgroup has no tile: no steps
-        masked_step = functools.partial(step, masked=True)
-        open_step = functools.partial(step, masked=False)
-        if st.any_mask:
-          open_lo = jnp.maximum(start, full_lo)
-          open_hi = jnp.maximum(open_lo, full_hi)
-          carry = lax.fori_loop(start, open_lo, masked_step, carry)
-          carry = lax.fori_loop(open_lo, open_hi, open_step, carry)
-          carry = lax.fori_loop(open_hi, hi, masked_step, carry)
-        else:
-          carry = lax.fori_loop(start, hi, open_step, carry)
+        # From lo + 1, past hi when the warpgroup has no tile: no steps then.
+        carry = over_tiles(lo + 1, functools.partial(step, masked=True),
+                           functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
         acc, m, l, _ = lax.fori_loop(hi, block_hi, skip, carry)
       else:
-        carry = (acc, m, l)
-        carry = lax.fori_loop(block_lo, lo, skip, carry)
-        masked_body = functools.partial(body, masked=True)
-        open_body = functools.partial(body, masked=False)
-        if st.any_mask:
-          carry = lax.fori_loop(lo, full_lo, masked_body, carry)
-          carry = lax.fori_loop(full_lo, full_hi, open_body, carry)
-          carry = lax.fori_loop(full_hi, hi, masked_body, carry)
-        else:
-          carry = lax.fori_loop(lo, hi, open_body, carry)
+        carry = lax.fori_loop(block_lo, lo, skip, (acc, m, l))
+        carry = over_tiles(lo, functools.partial(body, masked=True),
+                           functools.partial(body, masked=False), carry)
         acc, m, l = lax.fori_loop(hi, block_hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
@@ -433,7 +432,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
       @pl.loop(first, block_hi)
       def _steady(j):
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
         load(j, slot)
@@ -442,7 +441,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # phase of a barrier it waits on (Mosaic GPU interpret mode checks).
       @pl.loop(jnp.maximum(block_lo, block_hi - steps), block_hi)
       def _drain(j):
-        slot = lax.rem(j - block_lo, steps)
+        slot = ring_slot(j)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
 

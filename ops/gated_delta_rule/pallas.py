@@ -57,8 +57,9 @@ MAX_HEAD_SIZE = 128
 class GatedDeltaBlocks:
   """Tiling of the gated delta rule kernels."""
   chunk: int = 32              # tokens per chunk (L); a power of two >= 16
-  block_v: int = 32            # V columns of a states program, and of one step of
-                               # the output/gradient kernels' loop over V
+  block_v: int = 32            # V columns of one step of the output/gradient
+                               # kernels' loop over V (and of a states program,
+                               # unless state_block_v says otherwise)
   num_warps: int = 4           # warps of the output/gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
   prepare_num_warps: int = 4   # warps of the prepare kernel
@@ -66,22 +67,17 @@ class GatedDeltaBlocks:
   grad_num_stages: int = 2     # Triton pipeline stages of the chunk-gradient loop
 
   def __post_init__(self):
-    for name in ("chunk", "block_v", "num_warps", "state_num_warps", "prepare_num_warps"):
-      if not _is_pow2(getattr(self, name)):
-        raise ValueError(f"`{name}` must be a power of two, got {getattr(self, name)}")
-    for name in ("chunk", "block_v"):
-      if getattr(self, name) < 16:
-        raise ValueError(f"`{name}` must be >= 16, got {getattr(self, name)}")
-    if self.state_block_v is not None and (not _is_pow2(self.state_block_v)
-                                           or self.state_block_v < 16):
-      raise ValueError("`state_block_v` must be a power of two >= 16, got "
-                       f"{self.state_block_v}")
+    for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
+                 "prepare_num_warps"):
+      value = getattr(self, name)
+      if value is not None and not _is_pow2(value):
+        raise ValueError(f"`{name}` must be a power of two, got {value}")
+    for name in ("chunk", "block_v", "state_block_v"):
+      value = getattr(self, name)
+      if value is not None and value < 16:
+        raise ValueError(f"`{name}` must be >= 16, got {value}")
     if self.grad_num_stages < 1:
       raise ValueError(f"`grad_num_stages` must be >= 1, got {self.grad_num_stages}")
-
-  @property
-  def states_block_v(self) -> int:
-    return self.block_v if self.state_block_v is None else self.state_block_v
 
   @classmethod
   def get_default(cls, time: int, key: int, value: int,
@@ -351,7 +347,7 @@ def _seq_specs(time, key, rep, bv, chunk):
 def _states(k, w, u, b, h0, blocks):
   batch, time, groups, key = k.shape
   heads, value = u.shape[2:]
-  chunk, bv = blocks.chunk, blocks.states_block_v
+  chunk, bv = blocks.chunk, blocks.state_block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -393,7 +389,7 @@ def _output(q, k, w, u, b, states, scale, blocks, *, save_scores):
 def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
-  chunk, bv = blocks.chunk, blocks.states_block_v
+  chunk, bv = blocks.chunk, blocks.state_block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -495,9 +491,10 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
   key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+  # From here on state_block_v is set (the kernels read it as it is).
   blocks = dataclasses.replace(
       blocks, block_v=min(blocks.block_v, value_p),
-      state_block_v=min(blocks.states_block_v, value_p))
+      state_block_v=min(blocks.state_block_v or blocks.block_v, value_p))
   dtype = v.dtype
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
