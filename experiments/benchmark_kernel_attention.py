@@ -38,9 +38,9 @@ _IMPLS = flags.DEFINE_list(
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton (the Triton forward; flex_triton_<bq>x<bk>x<warps>x<stages> on those "
-    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free[_wg3][_pipe]] (the "
+    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free[_wg3][_pipe]][_persist] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
-    "warpgroups; _pipe: the next Q K^T under the softmax), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
     "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
@@ -50,7 +50,7 @@ _CHECK_MOSAIC_BWD = flags.DEFINE_string(
     "kernel on these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>].")
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
-    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free[_wg3][_pipe]] (for the "
+    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free[_wg3][_pipe]][_persist] (for the "
     "16-bit cases it takes).")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
@@ -87,6 +87,7 @@ def _check_rows():
       (1, 128, 128, 2, 1, 256, jnp.bfloat16, dict(local_window_size=(16, 16))),
       (8, 1024, 1024, 8, 8, 32, jnp.bfloat16, dict(is_causal=True)),
       (1, 256, 256, 2, 1, 256, jnp.float32, dict(is_causal=True)),
+      (2, 1024, 1024, 8, 4, 64, jnp.bfloat16, {}),  # the Mosaic forward's H64 full case
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]

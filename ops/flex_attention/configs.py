@@ -54,7 +54,9 @@ class FlexConfig:
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
-      None if mosaic_fwd is None else mosaic.MosaicForwardConfig(*mosaic_fwd),
+      None if mosaic_fwd is None else (
+          mosaic.MosaicForwardConfig(**mosaic_fwd) if isinstance(mosaic_fwd, dict)
+          else mosaic.MosaicForwardConfig(*mosaic_fwd)),
       None if mosaic_bwd is None else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd))
 
 
@@ -85,6 +87,12 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # three runs (kernel_attention_h32_bf16exp_h200.json, kernel_attention_fma_h200.json,
 # kernel_attention_before_fma_h200.json: 0.285 / 0.289 / 0.298 ms against
 # 0.298 / 0.304 / 0.308), and no faster on full attention.
+# H64 and H128 walk their items with one block per SM (`persistent`, given as
+# a dict) where the call has no right bound (`pallas.prepare` drops it for
+# causal ones): full attention 0.6338 against 0.6444 ms at H64 and 1.842
+# against 1.969 at H128 in one run (kernel_attention_persist2_h200.json);
+# causal calls were 1.3-1.4 x slower that way (items of unequal work, walked
+# in a fixed order), so they keep one block per item.
 # The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks[,
 # compute_registers]]),
 # puts the backward on the one-launch Mosaic GPU kernel (`mosaic_backward.py`)
@@ -105,9 +113,11 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
                                  (128, 128, 2, True, False), (128, 64, 3)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
-                                 (64, 256, 2), (128, 64, 2)),
+                                 dict(block_q=64, block_k=256, max_concurrent_steps=2,
+                                      persistent=True), (128, 64, 2)),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
-                                  (64, 128, 2), (64, 64, 2, 2, 240)),
+                                  dict(block_q=64, block_k=128, max_concurrent_steps=2,
+                                       persistent=True), (64, 64, 2, 2, 240)),
     (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3),
                                   (64, 64, 2)),
     # Halving the key tiles of the 16-bit entry asks 311,296 bytes of shared

@@ -13,6 +13,11 @@ FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
   (the "schedule barrier"), so the exponentials of one overlap the matmuls
   of the other.
 - P goes to the P V matmul straight from registers.
+- A work item is one block's query rows of one (batch, head). By default each
+  item is a block of the grid. With `persistent` the grid has one block per
+  SM and each walks every `num_blocks`-th item; the ring's slots and barrier
+  phases run on from item to item, so the memory warpgroup streams the next
+  item's keys while the compute warpgroups finish the last one.
 
 It writes the same outputs as the Triton forward, `out` and the base-2
 log-sum-exp `lse` [B, N, Tp] (+inf for a query that sees no key), so the
@@ -35,6 +40,8 @@ gives it only the causal ones there, with the warpgroups running freely
 `pipelined=True` (each warpgroup's next `Q K^T` and last `P V` in flight
 under its softmax) took 2-4 % off the same 64-row tiles on full attention
 and nothing on causal calls, short of the table's kernels: no entry uses it.
+`persistent=True` took 2 % (H64) and 6 % (H128) off full attention; the
+table uses it there.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
@@ -43,6 +50,7 @@ key/value heads, G = N // K, Hp padded head size, WG warpgroup.
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -53,6 +61,7 @@ import jax.numpy as jnp
 from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import SMEM_BUDGET
+from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
 
 NUM_COMPUTE_WGS = 2  # The default; `MosaicForwardConfig.compute_warpgroups`.
@@ -94,6 +103,16 @@ class MosaicForwardConfig:
     work under the softmax of the same warps; needs `ping_pong=False`. Two
     logit tiles are live at once, so it suits `block_q` 64, and a ring of
     three slots (a value tile is released one step later).
+  persistent: one block per SM walks work items (a query tile of one
+    (batch, head)) in turn, instead of one block per item. The memory
+    warpgroup then streams the next item's key/value tiles while the compute
+    warpgroups finish the last one, and each compute warpgroup loads its next
+    query tile under its epilogue, so the per-block start (launch, first
+    loads) and end (output store) are paid once per SM. The output is staged
+    in its own buffer (the query buffer is being refilled). Items then go
+    to blocks in a fixed order, so `pallas.prepare` keeps it for calls whose
+    items have equal work (no right bound; causal calls launch one block per
+    item, which the hardware's scheduler balances).
   """
   block_q: int = 64
   block_k: int = 128
@@ -102,6 +121,7 @@ class MosaicForwardConfig:
   ping_pong: bool = True
   compute_warpgroups: int = NUM_COMPUTE_WGS
   pipelined: bool = False
+  persistent: bool = False
 
   def __post_init__(self):
     check_tiles(self)
@@ -140,7 +160,8 @@ class MosaicForwardConfig:
     q = self.compute_warpgroups * self.block_q * head_dim * itemsize
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
     lse = self.compute_warpgroups * self.block_q * 4
-    return align(q) + 2 * align(ring) + align(lse) + 2048
+    out = align(q) if self.persistent else 0  # else the output reuses q's
+    return align(q) + out + 2 * align(ring) + align(lse) + 2048
 
 
 def check_tiles(config) -> None:
@@ -192,35 +213,62 @@ def check_config(config: MosaicForwardConfig, head_dim: int) -> None:
     raise ValueError(limit)
 
 
+class _Item(NamedTuple):
+  """One work item of the forward: `rows_per_block` query rows of one
+  (batch, query head), and the key tiles each warpgroup needs."""
+  batch: jax.Array
+  head: jax.Array
+  kv_head: jax.Array
+  q0: jax.Array  # the item's first query row
+  kv_len: jax.Array
+  ranges: list  # per warpgroup: (lo, full_lo, full_hi, hi), `key_tiles`'s
+  lo: jax.Array  # the key tiles the memory warpgroup loads: [lo, hi)
+  hi: jax.Array
+
+
 def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
             config: MosaicForwardConfig, key_tiles, is_open, interpret: bool):
-  """One block: 2 x block_q query rows of one (batch, query head)."""
+  """One block: one work item, or (`config.persistent`) every `num_blocks`-th."""
   bq, bk, steps = config.block_q, config.block_k, config.max_concurrent_steps
-  hp = q_gmem.shape[-1]
+  batch_size, seq_q, num_heads, hp = q_gmem.shape
   dtype = q_gmem.dtype
   seq_kv = k_gmem.shape[1]
-  batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-  kv_head = lax.div(head, jnp.int32(st.groups))
-  # Query tiles in reverse order: under a causal mask the last ones have the
-  # most key tiles, and blocks start in grid order (heads fastest).
   wgs = config.compute_warpgroups
-  num_q_tiles = q_gmem.shape[1] // config.rows_per_block
-  block_q0 = (num_q_tiles - 1 - lax.axis_index("q_tiles")) * config.rows_per_block
-  kv_len = kv_len_gmem[batch]
+  num_q_tiles = seq_q // config.rows_per_block
+  num_items = num_heads * num_q_tiles * batch_size
+  sm, num_blocks = lax.axis_index("sm"), lax.axis_size("sm")
+  # This block's items: sm, sm + num_blocks, ...
+  num_own = lax.div(num_items - sm + num_blocks - 1, num_blocks)
   c = st.scale * _LOG2E  # logits -> base-2 units
 
-  # Key tiles of each warpgroup ([lo, full_lo, full_hi, hi]) and of the block
-  # (their union, what the memory warpgroup loads).
-  ranges = [key_tiles(block_q0 + wg * bq, bq, bk, kv_len, seq_kv)
-            for wg in range(wgs)]
-  block_lo = functools.reduce(jnp.minimum, [_i32(r[0]) for r in ranges])
-  block_hi = functools.reduce(jnp.maximum, [_i32(r[3]) for r in ranges])
-  block_hi = jnp.maximum(block_hi, block_lo)
+  def item_of(index) -> _Item:
+    # Batch fastest, then query tiles in reverse order (under a causal mask the
+    # last ones have the most key tiles, and blocks start in grid order), then
+    # heads: the blocks that run at once share a few heads' keys and values in
+    # L2. (Heads fastest measured 6 % slower on full attention at H64/H128.)
+    batch = lax.rem(index, batch_size)
+    rest = lax.div(index, batch_size)
+    q0 = (num_q_tiles - 1 - lax.rem(rest, num_q_tiles)) * config.rows_per_block
+    head = lax.div(rest, num_q_tiles)
+    kv_len = kv_len_gmem[batch]
+    ranges = [key_tiles(q0 + wg * bq, bq, bk, kv_len, seq_kv) for wg in range(wgs)]
+    lo = functools.reduce(jnp.minimum, [_i32(r[0]) for r in ranges])
+    hi = functools.reduce(jnp.maximum, [_i32(r[3]) for r in ranges])
+    return _Item(batch, head, lax.div(head, jnp.int32(st.groups)), q0, kv_len, ranges,
+                 lo, jnp.maximum(hi, lo))
 
-  def ring_slot(j):  # the ring slot that holds key tile j
-    return lax.rem(j - block_lo, steps)
+  def over_items(body):
+    """body(item index, item, base) -> base, over this block's items; `base`
+    counts the key tiles the ring has held before the item."""
+    def visit(i, base):
+      index = sm + i * num_blocks
+      return body(index, item_of(index), base)
+    return lax.fori_loop(0, num_own, visit, jnp.int32(0))
 
-  def scoped(q_smem2, k_smem, v_smem, lse_smem2, p_smem2, k_ready, v_ready,
+  def item_slot(item, base, j):  # the ring slot that holds the item's key tile j
+    return lax.rem(base + j - item.lo, steps)
+
+  def scoped(q_smem2, out_smem2, k_smem, v_smem, lse_smem2, p_smem2, k_ready, v_ready,
              q_ready, k_free, v_free, turn):
     wg = lax.axis_index("wg")
 
@@ -237,22 +285,19 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       arrive_turn()
       wait_turn()
 
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(config.compute_registers, action="increase")
-      q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
-      q0 = block_q0 + wg * bq
+    def compute_item(index, item, base, *, wg, q_smem, lse_smem, out_smem, load_q):
+      q0 = item.q0 + wg * bq
+      kv_len = item.kv_len
       lo, full_lo, full_hi, hi = (  # this warpgroup's ranges
           functools.reduce(lambda picked, i: jnp.where(wg == i, _i32(per_wg[i]), picked),
                            range(1, wgs), _i32(per_wg[0]))
-          for per_wg in zip(*ranges))
+          for per_wg in zip(*item.ranges))
       # (A window can put lo past hi, and past the block's last tile.)
-      lo = jnp.clip(lo, block_lo, block_hi)
-      hi = jnp.clip(hi, lo, block_hi)
+      lo = jnp.clip(lo, item.lo, item.hi)
+      hi = jnp.clip(hi, lo, item.hi)
       full_lo = jnp.clip(full_lo, lo, hi)
       full_hi = jnp.clip(full_hi, full_lo, hi)
-      plgpu.copy_gmem_to_smem(q_gmem.at[batch, pl.ds(q0, bq), head], q_smem,
-                              q_ready.at[wg])
+      ring_slot = functools.partial(item_slot, item, base)
       plgpu.barrier_wait(q_ready.at[wg])
 
       row = plgpu.Layout.WGMMA.reduce(1)
@@ -390,65 +435,86 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
       if config.pipelined:
         p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-        carry = lax.fori_loop(block_lo, lo, skip, (acc, m, l, p0))
+        carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l, p0))
         carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
         # From lo + 1, past hi when the warpgroup has no tile: no steps then.
         carry = over_tiles(lo + 1, functools.partial(step, masked=True),
                            functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
-        acc, m, l, _ = lax.fori_loop(hi, block_hi, skip, carry)
+        acc, m, l, _ = lax.fori_loop(hi, item.hi, skip, carry)
       else:
-        carry = lax.fori_loop(block_lo, lo, skip, (acc, m, l))
+        carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
         carry = over_tiles(lo, functools.partial(body, masked=True),
                            functools.partial(body, masked=False), carry)
-        acc, m, l = lax.fori_loop(hi, block_hi, skip, carry)
+        acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
+
+      @pl.when(index + num_blocks < num_items)
+      def _next_query():  # the walk's matmuls are done with q_smem
+        load_q(item_of(index + num_blocks))
 
       empty = l == 0.0
       inv = 1.0 / jnp.where(empty, 1.0, l)
-      q_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+      if config.persistent:  # the last item's stores must be done reading
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
       # Base-2 log-sum-exp of the scaled logits; +inf marks a row that sees no
       # key, so that the backward's exp2(s * c - lse) is exactly 0 there.
       lse_smem[...] = jnp.where(empty, jnp.inf,
                                 m + jnp.log(jnp.where(empty, 1.0, l)) * (1 / math.log(2)))
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, out_gmem.at[batch, pl.ds(q0, bq), head])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[batch, head, pl.ds(q0, bq)])
+      plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[item.batch, pl.ds(q0, bq), item.head])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[item.batch, item.head, pl.ds(q0, bq)])
+      return base + item.hi - item.lo
+
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(config.compute_registers, action="increase")
+      q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
+      out_smem = q_smem if out_smem2 is None else out_smem2.at[wg]
+
+      def load_q(item):
+        plgpu.copy_gmem_to_smem(q_gmem.at[item.batch, pl.ds(item.q0 + wg * bq, bq), item.head],
+                                q_smem, q_ready.at[wg])
+
+      load_q(item_of(sm))  # (a grid never has more blocks than items)
+      over_items(functools.partial(compute_item, wg=wg, q_smem=q_smem, lse_smem=lse_smem,
+                                   out_smem=out_smem, load_q=load_q))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
     def _memory():
       plgpu.set_max_registers(config.memory_registers, action="decrease")
 
-      def load(j, slot):
-        tile = (batch, pl.ds(j * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_gmem.at[tile], k_smem.at[slot], k_ready.at[slot])
-        plgpu.copy_gmem_to_smem(v_gmem.at[tile], v_smem.at[slot], v_ready.at[slot])
+      def memory_item(index, item, base):
+        del index
+        @pl.loop(item.lo, item.hi)
+        def _load(j):
+          slot = item_slot(item, base, j)
+          @pl.when(base + j - item.lo >= steps)
+          def _wait_free():  # the tile `steps` before, in this slot
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+          tile = (item.batch, pl.ds(j * bk, bk), item.kv_head)
+          plgpu.copy_gmem_to_smem(k_gmem.at[tile], k_smem.at[slot], k_ready.at[slot])
+          plgpu.copy_gmem_to_smem(v_gmem.at[tile], v_smem.at[slot], v_ready.at[slot])
+        return base + item.hi - item.lo
 
-      first = jnp.minimum(block_hi, block_lo + steps)
-      @pl.loop(block_lo, first)
-      def _fill(j):
-        load(j, j - block_lo)
-
-      @pl.loop(first, block_hi)
-      def _steady(j):
-        slot = ring_slot(j)
-        plgpu.barrier_wait(k_free.at[slot])
-        plgpu.barrier_wait(v_free.at[slot])
-        load(j, slot)
-
+      total = over_items(memory_item)
       # Wait until the last tiles are released: every thread must see every
       # phase of a barrier it waits on (Mosaic GPU interpret mode checks).
-      @pl.loop(jnp.maximum(block_lo, block_hi - steps), block_hi)
-      def _drain(j):
-        slot = ring_slot(j)
+      @pl.loop(jnp.maximum(total - steps, 0), total)
+      def _drain(g):
+        slot = lax.rem(g, steps)
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
 
   transforms = swizzled(dtype, hp)
+  q_buffer = plgpu.SMEM((wgs, bq, hp), dtype, transforms=transforms)
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((wgs, bq, hp), dtype, transforms=transforms),
+      q_buffer,
+      q_buffer if config.persistent else None,  # the output's, else q's
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((wgs, bq), jnp.float32),
@@ -516,10 +582,13 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
                              interpret=interpret)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32))
+  num_items = num_heads * (seq_q // config.rows_per_block) * batch
+  if config.persistent:  # interpret mode: three blocks still walk several items each
+    num_blocks = min(num_items, 3 if interpret else num_sms())
+  else:
+    num_blocks = num_items
   return _pallas.mosaic_kernel(
-      kernel, out_type=out_type,
-      grid=(num_heads, seq_q // config.rows_per_block, batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      kernel, out_type=out_type, grid=(num_blocks,), grid_names=("sm",),
       num_threads=config.compute_warpgroups + 1, thread_name="wg",
       kernel_name="flex_attention_mosaic_fwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),

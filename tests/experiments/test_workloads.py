@@ -13,6 +13,9 @@ def test_mosaic_forward_tiles():
   assert not tiles.ping_pong and tiles.compute_warpgroups == 3
   tiles = workloads.mosaic_fwd_tiles("128x128x2")
   assert tiles.ping_pong and tiles.compute_warpgroups == mosaic.NUM_COMPUTE_WGS
+  assert not tiles.persistent and not tiles.pipelined
+  tiles = workloads.mosaic_fwd_tiles("64x128x3_free_wg3_pipe_persist")
+  assert tiles.pipelined and tiles.persistent and tiles.compute_warpgroups == 3
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
   with pytest.raises(ValueError, match="ping_pong"):  # three need free-running

@@ -167,6 +167,47 @@ def test_pipelined_walk_matches_reference(options, steps):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
+@pytest.mark.parametrize("options, extra", [
+    (dict(), dict()),
+    (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 250])),
+     dict(ping_pong=False, pipelined=True, max_concurrent_steps=3)),
+], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined"])
+def test_persistent_blocks_match_reference(options, extra):
+  """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 2 x 3
+  items in turn, so the ring's slots and barrier phases run on across items,
+  each warpgroup loads its next query tile under the last item's epilogue,
+  and the output goes through its own buffer. Full attention with the turns,
+  and a left-only window with key lengths (batch row 0: no key) on the
+  pipelined walk. GQA 4:2, T and S padded, forward and gradients."""
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=6)
+  tiles = mosaic.MosaicForwardConfig(**{**dict(block_q=64, block_k=64, max_concurrent_steps=2,
+                                               persistent=True), **extra})
+  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
+  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
+  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
+  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("is_causal, window, persistent", [
+    (False, None, True), (False, (70, None), True), (True, None, False),
+    (False, (70, 10), False)])
+def test_persistent_only_without_a_right_bound(is_causal, window, persistent):
+  """Right-bounded calls (causal, a window with a right side) give items of
+  unequal work: `prepare` runs them with one block per item."""
+  tiles = mosaic.MosaicForwardConfig(persistent=True)
+  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
+  q, k, v, _ = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
+  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=is_causal, window=window,
+                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         interpret=True, config=config)
+  assert st.config.mosaic_fwd == dataclasses.replace(tiles, persistent=persistent)
+
+
 def test_pipelined_needs_free_running_warpgroups():
   with pytest.raises(ValueError, match="ping_pong=False"):
     mosaic.MosaicForwardConfig(pipelined=True)
@@ -295,10 +336,11 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
-@pytest.mark.parametrize("block_q, compute_warpgroups, pipelined",
-                         [(128, 2, False), (64, 3, False), (64, 2, True)])
+@pytest.mark.parametrize("block_q, compute_warpgroups, pipelined, persistent",
+                         [(128, 2, False, False), (64, 3, False, False), (64, 2, True, False),
+                          (64, 3, True, True)])
 def test_free_running_warpgroups_lower_for_hopper(block_q, compute_warpgroups, pipelined,
-                                                  hopper_lowering):
+                                                  persistent, hopper_lowering):
   """`ping_pong=False` at head size 32 on full attention (where the turns
   are dropped to let the softmaxes run at once), with two or three compute
   warpgroups: Mosaic GPU's checks."""
@@ -306,7 +348,7 @@ def test_free_running_warpgroups_lower_for_hopper(block_q, compute_warpgroups, p
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=False,
-      compute_warpgroups=compute_warpgroups, pipelined=pipelined))
+      compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(config, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
