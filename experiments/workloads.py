@@ -170,7 +170,7 @@ MHA_CONFIGS = {
 
 # flex with its forward on given Mosaic GPU tiles: flex_mosaic_<tiles>, see
 # `mosaic_fwd_tiles`.
-_MOSAIC_FWD_TILES = re.compile(r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist)?$")
+_MOSAIC_FWD_TILES = re.compile(r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist)?(_all)?$")
 # flex with its forward on the Triton kernel with given tiles:
 # flex_triton_<bq>x<bk>x<warps>x<stages> (the tuning sweep's `--small` set left
 # 8 warps out at head sizes below 64).
@@ -187,7 +187,7 @@ def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
   -> the Mosaic forward's tiles (`_free`: without ping-pong turns; `_wg3`: three
   compute warpgroups, free-running only; `_pipe`: each warpgroup's next
   `Q K^T` under its softmax, free-running only; `_persist`: one block per SM
-  walking the work items)."""
+  walking the work items; `_persist_all`: right-bounded calls too)."""
   match = _MOSAIC_FWD_TILES.match(spec)
   if match is None:
     raise ValueError("Mosaic forward tiles must be "
@@ -197,7 +197,8 @@ def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
       block_q=bq, block_k=bk, max_concurrent_steps=steps,
       ping_pong=match.group(4) is None,
       compute_warpgroups=int(match.group(5) or flex_mosaic.NUM_COMPUTE_WGS),
-      pipelined=match.group(6) is not None, persistent=match.group(7) is not None)
+      pipelined=match.group(6) is not None, persistent=match.group(7) is not None,
+      persistent_right_bounded=match.group(8) is not None)
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:

@@ -15,9 +15,10 @@ FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
 - P goes to the P V matmul straight from registers.
 - A work item is one block's query rows of one (batch, head). By default each
   item is a block of the grid. With `persistent` the grid has one block per
-  SM and each walks every `num_blocks`-th item; the ring's slots and barrier
-  phases run on from item to item, so the memory warpgroup streams the next
-  item's keys while the compute warpgroups finish the last one.
+  SM, and the items are dealt to the blocks in rounds, alternately forward
+  and backward. The ring's slots and barrier phases run on from item to
+  item, so the memory warpgroup streams the next item's keys while the
+  compute warpgroups finish the last one.
 
 It writes the same outputs as the Triton forward, `out` and the base-2
 log-sum-exp `lse` [B, N, Tp] (+inf for a query that sees no key), so the
@@ -40,8 +41,10 @@ gives it only the causal ones there, with the warpgroups running freely
 `pipelined=True` (each warpgroup's next `Q K^T` and last `P V` in flight
 under its softmax) took 2-4 % off the same 64-row tiles on full attention
 and nothing on causal calls, short of the table's kernels: no entry uses it.
-`persistent=True` took 2 % (H64) and 6 % (H128) off full attention; the
-table uses it there.
+`persistent=True` took 2-3 % (H64) and 5-6 % (H128) off full attention; the
+table uses it there. Causal calls walked persistently, heaviest items first
+(`persistent_right_bounded`), measured within -2.4 to +3.3 % of one block per
+item: no entry uses that.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
@@ -113,6 +116,11 @@ class MosaicForwardConfig:
     to blocks in a fixed order, so `pallas.prepare` keeps it for calls whose
     items have equal work (no right bound; causal calls launch one block per
     item, which the hardware's scheduler balances).
+  persistent_right_bounded: with `persistent`, walk right-bounded calls
+    persistently too: their items then go heaviest first (query tiles
+    slowest, from the last), and each round of `num_blocks` items is dealt in
+    the opposite direction to the round before, so that a block that took a
+    heavy item takes a light one next.
   """
   block_q: int = 64
   block_k: int = 128
@@ -122,6 +130,7 @@ class MosaicForwardConfig:
   compute_warpgroups: int = NUM_COMPUTE_WGS
   pipelined: bool = False
   persistent: bool = False
+  persistent_right_bounded: bool = False
 
   def __post_init__(self):
     check_tiles(self)
@@ -237,19 +246,37 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   num_q_tiles = seq_q // config.rows_per_block
   num_items = num_heads * num_q_tiles * batch_size
   sm, num_blocks = lax.axis_index("sm"), lax.axis_size("sm")
-  # This block's items: sm, sm + num_blocks, ...
-  num_own = lax.div(num_items - sm + num_blocks - 1, num_blocks)
   c = st.scale * _LOG2E  # logits -> base-2 units
+  # Items of unequal work walked persistently: heaviest first, in a snake.
+  heaviest_first = config.persistent and st.right is not None
+
+  def own_item(position):
+    """The item this block walks at `position`: round `position` of
+    `num_blocks` items, dealt forward in even rounds and backward in odd ones."""
+    turn = jnp.where(lax.rem(position, 2) == 0, sm, num_blocks - 1 - sm)
+    return position * num_blocks + turn
+
+  # The last round may be partial: this block has an item there if its turn
+  # in that round falls among the items left.
+  last_round = lax.div(num_items, num_blocks)
+  num_own = last_round + (lax.rem(own_item(last_round), num_blocks)
+                          < lax.rem(num_items, num_blocks)).astype(jnp.int32)
 
   def item_of(index) -> _Item:
-    # Batch fastest, then query tiles in reverse order (under a causal mask the
-    # last ones have the most key tiles, and blocks start in grid order), then
-    # heads: the blocks that run at once share a few heads' keys and values in
-    # L2. (Heads fastest measured 6 % slower on full attention at H64/H128.)
-    batch = lax.rem(index, batch_size)
-    rest = lax.div(index, batch_size)
-    q0 = (num_q_tiles - 1 - lax.rem(rest, num_q_tiles)) * config.rows_per_block
-    head = lax.div(rest, num_q_tiles)
+    if heaviest_first:  # query tiles slowest, from the last (under a causal
+      q_tile = lax.div(index, batch_size * num_heads)  # mask the heaviest)
+      rest = lax.rem(index, batch_size * num_heads)
+      batch, head = lax.rem(rest, batch_size), lax.div(rest, batch_size)
+    else:
+      # Batch fastest, then query tiles in reverse order (under a causal mask
+      # the last ones have the most key tiles, and blocks start in grid order),
+      # then heads: the blocks that run at once share a few heads' keys and
+      # values in L2. (Heads fastest measured 6 % slower on full attention at
+      # H64/H128.)
+      batch = lax.rem(index, batch_size)
+      rest = lax.div(index, batch_size)
+      q_tile, head = lax.rem(rest, num_q_tiles), lax.div(rest, num_q_tiles)
+    q0 = (num_q_tiles - 1 - q_tile) * config.rows_per_block
     kv_len = kv_len_gmem[batch]
     ranges = [key_tiles(q0 + wg * bq, bq, bk, kv_len, seq_kv) for wg in range(wgs)]
     lo = functools.reduce(jnp.minimum, [_i32(r[0]) for r in ranges])
@@ -258,11 +285,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
                  lo, jnp.maximum(hi, lo))
 
   def over_items(body):
-    """body(item index, item, base) -> base, over this block's items; `base`
+    """body(position, item, base) -> base, over this block's items; `base`
     counts the key tiles the ring has held before the item."""
-    def visit(i, base):
-      index = sm + i * num_blocks
-      return body(index, item_of(index), base)
+    def visit(position, base):
+      return body(position, item_of(own_item(position)), base)
     return lax.fori_loop(0, num_own, visit, jnp.int32(0))
 
   def item_slot(item, base, j):  # the ring slot that holds the item's key tile j
@@ -285,7 +311,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       arrive_turn()
       wait_turn()
 
-    def compute_item(index, item, base, *, wg, q_smem, lse_smem, out_smem, load_q):
+    def compute_item(position, item, base, *, wg, q_smem, lse_smem, out_smem, load_q):
       q0 = item.q0 + wg * bq
       kv_len = item.kv_len
       lo, full_lo, full_hi, hi = (  # this warpgroup's ranges
@@ -449,9 +475,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
-      @pl.when(index + num_blocks < num_items)
+      @pl.when(position + 1 < num_own)
       def _next_query():  # the walk's matmuls are done with q_smem
-        load_q(item_of(index + num_blocks))
+        load_q(item_of(own_item(position + 1)))
 
       empty = l == 0.0
       inv = 1.0 / jnp.where(empty, 1.0, l)
@@ -486,8 +512,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
     def _memory():
       plgpu.set_max_registers(config.memory_registers, action="decrease")
 
-      def memory_item(index, item, base):
-        del index
+      def memory_item(position, item, base):
+        del position
         @pl.loop(item.lo, item.hi)
         def _load(j):
           slot = item_slot(item, base, j)

@@ -574,7 +574,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
       **unsupported):
     mosaic_fwd = None  # The Triton forward takes this call.
-  if mosaic_fwd is not None and mosaic_fwd.persistent and right is not None:
+  if (mosaic_fwd is not None and mosaic_fwd.persistent and right is not None
+      and not mosaic_fwd.persistent_right_bounded):
     # A right bound gives the items unequal work: the hardware's block
     # scheduler balances them, a fixed walk per SM does not (measured slower).
     mosaic_fwd = dataclasses.replace(mosaic_fwd, persistent=False)

@@ -16,6 +16,8 @@ def test_mosaic_forward_tiles():
   assert not tiles.persistent and not tiles.pipelined
   tiles = workloads.mosaic_fwd_tiles("64x128x3_free_wg3_pipe_persist")
   assert tiles.pipelined and tiles.persistent and tiles.compute_warpgroups == 3
+  assert not tiles.persistent_right_bounded
+  assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
   with pytest.raises(ValueError, match="ping_pong"):  # three need free-running

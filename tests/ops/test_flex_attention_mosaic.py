@@ -171,14 +171,17 @@ def test_pipelined_walk_matches_reference(options, steps):
     (dict(), dict()),
     (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 250])),
      dict(ping_pong=False, pipelined=True, max_concurrent_steps=3)),
-], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined"])
+    (dict(is_causal=True), dict(persistent_right_bounded=True)),
+], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined", "causal_heaviest_first"])
 def test_persistent_blocks_match_reference(options, extra):
-  """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 2 x 3
-  items in turn, so the ring's slots and barrier phases run on across items,
-  each warpgroup loads its next query tile under the last item's epilogue,
-  and the output goes through its own buffer. Full attention with the turns,
-  and a left-only window with key lengths (batch row 0: no key) on the
-  pipelined walk. GQA 4:2, T and S padded, forward and gradients."""
+  """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 4 x 3
+  items in rounds dealt back and forth, so the ring's slots and barrier phases
+  run on across items, each warpgroup loads its next query tile under the
+  last item's epilogue, and the output goes through its own buffer. Full
+  attention with the turns; a left-only window with key lengths (batch row 0:
+  no key) on the pipelined walk; causal with the items heaviest first
+  (`persistent_right_bounded`). GQA 4:2, T and S padded, forward and
+  gradients."""
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=6)
@@ -193,13 +196,16 @@ def test_persistent_blocks_match_reference(options, extra):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("is_causal, window, persistent", [
-    (False, None, True), (False, (70, None), True), (True, None, False),
-    (False, (70, 10), False)])
-def test_persistent_only_without_a_right_bound(is_causal, window, persistent):
+@pytest.mark.parametrize("is_causal, window, right_bounded_too, persistent", [
+    (False, None, False, True), (False, (70, None), False, True),
+    (True, None, False, False), (False, (70, 10), False, False), (True, None, True, True)])
+def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_too,
+                                               persistent):
   """Right-bounded calls (causal, a window with a right side) give items of
-  unequal work: `prepare` runs them with one block per item."""
-  tiles = mosaic.MosaicForwardConfig(persistent=True)
+  unequal work: `prepare` runs them with one block per item, unless the
+  tiles say `persistent_right_bounded`."""
+  tiles = mosaic.MosaicForwardConfig(persistent=True,
+                                     persistent_right_bounded=right_bounded_too)
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   q, k, v, _ = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=is_causal, window=window,
