@@ -103,9 +103,10 @@ class MosaicForwardConfig:
   pipelined: inside each compute warpgroup, issue the next key tile's
     `Q K^T` and this tile's `P V` before the softmax that sits between them
     (FlashAttention-3's intra-warpgroup pipelining), so that the tensor cores
-    work under the softmax of the same warps; needs `ping_pong=False`. Two
-    logit tiles are live at once, so it suits `block_q` 64, and a ring of
-    three slots (a value tile is released one step later).
+    work under the softmax of the same warps. With `ping_pong` a warpgroup
+    issues both after its turn and hands the turn over at once. Two logit
+    tiles are live at once, so it suits `block_q` 64, and a ring of three
+    slots (a value tile is released one step later).
   persistent: one block per SM walks work items (a query tile of one
     (batch, head)) in turn, instead of one block per item. The memory
     warpgroup then streams the next item's key/value tiles while the compute
@@ -140,9 +141,6 @@ class MosaicForwardConfig:
     if self.compute_warpgroups != 2 and self.ping_pong:
       raise ValueError("`ping_pong` turns take two compute warpgroups; with "
                        f"`compute_warpgroups={self.compute_warpgroups}` set ping_pong=False")
-    if self.pipelined and self.ping_pong:
-      raise ValueError("`pipelined` overlaps a warpgroup's own matmuls and softmax; "
-                       "it takes ping_pong=False")
 
   @property
   def rows_per_block(self) -> int:
@@ -414,9 +412,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l, _ = carry
         slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
-        s = logits(slot, turn_inside=False)
+        s = logits(slot, turn_inside=True)
         plgpu.barrier_arrive(k_free.at[slot])
         p16, m, l, _ = softmax(s, j, m, l, st.any_mask)
+        take_turn()  # softmax done; then the tensor cores are ours again
         return acc, m, l, p16
 
       def step(j, carry, masked):
@@ -427,20 +426,25 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         prev = ring_slot(j - 1)
         plgpu.barrier_wait(k_ready.at[slot])
         plgpu.barrier_wait(v_ready.at[prev])
+        # With `ping_pong`, the other warpgroup issues its matmuls while this
+        # one computes its softmax and rescale (the turns around them).
         if interpret:  # the same order of operations, one at a time
-          s = logits(slot, turn_inside=False)
+          s = logits(slot, turn_inside=True)
           plgpu.barrier_arrive(k_free.at[slot])
           acc = add_pv(acc, p16, prev)
           p16, m, l, alpha = softmax(s, j, m, l, masked)
+          arrive_turn()
         else:
           def overlapped(refs):
             acc_ref, s_ref, m_ref, l_ref, p_ref, alpha_ref = refs
             plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
+            take_turn()
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T only
             plgpu.barrier_arrive(k_free.at[slot])
             p_new, m_ref[...], l_ref[...], alpha_ref[...] = softmax(
                 s, j, m_ref[...], l_ref[...], masked)
+            arrive_turn()  # softmax done
             plgpu.wgmma_wait(0)  # P V has read the old P
             p_ref[...] = p_new
           s0 = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
@@ -448,10 +452,13 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           acc, _, m, l, p16, alpha = pl.run_state(overlapped)(
               (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p16, m))
         plgpu.barrier_arrive(v_free.at[prev])
-        return rescale(acc, alpha), m, l, p16
+        acc = rescale(acc, alpha)
+        wait_turn()  # the tensor cores are ours again
+        return acc, m, l, p16
 
       def last(j, carry):
-        # The P V of the warpgroup's last tile.
+        # The P V of the warpgroup's last tile (no turns: each tile of the
+        # block takes two, in `first`, `step` or `skip`).
         acc, m, l, p16 = carry
         slot = ring_slot(j)
         plgpu.barrier_wait(v_ready.at[slot])

@@ -139,12 +139,13 @@ def test_three_compute_warpgroups_match_reference(options):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("options, steps", [
-    (dict(), 3),
-    (dict(is_causal=True), 2),
-    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 250])), 3),
-], ids=["full", "causal", "window_lengths_empty_row"])
-def test_pipelined_walk_matches_reference(options, steps):
+@pytest.mark.parametrize("options, steps, ping_pong", [
+    (dict(), 3, False),
+    (dict(is_causal=True), 2, False),
+    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 250])), 3, False),
+    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 250])), 3, True),
+], ids=["full", "causal", "window_lengths_empty_row", "window_lengths_empty_row_turns"])
+def test_pipelined_walk_matches_reference(options, steps, ping_pong):
   """`pipelined=True`: each warpgroup's walk issues a tile's Q K^T with the
   tile before's P V, so a value slot is released one step late and the
   first and last tiles of a warpgroup's range are a prologue and an
@@ -152,13 +153,14 @@ def test_pipelined_walk_matches_reference(options, steps):
   between the two warpgroups, skipped tiles), and a window with key lengths
   (masked tiles on both sides of the open ones; batch row 0 has no tile at
   all). GQA 4:2, T and S padded, forward and gradients (through the lse);
-  rings of two and three slots."""
+  rings of two and three slots; with the ping-pong turns, which each tile of
+  the block (first, step or skipped) takes twice in both warpgroups."""
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=5)
   out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=steps,
-                                     ping_pong=False, pipelined=True)
+                                     ping_pong=ping_pong, pipelined=True)
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
   for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
@@ -212,11 +214,6 @@ def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_
                          q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
                          interpret=True, config=config)
   assert st.config.mosaic_fwd == dataclasses.replace(tiles, persistent=persistent)
-
-
-def test_pipelined_needs_free_running_warpgroups():
-  with pytest.raises(ValueError, match="ping_pong=False"):
-    mosaic.MosaicForwardConfig(pipelined=True)
 
 
 def test_three_compute_warpgroups_config():
@@ -342,18 +339,19 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
-@pytest.mark.parametrize("block_q, compute_warpgroups, pipelined, persistent",
-                         [(128, 2, False, False), (64, 3, False, False), (64, 2, True, False),
-                          (64, 3, True, True)])
-def test_free_running_warpgroups_lower_for_hopper(block_q, compute_warpgroups, pipelined,
-                                                  persistent, hopper_lowering):
-  """`ping_pong=False` at head size 32 on full attention (where the turns
-  are dropped to let the softmaxes run at once), with two or three compute
-  warpgroups: Mosaic GPU's checks."""
+@pytest.mark.parametrize("block_q, compute_warpgroups, pipelined, persistent, ping_pong",
+                         [(128, 2, False, False, False), (64, 3, False, False, False),
+                          (64, 2, True, False, False), (64, 3, True, True, False),
+                          (64, 2, True, True, True)])
+def test_walk_variants_lower_for_hopper(block_q, compute_warpgroups, pipelined, persistent,
+                                        ping_pong, hopper_lowering):
+  """The walks no table entry runs at head size 32 (free-running warpgroups,
+  two or three of them, pipelined, persistent, the pipelined walk with the
+  turns) on full attention: Mosaic GPU's checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
-      block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=False,
+      block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
       compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(config, scale=0.1, interpret=False)
