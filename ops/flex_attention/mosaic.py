@@ -235,7 +235,7 @@ class _Item(NamedTuple):
 
 def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
             config: MosaicForwardConfig, key_tiles, is_open, interpret: bool):
-  """One block: one work item, or (`config.persistent`) every `num_blocks`-th."""
+  """One block: one work item, or (`config.persistent`) its share of them."""
   bq, bk, steps = config.block_q, config.block_k, config.max_concurrent_steps
   batch_size, seq_q, num_heads, hp = q_gmem.shape
   dtype = q_gmem.dtype
@@ -245,24 +245,26 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   num_items = num_heads * num_q_tiles * batch_size
   sm, num_blocks = lax.axis_index("sm"), lax.axis_size("sm")
   c = st.scale * _LOG2E  # logits -> base-2 units
-  # Items of unequal work walked persistently: heaviest first, in a snake.
+  # A right-bounded call walked persistently (`prepare` allows it only with
+  # `persistent_right_bounded`) has items of unequal work: heaviest first.
   heaviest_first = config.persistent and st.right is not None
 
   def own_item(position):
     """The item this block walks at `position`: round `position` of
     `num_blocks` items, dealt forward in even rounds and backward in odd ones."""
-    turn = jnp.where(lax.rem(position, 2) == 0, sm, num_blocks - 1 - sm)
-    return position * num_blocks + turn
+    seat = jnp.where(lax.rem(position, 2) == 0, sm, num_blocks - 1 - sm)
+    return position * num_blocks + seat
 
-  # The last round may be partial: this block has an item there if its turn
+  # The last round may be partial: this block has an item there if its seat
   # in that round falls among the items left.
   last_round = lax.div(num_items, num_blocks)
   num_own = last_round + (lax.rem(own_item(last_round), num_blocks)
                           < lax.rem(num_items, num_blocks)).astype(jnp.int32)
 
   def item_of(index) -> _Item:
-    if heaviest_first:  # query tiles slowest, from the last (under a causal
-      q_tile = lax.div(index, batch_size * num_heads)  # mask the heaviest)
+    if heaviest_first:
+      # Query tiles slowest, from the last (under a causal mask, the heaviest).
+      q_tile = lax.div(index, batch_size * num_heads)
       rest = lax.rem(index, batch_size * num_heads)
       batch, head = lax.rem(rest, batch_size), lax.div(rest, batch_size)
     else:
