@@ -41,16 +41,18 @@ gives it only the causal ones there, with the warpgroups running freely
 `pipelined=True` (each warpgroup's next `Q K^T` and last `P V` in flight
 under its softmax) took 2-4 % off the same 64-row tiles on full attention
 and nothing on causal calls, short of the table's kernels: no entry uses it.
-`persistent=True` took 2-3 % (H64) and 5-6 % (H128) off full attention; the
-table uses it there. Causal calls walked persistently, heaviest items first
+`persistent=True` took 1.6-3.1 % (H64) and 5.4-6.4 % (H128) off full
+attention in two runs; the table uses it there. Causal calls walked persistently, heaviest items first
 (`persistent_right_bounded`), measured within -2.4 to +3.3 % of one block per
 item: no entry uses that.
+
+The tiles (`MosaicForwardConfig`) and the limits both Mosaic kernels share
+live in `mosaic_tiles.py`.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
 """
 
-import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -63,125 +65,14 @@ import jax.numpy as jnp
 
 from ops import _pallas
 from ops._mosaic_gpu import DTYPES
-from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
+from ops.flex_attention.mosaic_tiles import config_limit
+from ops.flex_attention.mosaic_tiles import HEAD_SIZES
+from ops.flex_attention.mosaic_tiles import MosaicForwardConfig
+from ops.flex_attention.mosaic_tiles import NUM_COMPUTE_WGS
 
-NUM_COMPUTE_WGS = 2  # The default; `MosaicForwardConfig.compute_warpgroups`.
 _LOG2E = math.log2(math.e)
-HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
-# The memory warpgroup's registers per thread, by compute warpgroups; the
-# compute ones share the rest of the block's pool (`compute_registers`).
-_MEMORY_REGISTERS = {2: 40, 3: 32}
-
-
-def register_pool(warpgroups: int) -> int:
-  """Registers per thread that a block of `warpgroups` x 128 threads holds
-  between its warpgroups: the SM's 65,536 split evenly, in multiples of 8
-  (504 for three warpgroups, 512 for four); `setmaxnreg` moves them. Shared
-  with the backward (`mosaic_backward.py`)."""
-  return 65536 // (128 * warpgroups) // 8 * 8 * warpgroups
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicForwardConfig:
-  """Tiles of the Mosaic GPU forward.
-
-  block_q: query rows per compute warpgroup (the block takes twice that).
-  block_k: key rows per tile of the ring.
-  max_concurrent_steps: slots of the key/value ring.
-  causal_only: take only calls whose keys are bounded on the right (causal,
-    or a window with a right side); at head size 32 the kernel measured
-    faster than the Triton forward there and not on full attention.
-  ping_pong: the two compute warpgroups take turns on the tensor cores (one's
-    softmax under the other's matmuls). False lets both run freely: where the
-    softmax is most of a step (small heads), the two softmaxes can then run
-    at once, with two warps per SM quarter to hide each other's latencies.
-  compute_warpgroups: query-row warpgroups per block (2 or 3; 3 only without
-    ping-pong). A third gives each SM quarter a third warp of softmax work
-    to hide latencies with, at fewer registers each (160 instead of 232).
-  pipelined: inside each compute warpgroup, issue the next key tile's
-    `Q K^T` and this tile's `P V` before the softmax that sits between them
-    (FlashAttention-3's intra-warpgroup pipelining), so that the tensor cores
-    work under the softmax of the same warps. With `ping_pong` a warpgroup
-    issues both after its turn and hands the turn over at once. Two logit
-    tiles are live at once, so it suits `block_q` 64, and a ring of three
-    slots (a value tile is released one step later).
-  persistent: one block per SM walks work items (a query tile of one
-    (batch, head)) in turn, instead of one block per item. The memory
-    warpgroup then streams the next item's key/value tiles while the compute
-    warpgroups finish the last one, and each compute warpgroup loads its next
-    query tile under its epilogue, so the per-block start (launch, first
-    loads) and end (output store) are paid once per SM. The output is staged
-    in its own buffer (the query buffer is being refilled). Items then go
-    to blocks in a fixed order, so `pallas.prepare` keeps it for calls whose
-    items have equal work (no right bound; causal calls launch one block per
-    item, which the hardware's scheduler balances).
-  persistent_right_bounded: with `persistent`, walk right-bounded calls
-    persistently too: their items then go heaviest first (query tiles
-    slowest, from the last), and each round of `num_blocks` items is dealt in
-    the opposite direction to the round before, so that a block that took a
-    heavy item takes a light one next.
-  """
-  block_q: int = 64
-  block_k: int = 128
-  max_concurrent_steps: int = 2
-  causal_only: bool = False
-  ping_pong: bool = True
-  compute_warpgroups: int = NUM_COMPUTE_WGS
-  pipelined: bool = False
-  persistent: bool = False
-  persistent_right_bounded: bool = False
-
-  def __post_init__(self):
-    check_tiles(self)
-    if self.compute_warpgroups not in _MEMORY_REGISTERS:
-      raise ValueError("`compute_warpgroups` must be 2 or 3, got "
-                       f"{self.compute_warpgroups}")
-    if self.compute_warpgroups != 2 and self.ping_pong:
-      raise ValueError("`ping_pong` turns take two compute warpgroups; with "
-                       f"`compute_warpgroups={self.compute_warpgroups}` set ping_pong=False")
-
-  @property
-  def rows_per_block(self) -> int:
-    return self.compute_warpgroups * self.block_q
-
-  @property
-  def memory_registers(self) -> int:
-    return _MEMORY_REGISTERS[self.compute_warpgroups]
-
-  @property
-  def compute_registers(self) -> int:
-    """Per thread of each compute warpgroup: what the memory one leaves, in
-    multiples of 8 (`setmaxnreg`): 232 for two, 160 for three."""
-    pool = register_pool(self.compute_warpgroups + 1)
-    return (pool - self.memory_registers) // self.compute_warpgroups // 8 * 8
-
-  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory for the query/output tiles, the ring and the lse rows,
-    each buffer aligned to 1 KiB (what 128-byte swizzles need), and 2 KiB
-    for the barriers and the rest. (64 x 128 x 3 at H128 counts 232,448
-    here, over the budget; Mosaic GPU asked for 232,568 and refused it on an
-    H200.)"""
-    align = lambda n: -(-n // 1024) * 1024
-    q = self.compute_warpgroups * self.block_q * head_dim * itemsize
-    ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
-    lse = self.compute_warpgroups * self.block_q * 4
-    out = align(q) if self.persistent else 0  # else the output reuses q's
-    return align(q) + out + 2 * align(ring) + align(lse) + 2048
-
-
-def check_tiles(config) -> None:
-  """The tile rules of both Mosaic attention kernels: `block_q` and `block_k`
-  multiples of 64 (wgmma's rows), a ring of at least two slots."""
-  for name in ("block_q", "block_k"):
-    value = getattr(config, name)
-    if value < 64 or value % 64:
-      raise ValueError(f"`{name}` must be a multiple of 64, got {value}")
-  if config.max_concurrent_steps < 2:
-    raise ValueError("`max_concurrent_steps` must be >= 2, got "
-                     f"{config.max_concurrent_steps}")
-
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
           config: MosaicForwardConfig, *, segments: bool, mods: bool,
@@ -201,18 +92,6 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
 
 def _config_limit(config: MosaicForwardConfig, head_dim: int) -> str | None:
   return config_limit(config, head_dim, kernel="forward", head_sizes=HEAD_SIZES)
-
-
-def config_limit(config, head_dim: int, *, kernel: str, head_sizes) -> str | None:
-  """None when `config` (a tile config with `smem_bytes`) runs at this padded
-  head size, else the reason; shared with the backward (`mosaic_backward.py`)."""
-  if head_dim not in head_sizes:
-    return (f"the Mosaic GPU attention {kernel} takes padded head sizes "
-            f"{head_sizes}, got {head_dim}")
-  if config.smem_bytes(head_dim) > SMEM_BUDGET:
-    return (f"{config} needs {config.smem_bytes(head_dim)} bytes of shared "
-            f"memory at head size {head_dim}, more than {SMEM_BUDGET}")
-  return None
 
 
 def check_config(config: MosaicForwardConfig, head_dim: int) -> None:

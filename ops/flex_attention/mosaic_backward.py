@@ -60,11 +60,12 @@ from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_tiles
 
 NUM_COMPUTE_WGS = 2
 _LOG2E = math.log2(math.e)
 HEAD_SIZES = (32, 64, 128)  # Padded head sizes the kernel takes.
-_REGISTERS_PER_BLOCK_THREAD = mosaic.register_pool(NUM_COMPUTE_WGS + 1)  # 504
+_REGISTERS_PER_BLOCK_THREAD = mosaic_tiles.register_pool(NUM_COMPUTE_WGS + 1)  # 504
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,7 @@ class MosaicBackwardConfig:
   compute_registers: int = 232
 
   def __post_init__(self):
-    mosaic.check_tiles(self)
+    mosaic_tiles.check_tiles(self)
     if self.dq_column_chunks not in (1, 2):
       raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
     if self.compute_registers not in (232, 240):
@@ -128,7 +129,7 @@ def _config_limit(config: MosaicBackwardConfig, head_dim: int) -> str | None:
   if config.dq_column_chunks > 1 and head_dim // config.dq_column_chunks < 64:
     return (f"`dq_column_chunks` {config.dq_column_chunks} leaves slices of fewer "
             f"than 64 columns at head size {head_dim}")
-  return mosaic.config_limit(config, head_dim, kernel="backward", head_sizes=HEAD_SIZES)
+  return mosaic_tiles.config_limit(config, head_dim, kernel="backward", head_sizes=HEAD_SIZES)
 
 
 def check_config(config: MosaicBackwardConfig, head_dim: int) -> None:

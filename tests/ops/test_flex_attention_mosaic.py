@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ops import flex_attention_reference
+from ops._mosaic_gpu import SMEM_BUDGET
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
 from ops.flex_attention import pallas
@@ -298,7 +299,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
 def test_table_and_config_checks():
   for h in (32, 64, 128, 256):  # measured faster than the Triton forward on an H200
     tiles = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90").mosaic_fwd
-    assert tiles is not None and tiles.smem_bytes(h) <= mosaic.SMEM_BUDGET
+    assert tiles is not None and tiles.smem_bytes(h) <= SMEM_BUDGET
   # float32 at H256 has its own, smaller tiles: halving the 16-bit entry's key
   # tiles overflowed the dQ kernel's shared memory on an H200.
   f32, bf16 = (configs.get_config(256, d, interpret=False, generation="sm90")
