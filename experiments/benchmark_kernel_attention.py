@@ -38,9 +38,10 @@ _IMPLS = flags.DEFINE_list(
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton (the Triton forward; flex_triton_<bq>x<bk>x<warps>x<stages> on those "
-    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free[_wg3][_pipe]][_persist] (the "
+    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
-    "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
+    "_all: for right-bounded calls too), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
     "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
@@ -50,7 +51,7 @@ _CHECK_MOSAIC_BWD = flags.DEFINE_string(
     "kernel on these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>].")
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
-    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free[_wg3][_pipe]][_persist] (for the "
+    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free][_wg3][_pipe][_persist[_all]] (for the "
     "16-bit cases it takes).")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")

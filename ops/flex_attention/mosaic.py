@@ -42,9 +42,9 @@ gives it only the causal ones there, with the warpgroups running freely
 under its softmax) took 2-4 % off the same 64-row tiles on full attention
 and nothing on causal calls, short of the table's kernels: no entry uses it.
 `persistent=True` took 1.6-3.1 % (H64) and 5.4-6.4 % (H128) off full
-attention in two runs; the table uses it there. Causal calls walked persistently, heaviest items first
-(`persistent_right_bounded`), measured within -2.4 to +3.3 % of one block per
-item: no entry uses that.
+attention in two runs; the table uses it there. Causal calls walked
+persistently, heaviest items first (`persistent_right_bounded`), measured
+within -2.4 to +3.3 % of one block per item: no entry uses that.
 
 The tiles (`MosaicForwardConfig`) and the limits both Mosaic kernels share
 live in `mosaic_tiles.py`.

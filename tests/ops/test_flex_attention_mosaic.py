@@ -118,6 +118,22 @@ def test_128_row_tiles_match_reference(ping_pong):
   assert _rel(got, want) < _TOL[jnp.bfloat16]
 
 
+def _check_tiles_against_reference(tiles, options, *, seed):
+  """The Mosaic forward on `tiles` (the Triton backward after it) against the
+  reference, B 2, T 300, S 320, GQA 4:2, H 32, bf16: output and every
+  gradient; a batch row whose key length is 0 gives zeros."""
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
+  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=seed)
+  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
+  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
+  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
+    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+
+
 @pytest.mark.parametrize("options", [
     dict(is_causal=True),
     dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 250])),
@@ -126,18 +142,9 @@ def test_three_compute_warpgroups_match_reference(options):
   """`compute_warpgroups=3` (free-running): a block owns 3 x 64 query rows, so
   T pads to a multiple of 192 (and of the backward's tiles); each warpgroup
   picks its own key-tile ranges among three. GQA 4:2, forward and gradients."""
-  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-             for k, v in options.items()}
-  tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2,
-                                     ping_pong=False, compute_warpgroups=3)
-  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
-  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=4)
-  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
-  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
-  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
-    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
-  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
-    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+  _check_tiles_against_reference(
+      mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2,
+                                 ping_pong=False, compute_warpgroups=3), options, seed=4)
 
 
 @pytest.mark.parametrize("options, steps, ping_pong", [
@@ -156,18 +163,9 @@ def test_pipelined_walk_matches_reference(options, steps, ping_pong):
   all). GQA 4:2, T and S padded, forward and gradients (through the lse);
   rings of two and three slots; with the ping-pong turns, which each tile of
   the block (first, step or skipped) takes twice in both warpgroups."""
-  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-             for k, v in options.items()}
-  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=5)
-  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
-  tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=steps,
-                                     ping_pong=ping_pong, pipelined=True)
-  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
-  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
-  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
-    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
-  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
-    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+  _check_tiles_against_reference(
+      mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=steps,
+                                 ping_pong=ping_pong, pipelined=True), options, seed=5)
 
 
 @pytest.mark.parametrize("options, extra", [
@@ -185,18 +183,9 @@ def test_persistent_blocks_match_reference(options, extra):
   no key) on the pipelined walk; causal with the items heaviest first
   (`persistent_right_bounded`). GQA 4:2, T and S padded, forward and
   gradients."""
-  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
-             for k, v in options.items()}
-  q, k, v, w = _inputs(2, 300, 320, 4, 2, 32, jnp.bfloat16, seed=6)
-  tiles = mosaic.MosaicForwardConfig(**{**dict(block_q=64, block_k=64, max_concurrent_steps=2,
-                                               persistent=True), **extra})
-  config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
-  out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
-  out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
-  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
-    assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
-  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
-    np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+  tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, persistent=True)
+  _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
+                                 seed=6)
 
 
 @pytest.mark.parametrize("is_causal, window, right_bounded_too, persistent", [
