@@ -70,6 +70,10 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
   every sample (0.4-0.5 ms at a few ms per call on the H200, BUILD_NOTES.md),
   while back to back each dispatch overlaps the previous call, as in training.
   `sample_ms=0` times one call per sample (for programs that measure that).
+
+  `compile_s` is the whole way from the Python function to the executable:
+  tracing, lowering to StableHLO (which runs the Pallas kernels' Python
+  lowering) and XLA's compile; `lower_s` is the first two.
   """
   row = dict(config)
   stage = "build"
@@ -78,7 +82,9 @@ def run_case(config: dict, build: Callable[[], tuple[Callable, tuple]], *,
     stage = "compile"
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
+    lowered = jitted.lower(*args)
+    row["lower_s"] = time.perf_counter() - start
+    compiled = lowered.compile()
     row["compile_s"] = time.perf_counter() - start
     row["planned_peak_mb"] = planned_peak_mb(compiled)
     stage = "run"

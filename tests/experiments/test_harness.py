@@ -13,6 +13,7 @@ def test_samples_batch_fast_calls_and_report_per_call_time():
   assert row["status"] == "ok" and row["case"] == "add"
   assert row["calls_per_sample"] > 1          # a microsecond call is batched
   assert 0 < row["min_ms"] <= row["median_ms"]
+  assert 0 < row["lower_s"] <= row["compile_s"]  # compile_s includes the lowering
 
 
 def test_sample_ms_zero_syncs_every_call():
