@@ -29,7 +29,7 @@ Masks are those of `pallas._Static` without segments or mods: causal, a
 the block's key tiles in order: tiles outside its own range are waited for
 and released but not computed (both warpgroups must see every slot of the
 ring), partly masked tiles run a masked body, fully open ones a body without
-mask arithmetic (`pallas._key_tiles` gives the ranges, `pallas._open` the
+mask arithmetic (`masks.key_tiles` gives the ranges, `masks.is_open` the
 mask; the caller passes both).
 
 Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
@@ -480,9 +480,9 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
     kv_len: [B] int32 key lengths (<= Sp).
     config: the tiles; Tp must be a multiple of 2 x block_q, Sp of block_k.
     key_tiles: `(q0, bq, bk, kv_len, seq_kv) -> (lo, full_lo, full_hi, hi)`,
-      the key-tile ranges of a query tile (`pallas._key_tiles` for `st`).
+      the key-tile ranges of a query tile (`masks.key_tiles` for `st`).
     is_open: `(q_idx, k_idx, kv_len) -> bool` on index tiles, the mask
-      (`pallas._open` for `st`).
+      (`masks.is_open` for `st`).
     interpret: run in Mosaic GPU interpret mode (the CPU).
   """
   batch, seq_q, num_heads, hp = q.shape

@@ -33,7 +33,7 @@ swizzle.
 
 Masks are those of the Mosaic forward (causal, `(left, right)` windows, key
 lengths; no segments or mods), evaluated on tile indices over the query-tile
-ranges of the whole block (`pallas._query_tiles`): tiles in them that are not
+ranges of the whole block (`masks.query_tiles`): tiles in them that are not
 fully open run a masked body.
 
 dQ is accumulated in float32 in an order that varies between runs. Mosaic GPU
@@ -353,8 +353,8 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
       rowsum(dO * O).
     config: the tiles; Tp must be a multiple of block_q, Sp of 2 x block_k.
     query_tiles: `(k0, bq, bk, kv_len, seq_q) -> (lo, full_lo, full_hi, hi)`,
-      the query-tile ranges of a key tile (`pallas._query_tiles` for `st`).
-    is_open: `(q_idx, k_idx, kv_len) -> bool` on index tiles (`pallas._open`).
+      the query-tile ranges of a key tile (`masks.query_tiles` for `st`).
+    is_open: `(q_idx, k_idx, kv_len) -> bool` on index tiles (`masks.is_open`).
     interpret: run in Mosaic GPU interpret mode (the CPU).
 
   Returns:

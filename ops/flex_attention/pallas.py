@@ -18,7 +18,7 @@ Speed notes:
     (causal, window, key length, segments) leaves partly open run a masked
     body; tiles it leaves fully open run a body without any mask arithmetic;
     tiles it closes are never visited (the loop bounds come from the block
-    indices).
+    indices; `masks.py`).
   * Query tiles run in reverse order so that, under a causal mask, the
     longest programs start first.
   * `exp2` is the bare `ex2.approx.ftz.f32` instruction when compiled.
@@ -26,7 +26,7 @@ Speed notes:
 `mask_mod(b, n, t, s)` and `score_mod(score, b, n, t, s)` run inside the
 kernels on tile indices. With a `mask_mod`, the loops follow per-program lists
 of fully open and of partly masked tiles, computed once per call in XLA from
-the dense mask (`_tile_lists`); tiles on neither list are never visited.
+the dense mask (`masks.tile_lists`); tiles on neither list are never visited.
 `score_mod` rewrites the scaled f32 logits in all three kernels; the backward
 kernels trace its pullback (`jax.vjp`) in place to turn dP into dS.
 """
@@ -37,7 +37,6 @@ import math
 from typing import Callable
 
 import jax
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
@@ -45,6 +44,7 @@ import jax.numpy as jnp
 from ops import _pallas
 from ops import _shapes
 from ops.flex_attention import configs
+from ops.flex_attention import masks
 from ops.flex_attention import mosaic
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import reference
@@ -72,21 +72,6 @@ class _Static:
             or self.segments or self.mask_mod is not None)
 
 
-def _div(a, b: int):
-  """Floor division of a non-negative traced (or static) int by a static int."""
-  if isinstance(a, int):
-    return a // b
-  return lax.div(a, jnp.int32(b))
-
-
-def _cdiv(a, b: int):
-  return _div(a + (b - 1), b)
-
-
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
-
-
 def _exp2(st: _Static, x):
   """2 ** x in f32: one MUFU.EX2 when compiled (flushing denormals to zero).
 
@@ -102,106 +87,12 @@ def _exp2(st: _Static, x):
   return y
 
 
-def _clip(x, lo, hi):
-  return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-def _open(st: _Static, q_idx, k_idx, kv_len, q_seg, k_seg, b=None, n=None):
-  """Boolean tile (broadcast of q_idx and k_idx): may query q_idx see k_idx?"""
-  ok = None
-  conj = lambda a, b: b if a is None else jnp.logical_and(a, b)
-  if st.right is not None:
-    ok = conj(ok, k_idx <= q_idx + st.right)
-  if st.left is not None:
-    ok = conj(ok, k_idx >= q_idx - st.left)
-  if st.kv_mask:
-    ok = conj(ok, k_idx < kv_len)
-  if st.segments:
-    ok = conj(ok, q_seg == k_seg)
-  if st.mask_mod is not None:
-    ok = conj(ok, st.mask_mod(b, n, q_idx, k_idx))
-  return ok
-
-
 def _score(st: _Static, s, b, n, q_idx, k_idx):
   """Logits in base-2 units and their multiplier: (s, c) with p = 2^(s * c - m)."""
   if st.score_mod is None:
     return s, st.scale * _LOG2E
   s = st.score_mod(s * st.scale, b, n, q_idx, k_idx).astype(jnp.float32)
   return s, _LOG2E
-
-
-def _key_tiles(st: _Static, q0, bq: int, bk: int, kv_len, seq_kv: int):
-  """Key-tile ranges of the query tile at q0: lo <= full_lo <= full_hi <= hi.
-
-  Tiles [lo, full_lo) and [full_hi, hi) are partly masked, [full_lo, full_hi)
-  fully open, the rest fully masked (skipped).
-  """
-  kv_end = kv_len if st.kv_mask else seq_kv
-  lo = 0 if st.left is None else _div(jnp.maximum(q0 - st.left, 0), bk)
-  hi_key = kv_end
-  if st.right is not None:
-    hi_key = jnp.minimum(hi_key, q0 + bq + st.right)
-  hi = _cdiv(hi_key, bk)
-  if st.segments:
-    return lo, lo, lo, hi
-  full_lo = 0 if st.left is None else _cdiv(jnp.maximum(q0 + bq - 1 - st.left, 0), bk)
-  full_key = kv_end
-  if st.right is not None:
-    full_key = jnp.minimum(full_key, q0 + st.right + 1)
-  full_hi = _div(full_key, bk)
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = _clip(full_hi, full_lo, hi)
-  return lo, full_lo, full_hi, hi
-
-
-def _query_tiles(st: _Static, k0, bq: int, bk: int, kv_len, seq_q: int):
-  """Query-tile ranges of the key tile at k0 (same layout as `_key_tiles`)."""
-  lo = 0 if st.right is None else _div(jnp.maximum(k0 - st.right, 0), bq)
-  hi_q = seq_q if st.left is None else jnp.minimum(seq_q, k0 + bk + st.left)
-  hi = _cdiv(hi_q, bq)
-  if st.kv_mask:
-    # A key tile past the length: no work. (Scalar `where` operands must be
-    # typed: the Triton lowering gives a weak literal the predicate's type.)
-    hi = jnp.where(k0 < kv_len, _i32(hi), _i32(lo))
-  if st.segments:
-    return lo, lo, lo, hi
-  full_lo = 0 if st.right is None else _cdiv(jnp.maximum(k0 + bk - 1 - st.right, 0), bq)
-  full_hi = seq_q // bq if st.left is None else _div(k0 + st.left + 1, bq)
-  if st.kv_mask:
-    full_hi = jnp.where(k0 + bk <= kv_len, _i32(full_hi), _i32(0))
-  full_lo = _clip(full_lo, lo, hi)
-  full_hi = _clip(full_hi, full_lo, hi)
-  return lo, full_lo, full_hi, hi
-
-
-def _three_loops(st: _Static, ranges, body, carry):
-  """Runs body(index, carry, masked) over the masked/open/masked ranges."""
-  lo, full_lo, full_hi, hi = ranges
-  if not st.any_mask:
-    return lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
-
-
-def _tile_loop(st: _Static, ranges, lists, body, carry, group: int | None = None):
-  """Visits the tiles: from the mask's ranges, or from `mask_mod`'s lists.
-
-  `lists` (refs) holds, for this program, the count and the indices of the
-  fully open tiles and of the partly masked ones (computed in XLA from the
-  dense mask, `_tile_lists`); tiles on neither list are never visited.
-  `group` selects the row of [G, .] lists (dK/dV: one row per query head).
-  """
-  if lists is None:
-    return _three_loops(st, ranges, body, carry)
-  full_count, full_index, part_count, part_index = lists
-  at = (lambda i: (i,)) if group is None else (lambda i: (group, i))
-  for count, index, masked in ((full_count, full_index, False),
-                               (part_count, part_index, True)):
-    step = lambda t, c, index=index, masked=masked: body(index[at(t)], c, masked=masked)
-    carry = lax.fori_loop(0, count[at(0)], step, carry)
-  return carry
 
 
 # ----------------------------------------------------------------------------
@@ -230,7 +121,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     s, c = _score(st, s, b, n, q_idx, k_idx)
     if masked:
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      s = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), s, -jnp.inf)
+      s = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), s, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # base-2 running max
     if masked:  # A row with nothing open so far: keep exp2 away from inf - inf.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -244,8 +135,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
 
   carry = (jnp.zeros((bq, hp), jnp.float32),
            jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-  ranges = None if lists else _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  acc, m, l = _tile_loop(st, ranges, lists, body, carry)
+  ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
+  acc, m, l = masks.tile_loop(st, ranges, lists, body, carry)
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
   # Base-2 log-sum-exp of the scaled logits; +inf marks an empty row so that
@@ -274,8 +165,8 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
   if st.config.mosaic_fwd is not None:
     return mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
-                          key_tiles=functools.partial(_key_tiles, st),
-                          is_open=lambda q_idx, k_idx, kv_len: _open(
+                          key_tiles=functools.partial(masks.key_tiles, st),
+                          is_open=lambda q_idx, k_idx, kv_len: masks.is_open(
                               st, q_idx, k_idx, kv_len, None, None),
                           interpret=st.interpret)
   batch, seq_q, num_heads, hp = q.shape
@@ -324,7 +215,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   kv_len = kv_len_ref[0]
   k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
   k_seg = k_seg_ref[...][:, None] if st.segments else None
-  ranges = None if lists else _query_tiles(st, k0, bq, bk, kv_len, seq_q)
+  ranges = None if lists else masks.query_tiles(st, k0, bq, bk, kv_len, seq_q)
   b, kv_head = pl.program_id(1), pl.program_id(2)  # (Read outside loops.)
 
   def body(i, carry, masked, g):
@@ -345,7 +236,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
       p_t = _exp2(st, z_t * _LOG2E - lse[None, :])
     if masked:
       q_seg = q_seg_ref[pl.ds(q0, bq)][None, :] if st.segments else None
-      p_t = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p_t, 0.0)
+      p_t = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p_t, 0.0)
     dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
     dp_t = plgpu.dot(v, do, trans_b=True)  # [bk, bq]
     ds_t = p_t * (dp_t - delta[None, :])
@@ -356,7 +247,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
 
   carry = (jnp.zeros((bk, hp), jnp.float32), jnp.zeros((bk, hp), jnp.float32))
   for g in range(st.groups):  # The query heads sharing this key/value head.
-    carry = _tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g)
+    carry = masks.tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g)
   dk, dv = carry
   dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -392,15 +283,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
       p = _exp2(st, z * _LOG2E - lse)
     if masked:
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      p = jnp.where(_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p, 0.0)
+      p = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p, 0.0)
     dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
     ds = p * (dp - delta)
     if st.score_mod is not None:
       ds = mod_vjp(ds)[0]
     return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-  ranges = None if lists else _key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  dq = _tile_loop(st, ranges, lists, body, jnp.zeros((bq, hp), jnp.float32))
+  ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
+  dq = masks.tile_loop(st, ranges, lists, body, jnp.zeros((bq, hp), jnp.float32))
   dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
 
 
@@ -480,8 +371,8 @@ def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout)
   if st.config.mosaic_bwd is not None:
     return mosaic_backward.backward(
         st, q, k, v, kv_len[:, 0], lse, delta, dout, config=st.config.mosaic_bwd,
-        query_tiles=functools.partial(_query_tiles, st),
-        is_open=lambda q_idx, k_idx, kv_len: _open(st, q_idx, k_idx, kv_len, None, None),
+        query_tiles=functools.partial(masks.query_tiles, st),
+        is_open=lambda q_idx, k_idx, kv_len: masks.is_open(st, q_idx, k_idx, kv_len, None, None),
         interpret=st.interpret)
   args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
   dk, dv = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
@@ -515,37 +406,6 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
   fit = lambda block, n: min(block, max(16, pl.next_power_of_2(n)))
   return dataclasses.replace(cfg, block_q=fit(cfg.block_q, seq_q),
                              block_k=fit(cfg.block_k, seq_kv))
-
-
-def _tile_lists(dense, bq: int, bk: int, batch: int, num_heads: int, *,
-                groups: int | None = None):
-  """Per-program lists of open and partly masked tiles, from the dense mask.
-
-  Args:
-    dense: [B or 1, N or 1, Tp, Sp] bool, the whole mask.
-    bq, bk: the kernel's tiles.
-    batch, num_heads: B and N to broadcast to.
-    groups: None for the query-tile kernels (forward, dQ): lists over key
-      tiles per query tile, [B, N, nq, .]. G for dK/dV: lists over query tiles
-      per key tile, [B, K, G, nk, .].
-
-  Returns:
-    (full_count [..., 1], full_index [..., n], part_count, part_index) int32;
-    the first `count` entries of an index row are the tiles to visit.
-  """
-  b_, n_, tp, sp = dense.shape
-  tiles = dense.reshape(b_, n_, tp // bq, bq, sp // bk, bk)
-  any_open, all_open = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
-  if groups is not None:
-    any_open, all_open = (jnp.swapaxes(x, 2, 3) for x in (any_open, all_open))
-  out = []
-  for flag in (all_open, any_open & ~all_open):
-    flag = jnp.broadcast_to(flag, (batch, num_heads) + flag.shape[2:])
-    out.append(jnp.sum(flag, axis=-1, keepdims=True, dtype=jnp.int32))
-    out.append(jnp.argsort(~flag, axis=-1, stable=True).astype(jnp.int32))
-  if groups is not None:
-    out = [x.reshape(batch, num_heads // groups, groups, *x.shape[2:]) for x in out]
-  return tuple(out)
 
 
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
@@ -622,9 +482,9 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
         local_window_size=window, mask_mod=mask_mod,
         kv_seq_lengths=kv_len[:, 0] if st.kv_mask else None)
     lists = {
-        "fwd": _tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
-        "dq": _tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
-        "dkdv": _tile_lists(dense, config.dkdv.block_q, config.dkdv.block_k, batch,
+        "fwd": masks.tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
+        "dq": masks.tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
+        "dkdv": masks.tile_lists(dense, config.dkdv.block_q, config.dkdv.block_k, batch,
                             num_heads, groups=st.groups),
     }
   return st, (q, k, v, kv_len, q_seg, k_seg, lists)

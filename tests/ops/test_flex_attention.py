@@ -195,14 +195,14 @@ def test_mods_match_reference(name):
 
 def test_mask_mod_tile_lists_skip_empty_tiles():
   """A block-diagonal mask_mod: each 16-query tile visits 2 of 8 key tiles."""
-  from ops.flex_attention import pallas, reference
+  from ops.flex_attention import masks, reference
   dense = reference.allowed_mask(1, 1, 128, 128,
                                  mask_mod=lambda b, n, t, s: (t // 32) == (s // 32))
-  full_count, full_index, part_count, _ = pallas._tile_lists(dense, 16, 16, 2, 3)
+  full_count, full_index, part_count, _ = masks.tile_lists(dense, 16, 16, 2, 3)
   assert full_count.shape == (2, 3, 8, 1) and (full_count == 2).all()
   assert (part_count == 0).all()
   rows = np.asarray(full_index[0, 0, :, :2])
   np.testing.assert_array_equal(rows, (np.arange(8)[:, None] // 2) * 2 + np.arange(2))
   # The dK/dV lists are the transpose, grouped by key/value head (G = 3).
-  counts = pallas._tile_lists(dense, 16, 16, 2, 3, groups=3)[0]
+  counts = masks.tile_lists(dense, 16, 16, 2, 3, groups=3)[0]
   assert counts.shape == (2, 1, 3, 8, 1) and (counts == 2).all()
