@@ -4,8 +4,8 @@ from probjax_hk.training.callbacks import Callback
 from probjax_hk.training.callbacks import EarlyStopping
 from probjax_hk.training.loop import fit
 from probjax_hk.training.loop import fit_model
-from probjax_hk.training.loop import FitResult
-from probjax_hk.training.loop import NonFiniteLossError
+from probjax_hk.training.runner import FitResult
+from probjax_hk.training.runner import NonFiniteLossError
 from probjax_hk.training.sharding import default_mesh
 
 __all__ = (

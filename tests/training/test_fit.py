@@ -10,6 +10,7 @@ import pytest
 
 import probjax_hk
 from probjax_hk.training import loop as fit_lib
+from probjax_hk.training import runner as runner_lib
 from tests.training import common
 
 fit = probjax_hk.fit
@@ -178,7 +179,7 @@ def test_early_metric_copies_give_the_same_history(monkeypatch):
   args = (common.loss_fn, common.init_params(), common.make_data())
   kwargs = dict(batch_size=16, num_steps=8, optimizer=common.OPTIMIZER, progress=False)
   plain = fit(*args, **kwargs)
-  monkeypatch.setattr(fit_lib, "_copy_metrics_early", lambda: True)
+  monkeypatch.setattr(runner_lib, "_copy_metrics_early", lambda: True)
   early = fit(*args, **kwargs)
   np.testing.assert_array_equal(early.history["loss"], plain.history["loss"])
   np.testing.assert_array_equal(early.history["step"], plain.history["step"])
