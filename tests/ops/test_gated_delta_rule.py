@@ -96,8 +96,10 @@ def test_matches_reference(implementation, time, chunk, dtype, groups, with_stat
 
 
 @pytest.mark.parametrize("case", ["random", "repeated_key"])
-def test_unit_lower_inverse(case):
-  """(I + A)^-1 of the kernels (forward substitution) against numpy, at L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
+@pytest.mark.parametrize("block", [None, 16, 8, 2])
+def test_unit_lower_inverse(case, block):
+  """(I + A)^-1 of the kernels (forward substitution, in diagonal blocks of
+  `block` rows merged after it) against numpy, at L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
   all ones below the diagonal) is the case a truncated series would get wrong:
   its powers grow like binomials while the inverse is bidiagonal."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
@@ -108,22 +110,25 @@ def test_unit_lower_inverse(case):
   else:
     a = np.ones((chunk, chunk), np.float32)
   a = np.tril(a, -1).astype(np.float32)
-  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a), chunk)
+  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a), chunk, block)
   want = np.linalg.inv(np.eye(chunk) + a.astype(np.float64))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("block_v, state_block_v, grad_num_stages",
-                         [(16, None, 2), (32, 16, 1)])
-def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_stages):
+@pytest.mark.parametrize("block_v, state_block_v, grad_num_stages, inverse_block",
+                         [(16, None, 2, None), (32, 16, 1, 4)])
+def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_stages,
+                                               inverse_block):
   """The output and chunk-gradient kernels visit V a `block_v` tile at a time
   (V 40 pads to 64: four or two tiles, the last one all padding) and the
   states kernels run one program per `state_block_v` tile (`block_v`'s when
-  None); outputs and every gradient still match."""
+  None); the prepare kernel's inverse in diagonal blocks of `inverse_block`
+  rows; outputs and every gradient still match."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
   blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=block_v,
                                            state_block_v=state_block_v,
-                                           grad_num_stages=grad_num_stages)
+                                           grad_num_stages=grad_num_stages,
+                                           inverse_block=inverse_block)
   args = _inputs(1, 40, 2, 16, 40, jnp.float32, seed=3)
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
