@@ -193,3 +193,16 @@ def test_bad_shapes_raise(change, match):
   x = {name: jnp.zeros(s) for name, s in shapes.items()}
   with pytest.raises(ValueError, match=match):
     gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["h0"])
+
+
+@pytest.mark.parametrize("knobs, match", [
+    (dict(chunk=24), "`chunk` must be a power of two"),
+    (dict(block_v=8), "`block_v` must be >= 16"),
+    (dict(chunk=16, inverse_block=32), "`inverse_block` must be between 2 and `chunk`"),
+    (dict(inverse_block=6), "`inverse_block` must be a power of two"),
+    (dict(grad_num_stages=0), "`grad_num_stages` must be >= 1"),
+])
+def test_bad_tiling_raises(knobs, match):
+  from ops.gated_delta_rule import pallas as gdr_pallas_lib
+  with pytest.raises(ValueError, match=match):
+    gdr_pallas_lib.GatedDeltaBlocks(**knobs)
