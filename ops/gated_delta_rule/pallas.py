@@ -16,16 +16,18 @@ Forward, three launches:
    evolve independently): per chunk `U = U~ - W M0`,
    `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes the state entering each chunk.
 3. output (parallel over chunks; a loop over V tiles):
-   `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D` (stored
-   transposed when a gradient will be taken).
+   `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`. When a
+   gradient will be taken it stores `S` (transposed) and `U`; the backward
+   keeps `U` instead of `U~`.
 
 Backward, two launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
    K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes the
-   adjoint of the state leaving each chunk; its end is d initial_state.
+   adjoint of the state leaving each chunk (its end is d initial_state) and
+   each chunk's `dU`.
 2. chunk gradients (parallel over chunks; a loop over V tiles accumulates the
    products that reduce over V): dQ, dK, dV, d beta and d b of the chunk, from
-   the stored `T` and recomputed `U` (the gradient through the inverse is
+   the stored `T`, `U` and `dU` (the gradient through the inverse is
    `dA = -T^T dT T^T`).
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
@@ -203,22 +205,25 @@ def _states_kernel(k_ref, w_ref, u_ref, b_ref, h0_ref, out_ref, final_ref, *,
   final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
 
 
-def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *scores_ref, chunk,
+def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *saved_refs, chunk,
                    scale, block_v):
-  """One chunk: the [L, L] scores once (stored for the backward's state walk,
-  if asked), then the V columns a tile at a time."""
+  """One chunk: the [L, L] scores once, then the V columns a tile at a time.
+  If asked, stores the scores (for the backward's state walk) and the
+  corrected values U (for its chunk gradients)."""
   q, k, w = q_ref[...], k_ref[...], w_ref[...]
   dtype = u_ref.dtype
   b = b_ref[...]
   scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
-  if scores_ref:  # transposed: the backward's walk multiplies by S^T
-    scores_ref[0][...] = scores.T.astype(scores_ref[0].dtype)
+  if saved_refs:  # transposed: the backward's walk multiplies by S^T
+    saved_refs[0][...] = scores.T.astype(saved_refs[0].dtype)
   eb = jnp.exp(b)[:, None]
 
   def tile(e, carry):
     cols = pl.ds(e * block_v, block_v)
     h = h_ref[:, cols]                                           # [K, bv]
     u = u_ref[:, cols].astype(_F32) - _mm(w, h, dtype)           # [L, bv]
+    if saved_refs:  # every product that reads U rounds it to `dtype` first
+      saved_refs[1][:, cols] = u.astype(saved_refs[1].dtype)
     y = eb * _mm(q, h, dtype) + _mm(scores, u, dtype)
     y_ref[:, cols] = (scale * y).astype(y_ref.dtype)
     return carry
@@ -227,10 +232,12 @@ def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *scores_ref,
 
 
 def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_ref, out_ref,
-                       dh0_ref, *, chunk, num_chunks, scale):
+                       du_ref, dh0_ref, *, chunk, num_chunks, scale):
   """Backward state walk: the adjoint of M, one [K, bv] tile per program. The
   chunks' [L, L] scores come from the forward's output kernel, which keeps
-  their product and exponentials off this serial chain."""
+  their product and exponentials off this serial chain. The walk forms each
+  chunk's dU on the way and stores it for the chunk gradients (in `dtype`:
+  every product there rounds it to that)."""
   dtype = dy_ref.dtype
 
   def body(step, g):
@@ -243,6 +250,7 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
     scores_t = scores_ref[rows, :]                               # [L, L]: S^T
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
     du = scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)
+    du_ref[rows, :] = du.astype(du_ref.dtype)
     q_in = jnp.exp(b)[:, None] * q.astype(_F32)
     return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
             - _mm(w, du, dtype, trans_a=True))
@@ -250,13 +258,15 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
   dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
-def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref, h_ref,
+def _chunk_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, b_ref, beta_ref, t_ref, h_ref,
                        dh_ref, dy_ref, dq_ref, dk_ref, dv_ref, db_ref, dbeta_ref, *,
                        chunk, scale, block_v):
   """One chunk's gradients. The V columns are visited a tile at a time, so at
   most a [K, bv] tile of the state M0 and of its adjoint dM1 is in registers;
-  the products that reduce over V are accumulated across the tiles."""
-  q, k, w = q_ref[...], k_ref[...], w_ref[...]
+  the products that reduce over V are accumulated across the tiles. U comes
+  from the forward's output kernel and dU from the backward's state walk,
+  which both formed them anyway."""
+  q, k = q_ref[...], k_ref[...]
   dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
   row, col = _masks(chunk)
@@ -267,10 +277,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
   kk = _mm(k, k, dtype, trans_b=True)
   t = t_ref[...]                                                 # (I + A)^-1, float32
   qk = _mm(q, k, dtype, trans_b=True)
-  scores = qk * decay                                            # [L, L], lower
-  # The loop's operands, cast once (the products cast them anyway).
-  k_end_in = (e_end[:, None] * k.astype(_F32)).astype(dtype)
-  scores_t_in, t_t_in = scores.T.astype(dtype), t.T.astype(dtype)
+  t_t_in = t.T.astype(dtype)  # the loop's operand, cast once
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U), M1 = e^{b_L} M0 + K~^T U and U~ = T R_u.
@@ -278,8 +285,7 @@ def _chunk_grad_kernel(q_ref, k_ref, v_ref, w_ref, u_ref, b_ref, beta_ref, t_ref
     cols = pl.ds(e * block_v, block_v)
     m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [K, bv]
     dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
-    u = u_ref[:, cols].astype(_F32) - _mm(w, m0, dtype)          # [L, bv]
-    du = scale * _mm(scores_t_in, dy, dtype) + _mm(k_end_in, dm1, dtype)
+    u, du = u_ref[:, cols], du_ref[:, cols]                      # [L, bv]
     dru = _mm(t_t_in, du, dtype)                                 # T^T dU
     dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
@@ -395,18 +401,19 @@ def _states(k, w, u, b, h0, blocks):
       interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, w, u, b, h0)
 
 
-def _output(q, k, w, u, b, states, scale, blocks, *, save_scores):
-  """y [B, T, N, V], and with `save_scores` the chunks' transposed scores
-  [B, N, T, L] in the input dtype."""
+def _output(q, k, w, u, b, states, scale, blocks, *, save_residuals):
+  """y [B, T, N, V], and with `save_residuals` the chunks' transposed scores
+  [B, N, T, L] and the corrected values U [B, T, N, V], in the input dtype."""
   batch, time, groups, key = q.shape
   heads, value = u.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head = sp["head"]
   out_specs, out_shape = [head(value)], [jax.ShapeDtypeStruct(u.shape, u.dtype)]
-  if save_scores:  # S^T of each chunk
-    out_specs.append(sp["square"])
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), u.dtype))
+  if save_residuals:  # S^T of each chunk, and U
+    out_specs += [sp["square"], head(value)]
+    out_shape += [jax.ShapeDtypeStruct((batch, heads, time, chunk), u.dtype),
+                  jax.ShapeDtypeStruct(u.shape, u.dtype)]
   return _pallas.pallas_call(
       functools.partial(_output_kernel, chunk=chunk, scale=scale, block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
@@ -432,15 +439,16 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
       in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["square"],
                 sp["state"]],
       out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
-                              lambda i, n, e: (i, n, 0, 0, e)), sp["state"]],
+                              lambda i, n, e: (i, n, 0, 0, e)), sp["v"], sp["state"]],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
+                 jax.ShapeDtypeStruct(dy.shape, dy.dtype),
                  jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
-def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
+def _chunk_grads(q, k, v, u, du, b, beta, t, states, dstates, dy, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = v.shape[2:]
   rep = heads // groups
@@ -453,7 +461,7 @@ def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
       functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
-      in_specs=[sp["qk"], sp["qk"], head(value), head(key), head(value), sp["vec"],
+      in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), sp["vec"],
                 sp["vec"], sp["square"], s_spec, s_spec, head(value)],
       out_specs=[head(key), head(key), head(value), sp["vec"], sp["vec"]],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
@@ -465,15 +473,16 @@ def _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy, scale, blocks):
       # loop (12 % faster at K = V = 128 on the H200; BUILD_NOTES.md).
       compiler_params=_params(blocks.num_warps, blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_chunk_grads")(q, k, v, w, u, b, beta, t, states, dstates, dy)
+      name="gated_delta_chunk_grads")(q, k, v, u, du, b, beta, t, states, dstates, dy)
 
 
 def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
   """(y, final state, the backward's residuals when `residuals`, else None)."""
-  w, u, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
-  states, final = _states(k, w, u, b, h0, blocks)
-  y, *scores = _output(q, k, w, u, b, states, scale, blocks, save_scores=residuals)
-  return y, final, ((w, u, t[0], states, scores[0]) if residuals else None)
+  w, u_tilde, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
+  states, final = _states(k, w, u_tilde, b, h0, blocks)
+  y, *saved = _output(q, k, w, u_tilde, b, states, scale, blocks, save_residuals=residuals)
+  # The backward keeps U = U~ - W M0, not U~.
+  return y, final, ((w, saved[1], t[0], states, saved[0]) if residuals else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -492,8 +501,9 @@ def _core_bwd(scale, blocks, residuals, cotangents):
   q, k, v, b, beta, tokens, w, u, t, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
-  dstates, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale, blocks)
-  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, w, u, b, beta, t, states, dstates, dy,
+  dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
+                                 blocks)
+  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, u, du, b, beta, t, states, dstates, dy,
                                        scale, blocks)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:
