@@ -67,6 +67,7 @@ from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
+from ops.flex_attention.masks import i32
 from ops.flex_attention.mosaic_tiles import config_limit
 from ops.flex_attention.mosaic_tiles import HEAD_SIZES
 from ops.flex_attention.mosaic_tiles import MosaicForwardConfig
@@ -158,8 +159,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
     q0 = (num_q_tiles - 1 - q_tile) * config.rows_per_block
     kv_len = kv_len_gmem[batch]
     ranges = [key_tiles(q0 + wg * bq, bq, bk, kv_len, seq_kv) for wg in range(wgs)]
-    lo = functools.reduce(jnp.minimum, [_i32(r[0]) for r in ranges])
-    hi = functools.reduce(jnp.maximum, [_i32(r[3]) for r in ranges])
+    lo = functools.reduce(jnp.minimum, [i32(r[0]) for r in ranges])
+    hi = functools.reduce(jnp.maximum, [i32(r[3]) for r in ranges])
     return _Item(batch, head, lax.div(head, jnp.int32(st.groups)), q0, kv_len, ranges,
                  lo, jnp.maximum(hi, lo))
 
@@ -194,8 +195,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       q0 = item.q0 + wg * bq
       kv_len = item.kv_len
       lo, full_lo, full_hi, hi = (  # this warpgroup's ranges
-          functools.reduce(lambda picked, i: jnp.where(wg == i, _i32(per_wg[i]), picked),
-                           range(1, wgs), _i32(per_wg[0]))
+          functools.reduce(lambda picked, i: jnp.where(wg == i, i32(per_wg[i]), picked),
+                           range(1, wgs), i32(per_wg[0]))
           for per_wg in zip(*item.ranges))
       # (A window can put lo past hi, and past the block's last tile.)
       lo = jnp.clip(lo, item.lo, item.hi)
@@ -464,10 +465,6 @@ def _add_product(acc, lhs, rhs_smem, lhs_smem=None):
   def accumulate(acc_ref):
     plgpu.wgmma(acc_ref, lhs, rhs_smem)
   return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
 
 
 def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,

@@ -60,6 +60,7 @@ from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import mosaic
+from ops.flex_attention.masks import i32
 from ops.flex_attention import mosaic_tiles
 
 NUM_COMPUTE_WGS = 2
@@ -137,10 +138,6 @@ def check_config(config: MosaicBackwardConfig, head_dim: int) -> None:
     raise ValueError(limit)
 
 
-def _i32(x):
-  return jnp.asarray(x, jnp.int32)
-
-
 def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
             dq_gmem, dk_gmem, dv_gmem, *, st, config: MosaicBackwardConfig,
             query_tiles, is_open, interpret: bool):
@@ -158,7 +155,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
 
   # The query tiles of the block, [lo, hi), of which [full_lo, full_hi) are
   # fully open; the same for every query head of the group.
-  lo, full_lo, full_hi, hi = (_i32(x) for x in query_tiles(
+  lo, full_lo, full_hi, hi = (i32(x) for x in query_tiles(
       k0, bq, config.keys_per_block, kv_len, seq_q))
   hi = jnp.maximum(hi, lo)
   per_head = hi - lo

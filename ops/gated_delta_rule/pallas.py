@@ -165,7 +165,7 @@ def _wy_matrix(kk, decay, beta, chunk):
   return jnp.where(row > col, beta[:, None] * decay * kk, 0.0)
 
 
-def _wy_inverse(k, b, beta, chunk, inverse_block=None):
+def _wy_inverse(k, b, beta, chunk, inverse_block):
   """T = (I + A)^-1 [L, L] float32."""
   kk = _mm(k, k, k.dtype, trans_b=True)
   a = _wy_matrix(kk, _causal_decay(b, chunk), beta, chunk)
@@ -214,16 +214,17 @@ def _output_kernel(q_ref, k_ref, w_ref, u_ref, b_ref, h_ref, y_ref, *saved_refs,
   dtype = u_ref.dtype
   b = b_ref[...]
   scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
-  if saved_refs:  # transposed: the backward's walk multiplies by S^T
-    saved_refs[0][...] = scores.T.astype(saved_refs[0].dtype)
+  scores_t_ref, u_out_ref = saved_refs or (None, None)
+  if scores_t_ref is not None:  # transposed: the backward's walk multiplies by S^T
+    scores_t_ref[...] = scores.T.astype(scores_t_ref.dtype)
   eb = jnp.exp(b)[:, None]
 
   def tile(e, carry):
     cols = pl.ds(e * block_v, block_v)
     h = h_ref[:, cols]                                           # [K, bv]
     u = u_ref[:, cols].astype(_F32) - _mm(w, h, dtype)           # [L, bv]
-    if saved_refs:  # every product that reads U rounds it to `dtype` first
-      saved_refs[1][:, cols] = u.astype(saved_refs[1].dtype)
+    if u_out_ref is not None:  # every product that reads U rounds it to `dtype` first
+      u_out_ref[:, cols] = u.astype(u_out_ref.dtype)
     y = eb * _mm(q, h, dtype) + _mm(scores, u, dtype)
     y_ref[:, cols] = (scale * y).astype(y_ref.dtype)
     return carry
@@ -481,8 +482,10 @@ def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
   w, u_tilde, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
   states, final = _states(k, w, u_tilde, b, h0, blocks)
   y, *saved = _output(q, k, w, u_tilde, b, states, scale, blocks, save_residuals=residuals)
-  # The backward keeps U = U~ - W M0, not U~.
-  return y, final, ((w, saved[1], t[0], states, saved[0]) if residuals else None)
+  if not residuals:
+    return y, final, None
+  scores_t, u = saved  # the backward keeps U = U~ - W M0, not U~
+  return y, final, (w, u, t[0], states, scores_t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
