@@ -20,15 +20,17 @@ Forward, three launches:
    gradient will be taken it stores `S` (transposed) and `U`; the backward
    keeps `U` instead of `U~`.
 
-Backward, two launches:
+Backward, three launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
    K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes the
    adjoint of the state leaving each chunk (its end is d initial_state) and
    each chunk's `dU`.
-2. chunk gradients (parallel over chunks; a loop over V tiles accumulates the
-   products that reduce over V): dQ, dK, dV, d beta and d b of the chunk, from
-   the stored `T`, `U` and `dU` (the gradient through the inverse is
-   `dA = -T^T dT T^T`).
+2. value gradients (parallel over chunks; a loop over V tiles): dV, `T^T dU`,
+   and the [L, L] adjoints of the scores and of `A` (the gradient through the
+   inverse is `dA = -T^T dT T^T`), from the stored `T`, `U` and `dU`; no state.
+3. key gradients (parallel over chunks and K tiles; a loop over V tiles
+   accumulates the products with the states M0 and dM1 that reduce over V):
+   dQ and dK. Both gradient kernels add shares of d b and d beta.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
 V value size, C chunks, L tokens per chunk.
@@ -67,18 +69,24 @@ class GatedDeltaBlocks:
   state_num_warps: int = 4     # warps of the states kernels
   prepare_num_warps: int = 4   # warps of the prepare kernel
   state_block_v: int | None = None  # V columns of a states program (None: block_v)
-  grad_num_stages: int = 2     # Triton pipeline stages of the chunk-gradient loop
+  grad_num_stages: int = 2     # Triton pipeline stages of the gradient kernels' loops
+  grad_block_k: int | None = None  # K columns of a key-gradient program (None: all)
+  value_grad_num_warps: int | None = None  # warps of the value-gradient kernel
+                                           # (None: num_warps)
+  key_grad_num_warps: int | None = None    # warps of the key-gradient kernel
+                                           # (None: num_warps)
   inverse_block: int | None = 16  # rows of the diagonal blocks of the (I + A)^-1
                                   # substitution, merged after it (None: the
                                   # whole chunk)
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
-                 "prepare_num_warps", "inverse_block"):
+                 "prepare_num_warps", "inverse_block", "grad_block_k",
+                 "value_grad_num_warps", "key_grad_num_warps"):
       value = getattr(self, name)
       if value is not None and not _is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
-    for name in ("chunk", "block_v", "state_block_v"):
+    for name in ("chunk", "block_v", "state_block_v", "grad_block_k"):
       value = getattr(self, name)
       if value is not None and value < 16:
         raise ValueError(f"`{name}` must be >= 16, got {value}")
@@ -95,8 +103,13 @@ class GatedDeltaBlocks:
     if chunk is None:
       chunk = min(32, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
+    # The gradient kernels' warps, key tile and stages: the best of a sweep on
+    # the H200 (BUILD_NOTES.md, "Eighteenth session"); num_warps is then the
+    # output kernel's alone.
     return cls(chunk=chunk, block_v=min(64 if big else 32, value),
-               num_warps=8 if big else 4, state_num_warps=4, prepare_num_warps=4)
+               num_warps=8 if big else 4, state_num_warps=4, prepare_num_warps=4,
+               value_grad_num_warps=2, key_grad_num_warps=4 if big else 2,
+               grad_block_k=None if big else 32, grad_num_stages=2 if big else 3)
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -259,79 +272,103 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
   dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
-def _chunk_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, b_ref, beta_ref, t_ref, h_ref,
-                       dh_ref, dy_ref, dq_ref, dk_ref, dv_ref, db_ref, dbeta_ref, *,
-                       chunk, scale, block_v):
-  """One chunk's gradients. The V columns are visited a tile at a time, so at
-  most a [K, bv] tile of the state M0 and of its adjoint dM1 is in registers;
-  the products that reduce over V are accumulated across the tiles. U comes
-  from the forward's output kernel and dU from the backward's state walk,
-  which both formed them anyway."""
+def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref,
+                       dv_ref, dru_ref, dsd_ref, dkk_ref, db_ref, dbeta_ref, *, chunk,
+                       scale, block_v):
+  """One chunk's gradients that need no state: dV, and the [L, L] adjoints of
+  the scores and of `A` that the key-gradient kernel multiplies into dQ and
+  dK. The V columns are visited a tile at a time; `dY U^T` and `dU U^T`
+  accumulate across the tiles. Also stores `T^T dU` (the adjoint of `R_u`,
+  rounded to `dtype` like every product that reads it) for that kernel, and
+  this kernel's shares of d b and d beta."""
   q, k = q_ref[...], k_ref[...]
   dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
   row, col = _masks(chunk)
-  b_last = pick_row(b, chunk - 1)
-  eb = jnp.exp(b)
-  e_end = jnp.exp(b_last - b)
-  decay = _causal_decay(b, chunk)
-  kk = _mm(k, k, dtype, trans_b=True)
   t = t_ref[...]                                                 # (I + A)^-1, float32
-  qk = _mm(q, k, dtype, trans_b=True)
   t_t_in = t.T.astype(dtype)  # the loop's operand, cast once
 
   def tile(e, acc):
-    # Through Y = scale (e^b Q M0 + S U), M1 = e^{b_L} M0 + K~^T U and U~ = T R_u.
-    dy_dot_u, du_dot_u, drw, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = acc
+    # Through Y = scale (e^b Q M0 + S U) and U~ = T R_u.
+    dy_dot_u, du_dot_u, dbeta_v = acc
     cols = pl.ds(e * block_v, block_v)
-    m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [K, bv]
     dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
     u, du = u_ref[:, cols], du_ref[:, cols]                      # [L, bv]
     dru = _mm(t_t_in, du, dtype)                                 # T^T dU
     dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
+    dru_ref[:, cols] = dru.astype(dru_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
             du_dot_u + _mm(du, u, dtype, trans_b=True),
-            drw - _mm(dru, m0, dtype, trans_b=True),
-            dk_end + _mm(u, dm1, dtype, trans_b=True),
-            dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
-            dbeta_v + jnp.sum(dru * vf, axis=1),
-            m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1))
+            dbeta_v + jnp.sum(dru * vf, axis=1))
 
-  square, keys = jnp.zeros((chunk, chunk), _F32), jnp.zeros(k.shape, _F32)
-  zeros = (square, square, keys, keys, keys, jnp.zeros((chunk,), _F32),
-           jnp.zeros((k.shape[1],), _F32))
-  dy_dot_u, du_dot_u, drw, dk_end, dy_dot_m0, dbeta_v, m_dot_dm = jax.lax.fori_loop(
-      0, v_ref.shape[-1] // block_v, tile, zeros)
-  qf, kf = q.astype(_F32), k.astype(_F32)
+  square = jnp.zeros((chunk, chunk), _F32)
+  dy_dot_u, du_dot_u, dbeta_v = jax.lax.fori_loop(
+      0, v_ref.shape[-1] // block_v, tile, (square, square, jnp.zeros((chunk,), _F32)))
+  decay = _causal_decay(b, chunk)
+  kk = _mm(k, k, dtype, trans_b=True)
+  qk = _mm(q, k, dtype, trans_b=True)
   ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
-  dq_inter = scale * eb[:, None] * dy_dot_m0
-  dsd = ds * decay
-  dq = dq_inter + _mm(dsd, k, dtype)
-  dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
-  # Through W = T R_w and T = (I + A)^-1 (dA = -T^T dT T^T).
-  rw = (beta * eb)[:, None] * kf
-  # With dW = -dU M0^T, drw = T^T dW = -(T^T dU) M0^T was accumulated over V
-  # as -dru M0^T; and dT = dW R_w^T + dU R_u^T = dU (R_u - R_w M0)^T = (dU U^T)(I + A)^T
+  # Through T = (I + A)^-1 (dA = -T^T dT T^T). With dW = -dU M0^T,
+  # dT = dW R_w^T + dU R_u^T = dU (R_u - R_w M0)^T = (dU U^T)(I + A)^T
   # (R_w = (I + A) W, R_u = (I + A) U~, U = U~ - W M0): no [L, K] products here.
   i_plus_a = _wy_matrix(kk, decay, beta, chunk) + (row == col)
   dt = _mm(du_dot_u, i_plus_a, dtype, trans_b=True)
   da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
   da = jnp.where(row > col, da, 0.0)
-  dk += (beta * eb)[:, None] * drw
-  dkk = da * beta[:, None] * decay
-  dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
-  dbeta = (jnp.sum(drw * eb[:, None] * kf, axis=1) + dbeta_v
-           + jnp.sum(da * decay * kk, axis=1))
-  # d b: through D (in A and S), e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
+  # Both are read only as operands rounded to `dtype`, so they are stored so.
+  dsd_ref[...] = (ds * decay).astype(dsd_ref.dtype)
+  dkk_ref[...] = (da * beta[:, None] * decay).astype(dkk_ref.dtype)
+  # d b through D (in A and S); d beta through A and R_u.
   p = (da * beta[:, None] * kk + ds * qk) * decay
-  db = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
-  db += jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
+  db_ref[...] = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
+  dbeta_ref[...] = dbeta_v + jnp.sum(da * decay * kk, axis=1)
+
+
+def _key_grad_kernel(q_ref, k_ref, u_ref, dru_ref, dy_ref, b_ref, beta_ref, dsd_ref,
+                     dkk_ref, h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, chunk,
+                     scale, block_v):
+  """One chunk's dQ and dK on `bk` key columns, and their shares of d b and
+  d beta. The V columns are visited a tile at a time, so at most a [bk, bv]
+  tile of the state M0 and of its adjoint dM1 is in registers; the three
+  [L, bk] products that reduce over V accumulate across the tiles."""
+  q, k = q_ref[...], k_ref[...]                                  # [L, bk]
+  dtype = u_ref.dtype
+  b, beta = b_ref[...], beta_ref[...]
+  b_last = pick_row(b, chunk - 1)
+  eb = jnp.exp(b)
+  e_end = jnp.exp(b_last - b)
+
+  def tile(e, acc):
+    # Through Y (e^b Q M0), M1 = e^{b_L} M0 + K~^T U and W = T R_w (dW = -dU M0^T).
+    drw, dk_end, dy_dot_m0, m_dot_dm = acc
+    cols = pl.ds(e * block_v, block_v)
+    m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [bk, bv]
+    dy, u, dru = dy_ref[:, cols], u_ref[:, cols], dru_ref[:, cols]  # [L, bv]
+    return (drw - _mm(dru, m0, dtype, trans_b=True),
+            dk_end + _mm(u, dm1, dtype, trans_b=True),
+            dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
+            m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1))
+
+  keys = jnp.zeros(k.shape, _F32)
+  drw, dk_end, dy_dot_m0, m_dot_dm = jax.lax.fori_loop(
+      0, u_ref.shape[-1] // block_v, tile,
+      (keys, keys, keys, jnp.zeros((k.shape[1],), _F32)))
+  qf, kf = q.astype(_F32), k.astype(_F32)
+  dsd, dkk = dsd_ref[...], dkk_ref[...]
+  dq_inter = scale * eb[:, None] * dy_dot_m0
+  dq = dq_inter + _mm(dsd, k, dtype)
+  dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
+  rw = (beta * eb)[:, None] * kf
+  dk += (beta * eb)[:, None] * drw
+  dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
+  # d b through e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
+  db = jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
   end_terms = jnp.sum(dk_end * (e_end[:, None] * kf), axis=1)     # [L]
   db -= end_terms
   end = jnp.sum(end_terms) + jnp.exp(b_last) * jnp.sum(m_dot_dm)
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
   db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
-  dbeta_ref[...] = dbeta
+  dbeta_ref[...] = jnp.sum(drw * eb[:, None] * kf, axis=1)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
 
@@ -449,32 +486,65 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
       name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
-def _chunk_grads(q, k, v, u, du, b, beta, t, states, dstates, dy, scale, blocks):
+def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
+  """(dV, T^T dU) [B, T, N, V] in the input dtype; the chunks' adjoint
+  scores and `A` terms [B, N, T, L] in the input dtype; d b and d beta
+  shares [B, N, T] float32."""
   batch, time, groups, key = q.shape
-  heads, value = v.shape[2:]
-  rep = heads // groups
+  heads = v.shape[2]
   chunk = blocks.chunk
-  sp = _specs(chunk, key, rep)
-  head = sp["head"]
-  s_spec = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
-  dqk_dtype = q.dtype if rep == 1 else _F32
+  sp = _specs(chunk, key, heads // groups)
+  head, square = sp["head"], sp["square"]
+  value = v.shape[3]
+  squares = jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)
   return _pallas.pallas_call(
-      functools.partial(_chunk_grad_kernel, chunk=chunk, scale=scale,
+      functools.partial(_value_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v),
       grid=(batch, heads, time // chunk),
-      in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), sp["vec"],
-                sp["vec"], sp["square"], s_spec, s_spec, head(value)],
-      out_specs=[head(key), head(key), head(value), sp["vec"], sp["vec"]],
-      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
-                 jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct(b.shape, _F32),
-                 jax.ShapeDtypeStruct(b.shape, _F32)],
-      # Two stages: Triton prefetches the next V tile's state tiles during the
-      # loop (12 % faster at K = V = 128 on the H200; BUILD_NOTES.md).
-      compiler_params=_params(blocks.num_warps, blocks.grad_num_stages),
+      in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), head(value),
+                sp["vec"], sp["vec"], square],
+      out_specs=[head(value), head(value), square, square, sp["vec"], sp["vec"]],
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), squares, squares,
+                 jax.ShapeDtypeStruct(b.shape, _F32), jax.ShapeDtypeStruct(b.shape, _F32)],
+      compiler_params=_params(blocks.value_grad_num_warps or blocks.num_warps,
+                              blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_chunk_grads")(q, k, v, u, du, b, beta, t, states, dstates, dy)
+      name="gated_delta_value_grads")(q, k, v, u, du, dy, b, beta, t)
+
+
+def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, blocks):
+  """dQ, dK [B, T, N, K] (float32 when heads share q/k, to be summed) and the
+  d b and d beta shares [nK, B, N, T] float32 of the nK key tiles."""
+  batch, time, groups, key = q.shape
+  heads, value = u.shape[2:]
+  rep = heads // groups
+  chunk, bk = blocks.chunk, blocks.grad_block_k
+  num_k = key // bk
+  rows = lambda size: pl.BlockSpec((None, chunk, None, size),
+                                   lambda i, n, c, j: (i, c, n, 0))
+  qk = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n // rep, j))
+  vec = pl.BlockSpec((None, None, chunk), lambda i, n, c, j: (i, n, c))
+  square = pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c, j: (i, n, c, 0))
+  state = pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, j: (i, n, c, j, 0))
+  share = pl.BlockSpec((None, None, None, chunk), lambda i, n, c, j: (j, i, n, c))
+  dqk_dtype = q.dtype if rep == 1 else _F32
+  return _pallas.pallas_call(
+      functools.partial(_key_grad_kernel, chunk=chunk, scale=scale,
+                        block_v=blocks.block_v),
+      grid=(batch, heads, time // chunk, num_k),
+      in_specs=[qk, qk, rows(value), rows(value), rows(value), vec, vec, square, square,
+                state, state],
+      out_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n, j))] * 2
+      + [share, share],
+      out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype)] * 2
+      + [jax.ShapeDtypeStruct((num_k,) + b.shape, _F32)] * 2,
+      # Two stages or more: Triton prefetches the next V tile's state tiles
+      # during the loop (BUILD_NOTES.md).
+      compiler_params=_params(blocks.key_grad_num_warps or blocks.num_warps,
+                              blocks.grad_num_stages),
+      interpret=_backend.pallas_interpret(),
+      name="gated_delta_key_grads")(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates)
 
 
 def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
@@ -506,8 +576,11 @@ def _core_bwd(scale, blocks, residuals, cotangents):
   dy = dy.astype(v.dtype)
   dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
                                  blocks)
-  dq, dk, dv, db, dbeta = _chunk_grads(q, k, v, u, du, b, beta, t, states, dstates, dy,
-                                       scale, blocks)
+  dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale,
+                                               blocks)
+  dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
+                                           dstates, scale, blocks)
+  db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:
     batch, time, _, key = q.shape
@@ -537,10 +610,12 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
   key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
-  # From here on state_block_v is set (the kernels read it as it is).
+  # From here on state_block_v and grad_block_k are set (the kernels read them as
+  # they are).
   blocks = dataclasses.replace(
       blocks, block_v=min(blocks.block_v, value_p),
-      state_block_v=min(blocks.state_block_v or blocks.block_v, value_p))
+      state_block_v=min(blocks.state_block_v or blocks.block_v, value_p),
+      grad_block_k=min(blocks.grad_block_k or key_p, key_p))
   dtype = v.dtype
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)

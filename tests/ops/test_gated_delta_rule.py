@@ -115,21 +115,25 @@ def test_unit_lower_inverse(case, block):
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
 
 
-@pytest.mark.parametrize("block_v, state_block_v, grad_num_stages, inverse_block",
-                         [(16, None, 2, None), (32, 16, 1, 4)])
+@pytest.mark.parametrize(
+    "block_v, state_block_v, grad_num_stages, inverse_block, grad_block_k, key, groups",
+    [(16, None, 2, None, None, 16, None), (32, 16, 1, 4, 16, 40, 1)])
 def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_stages,
-                                               inverse_block):
-  """The output and chunk-gradient kernels visit V a `block_v` tile at a time
+                                               inverse_block, grad_block_k, key, groups):
+  """The output and gradient kernels visit V a `block_v` tile at a time
   (V 40 pads to 64: four or two tiles, the last one all padding) and the
   states kernels run one program per `state_block_v` tile (`block_v`'s when
   None); the prepare kernel's inverse in diagonal blocks of `inverse_block`
-  rows; outputs and every gradient still match."""
+  rows; the key-gradient kernel on `grad_block_k` columns (K 40 pads to 64:
+  four programs per chunk, the last all padding, with q/k shared by both
+  heads); outputs and every gradient still match."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
   blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=block_v,
                                            state_block_v=state_block_v,
                                            grad_num_stages=grad_num_stages,
-                                           inverse_block=inverse_block)
-  args = _inputs(1, 40, 2, 16, 40, jnp.float32, seed=3)
+                                           inverse_block=inverse_block,
+                                           grad_block_k=grad_block_k)
+  args = _inputs(1, 40, 2, key, 40, jnp.float32, seed=3, groups=groups)
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
   reference = lambda *a: gated_delta_rule_reference(*a[:5], initial_state=a[5])
@@ -201,6 +205,8 @@ def test_bad_shapes_raise(change, match):
     (dict(chunk=16, inverse_block=32), "`inverse_block` must be between 2 and `chunk`"),
     (dict(inverse_block=6), "`inverse_block` must be a power of two"),
     (dict(grad_num_stages=0), "`grad_num_stages` must be >= 1"),
+    (dict(grad_block_k=8), "`grad_block_k` must be >= 16"),
+    (dict(key_grad_num_warps=3), "`key_grad_num_warps` must be a power of two"),
 ])
 def test_bad_tiling_raises(knobs, match):
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
