@@ -358,8 +358,9 @@ def _key_grad_kernel(q_ref, k_ref, u_ref, dru_ref, dy_ref, b_ref, beta_ref, dsd_
   dq_inter = scale * eb[:, None] * dy_dot_m0
   dq = dq_inter + _mm(dsd, k, dtype)
   dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
-  rw = (beta * eb)[:, None] * kf
-  dk += (beta * eb)[:, None] * drw
+  beta_eb = (beta * eb)[:, None]
+  rw = beta_eb * kf
+  dk += beta_eb * drw
   dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
   # d b through e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
   db = jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
@@ -378,14 +379,16 @@ def _params(num_warps, num_stages=1):
 
 
 def _specs(chunk, key, rep):
-  """BlockSpecs of one chunk on grid (batch, head, chunk): `qk` (q/k rows of the
-  head's group), `vec` (b, beta), `head(size)` (a head's [L, size] rows) and
-  `square` (a chunk's [L, L] matrix in a [B, N, T, L] array)."""
+  """BlockSpecs of one chunk on grid (batch, head, chunk, ...): `qk` (q/k rows
+  of the head's group), `vec` (b, beta), `head(size)` (a head's [L, size] rows)
+  and `square` (a chunk's [L, L] matrix in a [B, N, T, L] array). All but `qk`
+  ignore grid axes after the chunk's (the key-gradient kernel's key tiles)."""
   return dict(
       qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
-      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c: (i, n, c)),
-      head=lambda size: pl.BlockSpec((None, chunk, None, size), lambda i, n, c: (i, c, n, 0)),
-      square=pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c: (i, n, c, 0)))
+      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c, *_: (i, n, c)),
+      head=lambda size: pl.BlockSpec((None, chunk, None, size),
+                                     lambda i, n, c, *_: (i, c, n, 0)),
+      square=pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c, *_: (i, n, c, 0)))
 
 
 def _prepare(k, v, b, beta, blocks, *, save_inverse):
@@ -491,11 +494,10 @@ def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
   scores and `A` terms [B, N, T, L] in the input dtype; d b and d beta
   shares [B, N, T] float32."""
   batch, time, groups, key = q.shape
-  heads = v.shape[2]
+  heads, value = v.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head, square = sp["head"], sp["square"]
-  value = v.shape[3]
   squares = jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)
   return _pallas.pallas_call(
       functools.partial(_value_grad_kernel, chunk=chunk, scale=scale,
@@ -521,11 +523,9 @@ def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, bloc
   rep = heads // groups
   chunk, bk = blocks.chunk, blocks.grad_block_k
   num_k = key // bk
-  rows = lambda size: pl.BlockSpec((None, chunk, None, size),
-                                   lambda i, n, c, j: (i, c, n, 0))
+  sp = _specs(chunk, key, rep)
+  rows, vec, square = sp["head"](value), sp["vec"], sp["square"]
   qk = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n // rep, j))
-  vec = pl.BlockSpec((None, None, chunk), lambda i, n, c, j: (i, n, c))
-  square = pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c, j: (i, n, c, 0))
   state = pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, j: (i, n, c, j, 0))
   share = pl.BlockSpec((None, None, None, chunk), lambda i, n, c, j: (j, i, n, c))
   dqk_dtype = q.dtype if rep == 1 else _F32
@@ -533,8 +533,7 @@ def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, bloc
       functools.partial(_key_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v),
       grid=(batch, heads, time // chunk, num_k),
-      in_specs=[qk, qk, rows(value), rows(value), rows(value), vec, vec, square, square,
-                state, state],
+      in_specs=[qk, qk, rows, rows, rows, vec, vec, square, square, state, state],
       out_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n, j))] * 2
       + [share, share],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype)] * 2
