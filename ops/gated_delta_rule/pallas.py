@@ -1,36 +1,35 @@
 """Pallas (Triton) kernels for the gated delta rule, forward and backward.
 
 The chunked WY / UT form of xla.py, split so that the [L, L] matrices (the
-decays, `A`, its inverse `T`, the scores) are formed on chip and only `T`, the
-corrected values `U`, the states at every `state_stride`-th chunk boundary
-and, for the backward, the scores go through memory. With `b` the chunk-local
-cumulative log-decay, `D_ij = exp(b_i - b_j)` (i >= j):
+decays, `A`, its inverse `T`, the scores) are formed on chip and only the
+per-token `W`, `U~`, the chunk-boundary states and, for the backward, `T` and
+the scores go through memory. With `b` the chunk-local cumulative log-decay,
+`D_ij = exp(b_i - b_j)` (i >= j):
 
 Forward, three launches:
-1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)` and
+1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)`,
    `T = (I + A)^-1` by forward substitution in registers inside 16-row
-   diagonal blocks, merged by tile products; writes `T` in the input dtype.
+   diagonal blocks, merged by tile products, `W = T (beta e^b K)`,
+   `U~ = T (beta V)`, written in the input dtype (and `T`, float32, when a
+   gradient will be taken).
 2. states (one program per batch, head and V tile; V columns of the state
-   evolve independently): per chunk `W = T (beta e^b K)`, `U~ = T (beta V)`
-   (neither waits for the carried state), `U = U~ - W M0` and
-   `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes `U` and the state entering
-   every `state_stride`-th chunk.
-3. output (parallel over groups of `state_stride` chunks; a loop over V
-   tiles): `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`,
-   the state carried from chunk to chunk of the group on chip. When a
+   evolve independently): per chunk `U = U~ - W M0`,
+   `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes the state entering each
+   chunk and `U` (the backward keeps `U`, not `U~`).
+3. output (parallel over chunks; a loop over V tiles):
+   `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`. When a
    gradient will be taken it stores `S` (transposed).
 
-Backward, three launches (two with `fuse_grads`):
+Backward, three launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
-   K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes each
-   chunk's `dU` and the adjoint of the state leaving every `state_stride`-th
-   chunk (the walk's end is d initial_state).
-2. value gradients (parallel over chunks; a loop over V tiles): dV and the
-   [L, L] adjoints of the scores and of `A` (the gradient through the
-   inverse is `dA = -T^T dT T^T`), from `T`, `U` and `dU`; no state.
-3. key gradients (parallel over chunk groups and K tiles; a loop over V
-   tiles accumulates the products with the states M0 and their adjoints dM1
-   that reduce over V, forming those between the stored ones on chip):
+   K~ dM1`, `dM0 = scale (Q e^b)^T dY + e^{b_L} dM1 - W^T dU`; writes the
+   adjoint of the state leaving each chunk (its end is d initial_state) and
+   each chunk's `dU`.
+2. value gradients (parallel over chunks; a loop over V tiles): dV, `T^T dU`,
+   and the [L, L] adjoints of the scores and of `A` (the gradient through the
+   inverse is `dA = -T^T dT T^T`), from the stored `T`, `U` and `dU`; no state.
+3. key gradients (parallel over chunks and K tiles; a loop over V tiles
+   accumulates the products with the states M0 and dM1 that reduce over V):
    dQ and dK. Both gradient kernels add shares of d b and d beta.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
@@ -79,18 +78,11 @@ class GatedDeltaBlocks:
   inverse_block: int | None = 16  # rows of the diagonal blocks of the (I + A)^-1
                                   # substitution, merged after it (None: the
                                   # whole chunk)
-  state_stride: int = 1  # chunks per stored state: the walks store the state
-                         # (and its adjoint) of every `state_stride`-th chunk
-                         # boundary, and the output and key-gradient programs
-                         # take that many chunks each, forming the states in
-                         # between on chip
-  fuse_grads: bool = False  # one backward launch for the value and key gradients
-                            # (needs grad_block_k None: all K columns)
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
                  "prepare_num_warps", "inverse_block", "grad_block_k",
-                 "value_grad_num_warps", "key_grad_num_warps", "state_stride"):
+                 "value_grad_num_warps", "key_grad_num_warps"):
       value = getattr(self, name)
       if value is not None and not _is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
@@ -111,13 +103,15 @@ class GatedDeltaBlocks:
     if chunk is None:
       chunk = min(32, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
-    # The gradient kernels' warps, key tile and stages: the best of a sweep on
-    # the H200 (BUILD_NOTES.md, "Eighteenth session"); num_warps is then the
-    # output kernel's alone.
+    # The gradient kernels' warps, key tile and stages, and the walks' tiles:
+    # the best of sweeps on the H200 (BUILD_NOTES.md, "Eighteenth session" and
+    # "Nineteenth session"); num_warps is then the output kernel's alone. At
+    # K * V > 64 * 64 each walk program carries the whole [K, V] state.
     return cls(chunk=chunk, block_v=min(64 if big else 32, value),
-               num_warps=8 if big else 4, state_num_warps=4, prepare_num_warps=4,
+               num_warps=4, state_num_warps=8 if big else 4, prepare_num_warps=4,
+               state_block_v=value if big else None,
                value_grad_num_warps=2, key_grad_num_warps=4 if big else 2,
-               grad_block_k=None if big else 32, grad_num_stages=2 if big else 3)
+               grad_block_k=None if big else 32, grad_num_stages=3)
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -193,157 +187,116 @@ def _wy_inverse(k, b, beta, chunk, inverse_block):
   return _unit_lower_inverse(a, chunk, inverse_block)
 
 
-def _prepare_kernel(k_ref, b_ref, beta_ref, t_ref, *, chunk, inverse_block):
-  """T = (I + A)^-1 of one chunk, in the input dtype: every kernel reads it
-  only as an operand rounded to that."""
-  t = _wy_inverse(k_ref[...], b_ref[...], beta_ref[...], chunk, inverse_block)
-  t_ref[...] = t.astype(t_ref.dtype)
+def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk,
+                    inverse_block):
+  """W and U~ of one chunk (and T = (I + A)^-1 for the backward, if asked)."""
+  k, v = k_ref[...], v_ref[...]
+  b, beta = b_ref[...], beta_ref[...]
+  dtype = v.dtype
+  t = _wy_inverse(k, b, beta, chunk, inverse_block)
+  rw = (beta * jnp.exp(b))[:, None] * k.astype(_F32)             # [L, K]
+  ru = beta[:, None] * v.astype(_F32)                            # [L, V]
+  w_ref[...] = _mm(t, rw, dtype).astype(w_ref.dtype)
+  u_ref[...] = _mm(t, ru, dtype).astype(u_ref.dtype)
+  if t_ref:
+    t_ref[0][...] = t
 
 
-def _wy_keys(t, k, b, beta, dtype):
-  """W = T (beta e^b K) [L, K] float32 (k: [L, K] or some of its columns)."""
-  return _mm(t, (beta * jnp.exp(b))[:, None] * k.astype(_F32), dtype)
-
-
-def _wy_values(t, v, beta, dtype):
-  """U~ = T (beta V) [L, bv] float32."""
-  return _mm(t, beta[:, None] * v.astype(_F32), dtype)
-
-
-def _advance(m, k, u, b, dtype):
-  """The state leaving a chunk, `e^{b_L} M + (K e^{b_L - b})^T U` [K, bv]
-  float32, from the one entering it (`m` [K, bv]; k [L, K], u [L, bv])."""
-  b_last = pick_row(b, b.shape[0] - 1)
-  k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)         # [L, K]
-  return jnp.exp(b_last) * m.astype(_F32) + _mm(k_end, u, dtype, trans_a=True)
-
-
-def _retreat(dm, q, dy, w, du, b, scale, dtype):
-  """The adjoint of the state entering a chunk, `scale (Q e^b)^T dY +
-  e^{b_L} dM - W^T dU` [K, bv] float32, from the adjoint `dm` of the one
-  leaving it (q, w [L, K]; dy, du [L, bv])."""
-  b_last = pick_row(b, b.shape[0] - 1)
-  q_in = jnp.exp(b)[:, None] * q.astype(_F32)
-  return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * dm.astype(_F32)
-          - _mm(w, du, dtype, trans_a=True))
-
-
-def _store_every(out_ref, value, c, stride, phase):
-  """`out_ref[c // stride] = value` when `c % stride == phase` (a walk's
-  chunk `c`: the walks store every `stride`-th state)."""
-  def store(i):
-    out_ref[i] = value.astype(out_ref.dtype)
-  if stride == 1:
-    store(c)
-  else:
-    pl.when(jax.lax.rem(c, stride) == phase)(lambda: store(jax.lax.div(c, stride)))
-
-
-def _states_kernel(k_ref, v_ref, t_ref, b_ref, beta_ref, h0_ref, out_ref, u_ref, final_ref,
-                   *, chunk, num_chunks, stride):
-  """Forward state walk, one [K, bv] tile of M per program. Forms each chunk's
-  W and U~ from T (products that do not wait for the carried state), stores
-  the state entering every `stride`-th chunk, and the corrected values U that
-  its chain forms anyway (so the output kernel reads U and skips the `W M0`
-  product)."""
-  dtype = v_ref.dtype
+def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, out_ref, u_ref, final_ref, *,
+                   chunk, num_chunks):
+  """Forward state walk, one [K, bv] tile of M per program. Stores the state
+  entering each chunk and the corrected values U that its chain forms anyway
+  (so the output kernel reads U, not W and U~, and skips the `W M0` product)."""
+  dtype = u_tilde_ref.dtype
 
   def body(c, h):
-    _store_every(out_ref, h, c, stride, 0)
+    out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
-    t, k, b, beta = t_ref[rows, :], k_ref[rows, :], b_ref[rows], beta_ref[rows]
-    w = _wy_keys(t, k, b, beta, dtype)
-    u = (_wy_values(t, v_ref[rows, :], beta, dtype) - _mm(w, h, dtype)).astype(dtype)
+    k, w, u_t = k_ref[rows, :], w_ref[rows, :], u_tilde_ref[rows, :]
+    b = b_ref[rows]
+    b_last = pick_row(b, chunk - 1)
+    u = (u_t.astype(_F32) - _mm(w, h, dtype)).astype(dtype)      # [L, bv]
     u_ref[rows, :] = u  # every product that reads U rounds it to `dtype` first
-    return _advance(h, k, u, b, dtype)
+    k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)       # [L, K]
+    return jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
 
   final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
 
 
-def _sub_chunks(chunk, stride):
-  """Row slices of the `stride` chunks of one program's block."""
-  return [pl.ds(j * chunk, chunk) for j in range(stride)]
-
-
-def _output_kernel(q_ref, k_ref, u_ref, b_ref, h_ref, y_ref, *scores_t_ref, chunk, stride,
-                   scale, block_v):
-  """`stride` chunks: their [L, L] scores once, then the V columns a tile at
-  a time, the state carried from chunk to chunk on chip. If asked, stores the
-  scores (for the backward's state walk)."""
+def _output_kernel(q_ref, k_ref, u_ref, b_ref, h_ref, y_ref, *scores_t_ref, chunk, scale,
+                   block_v):
+  """One chunk: the [L, L] scores once, then the V columns a tile at a time.
+  If asked, stores the scores (for the backward's state walk)."""
+  q, k = q_ref[...], k_ref[...]
   dtype = u_ref.dtype
-  subs = _sub_chunks(chunk, stride)
-  qs, ks, bs = [q_ref[r, :] for r in subs], [k_ref[r, :] for r in subs], [b_ref[r] for r in subs]
-  scores = []
-  for r, q, k, b in zip(subs, qs, ks, bs):
-    scores.append(_mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk))
-    if scores_t_ref:  # transposed: the backward's walk multiplies by S^T
-      scores_t_ref[0][r, :] = scores[-1].T.astype(scores_t_ref[0].dtype)
-  ebs = [jnp.exp(b)[:, None] for b in bs]
+  b = b_ref[...]
+  scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
+  if scores_t_ref:  # transposed: the backward's walk multiplies by S^T
+    scores_t_ref[0][...] = scores.T.astype(scores_t_ref[0].dtype)
+  eb = jnp.exp(b)[:, None]
 
   def tile(e, carry):
     cols = pl.ds(e * block_v, block_v)
-    h = h_ref[:, cols]                                           # [K, bv]
-    for j, r in enumerate(subs):
-      u = u_ref[r, cols]                                         # [L, bv]
-      y = ebs[j] * _mm(qs[j], h, dtype) + _mm(scores[j], u, dtype)
-      y_ref[r, cols] = (scale * y).astype(y_ref.dtype)
-      if j + 1 < stride:
-        h = _advance(h, ks[j], u, bs[j], dtype)
+    h, u = h_ref[:, cols], u_ref[:, cols]                        # [K, bv], [L, bv]
+    y = eb * _mm(q, h, dtype) + _mm(scores, u, dtype)
+    y_ref[:, cols] = (scale * y).astype(y_ref.dtype)
     return carry
 
   jax.lax.fori_loop(0, y_ref.shape[-1] // block_v, tile, 0)
 
 
-def _states_bwd_kernel(q_ref, k_ref, t_ref, dy_ref, b_ref, beta_ref, scores_ref, dfinal_ref,
-                       out_ref, du_ref, dh0_ref, *, chunk, num_chunks, stride, scale):
+def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_ref, out_ref,
+                       du_ref, dh0_ref, *, chunk, num_chunks, scale):
   """Backward state walk: the adjoint of M, one [K, bv] tile per program. The
   chunks' [L, L] scores come from the forward's output kernel, which keeps
-  their product and exponentials off this serial chain. Stores the adjoint of
-  the state leaving every `stride`-th chunk (the last of each stored state's
-  chunks), and each chunk's dU for the gradient kernels (in `dtype`: every
-  product there rounds it to that)."""
+  their product and exponentials off this serial chain. The walk forms each
+  chunk's dU on the way and stores it for the chunk gradients (in `dtype`:
+  every product there rounds it to that)."""
   dtype = dy_ref.dtype
 
   def body(step, g):
     c = num_chunks - 1 - step
-    _store_every(out_ref, g, c, stride, stride - 1)
+    out_ref[c] = g.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
-    q, k, dy = q_ref[rows, :], k_ref[rows, :], dy_ref[rows, :]
-    b, beta = b_ref[rows], beta_ref[rows]
-    w = _wy_keys(t_ref[rows, :], k, b, beta, dtype)
+    q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
+    b = b_ref[rows]
     b_last = pick_row(b, chunk - 1)
     scores_t = scores_ref[rows, :]                               # [L, L]: S^T
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)
-    du = (scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)).astype(dtype)
-    du_ref[rows, :] = du
-    return _retreat(g, q, dy, w, du, b, scale, dtype)
+    du = scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)
+    du_ref[rows, :] = du.astype(du_ref.dtype)
+    q_in = jnp.exp(b)[:, None] * q.astype(_F32)
+    return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
+            - _mm(w, du, dtype, trans_a=True))
 
   dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
-def _chunk_value_grads(r, q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref,
-                       t_ref, dv_ref, *, chunk, scale, block_v):
-  """The gradients of the chunk at rows `r` of the refs that need no state:
-  stores dV, and returns the [L, L] adjoints of the scores and of `A` that the
-  key gradients multiply into dQ and dK (both times the decays, rounded to
-  the input dtype: they are read only as operands rounded to it), and this
-  chunk's [L] shares of d b and d beta. The V columns are visited a tile at a
-  time; `dY U^T` and `dU U^T` accumulate across the tiles."""
-  q, k = q_ref[r, :], k_ref[r, :]
+def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref,
+                       dv_ref, dru_ref, dsd_ref, dkk_ref, db_ref, dbeta_ref, *, chunk,
+                       scale, block_v):
+  """One chunk's gradients that need no state: dV, and the [L, L] adjoints of
+  the scores and of `A` that the key-gradient kernel multiplies into dQ and
+  dK. The V columns are visited a tile at a time; `dY U^T` and `dU U^T`
+  accumulate across the tiles. Also stores `T^T dU` (the adjoint of `R_u`,
+  rounded to `dtype` like every product that reads it) for that kernel, and
+  this kernel's shares of d b and d beta."""
+  q, k = q_ref[...], k_ref[...]
   dtype = v_ref.dtype
-  b, beta = b_ref[r], beta_ref[r]
+  b, beta = b_ref[...], beta_ref[...]
   row, col = _masks(chunk)
-  t = t_ref[r, :]                                                # (I + A)^-1
-  t_t_in = t.T  # the loop's operand, transposed once
+  t = t_ref[...]                                                 # (I + A)^-1, float32
+  t_t_in = t.T.astype(dtype)  # the loop's operand, cast once
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U) and U~ = T R_u.
     dy_dot_u, du_dot_u, dbeta_v = acc
     cols = pl.ds(e * block_v, block_v)
-    dy, vf = dy_ref[r, cols], v_ref[r, cols].astype(_F32)        # [L, bv]
-    u, du = u_ref[r, cols], du_ref[r, cols]                      # [L, bv]
+    dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
+    u, du = u_ref[:, cols], du_ref[:, cols]                      # [L, bv]
     dru = _mm(t_t_in, du, dtype)                                 # T^T dU
-    dv_ref[r, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
+    dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
+    dru_ref[:, cols] = dru.astype(dru_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
             du_dot_u + _mm(du, u, dtype, trans_b=True),
             dbeta_v + jnp.sum(dru * vf, axis=1))
@@ -362,187 +315,135 @@ def _chunk_value_grads(r, q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, bet
   dt = _mm(du_dot_u, i_plus_a, dtype, trans_b=True)
   da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
   da = jnp.where(row > col, da, 0.0)
-  dsd = (ds * decay).astype(dtype)
-  dkk = (da * beta[:, None] * decay).astype(dtype)
+  # Both are read only as operands rounded to `dtype`, so they are stored so.
+  dsd_ref[...] = (ds * decay).astype(dsd_ref.dtype)
+  dkk_ref[...] = (da * beta[:, None] * decay).astype(dkk_ref.dtype)
   # d b through D (in A and S); d beta through A and R_u.
   p = (da * beta[:, None] * kk + ds * qk) * decay
-  return (dsd, dkk, jnp.sum(p, axis=1) - jnp.sum(p, axis=0),
-          dbeta_v + jnp.sum(da * decay * kk, axis=1))
+  db_ref[...] = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
+  dbeta_ref[...] = dbeta_v + jnp.sum(da * decay * kk, axis=1)
 
 
-def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref,
-                       dv_ref, dsd_ref, dkk_ref, db_ref, dbeta_ref, *, chunk, scale,
-                       block_v):
-  """One chunk's gradients that need no state (`_chunk_value_grads`), for the
-  key-gradient kernel and the shares of d b and d beta."""
-  rows = pl.ds(0, chunk)
-  dsd_ref[...], dkk_ref[...], db_ref[...], dbeta_ref[...] = _chunk_value_grads(
-      rows, q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref, dv_ref,
-      chunk=chunk, scale=scale, block_v=block_v)
-
-
-def _group_key_grads(q_ref, k_ref, u_ref, du_ref, t_ref, dy_ref, b_ref, beta_ref,
-                     h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, value_terms, *,
-                     chunk, stride, scale, block_v):
-  """dQ and dK of `stride` chunks on `bk` key columns, and their shares of d b
-  and d beta, given each chunk's `value_terms` (the decayed adjoints of the
-  scores and of `A`, and shares of d b and d beta to add). The V columns are
-  visited a tile at a time, so at most a few [bk, bv] tiles of the states and
-  their adjoints are in registers: the stored ones (the state entering the
-  first chunk, the adjoint of the one leaving the last) and those in
-  between, formed from them on chip. The three [L, bk] products per chunk
-  that reduce over V accumulate across the tiles."""
+def _key_grad_kernel(q_ref, k_ref, u_ref, dru_ref, dy_ref, b_ref, beta_ref, dsd_ref,
+                     dkk_ref, h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, chunk,
+                     scale, block_v):
+  """One chunk's dQ and dK on `bk` key columns, and their shares of d b and
+  d beta. The V columns are visited a tile at a time, so at most a [bk, bv]
+  tile of the state M0 and of its adjoint dM1 is in registers; the three
+  [L, bk] products that reduce over V accumulate across the tiles."""
+  q, k = q_ref[...], k_ref[...]                                  # [L, bk]
   dtype = u_ref.dtype
-  subs = _sub_chunks(chunk, stride)
-  bs = [b_ref[r] for r in subs]
-  ts = [t_ref[r, :] for r in subs]                               # (I + A)^-1 [L, L]
-  # W of the chunks after the first (for the adjoints between stored ones),
-  # rounded as the products round it.
-  ws = [None] + [_wy_keys(ts[j], k_ref[subs[j], :], bs[j], beta_ref[subs[j]], dtype)
-                 .astype(dtype) for j in range(1, stride)]
+  b, beta = b_ref[...], beta_ref[...]
+  b_last = pick_row(b, chunk - 1)
+  eb = jnp.exp(b)
+  e_end = jnp.exp(b_last - b)
 
   def tile(e, acc):
     # Through Y (e^b Q M0), M1 = e^{b_L} M0 + K~^T U and W = T R_w (dW = -dU M0^T).
+    drw, dk_end, dy_dot_m0, m_dot_dm = acc
     cols = pl.ds(e * block_v, block_v)
-    m0s = [h_ref[:, cols]]                                       # [bk, bv] each
-    for j in range(stride - 1):
-      m0s.append(_advance(m0s[j], k_ref[subs[j], :], u_ref[subs[j], cols], bs[j], dtype))
-    dm1s = [dh_ref[:, cols]]
-    for j in range(stride - 1, 0, -1):
-      r = subs[j]
-      dm1s.insert(0, _retreat(dm1s[0], q_ref[r, :], dy_ref[r, cols], ws[j],
-                              du_ref[r, cols], bs[j], scale, dtype))
-    new = []
-    for (drw, dk_end, dy_dot_m0, m_dot_dm), r, t, m0, dm1 in zip(acc, subs, ts, m0s, dm1s):
-      dy, u = dy_ref[r, cols], u_ref[r, cols]                    # [L, bv]
-      dru = _mm(t, du_ref[r, cols], dtype, trans_a=True)         # T^T dU
-      new.append((drw - _mm(dru, m0, dtype, trans_b=True),
-                  dk_end + _mm(u, dm1, dtype, trans_b=True),
-                  dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
-                  m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1)))
-    return tuple(new)
+    m0, dm1 = h_ref[:, cols], dh_ref[:, cols]                    # [bk, bv]
+    dy, u, dru = dy_ref[:, cols], u_ref[:, cols], dru_ref[:, cols]  # [L, bv]
+    return (drw - _mm(dru, m0, dtype, trans_b=True),
+            dk_end + _mm(u, dm1, dtype, trans_b=True),
+            dy_dot_m0 + _mm(dy, m0, dtype, trans_b=True),
+            m_dot_dm + jnp.sum(dm1.astype(_F32) * m0.astype(_F32), axis=1))
 
-  keys = jnp.zeros((chunk, q_ref.shape[1]), _F32)
-  zero = (keys, keys, keys, jnp.zeros((q_ref.shape[1],), _F32))
-  acc = jax.lax.fori_loop(0, u_ref.shape[-1] // block_v, tile, (zero,) * stride)
+  keys = jnp.zeros(k.shape, _F32)
+  drw, dk_end, dy_dot_m0, m_dot_dm = jax.lax.fori_loop(
+      0, u_ref.shape[-1] // block_v, tile,
+      (keys, keys, keys, jnp.zeros((k.shape[1],), _F32)))
+  qf, kf = q.astype(_F32), k.astype(_F32)
+  dsd, dkk = dsd_ref[...], dkk_ref[...]
+  dq_inter = scale * eb[:, None] * dy_dot_m0
+  dq = dq_inter + _mm(dsd, k, dtype)
+  dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
+  beta_eb = (beta * eb)[:, None]
+  rw = beta_eb * kf
+  dk += beta_eb * drw
+  dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
+  # d b through e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
+  db = jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
+  end_terms = jnp.sum(dk_end * (e_end[:, None] * kf), axis=1)     # [L]
+  db -= end_terms
+  end = jnp.sum(end_terms) + jnp.exp(b_last) * jnp.sum(m_dot_dm)
   idx = jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-  for (drw, dk_end, dy_dot_m0, m_dot_dm), r, b, (dsd, dkk, db_v, dbeta_v) in zip(
-      acc, subs, bs, value_terms):
-    q, k, beta = q_ref[r, :], k_ref[r, :], beta_ref[r]          # [L, bk]
-    b_last = pick_row(b, chunk - 1)
-    eb = jnp.exp(b)
-    e_end = jnp.exp(b_last - b)
-    qf, kf = q.astype(_F32), k.astype(_F32)
-    dq_inter = scale * eb[:, None] * dy_dot_m0
-    dq = dq_inter + _mm(dsd, k, dtype)
-    dk = _mm(dsd, q, dtype, trans_a=True) + e_end[:, None] * dk_end
-    beta_eb = (beta * eb)[:, None]
-    rw = beta_eb * kf
-    dk += beta_eb * drw
-    dk += _mm(dkk, k, dtype) + _mm(dkk, k, dtype, trans_a=True)
-    # d b through e^b (in Y and R_w), e^{b_L - b} and e^{b_L}.
-    db = db_v + jnp.sum(dq_inter * qf, axis=1) + jnp.sum(drw * rw, axis=1)
-    end_terms = jnp.sum(dk_end * (e_end[:, None] * kf), axis=1)   # [L]
-    db -= end_terms
-    end = jnp.sum(end_terms) + jnp.exp(b_last) * jnp.sum(m_dot_dm)
-    db_ref[r] = db + jnp.where(idx == chunk - 1, end, 0.0)
-    dbeta_ref[r] = dbeta_v + jnp.sum(drw * eb[:, None] * kf, axis=1)
-    dq_ref[r, :] = dq.astype(dq_ref.dtype)
-    dk_ref[r, :] = dk.astype(dk_ref.dtype)
-
-
-def _key_grad_kernel(q_ref, k_ref, u_ref, du_ref, t_ref, dy_ref, b_ref, beta_ref,
-                     dsd_ref, dkk_ref, h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *,
-                     chunk, stride, scale, block_v):
-  """`_group_key_grads` with the value-gradient kernel's stored [L, L] terms
-  (its shares of d b and d beta are added outside)."""
-  value_terms = [(dsd_ref[r, :], dkk_ref[r, :], 0.0, 0.0)
-                 for r in _sub_chunks(chunk, stride)]
-  _group_key_grads(q_ref, k_ref, u_ref, du_ref, t_ref, dy_ref, b_ref, beta_ref,
-                   h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, value_terms,
-                   chunk=chunk, stride=stride, scale=scale, block_v=block_v)
-
-
-def _grads_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, t_ref, dy_ref, b_ref, beta_ref,
-                  h_ref, dh_ref, dv_ref, dq_ref, dk_ref, db_ref, dbeta_ref, *, chunk, stride,
-                  scale, block_v):
-  """Both gradient kernels in one program per chunk group (all K columns):
-  the chunks' value gradients first, then their key gradients, which take
-  the [L, L] terms from registers and read the chunk operands (q, k, U, dU,
-  dY, T) the first part brought into the caches."""
-  value_terms = [
-      _chunk_value_grads(r, q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref,
-                         t_ref, dv_ref, chunk=chunk, scale=scale, block_v=block_v)
-      for r in _sub_chunks(chunk, stride)]
-  _group_key_grads(q_ref, k_ref, u_ref, du_ref, t_ref, dy_ref, b_ref, beta_ref,
-                   h_ref, dh_ref, dq_ref, dk_ref, db_ref, dbeta_ref, value_terms,
-                   chunk=chunk, stride=stride, scale=scale, block_v=block_v)
+  db_ref[...] = db + jnp.where(idx == chunk - 1, end, 0.0)
+  dbeta_ref[...] = jnp.sum(drw * eb[:, None] * kf, axis=1)
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
 def _params(num_warps, num_stages=1):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _specs(chunk, key, rep, stride=1):
-  """BlockSpecs of `stride` chunks (R = stride L rows) on grid (batch, head,
-  chunk group, ...): `qk` (q/k rows of the head's group), `vec` (b, beta),
-  `head(size)` (a head's [R, size] rows) and `square` (the chunks' [L, L]
-  matrices, [R, L] of a [B, N, T, L] array). All but `qk` ignore grid axes
-  after the chunk group's (the key-gradient kernel's key tiles)."""
-  rows = stride * chunk
+def _specs(chunk, key, rep):
+  """BlockSpecs of one chunk on grid (batch, head, chunk, ...): `qk` (q/k rows
+  of the head's group), `vec` (b, beta), `head(size)` (a head's [L, size] rows)
+  and `square` (a chunk's [L, L] matrix in a [B, N, T, L] array). All but `qk`
+  ignore grid axes after the chunk's (the key-gradient kernel's key tiles)."""
   return dict(
-      qk=pl.BlockSpec((None, rows, None, key), lambda i, n, c: (i, c, n // rep, 0)),
-      vec=pl.BlockSpec((None, None, rows), lambda i, n, c, *_: (i, n, c)),
-      head=lambda size: pl.BlockSpec((None, rows, None, size),
+      qk=pl.BlockSpec((None, chunk, None, key), lambda i, n, c: (i, c, n // rep, 0)),
+      vec=pl.BlockSpec((None, None, chunk), lambda i, n, c, *_: (i, n, c)),
+      head=lambda size: pl.BlockSpec((None, chunk, None, size),
                                      lambda i, n, c, *_: (i, c, n, 0)),
-      square=pl.BlockSpec((None, None, rows, chunk), lambda i, n, c, *_: (i, n, c, 0)))
+      square=pl.BlockSpec((None, None, chunk, chunk), lambda i, n, c, *_: (i, n, c, 0)))
 
 
-def _prepare(k, b, beta, heads, dtype, blocks):
-  """T = (I + A)^-1 of every chunk [B, N, T, L], in `dtype`."""
+def _prepare(k, v, b, beta, blocks, *, save_inverse):
+  """(W, U~) in the input dtype, and with `save_inverse` T [B, N, T, L] float32."""
   batch, time, groups, key = k.shape
+  heads, value = v.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
+  head = sp["head"]
+  out_specs = [head(key), head(value)]
+  out_shape = [jax.ShapeDtypeStruct((batch, time, heads, key), v.dtype),
+               jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  if save_inverse:
+    out_specs.append(sp["square"])
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), _F32))
   return _pallas.pallas_call(
       functools.partial(_prepare_kernel, chunk=chunk, inverse_block=blocks.inverse_block),
       grid=(batch, heads, time // chunk),
-      in_specs=[sp["qk"], sp["vec"], sp["vec"]],
-      out_specs=sp["square"],
-      out_shape=jax.ShapeDtypeStruct((batch, heads, time, chunk), dtype),
+      in_specs=[sp["qk"], head(value), sp["vec"], sp["vec"]],
+      out_specs=out_specs, out_shape=out_shape,
       compiler_params=_params(blocks.prepare_num_warps),
-      interpret=_backend.pallas_interpret(), name="gated_delta_prepare")(k, b, beta)
+      interpret=_backend.pallas_interpret(), name="gated_delta_prepare")(k, v, b, beta)
 
 
 def _seq_specs(time, key, rep, bv, chunk):
   """Whole-sequence BlockSpecs on grid (batch, head, V tile)."""
   return dict(
       qk=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n // rep, 0)),
+      w=pl.BlockSpec((None, time, None, key), lambda i, n, e: (i, 0, n, 0)),
       v=pl.BlockSpec((None, time, None, bv), lambda i, n, e: (i, 0, n, e)),
       vec=pl.BlockSpec((None, None, time), lambda i, n, e: (i, n, 0)),
       square=pl.BlockSpec((None, None, time, chunk), lambda i, n, e: (i, n, 0, 0)),
       state=pl.BlockSpec((None, None, key, bv), lambda i, n, e: (i, n, 0, e)))
 
 
-def _states(k, v, t, b, beta, h0, blocks):
-  """The state entering every `state_stride`-th chunk [B, N, C / stride, K, V]
-  and U [B, T, N, V], both in the input dtype, and the final state (float32)."""
+def _states(k, w, u_tilde, b, h0, blocks):
+  """The state entering each chunk [B, N, C, K, V] and U [B, T, N, V], both in
+  the input dtype, and the final state (float32)."""
   batch, time, groups, key = k.shape
-  heads, value = v.shape[2:]
+  heads, value = u_tilde.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
-  num_chunks, stride = time // chunk, blocks.state_stride
+  num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
-      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks, stride=stride),
+      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks),
       grid=(batch, heads, value // bv),
-      in_specs=[sp["qk"], sp["v"], sp["square"], sp["vec"], sp["vec"], sp["state"]],
-      out_specs=[pl.BlockSpec((None, None, num_chunks // stride, key, bv),
+      in_specs=[sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
+      out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
                               lambda i, n, e: (i, n, 0, 0, e)), sp["v"], sp["state"]],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks // stride, key, value),
-                                      v.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value),
+                                      u_tilde.dtype),
+                 jax.ShapeDtypeStruct(u_tilde.shape, u_tilde.dtype),
                  jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
-      interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, v, t, b, beta, h0)
+      interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, w, u_tilde, b, h0)
 
 
 def _output(q, k, u, b, states, scale, blocks, *, save_scores):
@@ -550,17 +451,16 @@ def _output(q, k, u, b, states, scale, blocks, *, save_scores):
   chunks' transposed scores [B, N, T, L], in the input dtype."""
   batch, time, groups, key = q.shape
   heads, value = u.shape[2:]
-  chunk, stride = blocks.chunk, blocks.state_stride
-  sp = _specs(chunk, key, heads // groups, stride)
+  chunk = blocks.chunk
+  sp = _specs(chunk, key, heads // groups)
   head = sp["head"]
   out_specs, out_shape = [head(value)], [jax.ShapeDtypeStruct(u.shape, u.dtype)]
   if save_scores:
     out_specs.append(sp["square"])
     out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), u.dtype))
   return _pallas.pallas_call(
-      functools.partial(_output_kernel, chunk=chunk, stride=stride, scale=scale,
-                        block_v=blocks.block_v),
-      grid=(batch, heads, time // (stride * chunk)),
+      functools.partial(_output_kernel, chunk=chunk, scale=scale, block_v=blocks.block_v),
+      grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), sp["vec"],
                 pl.BlockSpec((None, None, None, key, value),
                              lambda i, n, c: (i, n, c, 0, 0))],
@@ -570,32 +470,32 @@ def _output(q, k, u, b, states, scale, blocks, *, save_scores):
       name="gated_delta_output")(q, k, u, b, states)
 
 
-def _states_bwd(q, k, t, dy, b, beta, scores, dfinal, scale, blocks):
+def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
-  num_chunks, stride = time // chunk, blocks.state_stride
+  num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
       functools.partial(_states_bwd_kernel, chunk=chunk, num_chunks=num_chunks,
-                        stride=stride, scale=scale),
+                        scale=scale),
       grid=(batch, heads, value // bv),
-      in_specs=[sp["qk"], sp["qk"], sp["square"], sp["v"], sp["vec"], sp["vec"],
-                sp["square"], sp["state"]],
-      out_specs=[pl.BlockSpec((None, None, num_chunks // stride, key, bv),
+      in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["square"],
+                sp["state"]],
+      out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
                               lambda i, n, e: (i, n, 0, 0, e)), sp["v"], sp["state"]],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks // stride, key, value),
-                                      dy.dtype),
+      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
                  jax.ShapeDtypeStruct(dy.shape, dy.dtype),
                  jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_states_reverse")(q, k, t, dy, b, beta, scores, dfinal)
+      name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
 def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
-  """dV [B, T, N, V] and the chunks' adjoint scores and `A` terms [B, N, T, L]
-  in the input dtype; d b and d beta shares [B, N, T] float32."""
+  """(dV, T^T dU) [B, T, N, V] in the input dtype; the chunks' adjoint
+  scores and `A` terms [B, N, T, L] in the input dtype; d b and d beta
+  shares [B, N, T] float32."""
   batch, time, groups, key = q.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
@@ -608,8 +508,9 @@ def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), head(value),
                 sp["vec"], sp["vec"], square],
-      out_specs=[head(value), square, square, sp["vec"], sp["vec"]],
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), squares, squares,
+      out_specs=[head(value), head(value), square, square, sp["vec"], sp["vec"]],
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), squares, squares,
                  jax.ShapeDtypeStruct(b.shape, _F32), jax.ShapeDtypeStruct(b.shape, _F32)],
       compiler_params=_params(blocks.value_grad_num_warps or blocks.num_warps,
                               blocks.grad_num_stages),
@@ -617,27 +518,26 @@ def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
       name="gated_delta_value_grads")(q, k, v, u, du, dy, b, beta, t)
 
 
-def _key_grads(q, k, u, du, t, dy, b, beta, dsd, dkk, states, dstates, scale, blocks):
+def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, blocks):
   """dQ, dK [B, T, N, K] (float32 when heads share q/k, to be summed) and the
   d b and d beta shares [nK, B, N, T] float32 of the nK key tiles."""
   batch, time, groups, key = q.shape
   heads, value = u.shape[2:]
   rep = heads // groups
-  chunk, bk, stride = blocks.chunk, blocks.grad_block_k, blocks.state_stride
-  rows = stride * chunk
+  chunk, bk = blocks.chunk, blocks.grad_block_k
   num_k = key // bk
-  sp = _specs(chunk, key, rep, stride)
-  head, vec, square = sp["head"](value), sp["vec"], sp["square"]
-  qk = pl.BlockSpec((None, rows, None, bk), lambda i, n, c, j: (i, c, n // rep, j))
+  sp = _specs(chunk, key, rep)
+  rows, vec, square = sp["head"](value), sp["vec"], sp["square"]
+  qk = pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n // rep, j))
   state = pl.BlockSpec((None, None, None, bk, value), lambda i, n, c, j: (i, n, c, j, 0))
-  share = pl.BlockSpec((None, None, None, rows), lambda i, n, c, j: (j, i, n, c))
+  share = pl.BlockSpec((None, None, None, chunk), lambda i, n, c, j: (j, i, n, c))
   dqk_dtype = q.dtype if rep == 1 else _F32
   return _pallas.pallas_call(
-      functools.partial(_key_grad_kernel, chunk=chunk, stride=stride, scale=scale,
+      functools.partial(_key_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v),
-      grid=(batch, heads, time // rows, num_k),
-      in_specs=[qk, qk, head, head, square, head, vec, vec, square, square, state, state],
-      out_specs=[pl.BlockSpec((None, rows, None, bk), lambda i, n, c, j: (i, c, n, j))] * 2
+      grid=(batch, heads, time // chunk, num_k),
+      in_specs=[qk, qk, rows, rows, rows, vec, vec, square, square, state, state],
+      out_specs=[pl.BlockSpec((None, chunk, None, bk), lambda i, n, c, j: (i, c, n, j))] * 2
       + [share, share],
       out_shape=[jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype)] * 2
       + [jax.ShapeDtypeStruct((num_k,) + b.shape, _F32)] * 2,
@@ -646,45 +546,17 @@ def _key_grads(q, k, u, du, t, dy, b, beta, dsd, dkk, states, dstates, scale, bl
       compiler_params=_params(blocks.key_grad_num_warps or blocks.num_warps,
                               blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_key_grads")(q, k, u, du, t, dy, b, beta, dsd, dkk, states,
-                                    dstates)
-
-
-def _grads(q, k, v, u, du, t, dy, b, beta, states, dstates, scale, blocks):
-  """`_value_grads` and `_key_grads` as one launch (all K columns): dV, dQ, dK
-  and the d b and d beta shares [B, N, T] float32."""
-  batch, time, groups, key = q.shape
-  heads, value = v.shape[2:]
-  rep = heads // groups
-  chunk, stride = blocks.chunk, blocks.state_stride
-  sp = _specs(chunk, key, rep, stride)
-  head, vec, square = sp["head"], sp["vec"], sp["square"]
-  state = pl.BlockSpec((None, None, None, key, value), lambda i, n, c: (i, n, c, 0, 0))
-  dqk_dtype = q.dtype if rep == 1 else _F32
-  return _pallas.pallas_call(
-      functools.partial(_grads_kernel, chunk=chunk, stride=stride, scale=scale,
-                        block_v=blocks.block_v),
-      grid=(batch, heads, time // (stride * chunk)),
-      in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), square,
-                head(value), vec, vec, state, state],
-      out_specs=[head(value), head(key), head(key), vec, vec],
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype)]
-      + [jax.ShapeDtypeStruct((batch, time, heads, key), dqk_dtype)] * 2
-      + [jax.ShapeDtypeStruct(b.shape, _F32)] * 2,
-      compiler_params=_params(blocks.key_grad_num_warps or blocks.num_warps,
-                              blocks.grad_num_stages),
-      interpret=_backend.pallas_interpret(),
-      name="gated_delta_grads")(q, k, v, u, du, t, dy, b, beta, states, dstates)
+      name="gated_delta_key_grads")(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates)
 
 
 def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
   """(y, final state, the backward's residuals when `residuals`, else None)."""
-  t = _prepare(k, b, beta, v.shape[2], v.dtype, blocks)
-  states, u, final = _states(k, v, t, b, beta, h0, blocks)
+  w, u_tilde, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
+  states, u, final = _states(k, w, u_tilde, b, h0, blocks)
   y, *scores_t = _output(q, k, u, b, states, scale, blocks, save_scores=residuals)
   if not residuals:
     return y, final, None
-  return y, final, (u, t, states, scores_t[0])
+  return y, final, (w, u, t[0], states, scores_t[0])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -700,19 +572,16 @@ def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
 
 
 def _core_bwd(scale, blocks, residuals, cotangents):
-  q, k, v, b, beta, tokens, u, t, states, scores = residuals
+  q, k, v, b, beta, tokens, w, u, t, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
-  dstates, du, dh0 = _states_bwd(q, k, t, dy, b, beta, scores, dfinal.astype(_F32), scale,
+  dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
                                  blocks)
-  if blocks.fuse_grads:
-    dv, dq, dk, db, dbeta = _grads(q, k, v, u, du, t, dy, b, beta, states, dstates, scale,
-                                   blocks)
-  else:
-    dv, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks)
-    dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, du, t, dy, b, beta, dsd, dkk,
-                                             states, dstates, scale, blocks)
-    db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
+  dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale,
+                                               blocks)
+  dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
+                                           dstates, scale, blocks)
+  db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:
     batch, time, _, key = q.shape
@@ -730,9 +599,8 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
                             chunk_size=None, blocks: GatedDeltaBlocks | None = None):
   """Same contract as `gated_delta_rule_reference`, on the Pallas kernels.
 
-  Pads T to a multiple of `state_stride` chunks (log-decay 0, beta 0, zero k
-  and v: the padded steps leave the state unchanged) and K, V to powers of two
-  >= 16.
+  Pads T to a multiple of the chunk (log-decay 0, beta 0, zero k and v: the
+  padded steps leave the state unchanged) and K, V to powers of two >= 16.
   """
   batch, time, heads, value = v.shape
   key = q.shape[-1]
@@ -749,17 +617,13 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
       blocks, block_v=min(blocks.block_v, value_p),
       state_block_v=min(blocks.state_block_v or blocks.block_v, value_p),
       grad_block_k=min(blocks.grad_block_k or key_p, key_p))
-  if blocks.fuse_grads and blocks.grad_block_k != key_p:
-    raise ValueError(f"`fuse_grads` takes all {key_p} key columns per program, but "
-                     f"`grad_block_k` is {blocks.grad_block_k}")
   dtype = v.dtype
-  rows = chunk * blocks.state_stride
-  pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, rows), 3, size)
+  pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
   v_p = pad(v, value_p)
-  g = _shapes.pad_axis(log_decay, 1, rows)                        # [B, Tp, N]
+  g = _shapes.pad_axis(log_decay, 1, chunk)                       # [B, Tp, N]
   b = jnp.swapaxes(chunk_cumsum(g, chunk).reshape(g.shape), 1, 2)  # [B, N, Tp] f32
-  beta_p = jnp.swapaxes(_shapes.pad_axis(beta.astype(_F32), 1, rows), 1, 2)
+  beta_p = jnp.swapaxes(_shapes.pad_axis(beta.astype(_F32), 1, chunk), 1, 2)
   h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
         else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
                               3, value_p))

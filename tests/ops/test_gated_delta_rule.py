@@ -116,30 +116,23 @@ def test_unit_lower_inverse(case, block):
 
 
 @pytest.mark.parametrize(
-    "block_v, state_block_v, grad_num_stages, inverse_block, grad_block_k, key, groups, "
-    "state_stride, fuse_grads",
-    [(16, None, 2, None, None, 16, None, 1, False), (32, 16, 1, 4, 16, 40, 1, 2, False),
-     (16, None, 2, None, 32, 40, None, 4, False), (16, None, 2, None, None, 40, 1, 2, True)])
+    "block_v, state_block_v, grad_num_stages, inverse_block, grad_block_k, key, groups",
+    [(16, None, 2, None, None, 16, None), (32, 16, 1, 4, 16, 40, 1)])
 def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_stages,
-                                               inverse_block, grad_block_k, key, groups,
-                                               state_stride, fuse_grads):
+                                               inverse_block, grad_block_k, key, groups):
   """The output and gradient kernels visit V a `block_v` tile at a time
   (V 40 pads to 64: four or two tiles, the last one all padding) and the
   states kernels run one program per `state_block_v` tile (`block_v`'s when
   None); the prepare kernel's inverse in diagonal blocks of `inverse_block`
   rows; the key-gradient kernel on `grad_block_k` columns (K 40 pads to 64:
   four programs per chunk, the last all padding, with q/k shared by both
-  heads); states stored every `state_stride` chunks (T 40 pads to 64: two
-  or one chunk groups, the states between formed on chip); both gradient
-  kernels as one (`fuse_grads`); outputs and every gradient still match."""
+  heads); outputs and every gradient still match."""
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
   blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=block_v,
                                            state_block_v=state_block_v,
                                            grad_num_stages=grad_num_stages,
                                            inverse_block=inverse_block,
-                                           grad_block_k=grad_block_k,
-                                           state_stride=state_stride,
-                                           fuse_grads=fuse_grads)
+                                           grad_block_k=grad_block_k)
   args = _inputs(1, 40, 2, key, 40, jnp.float32, seed=3, groups=groups)
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
@@ -214,17 +207,8 @@ def test_bad_shapes_raise(change, match):
     (dict(grad_num_stages=0), "`grad_num_stages` must be >= 1"),
     (dict(grad_block_k=8), "`grad_block_k` must be >= 16"),
     (dict(key_grad_num_warps=3), "`key_grad_num_warps` must be a power of two"),
-    (dict(state_stride=3), "`state_stride` must be a power of two"),
 ])
 def test_bad_tiling_raises(knobs, match):
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
   with pytest.raises(ValueError, match=match):
     gdr_pallas_lib.GatedDeltaBlocks(**knobs)
-
-
-def test_fused_gradients_need_every_key_column():
-  from ops.gated_delta_rule import pallas as gdr_pallas_lib
-  blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, grad_block_k=16, fuse_grads=True)
-  args = _inputs(1, 8, 2, 32, 16, jnp.float32)[:5]
-  with pytest.raises(ValueError, match="`fuse_grads` takes all 32 key columns"):
-    gdr_pallas_lib.gated_delta_rule_pallas(*args, blocks=blocks)
