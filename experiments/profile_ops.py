@@ -29,8 +29,6 @@ _CALLS = flags.DEFINE_integer("calls", 20, "Traced calls per case.")
 _TOP = flags.DEFINE_integer("top", 12, "Kernels printed per case.")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
-_CHUNK = flags.DEFINE_integer("chunk", None, "Chunk size of the ssd/gdn cases' Pallas "
-                              "kernels (default: theirs).")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "Write each case's optimized HLO here "
                                "(<case>.hlo.txt), to look up what a fusion computes.")
 _PLAIN_CALLS = flags.DEFINE_integer(
@@ -116,9 +114,9 @@ def _selective_scan(state, small):
 def _ssd(op, impl, shape, mode, small):
   dims = (1, 64, 2, 16, 16) if small else workloads.SSD_SHAPES[shape]
   args = workloads.ssd_inputs(*dims, jnp.bfloat16)
-  # The chunk sizes of benchmark_kernel_ssd's rows: the kernels' defaults
-  # (or --chunk), 128 for the chunked XLA SSD and 64 for the XLA gated delta rule.
-  chunk = _CHUNK.value if impl == "pallas" else (128 if op == "ssd" else 64)
+  # The chunk sizes of benchmark_kernel_ssd's rows: the kernels' defaults,
+  # 128 for the chunked XLA SSD and 64 for the XLA gated delta rule.
+  chunk = None if impl == "pallas" else (128 if op == "ssd" else 64)
   fn = workloads.chunked_op(op, impl, chunk)
   if mode == "fwd":
     return fn, args
