@@ -48,6 +48,7 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import pick_row
+from ops.gated_delta_rule import mosaic
 from ops.ssd.pallas import _causal_decay
 from ops.ssd.pallas import _dot
 from ops.ssd.pallas import _is_pow2
@@ -78,6 +79,9 @@ class GatedDeltaBlocks:
   inverse_block: int | None = 16  # rows of the diagonal blocks of the (I + A)^-1
                                   # substitution, merged after it (None: the
                                   # whole chunk)
+  mosaic_walk: bool | None = None  # both state walks on the Mosaic GPU kernels
+                                   # (mosaic.py); None: wherever they run
+                                   # compiled (Hopper, 16-bit, K = V = 128)
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
@@ -430,6 +434,9 @@ def _states(k, w, u_tilde, b, h0, blocks):
   batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
+  if blocks.mosaic_walk:
+    return mosaic.walk_forward(k, w, u_tilde, b, h0, chunk=chunk,
+                               interpret=_backend.pallas_interpret())
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -474,6 +481,9 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
+  if blocks.mosaic_walk:
+    return mosaic.walk_reverse(q, k, w, dy, b, scores, dfinal, chunk=chunk, scale=scale,
+                               interpret=_backend.pallas_interpret())
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -618,6 +628,12 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
       state_block_v=min(blocks.state_block_v or blocks.block_v, value_p),
       grad_block_k=min(blocks.grad_block_k or key_p, key_p))
   dtype = v.dtype
+  if blocks.mosaic_walk is None:
+    blocks = dataclasses.replace(
+        blocks, mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk)
+        and not _backend.pallas_interpret())
+  elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
+    raise ValueError(f"`blocks.mosaic_walk`: {why}")
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
   v_p = pad(v, value_p)
