@@ -1,16 +1,16 @@
-"""Mosaic GPU (Hopper) forward state walk of the gated delta rule.
+"""Mosaic GPU (Hopper) state walks of the gated delta rule, forward and reverse.
 
-The walk is the one serial part of the forward: per (batch, head) it carries
+The walks are the serial part of the op: per (batch, head) the forward carries
 the [K, V] state M through the chunks, `U = U~ - W M0`, `M1 = e^{b_L} M0 +
 K^T (D U)` with `D = diag(e^{b_L - b})`, and stores the state entering each
-chunk and U. There are only B x N walks (128 at B 8, N 16), about one per SM,
-so its time is the chain's latency per chunk times the number of chunks. The
-Triton walk (`pallas._states_kernel`) takes about 2.7 us a chunk at K = V = 128
-on an H200 for two [32 x 128 x 128] products. Here a block has three
-warpgroups:
+chunk and U; the reverse (`walk_reverse`) carries the adjoint back. There are
+only B x N walks (128 at B 8, N 16), about one per SM, so a walk's time is its
+chain's latency per chunk times the number of chunks. The Triton walks
+(`pallas._states_kernel`, `pallas._states_bwd_kernel`) take about 2.7 and
+3.4 us a chunk at K = V = 128 on an H200. Here a block has three warpgroups:
 
-- a memory warpgroup streams each chunk's K, W, U~ and b into a ring of
-  `slots` shared-memory slots with TMA, ahead of the chain;
+- a memory warpgroup streams each chunk's operands into a ring of `slots`
+  shared-memory slots with TMA, ahead of the chain;
 - two compute warpgroups hold the f32 state in registers, 64 of its K rows
   each. Per chunk each writes its rows (in the input dtype) to shared memory
   and hands them to TMA for the states output; then each forms 64 of the V
@@ -20,12 +20,16 @@ warpgroups:
   `K^T (D U)` for its K rows with one more `wgmma`.
 
 So the chain per chunk is two `wgmma`s and two warpgroup barriers, and the
-loads and stores run beside it. Every `wgmma` reads both operands from
-shared memory, so the kernel runs unchanged in Mosaic GPU interpret mode.
+loads and stores run beside it. The reverse walk has the same structure on
+the adjoint G: `dU = scale S^T dY + D K G`, `G <- e^{b_L} G + Q^T (scale E dY)
+- W^T dU` with `E = diag(e^b)`. Every `wgmma` reads both operands from shared
+memory, so the kernels run unchanged in Mosaic GPU interpret mode.
 
-Rounding differs from the Triton walk in one place: the state update
-multiplies K by D U rounded to the input dtype (the Triton walk rounds
-`e^{b_L - b} K` and U).
+Rounding differs from the Triton walks where a decay scales an operand: the
+forward multiplies K by D U rounded to the input dtype (the Triton walk rounds
+`e^{b_L - b} K` and U), and the reverse multiplies Q by `scale E dY` rounded
+(the Triton walk rounds `e^b Q`) and scales K G's rows by D in float32 after
+the product.
 
 Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
 K key size, V value size, L tokens per chunk, WG warpgroup.
@@ -59,8 +63,8 @@ def limit(dtype, key: int, value: int, chunk: int) -> str | None:
   if (key, value) != (KEY_SIZE, VALUE_SIZE):
     return (f"the Mosaic walk takes padded K = V = {KEY_SIZE}, got K = {key}, "
             f"V = {value}")
-  if not 16 <= chunk <= _ROWS:
-    return f"the Mosaic walk takes chunks of 16 to {_ROWS} tokens, got {chunk}"
+  if not 16 <= chunk <= _ROWS // 2:  # the chunks tested (interpret mode) and timed
+    return f"the Mosaic walk takes chunks of 16 to {_ROWS // 2} tokens, got {chunk}"
   return None
 
 
@@ -314,7 +318,7 @@ def walk_forward(k, w, u_tilde, b, h0, *, chunk: int, slots: int = 2,
       W and U~, in k's 16-bit dtype.
     b: [B, N, T] float32, the chunk-local cumulative log-decay.
     h0: [B, N, K, V] float32 initial state.
-    chunk: tokens per chunk (16 to 64).
+    chunk: tokens per chunk (16 to 32).
     slots: shared-memory slots of the input ring (2 or more).
     interpret: run in Mosaic GPU interpret mode (the CPU).
 
@@ -356,7 +360,7 @@ def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
     b: [B, N, T] float32, the chunk-local cumulative log-decay.
     scores_t: [B, N, T, L], each chunk's transposed decayed scores S^T.
     dfinal: [B, N, K, V] float32, the final state's cotangent.
-    chunk, scale: the chunk (16 to 64 tokens) and the output scale.
+    chunk, scale: the chunk (16 to 32 tokens) and the output scale.
     slots, interpret: as in `walk_forward`.
 
   Returns:

@@ -19,6 +19,8 @@ Forward, three launches:
 3. output (parallel over chunks; a loop over V tiles):
    `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`. When a
    gradient will be taken it stores `S` (transposed).
+On Hopper at padded K = V = 128 (16-bit, chunks of 16 to 32) both state walks
+run on Mosaic GPU kernels instead (mosaic.py, `GatedDeltaBlocks.mosaic_walk`).
 
 Backward, three launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
@@ -81,7 +83,8 @@ class GatedDeltaBlocks:
                                   # whole chunk)
   mosaic_walk: bool | None = None  # both state walks on the Mosaic GPU kernels
                                    # (mosaic.py); None: wherever they run
-                                   # compiled (Hopper, 16-bit, K = V = 128)
+                                   # compiled (Hopper, 16-bit, K = V = 128,
+                                   # chunks of 16 to 32)
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",

@@ -157,12 +157,13 @@ def test_lowers_to_mosaic_gpu_for_hopper(hopper_lowering):
   assert "gated_delta_states_reverse_mosaic" in text
 
 
-@pytest.mark.parametrize("dtype, key, match", [
-    (jnp.float32, _SIZE, "16-bit inputs"),
-    (jnp.bfloat16, 64, "K = V = 128"),
+@pytest.mark.parametrize("dtype, key, chunk, match", [
+    (jnp.float32, _SIZE, 32, "16-bit inputs"),
+    (jnp.bfloat16, 64, 32, "K = V = 128"),
+    (jnp.bfloat16, _SIZE, 64, "chunks of 16 to 32"),
 ])
-def test_forced_mosaic_walk_outside_its_limits_raises(dtype, key, match):
-  blocks = gdr_pallas.GatedDeltaBlocks(mosaic_walk=True)
+def test_forced_mosaic_walk_outside_its_limits_raises(dtype, key, chunk, match):
+  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, mosaic_walk=True)
   x = jnp.zeros((1, 32, 1, key), dtype)
   g = jnp.zeros((1, 32, 1), jnp.float32)
   with pytest.raises(ValueError, match=f"blocks.mosaic_walk.*{match}"):
