@@ -145,24 +145,15 @@ def _kernel(k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, states_gmem, u_gmem, final
     def _memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-      @pl.loop(0, num_chunks)
-      def _load(c):
-        slot = lax.rem(c, slots)
-        pl.when(c >= slots)(lambda: plgpu.barrier_wait(free.at[slot]))
-        rows = pl.ds(c * L, L)
-        head_rows = pl.ds(0, L)
-        plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], k_smem.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], w_smem.at[slot, head_rows],
-                                loaded.at[slot])
-        plgpu.copy_gmem_to_smem(ut_gmem.at[bi, rows, n], ut_smem.at[slot, head_rows],
-                                loaded.at[slot])
-        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, head_rows],
-                                loaded.at[slot])
+      def load(c, slot):
+        rows, head_rows = pl.ds(c * L, L), pl.ds(0, L)
+        done = loaded.at[slot]
+        plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], k_smem.at[slot], done)
+        plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], w_smem.at[slot, head_rows], done)
+        plgpu.copy_gmem_to_smem(ut_gmem.at[bi, rows, n], ut_smem.at[slot, head_rows], done)
+        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, head_rows], done)
 
-      # See every phase of the barriers it waits on (interpret mode checks).
-      @pl.loop(max(num_chunks - slots, 0), num_chunks)
-      def _drain(c):
-        plgpu.barrier_wait(free.at[lax.rem(c, slots)])
+      _stream(num_chunks, slots, load, free)
 
   tiles = swizzled(dtype, KEY_SIZE)
   narrow = swizzled(dtype, L)
@@ -267,11 +258,8 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
     def _memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
-      @pl.loop(0, num_chunks)
-      def _load(t):
+      def load(t, slot):
         c = num_chunks - 1 - t
-        slot = lax.rem(t, slots)
-        pl.when(t >= slots)(lambda: plgpu.barrier_wait(free.at[slot]))
         rows, head_rows = pl.ds(c * L, L), pl.ds(0, L)
         done = loaded.at[slot]
         plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], k_smem.at[slot, head_rows], done)
@@ -282,9 +270,7 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
                                 done)
         plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, head_rows], done)
 
-      @pl.loop(max(num_chunks - slots, 0), num_chunks)
-      def _drain(t):
-        plgpu.barrier_wait(free.at[lax.rem(t, slots)])
+      _stream(num_chunks, slots, load, free)
 
   wide, narrow = swizzled(dtype, KEY_SIZE), swizzled(dtype, L)
   pl.run_scoped(
@@ -308,6 +294,45 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
   )
 
 
+def _stream(num_chunks, slots, load, free):
+  """The memory warpgroup: `load(t, slot)` for t = 0, 1, ..., each into the
+  ring slot the compute warpgroups released `slots` chunks before."""
+  @pl.loop(0, num_chunks)
+  def _load(t):
+    slot = lax.rem(t, slots)
+    pl.when(t >= slots)(lambda: plgpu.barrier_wait(free.at[slot]))
+    load(t, slot)
+
+  # See every phase of the barriers it waits on (interpret mode checks).
+  @pl.loop(max(num_chunks - slots, 0), num_chunks)
+  def _drain(t):
+    plgpu.barrier_wait(free.at[lax.rem(t, slots)])
+
+
+def _check(caller, dtype, key, value, time, chunk, slots):
+  if (why := limit(dtype, key, value, chunk)) is not None:
+    raise ValueError(f"{caller}: {why}")
+  if time % chunk:
+    raise ValueError(f"{caller}: T = {time} must be a multiple of `chunk` {chunk}")
+  if slots < 2:
+    raise ValueError(f"{caller}: `slots` must be >= 2, got {slots}")
+
+
+def _launch(kernel, *, name, dtype, key, value, num_chunks, rows, args, interpret):
+  """One block per (head, batch): outputs [B, N, C, K, V] and `rows`' shape in
+  `dtype`, and a [B, N, K, V] float32 state."""
+  batch, heads = rows.shape[0], rows.shape[2]
+  out_type = (jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dtype),
+              jax.ShapeDtypeStruct(rows.shape, dtype),
+              jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
+  return _pallas.mosaic_kernel(
+      kernel, out_type=out_type, grid=(heads, batch), grid_names=("heads", "batch"),
+      num_threads=_COMPUTE_WGS + 1, thread_name="wg", kernel_name=name,
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(*args)
+
+
 def walk_forward(k, w, u_tilde, b, h0, *, chunk: int, slots: int = 2,
                  interpret: bool = False):
   """The forward state walk on the Mosaic GPU kernel.
@@ -326,27 +351,14 @@ def walk_forward(k, w, u_tilde, b, h0, *, chunk: int, slots: int = 2,
     (states [B, N, C, K, V] entering each chunk, U [B, T, N, V], both in k's
     dtype; the final state [B, N, K, V] float32).
   """
-  batch, time, groups, key = k.shape
+  time, groups, key = k.shape[1:]
   heads, value = u_tilde.shape[2:]
-  if (why := limit(k.dtype, key, value, chunk)) is not None:
-    raise ValueError(f"walk_forward: {why}")
-  if time % chunk:
-    raise ValueError(f"walk_forward: T = {time} must be a multiple of `chunk` {chunk}")
-  if slots < 2:
-    raise ValueError(f"walk_forward: `slots` must be >= 2, got {slots}")
-  num_chunks = time // chunk
+  _check("walk_forward", k.dtype, key, value, time, chunk, slots)
   kernel = functools.partial(_kernel, chunk=chunk, groups_per_key=heads // groups,
                              slots=slots)
-  out_type = (jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), k.dtype),
-              jax.ShapeDtypeStruct(u_tilde.shape, k.dtype),
-              jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
-  return _pallas.mosaic_kernel(
-      kernel, out_type=out_type, grid=(heads, batch), grid_names=("heads", "batch"),
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-      kernel_name="gated_delta_states_mosaic",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(k, w, u_tilde, b, h0)
+  return _launch(kernel, name="gated_delta_states_mosaic", dtype=k.dtype, key=key,
+                 value=value, num_chunks=time // chunk, rows=u_tilde,
+                 args=(k, w, u_tilde, b, h0), interpret=interpret)
 
 
 def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
@@ -367,23 +379,11 @@ def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
     (the adjoint of the state leaving each chunk [B, N, C, K, V] and dU
     [B, T, N, V], in q's dtype; d initial_state [B, N, K, V] float32).
   """
-  batch, time, groups, key = k.shape
+  time, groups, key = k.shape[1:]
   heads, value = dy.shape[2:]
-  if (why := limit(k.dtype, key, value, chunk)) is not None:
-    raise ValueError(f"walk_reverse: {why}")
-  if time % chunk:
-    raise ValueError(f"walk_reverse: T = {time} must be a multiple of `chunk` {chunk}")
-  if slots < 2:
-    raise ValueError(f"walk_reverse: `slots` must be >= 2, got {slots}")
+  _check("walk_reverse", k.dtype, key, value, time, chunk, slots)
   kernel = functools.partial(_reverse_kernel, chunk=chunk, groups_per_key=heads // groups,
                              slots=slots, scale=scale)
-  out_type = (jax.ShapeDtypeStruct((batch, heads, time // chunk, key, value), k.dtype),
-              jax.ShapeDtypeStruct(dy.shape, k.dtype),
-              jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
-  return _pallas.mosaic_kernel(
-      kernel, out_type=out_type, grid=(heads, batch), grid_names=("heads", "batch"),
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-      kernel_name="gated_delta_states_reverse_mosaic",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(q, k, w, dy, b, scores_t, dfinal)
+  return _launch(kernel, name="gated_delta_states_reverse_mosaic", dtype=k.dtype, key=key,
+                 value=value, num_chunks=time // chunk, rows=dy,
+                 args=(q, k, w, dy, b, scores_t, dfinal), interpret=interpret)

@@ -632,9 +632,8 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
       grad_block_k=min(blocks.grad_block_k or key_p, key_p))
   dtype = v.dtype
   if blocks.mosaic_walk is None:
-    blocks = dataclasses.replace(
-        blocks, mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk)
-        and not _backend.pallas_interpret())
+    blocks = dataclasses.replace(blocks,
+                                 mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk))
   elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_walk`: {why}")
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)

@@ -29,6 +29,23 @@ def _walk_inputs(batch, time, heads, groups, chunk, seed=0):
   return bf16(k), bf16(w), bf16(u_tilde), b, h0
 
 
+def _triton_walk_blocks(chunk):
+  """The Triton walks on whole [K, V] states, the yardstick of the Mosaic ones."""
+  return gdr_pallas.GatedDeltaBlocks(chunk=chunk, block_v=_SIZE, state_block_v=_SIZE,
+                                     grad_block_k=_SIZE, mosaic_walk=False)
+
+
+def _assert_as_close_as_triton(names, walk, want, triton):
+  """Each Mosaic output is within 2 x the Triton walk's error of the float64
+  walk (or 1e-3), relative to max(1, max |float64|)."""
+  for name, got, ref, other in zip(names, walk, want, triton):
+    assert got.shape == ref.shape, name
+    scale = max(1.0, np.abs(ref).max())
+    err = np.abs(np.asarray(got, np.float64) - ref).max() / scale
+    triton_err = np.abs(np.asarray(other, np.float64) - ref).max() / scale
+    assert err < max(2 * triton_err, 1e-3), (name, err, triton_err)
+
+
 def _walk_float64(k, w, u_tilde, b, h0, chunk):
   """The walk in numpy float64, on the same (rounded) inputs."""
   k, w, u_tilde, b, h = (np.asarray(x, np.float64) for x in (k, w, u_tilde, b, h0))
@@ -54,17 +71,11 @@ def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
   key group. Both walks round the same products to bfloat16 (in different
   places), so they are held to the float64 walk with the same tolerance."""
   args = _walk_inputs(1, 96, 4, 2, chunk)
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, block_v=_SIZE, state_block_v=_SIZE,
-                                       grad_block_k=_SIZE, mosaic_walk=False)
+  blocks = _triton_walk_blocks(chunk)
   triton = gdr_pallas._states(*args, blocks)
   walk = mosaic.walk_forward(*args, chunk=chunk, slots=slots, interpret=True)
   want = _walk_float64(*args, chunk)
-  for name, got, ref, other in zip(("states", "u", "final"), walk, want, triton):
-    assert got.shape == ref.shape, name
-    scale = max(1.0, np.abs(ref).max())
-    err = np.abs(np.asarray(got, np.float64) - ref).max() / scale
-    triton_err = np.abs(np.asarray(other, np.float64) - ref).max() / scale
-    assert err < max(2 * triton_err, 1e-3), (name, err, triton_err)
+  _assert_as_close_as_triton(("states", "u", "final"), walk, want, triton)
   assert walk[0].dtype == walk[1].dtype == jnp.bfloat16 and walk[2].dtype == jnp.float32
 
 
@@ -98,17 +109,11 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
   scores_t = jnp.tril(jax.random.normal(ks[1], (1, 4, 96 // chunk, chunk, chunk)))
   scores_t = jnp.swapaxes(scores_t, -1, -2).reshape(1, 4, 96, chunk).astype(jnp.bfloat16)
   args = (q, k, w, dy, b, scores_t, dfinal)
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, block_v=_SIZE, state_block_v=_SIZE,
-                                       grad_block_k=_SIZE, mosaic_walk=False)
+  blocks = _triton_walk_blocks(chunk)
   triton = gdr_pallas._states_bwd(*args, 0.25, blocks)
   walk = mosaic.walk_reverse(*args, chunk=chunk, scale=0.25, slots=slots, interpret=True)
   want = _reverse_float64(*args, chunk, 0.25)
-  for name, got, ref, other in zip(("adjoints", "du", "dh0"), walk, want, triton):
-    assert got.shape == ref.shape, name
-    scale = max(1.0, np.abs(ref).max())
-    err = np.abs(np.asarray(got, np.float64) - ref).max() / scale
-    triton_err = np.abs(np.asarray(other, np.float64) - ref).max() / scale
-    assert err < max(2 * triton_err, 1e-3), (name, err, triton_err)
+  _assert_as_close_as_triton(("adjoints", "du", "dh0"), walk, want, triton)
 
 
 def test_op_with_the_mosaic_walk_matches_reference():
