@@ -70,7 +70,7 @@ class GatedDeltaBlocks:
                                # unless state_block_v says otherwise)
   num_warps: int = 4           # warps of the output/gradient kernels
   state_num_warps: int = 4     # warps of the states kernels
-  prepare_num_warps: int = 4   # warps of the prepare kernel
+  prepare_num_warps: int = 2   # warps of the prepare kernel
   state_block_v: int | None = None  # V columns of a states program (None: block_v)
   grad_num_stages: int = 2     # Triton pipeline stages of the gradient kernels' loops
   grad_block_k: int | None = None  # K columns of a key-gradient program (None: all)
@@ -113,9 +113,10 @@ class GatedDeltaBlocks:
     # The gradient kernels' warps, key tile and stages, and the walks' tiles:
     # the best of sweeps on the H200 (BUILD_NOTES.md, "Eighteenth session" and
     # "Nineteenth session"); num_warps is then the output kernel's alone. At
-    # K * V > 64 * 64 each walk program carries the whole [K, V] state.
+    # K * V > 64 * 64 each walk program carries the whole [K, V] state. The
+    # prepare kernel on 2 warps ("Twenty-second session").
     return cls(chunk=chunk, block_v=min(64 if big else 32, value),
-               num_warps=4, state_num_warps=8 if big else 4, prepare_num_warps=4,
+               num_warps=4, state_num_warps=8 if big else 4, prepare_num_warps=2,
                state_block_v=value if big else None,
                value_grad_num_warps=2, key_grad_num_warps=4 if big else 2,
                grad_block_k=None if big else 32, grad_num_stages=3)

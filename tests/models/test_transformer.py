@@ -1,5 +1,6 @@
 """Transformer and DiffusionTransformer: stacking, remat, dtypes, masking, errors."""
 
+import functools
 
 import chex
 import haiku as hk
@@ -45,6 +46,16 @@ def _loss_and_grad(model, params, x, t):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@functools.cache
+def _plain(kind):
+  """(params, loss, grads) of the plain model: the baseline every scan and
+  remat case compares with, compiled once per kind and test process."""
+  x, t = _inputs()
+  model = _model_fn(kind)
+  params = _randomize(model.init(jax.random.key(0), x, t))
+  return (params, *_loss_and_grad(model, params, x, t))
+
+
 KINDS = ["transformer", "dit"]
 
 
@@ -52,26 +63,25 @@ KINDS = ["transformer", "dit"]
 @pytest.mark.parametrize("unroll", [1, 2])
 def test_scanned_equals_unrolled(kind, unroll):
   x, t = _inputs()
-  unrolled = _model_fn(kind)
   scanned = _model_fn(kind, scan_layers=True, scan_unroll=unroll)
-  params = _randomize(unrolled.init(jax.random.key(0), x, t))
+  params, loss_u, grad_u = _plain(kind)
   stacked = pk.stack_layer_params(params)
   chex.assert_trees_all_equal_shapes(stacked, scanned.init(jax.random.key(0), x, t))
-  loss_u, grad_u = _loss_and_grad(unrolled, params, x, t)
   loss_s, grad_s = _loss_and_grad(scanned, stacked, x, t)
   chex.assert_trees_all_close(loss_s, loss_u, rtol=1e-5)
   chex.assert_trees_all_close(pk.unstack_layer_params(grad_s), grad_u, atol=1e-5, rtol=1e-4)
   assert float(loss_u) > 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("policy", pk.remat_policy_names())
+# Every policy on the Transformer; the DiT's blocks go through the same
+# stacking code, so two policies (the whole block and a jax policy) cover it.
+@pytest.mark.parametrize("kind, policy", [
+    *(("transformer", policy) for policy in pk.remat_policy_names()),
+    ("dit", "full"), ("dit", "dots_saveable")])
 def test_remat_equals_no_remat(kind, policy):
   x, t = _inputs()
-  plain = _model_fn(kind)
   remat = _model_fn(kind, remat_policy=policy)
-  params = _randomize(plain.init(jax.random.key(0), x, t))
-  loss_p, grad_p = _loss_and_grad(plain, params, x, t)
+  params, loss_p, grad_p = _plain(kind)
   loss_r, grad_r = _loss_and_grad(remat, params, x, t)
   chex.assert_trees_all_close(loss_r, loss_p, rtol=1e-6)
   chex.assert_trees_all_close(grad_r, grad_p, atol=1e-6, rtol=1e-5)
