@@ -9,7 +9,6 @@ stores), empty groups, rows after the last group, both warpgroup splits, the
 transposed rhs, and the epilogue's extra inputs and multiple outputs.
 """
 
-import functools
 import types
 
 import chex
@@ -142,7 +141,6 @@ def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
   starts, ends = reference.group_bounds(sizes, m)
   cot = jax.random.normal(k4, (m, d_out), jnp.float32).astype(jnp.bfloat16)
 
-  @functools.partial(jax.jit, static_argnums=0)
   def run(fn):
     out, pullback = jax.vjp(fn, x, w_in, w_out)
     return (out, *pullback(cot.astype(out.dtype)))
