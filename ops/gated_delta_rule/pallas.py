@@ -10,8 +10,8 @@ Forward, three launches:
 1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)`,
    `T = (I + A)^-1` by forward substitution in registers inside 16-row
    diagonal blocks, merged by tile products, `W = T (beta e^b K)`,
-   `U~ = T (beta V)`, written in the input dtype (and `T`, float32, when a
-   gradient will be taken).
+   `U~ = T (beta V)`, written in the input dtype (and `T` too, when a
+   gradient will be taken: every product that reads it rounds it to that).
 2. states (one program per batch, head and V tile; V columns of the state
    evolve independently): per chunk `U = U~ - W M0`,
    `M <- e^{b_L} M0 + (K e^{b_L - b})^T U`; writes the state entering each
@@ -207,7 +207,7 @@ def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk,
   w_ref[...] = _mm(t, rw, dtype).astype(w_ref.dtype)
   u_ref[...] = _mm(t, ru, dtype).astype(u_ref.dtype)
   if t_ref:
-    t_ref[0][...] = t
+    t_ref[0][...] = t.astype(t_ref[0].dtype)
 
 
 def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, out_ref, u_ref, final_ref, *,
@@ -293,8 +293,8 @@ def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_r
   dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
   row, col = _masks(chunk)
-  t = t_ref[...]                                                 # (I + A)^-1, float32
-  t_t_in = t.T.astype(dtype)  # the loop's operand, cast once
+  t = t_ref[...]                            # (I + A)^-1, rounded to dtype (as _mm would)
+  t_t_in = t.T  # the loop's operand
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U) and U~ = T R_u.
@@ -400,7 +400,7 @@ def _specs(chunk, key, rep):
 
 
 def _prepare(k, v, b, beta, blocks, *, save_inverse):
-  """(W, U~) in the input dtype, and with `save_inverse` T [B, N, T, L] float32."""
+  """(W, U~) and, with `save_inverse`, T [B, N, T, L], all in the input dtype."""
   batch, time, groups, key = k.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
@@ -411,7 +411,7 @@ def _prepare(k, v, b, beta, blocks, *, save_inverse):
                jax.ShapeDtypeStruct(v.shape, v.dtype)]
   if save_inverse:
     out_specs.append(sp["square"])
-    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), _F32))
+    out_shape.append(jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype))
   return _pallas.pallas_call(
       functools.partial(_prepare_kernel, chunk=chunk, inverse_block=blocks.inverse_block),
       grid=(batch, heads, time // chunk),
