@@ -38,10 +38,10 @@ _IMPLS = flags.DEFINE_list(
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton (the Triton forward; flex_triton_<bq>x<bk>x<warps>x<stages> on those "
-    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]] (the "
+    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
-    "_all: for right-bounded calls too), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
+    "_all: for right-bounded calls too; _r240: 240 registers per compute thread), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
     "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
     "float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")

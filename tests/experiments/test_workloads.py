@@ -18,6 +18,8 @@ def test_mosaic_forward_tiles():
   assert tiles.pipelined and tiles.persistent and tiles.compute_warpgroups == 3
   assert not tiles.persistent_right_bounded
   assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
+  tiles = workloads.mosaic_fwd_tiles("64x256x2_persist_r240")
+  assert tiles.persistent and (tiles.compute_registers, tiles.memory_registers) == (240, 24)
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
   with pytest.raises(ValueError, match="ping_pong"):  # three need free-running

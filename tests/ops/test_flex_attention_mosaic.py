@@ -212,8 +212,12 @@ def test_three_compute_warpgroups_config():
   # The block's register pool (512 per thread for four warpgroups) is shared out.
   assert 3 * tiles.compute_registers + tiles.memory_registers <= 512
   assert mosaic.MosaicForwardConfig().compute_registers == 232  # two: as before
+  extra = mosaic.MosaicForwardConfig(extra_registers=True)
+  assert 2 * extra.compute_registers + extra.memory_registers == 504
   with pytest.raises(ValueError, match="ping_pong"):
     mosaic.MosaicForwardConfig(compute_warpgroups=3)
+  with pytest.raises(ValueError, match="extra_registers"):
+    mosaic.MosaicForwardConfig(ping_pong=False, compute_warpgroups=3, extra_registers=True)
   with pytest.raises(ValueError, match="compute_warpgroups"):
     mosaic.MosaicForwardConfig(compute_warpgroups=4, ping_pong=False)
 
