@@ -41,9 +41,9 @@ _IMPLS = flags.DEFINE_list(
     "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
-    "_all: for right-bounded calls too; _r240: 240 registers per compute thread), flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on "
-    "the Mosaic GPU kernel with those tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, "
-    "float16 inputs).")
+    "_all: for right-bounded calls too; _r240: 240 registers per compute thread), "
+    "flex_mosaic_bwd_<bq>x<bk>x<steps> (the backward on the Mosaic GPU kernel with those "
+    "tiles) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _CHECK_MOSAIC_BWD = flags.DEFINE_string(

@@ -14,6 +14,8 @@ HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
 # The memory warpgroup's registers per thread, by compute warpgroups; the
 # compute ones share the rest of the block's pool (`compute_registers`).
 _MEMORY_REGISTERS = {2: 40, 3: 32}
+# Per compute thread with `MosaicForwardConfig.extra_registers` (two warpgroups).
+_EXTRA_COMPUTE_REGISTERS = 240
 
 
 def register_pool(warpgroups: int) -> int:
@@ -96,7 +98,9 @@ class MosaicForwardConfig:
 
   @property
   def memory_registers(self) -> int:
-    return 24 if self.extra_registers else _MEMORY_REGISTERS[self.compute_warpgroups]
+    if self.extra_registers:  # what two compute warpgroups of 240 leave: 24
+      return register_pool(3) - 2 * _EXTRA_COMPUTE_REGISTERS
+    return _MEMORY_REGISTERS[self.compute_warpgroups]
 
   @property
   def compute_registers(self) -> int:
