@@ -73,71 +73,111 @@ def takes(dtype, key: int, value: int, chunk: int) -> bool:
   return _mosaic_takes(dtype) and limit(dtype, key, value, chunk) is None
 
 
-def _kernel(k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, states_gmem, u_gmem, final_gmem, *,
-            chunk, groups_per_key, slots):
+def _forward_kernel(q_gmem, k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, *outs, chunk,
+                    groups_per_key, slots, scale, residuals):
+  """The forward walk with the output: per chunk `U = U~ - W M0`,
+  `Y = scale (E Q M0 + S U)` with the scores `S = (Q K^T) * D_causal`, and
+  `M1 = e^{b_L} M0 + K^T (D U)`. `outs`: y, the final state and, with
+  `residuals`, the states entering each chunk and U."""
+  y_gmem, final_gmem, *saved = outs
   L = chunk
   num_chunks = k_gmem.shape[1] // L
   dtype = w_gmem.dtype
   bi, n = lax.axis_index("batch"), lax.axis_index("heads")
   g = lax.div(n, jnp.int32(groups_per_key))
-  half = _ROWS  # K rows of the state and V columns of U per compute warpgroup
+  half = _ROWS  # K rows of the state and V columns of U and Y per compute warpgroup
 
-  def scoped(k_smem, w_smem, ut_smem, b_smem, state_smem, u_smem, du_smem,
-             loaded, free, state_ready, u_ready):
+  def scoped(k_smem, kw_smem, wq_smem, ut_smem, b_smem, state_smem, uy_smem, du_smem,
+             s_smem, loaded, free, state_ready, u_ready):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < _COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
-      mine = pl.ds(wg * half, half)  # this WG's K rows of M and V columns of U
-      rows_layout = plgpu.Layout.WGMMA.reduce(1)
-      m0 = plgpu.load(h0_gmem.at[bi, n, mine], layout=plgpu.Layout.WGMMA,
-                      optimized=False)
+      mine = pl.ds(wg * half, half)  # this WG's K rows of M and V columns of U, Y
+      wgmma_layout = plgpu.Layout.WGMMA
+      rows_layout, cols_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+      iota = lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis,
+                                                        layout=wgmma_layout)
+      # The scores' rows are the [W; Q] operand's rows L..2L-1 (token i = row - L).
+      token = iota((_ROWS, L), 0) - L
+      causal = (token >= iota((_ROWS, L), 1)) & (token < L)
+      u_rows = iota((_ROWS, half), 0) < L  # the U / Y tile: U above, Y below
+      m0 = plgpu.load(h0_gmem.at[bi, n, mine], layout=wgmma_layout, optimized=False)
+      by_row = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
 
-      def step(c, m):
+      def flush(c, u, y):
+        """Chunk c's [U; Y] tile to global memory (U only with residuals)."""
+        tile = uy_smem.at[lax.rem(c, 2), wg]
+        tile[...] = jnp.where(u_rows, u, y)
+        plgpu.commit_smem()
+        if residuals:
+          plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, L)], saved[1].at[bi, pl.ds(c * L, L), n, mine],
+                                  commit_group=False)
+        plgpu.copy_smem_to_gmem(tile.at[pl.ds(L, L)], y_gmem.at[bi, pl.ds(c * L, L), n, mine])
+
+      def step(c, carry):
+        m, u_last, y_last = carry
         parity, slot = lax.rem(c, 2), lax.rem(c, slots)
-        # The state entering chunk c: to shared memory (the U product reads all
-        # K rows of it) and, by TMA, to the states output. The store two chunks
-        # back read this buffer; at most three newer groups may be in flight.
-        plgpu.wait_smem_to_gmem(3, wait_read_only=True)
+        # The state entering chunk c: to shared memory (the products read all K
+        # rows of it) and, with residuals, by TMA to the states output. The
+        # store two chunks back read this buffer; three newer groups may be in
+        # flight (each chunk commits two: its state, and the last chunk's tile).
+        if residuals:
+          plgpu.wait_smem_to_gmem(3, wait_read_only=True)
         state_smem.at[parity, mine][...] = m.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(state_smem.at[parity, mine],
-                                states_gmem.at[bi, n, c, mine])
+        if residuals:
+          plgpu.copy_smem_to_gmem(state_smem.at[parity, mine],
+                                  saved[0].at[bi, n, c, mine])
         plgpu.barrier_arrive(state_ready)
         plgpu.barrier_wait(state_ready)
         plgpu.barrier_wait(loaded.at[slot])
 
-        # U[:, mine] = U~ - W M0 (rows past the chunk: padding, never read).
-        def w_m0(acc_ref):
-          plgpu.wgmma(acc_ref, w_smem.at[slot], state_smem.at[parity, :, mine])
-          return acc_ref[...]
-        wm = pl.run_scoped(w_m0, plgpu.ACC((_ROWS, half), _F32))
-        u_tilde = plgpu.load(ut_smem.at[slot, :, mine], layout=plgpu.Layout.WGMMA)
-        u = (u_tilde.astype(_F32) - wm).astype(dtype)
-        b = plgpu.load(b_smem.at[slot], layout=rows_layout)       # [64]: chunk rows
+        # [W; Q] M0[:, mine] (rows < L: W M0, rows L..2L-1: Q M0) and
+        # [W; Q] K^T (rows L..2L-1: Q K^T); rows past 2L are padding.
+        def products(wq_m0_ref, wq_k_ref):
+          plgpu.wgmma(wq_m0_ref, wq_smem.at[slot], state_smem.at[parity, :, mine])
+          plgpu.wgmma(wq_k_ref, wq_smem.at[slot], kw_smem.at[slot].transpose((1, 0)))
+          # Off the chain while they run: the last chunk's tile leaves, and
+          # this chunk's decays.
+          pl.when(c > 0)(lambda: flush(c - 1, u_last, y_last))
+          b = plgpu.load(b_smem.at[slot], layout=rows_layout)  # b, then b again
+          b_tokens = plgpu.load(b_smem.at[slot, pl.ds(0, L)], layout=cols_layout)
+          gap = by_row(b, (_ROWS, L)) - lax.broadcast_in_dim(b_tokens, (_ROWS, L), [1])
+          score_decay = jnp.where(causal, jnp.exp(jnp.where(causal, gap, 0.0)), 0.0)
+          return wq_m0_ref[...], wq_k_ref[...], b, score_decay
+        wq_m0, wq_k, b, score_decay = pl.run_scoped(
+            products, plgpu.ACC((_ROWS, half), _F32), plgpu.ACC((_ROWS, L), _F32))
+        u_tilde = plgpu.load(ut_smem.at[slot, :, mine], layout=wgmma_layout)
+        u = (u_tilde.astype(_F32) - wq_m0).astype(dtype)
         b_last = b_smem[slot, L - 1]
-        decay = jnp.exp(b_last - b)                               # D, per row
-        plgpu.wait_smem_to_gmem(3, wait_read_only=True)  # u_smem[parity] is free
-        u_smem.at[parity, wg][...] = u
+        # The tile two chunks back has left for global memory (newer: the last
+        # chunk's tile and, with residuals, this chunk's state).
+        plgpu.wait_smem_to_gmem(2 if residuals else 1, wait_read_only=True)
+        uy_smem.at[parity, wg][...] = u
         du_smem.at[:, mine][...] = (
-            u.astype(_F32) * lax.broadcast_in_dim(decay, u.shape, [0])).astype(dtype)
+            u.astype(_F32) * by_row(jnp.exp(b_last - b), u.shape)).astype(dtype)
+        s_smem.at[wg][...] = (wq_k * score_decay).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_smem.at[parity, wg, pl.ds(0, L)],
-                                u_gmem.at[bi, pl.ds(c * L, L), n, mine])
         plgpu.barrier_arrive(u_ready)
         plgpu.barrier_wait(u_ready)
 
-        # M1[mine] = e^{b_L} M0[mine] + K[:, mine]^T (D U).
-        def k_du(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem.at[slot, :, mine].transpose((1, 0)),
+        # M1[mine] = e^{b_L} M0[mine] + K[:, mine]^T (D U), and S U[:, mine].
+        def update_and_su(update_ref, su_ref):
+          plgpu.wgmma(update_ref, k_smem.at[slot, :, mine].transpose((1, 0)),
                       du_smem.at[pl.ds(0, L)])
-          return acc_ref[...]
-        update = pl.run_scoped(k_du, plgpu.ACC((half, VALUE_SIZE), _F32))
+          plgpu.wgmma(su_ref, s_smem.at[wg], uy_smem.at[parity, wg, pl.ds(0, L)])
+          return update_ref[...], su_ref[...]
+        update, su = pl.run_scoped(update_and_su, plgpu.ACC((half, VALUE_SIZE), _F32),
+                                   plgpu.ACC((_ROWS, half), _F32))
         plgpu.barrier_arrive(free.at[slot])
-        return jnp.exp(b_last) * m + update
+        y = (scale * (by_row(jnp.exp(b), wq_m0.shape) * wq_m0 + su)).astype(dtype)
+        return jnp.exp(b_last) * m + update, u, y
 
-      m = lax.fori_loop(0, num_chunks, step, m0)
+      zeros = plgpu.layout_cast(jnp.zeros((_ROWS, half), dtype), wgmma_layout)
+      m, u, y = lax.fori_loop(0, num_chunks, step, (m0, zeros, zeros))
+      flush(num_chunks - 1, u, y)
       final_gmem.at[bi, n, mine][...] = m
       plgpu.wait_smem_to_gmem(0)
 
@@ -146,30 +186,34 @@ def _kernel(k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, states_gmem, u_gmem, final
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
       def load(c, slot):
-        rows, head_rows = pl.ds(c * L, L), pl.ds(0, L)
+        rows, top, below = pl.ds(c * L, L), pl.ds(0, L), pl.ds(L, L)
         done = loaded.at[slot]
         plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], k_smem.at[slot], done)
-        plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], w_smem.at[slot, head_rows], done)
-        plgpu.copy_gmem_to_smem(ut_gmem.at[bi, rows, n], ut_smem.at[slot, head_rows], done)
-        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, head_rows], done)
+        plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], kw_smem.at[slot], done)
+        plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], wq_smem.at[slot, top], done)
+        plgpu.copy_gmem_to_smem(q_gmem.at[bi, rows, g], wq_smem.at[slot, below], done)
+        plgpu.copy_gmem_to_smem(ut_gmem.at[bi, rows, n], ut_smem.at[slot, top], done)
+        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, top], done)
+        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, below], done)
 
       _stream(num_chunks, slots, load, free)
 
-  tiles = swizzled(dtype, KEY_SIZE)
-  narrow = swizzled(dtype, L)
+  wide, narrow = swizzled(dtype, KEY_SIZE), swizzled(dtype, L)
   pl.run_scoped(
       scoped,
-      # K and D U: the update's operands, whose contraction (over L tokens) must
-      # span whole swizzle groups: 64-byte swizzles take L = 32.
+      # Operands contracted over the chunk's L tokens (K^T (D U), S U) take
+      # swizzles that span L: 64 bytes at L = 32.
       plgpu.SMEM((slots, L, KEY_SIZE), dtype, transforms=narrow),          # K
-      plgpu.SMEM((slots, _ROWS, KEY_SIZE), dtype, transforms=tiles),       # W, padded
-      plgpu.SMEM((slots, _ROWS, VALUE_SIZE), dtype, transforms=tiles),     # U~, padded
-      plgpu.SMEM((slots, _ROWS), _F32),                                    # b
-      plgpu.SMEM((2, KEY_SIZE, VALUE_SIZE), dtype, transforms=tiles),      # M0
-      # U, a [64, 64] tile per warpgroup (TMA stores contiguous tiles only)
-      plgpu.SMEM((2, _COMPUTE_WGS, _ROWS, half), dtype, transforms=swizzled(dtype, half)),
+      plgpu.SMEM((slots, L, KEY_SIZE), dtype, transforms=wide),            # K, for Q K^T
+      plgpu.SMEM((slots, _ROWS, KEY_SIZE), dtype, transforms=wide),        # [W; Q], padded
+      plgpu.SMEM((slots, _ROWS, VALUE_SIZE), dtype, transforms=wide),      # U~, padded
+      plgpu.SMEM((slots, _ROWS), _F32),                                    # [b; b]
+      plgpu.SMEM((2, KEY_SIZE, VALUE_SIZE), dtype, transforms=wide),       # M0
+      # [U; Y], a [64, 64] tile per warpgroup (TMA stores contiguous tiles only)
+      plgpu.SMEM((2, _COMPUTE_WGS, _ROWS, half), dtype, transforms=narrow),
       plgpu.SMEM((_ROWS, VALUE_SIZE), dtype, transforms=narrow),           # D U
-      plgpu.Barrier(num_arrivals=4, num_barriers=slots),   # a chunk's four loads
+      plgpu.SMEM((_COMPUTE_WGS, _ROWS, L), dtype, transforms=narrow),      # S, padded
+      plgpu.Barrier(num_arrivals=7, num_barriers=slots),   # a chunk's seven loads
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=slots),  # slot released
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),            # both state halves written
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS),            # both D U halves written
@@ -177,12 +221,14 @@ def _kernel(k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, states_gmem, u_gmem, final
   )
 
 
-def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal_gmem,
+def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, dfinal_gmem,
                     dstates_gmem, du_gmem, dh0_gmem, *, chunk, groups_per_key, slots, scale):
   """The reversed walk: the adjoint G of the state leaving each chunk, from the
   last chunk back. Per chunk `dU = scale S^T dY + D K G` and
   `G <- e^{b_L} G + Q^T (scale E dY) - W^T dU` with `E = diag(e^b)`; warpgroup
-  j forms dU's V columns j and G's K rows j."""
+  j forms dU's V columns j and G's K rows j. The transposed scores
+  `S^T = (K Q^T) * D_causal^T` are formed here (the forward does not store
+  them), from the same K operand as `K G`."""
   L = chunk
   num_chunks = k_gmem.shape[1] // L
   dtype = w_gmem.dtype
@@ -190,15 +236,20 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
   g = lax.div(n, jnp.int32(groups_per_key))
   half = _ROWS
 
-  def scoped(k_smem, q_smem, w_smem, dy_smem, st_smem, b_smem, g_smem, du_out_smem,
-             du_smem, edy_smem, loaded, free, g_ready, du_ready):
+  def scoped(k_smem, q_smem, qw_smem, w_smem, dy_smem, st_smem, b_smem, g_smem,
+             du_out_smem, du_smem, edy_smem, loaded, free, g_ready, du_ready):
     wg = lax.axis_index("wg")
 
     @pl.when(wg < _COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
       mine = pl.ds(wg * half, half)
-      rows_layout = plgpu.Layout.WGMMA.reduce(1)
+      wgmma_layout = plgpu.Layout.WGMMA
+      rows_layout, cols_layout = wgmma_layout.reduce(1), wgmma_layout.reduce(0)
+      iota = lambda axis: plgpu.broadcasted_iota(jnp.int32, (_ROWS, L), axis,
+                                                 layout=wgmma_layout)
+      # S^T's row j is key token j, its column i query token i (rows >= L: padding).
+      causal = (iota(1) >= iota(0)) & (iota(0) < L)
       g0 = plgpu.load(dfinal_gmem.at[bi, n, mine], layout=plgpu.Layout.WGMMA,
                       optimized=False)
 
@@ -216,16 +267,24 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
         plgpu.barrier_wait(loaded.at[slot])
 
         # dU[:, mine] = scale S^T dY + D K G (padded rows: never read).
-        def k_g(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem.at[slot], g_smem.at[:, mine])
-          return acc_ref[...]
-        def st_dy(acc_ref):
-          plgpu.wgmma(acc_ref, st_smem.at[slot], dy_smem.at[slot, pl.ds(0, L), mine])
-          return acc_ref[...]
-        kg = pl.run_scoped(k_g, plgpu.ACC((_ROWS, half), _F32))
-        sdy = pl.run_scoped(st_dy, plgpu.ACC((_ROWS, half), _F32))
+        def k_products(kg_ref, kq_ref):
+          plgpu.wgmma(kg_ref, k_smem.at[slot], g_smem.at[:, mine])
+          plgpu.wgmma(kq_ref, k_smem.at[slot], qw_smem.at[slot].transpose((1, 0)))
+          return kg_ref[...], kq_ref[...]
+        kg, kq = pl.run_scoped(k_products, plgpu.ACC((_ROWS, half), _F32),
+                               plgpu.ACC((_ROWS, L), _F32))
         b = plgpu.load(b_smem.at[slot], layout=rows_layout)
+        b_tokens = plgpu.load(b_smem.at[slot, pl.ds(0, L)], layout=cols_layout)
         b_last = b_smem[slot, L - 1]
+        gap = (lax.broadcast_in_dim(b_tokens, (_ROWS, L), [1])
+               - lax.broadcast_in_dim(b, (_ROWS, L), [0]))
+        scores_t = jnp.where(causal, kq * jnp.exp(jnp.where(causal, gap, 0.0)), 0.0)
+        st_smem.at[wg][...] = scores_t.astype(dtype)
+        plgpu.commit_smem()
+        def st_dy(acc_ref):
+          plgpu.wgmma(acc_ref, st_smem.at[wg], dy_smem.at[slot, pl.ds(0, L), mine])
+          return acc_ref[...]
+        sdy = pl.run_scoped(st_dy, plgpu.ACC((_ROWS, half), _F32))
         rows = lambda x: lax.broadcast_in_dim(x, (_ROWS, half), [0])
         du = (scale * sdy + rows(jnp.exp(b_last - b)) * kg).astype(dtype)
         dy = plgpu.load(dy_smem.at[slot, :, mine], layout=plgpu.Layout.WGMMA)
@@ -264,10 +323,9 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
         done = loaded.at[slot]
         plgpu.copy_gmem_to_smem(k_gmem.at[bi, rows, g], k_smem.at[slot, head_rows], done)
         plgpu.copy_gmem_to_smem(q_gmem.at[bi, rows, g], q_smem.at[slot], done)
+        plgpu.copy_gmem_to_smem(q_gmem.at[bi, rows, g], qw_smem.at[slot], done)
         plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], w_smem.at[slot], done)
         plgpu.copy_gmem_to_smem(dy_gmem.at[bi, rows, n], dy_smem.at[slot, head_rows], done)
-        plgpu.copy_gmem_to_smem(scores_gmem.at[bi, n, rows], st_smem.at[slot, head_rows],
-                                done)
         plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, head_rows], done)
 
       _stream(num_chunks, slots, load, free)
@@ -278,9 +336,10 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, scores_gmem, dfinal
       plgpu.SMEM((slots, _ROWS, KEY_SIZE), dtype, transforms=wide),      # K, padded
       # Operands contracted over the chunk's L tokens: 64-byte swizzles at L = 32.
       plgpu.SMEM((slots, L, KEY_SIZE), dtype, transforms=narrow),        # Q
+      plgpu.SMEM((slots, L, KEY_SIZE), dtype, transforms=wide),          # Q, for K Q^T
       plgpu.SMEM((slots, L, KEY_SIZE), dtype, transforms=narrow),        # W
       plgpu.SMEM((slots, _ROWS, VALUE_SIZE), dtype, transforms=narrow),  # dY, padded
-      plgpu.SMEM((slots, _ROWS, L), dtype, transforms=narrow),           # S^T, padded
+      plgpu.SMEM((_COMPUTE_WGS, _ROWS, L), dtype, transforms=narrow),    # S^T, padded
       plgpu.SMEM((slots, _ROWS), _F32),                                  # b
       plgpu.SMEM((KEY_SIZE, VALUE_SIZE), dtype, transforms=wide),        # G
       plgpu.SMEM((2, _COMPUTE_WGS, _ROWS, half), dtype, transforms=swizzled(dtype, half)),
@@ -318,13 +377,8 @@ def _check(caller, dtype, key, value, time, chunk, slots):
     raise ValueError(f"{caller}: `slots` must be >= 2, got {slots}")
 
 
-def _launch(kernel, *, name, dtype, key, value, num_chunks, rows, args, interpret):
-  """One block per (head, batch): outputs [B, N, C, K, V] and `rows`' shape in
-  `dtype`, and a [B, N, K, V] float32 state."""
-  batch, heads = rows.shape[0], rows.shape[2]
-  out_type = (jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dtype),
-              jax.ShapeDtypeStruct(rows.shape, dtype),
-              jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
+def _launch(kernel, *, name, batch, heads, out_type, args, interpret):
+  """One block per (head, batch) of three warpgroups."""
   return _pallas.mosaic_kernel(
       kernel, out_type=out_type, grid=(heads, batch), grid_names=("heads", "batch"),
       num_threads=_COMPUTE_WGS + 1, thread_name="wg", kernel_name=name,
@@ -333,35 +387,44 @@ def _launch(kernel, *, name, dtype, key, value, num_chunks, rows, args, interpre
   )(*args)
 
 
-def walk_forward(k, w, u_tilde, b, h0, *, chunk: int, slots: int = 2,
-                 interpret: bool = False):
-  """The forward state walk on the Mosaic GPU kernel.
+def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
+                 residuals: bool = True, slots: int = 2, interpret: bool = False):
+  """The forward state walk with the output, on the Mosaic GPU kernel.
 
   Args:
-    k: [B, T, G, K] keys (T a multiple of `chunk`, K = 128).
+    q, k: [B, T, G, K] queries and keys (T a multiple of `chunk`, K = 128).
     w, u_tilde: [B, T, N, K] and [B, T, N, V] (V = 128), the prepare kernel's
       W and U~, in k's 16-bit dtype.
     b: [B, N, T] float32, the chunk-local cumulative log-decay.
     h0: [B, N, K, V] float32 initial state.
     chunk: tokens per chunk (16 to 32).
+    scale: the output scale.
+    residuals: also return what the backward reads (the states and U).
     slots: shared-memory slots of the input ring (2 or more).
     interpret: run in Mosaic GPU interpret mode (the CPU).
 
   Returns:
-    (states [B, N, C, K, V] entering each chunk, U [B, T, N, V], both in k's
-    dtype; the final state [B, N, K, V] float32).
+    (y [B, T, N, V] in k's dtype, the final state [B, N, K, V] float32, and
+    with `residuals` the pair (states [B, N, C, K, V] entering each chunk,
+    U [B, T, N, V]) in k's dtype, else None).
   """
-  time, groups, key = k.shape[1:]
+  batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
   _check("walk_forward", k.dtype, key, value, time, chunk, slots)
-  kernel = functools.partial(_kernel, chunk=chunk, groups_per_key=heads // groups,
-                             slots=slots)
-  return _launch(kernel, name="gated_delta_states_mosaic", dtype=k.dtype, key=key,
-                 value=value, num_chunks=time // chunk, rows=u_tilde,
-                 args=(k, w, u_tilde, b, h0), interpret=interpret)
+  kernel = functools.partial(_forward_kernel, chunk=chunk, groups_per_key=heads // groups,
+                             slots=slots, scale=scale, residuals=residuals)
+  rows = jax.ShapeDtypeStruct(u_tilde.shape, k.dtype)
+  out_type = (rows, jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
+  if residuals:
+    out_type += (jax.ShapeDtypeStruct((batch, heads, time // chunk, key, value), k.dtype),
+                 rows)
+  y, final, *saved = _launch(kernel, name="gated_delta_states_mosaic", batch=batch,
+                             heads=heads, out_type=out_type,
+                             args=(q, k, w, u_tilde, b, h0), interpret=interpret)
+  return y, final, (tuple(saved) if residuals else None)
 
 
-def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
+def walk_reverse(q, k, w, dy, b, dfinal, *, chunk: int, scale: float,
                  slots: int = 2, interpret: bool = False):
   """The backward's reversed state walk on the Mosaic GPU kernel.
 
@@ -370,7 +433,6 @@ def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
     w: [B, T, N, K], the prepare kernel's W; dy: [B, T, N, V] (V = 128), the
       output's cotangent; both in q's dtype.
     b: [B, N, T] float32, the chunk-local cumulative log-decay.
-    scores_t: [B, N, T, L], each chunk's transposed decayed scores S^T.
     dfinal: [B, N, K, V] float32, the final state's cotangent.
     chunk, scale: the chunk (16 to 32 tokens) and the output scale.
     slots, interpret: as in `walk_forward`.
@@ -379,11 +441,14 @@ def walk_reverse(q, k, w, dy, b, scores_t, dfinal, *, chunk: int, scale: float,
     (the adjoint of the state leaving each chunk [B, N, C, K, V] and dU
     [B, T, N, V], in q's dtype; d initial_state [B, N, K, V] float32).
   """
-  time, groups, key = k.shape[1:]
+  batch, time, groups, key = k.shape
   heads, value = dy.shape[2:]
   _check("walk_reverse", k.dtype, key, value, time, chunk, slots)
   kernel = functools.partial(_reverse_kernel, chunk=chunk, groups_per_key=heads // groups,
                              slots=slots, scale=scale)
-  return _launch(kernel, name="gated_delta_states_reverse_mosaic", dtype=k.dtype, key=key,
-                 value=value, num_chunks=time // chunk, rows=dy,
-                 args=(q, k, w, dy, b, scores_t, dfinal), interpret=interpret)
+  out_type = (jax.ShapeDtypeStruct((batch, heads, time // chunk, key, value), k.dtype),
+              jax.ShapeDtypeStruct(dy.shape, k.dtype),
+              jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
+  return _launch(kernel, name="gated_delta_states_reverse_mosaic", batch=batch,
+                 heads=heads, out_type=out_type, args=(q, k, w, dy, b, dfinal),
+                 interpret=interpret)

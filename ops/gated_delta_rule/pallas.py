@@ -438,9 +438,6 @@ def _states(k, w, u_tilde, b, h0, blocks):
   batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
-  if blocks.mosaic_walk:
-    return mosaic.walk_forward(k, w, u_tilde, b, h0, chunk=chunk,
-                               interpret=_backend.pallas_interpret())
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
   return _pallas.pallas_call(
@@ -486,7 +483,7 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
   if blocks.mosaic_walk:
-    return mosaic.walk_reverse(q, k, w, dy, b, scores, dfinal, chunk=chunk, scale=scale,
+    return mosaic.walk_reverse(q, k, w, dy, b, dfinal, chunk=chunk, scale=scale,
                                interpret=_backend.pallas_interpret())
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
@@ -566,6 +563,13 @@ def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, bloc
 def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
   """(y, final state, the backward's residuals when `residuals`, else None)."""
   w, u_tilde, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
+  if blocks.mosaic_walk:
+    # The Mosaic walk forms Y on its way (no output kernel, and no states in
+    # memory unless the backward reads them); the reverse walk forms S^T itself.
+    y, final, saved = mosaic.walk_forward(q, k, w, u_tilde, b, h0, chunk=blocks.chunk,
+                                          scale=scale, residuals=residuals,
+                                          interpret=_backend.pallas_interpret())
+    return y, final, (w, saved[1], t[0], saved[0], None) if residuals else None
   states, u, final = _states(k, w, u_tilde, b, h0, blocks)
   y, *scores_t = _output(q, k, u, b, states, scale, blocks, save_scores=residuals)
   if not residuals:

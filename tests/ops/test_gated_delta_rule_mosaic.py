@@ -1,5 +1,5 @@
-"""ops.gated_delta_rule's Mosaic GPU forward state walk (mosaic.py): against a
-float64 walk and the Triton walk in Mosaic GPU interpret mode, inside the op
+"""ops.gated_delta_rule's Mosaic GPU state walks (mosaic.py): against float64
+walks and the Triton kernels in Mosaic GPU interpret mode, inside the op
 (forward and every gradient against the reference), its lowering for Hopper,
 and its limits."""
 
@@ -46,12 +46,28 @@ def _assert_as_close_as_triton(names, walk, want, triton):
     assert err < max(2 * triton_err, 1e-3), (name, err, triton_err)
 
 
-def _walk_float64(k, w, u_tilde, b, h0, chunk):
-  """The walk in numpy float64, on the same (rounded) inputs."""
-  k, w, u_tilde, b, h = (np.asarray(x, np.float64) for x in (k, w, u_tilde, b, h0))
+def _scores_float64(q, k, b, chunk):
+  """Each chunk's decayed causal scores S [B, N, C, L, L] in float64."""
+  q, k, b = (np.asarray(x, np.float64) for x in (q, k, b))
+  batch, time, groups = q.shape[:3]
+  heads = b.shape[1]
+  shape = (batch, time // chunk, chunk, groups, -1)
+  qc, kc = q.reshape(shape), k.reshape(shape)
+  qk = np.einsum("bcigd,bcjgd->bgcij", qc, kc)
+  qk = np.repeat(qk, heads // groups, axis=1)
+  bc = b.reshape(batch, heads, time // chunk, chunk)
+  gap = bc[..., :, None] - bc[..., None, :]
+  causal = np.tril(np.ones((chunk, chunk), bool))
+  return np.where(causal, qk * np.exp(np.where(causal, gap, 0.0)), 0.0)
+
+
+def _walk_float64(q, k, w, u_tilde, b, h0, chunk, scale):
+  """The walk and its output in numpy float64, on the same (rounded) inputs."""
+  scores = _scores_float64(q, k, b, chunk)
+  q, k, w, u_tilde, b, h = (np.asarray(x, np.float64) for x in (q, k, w, u_tilde, b, h0))
   batch, time, heads = u_tilde.shape[:3]
   rep = heads // k.shape[2]
-  states, u_all = [], np.zeros(u_tilde.shape)
+  states, u_all, y = [], np.zeros(u_tilde.shape), np.zeros(u_tilde.shape)
   for c in range(time // chunk):
     rows = slice(c * chunk, (c + 1) * chunk)
     states.append(h.copy())
@@ -60,28 +76,48 @@ def _walk_float64(k, w, u_tilde, b, h0, chunk):
         u = u_tilde[i, rows, n] - w[i, rows, n] @ h[i, n]
         u_all[i, rows, n] = u
         b_c = b[i, n, rows]
+        y[i, rows, n] = scale * (np.exp(b_c)[:, None] * (q[i, rows, n // rep] @ h[i, n])
+                                 + scores[i, n, c] @ u)
         k_end = np.exp(b_c[-1] - b_c)[:, None] * k[i, rows, n // rep]
         h[i, n] = np.exp(b_c[-1]) * h[i, n] + k_end.T @ u
-  return np.stack(states, 2), u_all, h
+  return y, h, np.stack(states, 2), u_all
+
+
+def _queries(k, seed):
+  q = jax.random.normal(jax.random.key(seed), k.shape) / np.sqrt(_SIZE)
+  return q.astype(jnp.bfloat16)
 
 
 @pytest.mark.parametrize("chunk, slots", [(32, 2), (16, 3)])
 def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
-  """States entering each chunk, U and the final state; two heads share each
-  key group. Both walks round the same products to bfloat16 (in different
-  places), so they are held to the float64 walk with the same tolerance."""
-  args = _walk_inputs(1, 96, 4, 2, chunk)
+  """Y, the final state, the states entering each chunk and U; two heads share
+  each key group. The Mosaic walk and the Triton walk with the output kernel
+  round the same products to bfloat16 (in different places), so both are held
+  to the float64 walk with the same tolerance."""
+  k, w, u_tilde, b, h0 = _walk_inputs(1, 96, 4, 2, chunk)
+  q = _queries(k, seed=5)
   blocks = _triton_walk_blocks(chunk)
-  triton = gdr_pallas._states(*args, blocks)
-  walk = mosaic.walk_forward(*args, chunk=chunk, slots=slots, interpret=True)
-  want = _walk_float64(*args, chunk)
-  _assert_as_close_as_triton(("states", "u", "final"), walk, want, triton)
-  assert walk[0].dtype == walk[1].dtype == jnp.bfloat16 and walk[2].dtype == jnp.float32
+  states, u, final = gdr_pallas._states(k, w, u_tilde, b, h0, blocks)
+  y, _ = gdr_pallas._output(q, k, u, b, states, 0.25, blocks, save_scores=True)
+  y_walk, final_walk, (states_walk, u_walk) = mosaic.walk_forward(
+      q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, interpret=True)
+  want = _walk_float64(q, k, w, u_tilde, b, h0, chunk, 0.25)
+  _assert_as_close_as_triton(("y", "final", "states", "u"),
+                             (y_walk, final_walk, states_walk, u_walk), want,
+                             (y, final, states, u))
+  assert y_walk.dtype == states_walk.dtype == u_walk.dtype == jnp.bfloat16
+  assert final_walk.dtype == jnp.float32
+  y_only, final_only, none = mosaic.walk_forward(
+      q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, residuals=False,
+      interpret=True)
+  assert none is None
+  np.testing.assert_array_equal(np.asarray(y_only, np.float32), np.asarray(y_walk, np.float32))
+  np.testing.assert_array_equal(final_only, final_walk)
 
 
-def _reverse_float64(q, k, w, dy, b, scores_t, dfinal, chunk, scale):
-  q, k, w, dy, b, scores_t, g = (np.asarray(x, np.float64)
-                                 for x in (q, k, w, dy, b, scores_t, dfinal))
+def _reverse_float64(q, k, w, dy, b, dfinal, chunk, scale):
+  scores = _scores_float64(q, k, b, chunk)
+  q, k, w, dy, b, g = (np.asarray(x, np.float64) for x in (q, k, w, dy, b, dfinal))
   batch, time, heads = dy.shape[:3]
   rep = heads // k.shape[2]
   adjoints, du_all = [None] * (time // chunk), np.zeros(dy.shape)
@@ -92,7 +128,7 @@ def _reverse_float64(q, k, w, dy, b, scores_t, dfinal, chunk, scale):
       for n in range(heads):
         b_c = b[i, n, rows]
         k_c, q_c = k[i, rows, n // rep], q[i, rows, n // rep]
-        du = (scale * scores_t[i, n, rows] @ dy[i, rows, n]
+        du = (scale * scores[i, n, c].T @ dy[i, rows, n]
               + (np.exp(b_c[-1] - b_c)[:, None] * k_c) @ g[i, n])
         du_all[i, rows, n] = du
         g[i, n] = (scale * (np.exp(b_c)[:, None] * q_c).T @ dy[i, rows, n]
@@ -102,17 +138,18 @@ def _reverse_float64(q, k, w, dy, b, scores_t, dfinal, chunk, scale):
 
 @pytest.mark.parametrize("chunk, slots", [(32, 2), (16, 3)])
 def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
-  """The adjoint of the state leaving each chunk, dU and d initial_state."""
+  """The adjoint of the state leaving each chunk, dU and d initial_state; the
+  Triton walk reads the scores the output kernel stores, the Mosaic walk forms
+  them."""
   k, w, dy, b, dfinal = _walk_inputs(1, 96, 4, 2, chunk, seed=2)
-  ks = jax.random.split(jax.random.key(3), 2)
-  q = (jax.random.normal(ks[0], k.shape) / np.sqrt(_SIZE)).astype(jnp.bfloat16)
-  scores_t = jnp.tril(jax.random.normal(ks[1], (1, 4, 96 // chunk, chunk, chunk)))
-  scores_t = jnp.swapaxes(scores_t, -1, -2).reshape(1, 4, 96, chunk).astype(jnp.bfloat16)
-  args = (q, k, w, dy, b, scores_t, dfinal)
+  q = _queries(k, seed=3)
   blocks = _triton_walk_blocks(chunk)
-  triton = gdr_pallas._states_bwd(*args, 0.25, blocks)
-  walk = mosaic.walk_reverse(*args, chunk=chunk, scale=0.25, slots=slots, interpret=True)
-  want = _reverse_float64(*args, chunk, 0.25)
+  states = jnp.zeros((1, 4, 96 // chunk, _SIZE, _SIZE), jnp.bfloat16)
+  _, scores_t = gdr_pallas._output(q, k, dy, b, states, 0.25, blocks, save_scores=True)
+  triton = gdr_pallas._states_bwd(q, k, w, dy, b, scores_t, dfinal, 0.25, blocks)
+  walk = mosaic.walk_reverse(q, k, w, dy, b, dfinal, chunk=chunk, scale=0.25, slots=slots,
+                             interpret=True)
+  want = _reverse_float64(q, k, w, dy, b, dfinal, chunk, 0.25)
   _assert_as_close_as_triton(("adjoints", "du", "dh0"), walk, want, triton)
 
 
