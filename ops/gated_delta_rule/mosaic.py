@@ -2,28 +2,36 @@
 
 The walks are the serial part of the op: per (batch, head) the forward carries
 the [K, V] state M through the chunks, `U = U~ - W M0`, `M1 = e^{b_L} M0 +
-K^T (D U)` with `D = diag(e^{b_L - b})`, and stores the state entering each
-chunk and U; the reverse (`walk_reverse`) carries the adjoint back. There are
-only B x N walks (128 at B 8, N 16), about one per SM, so a walk's time is its
-chain's latency per chunk times the number of chunks. The Triton walks
-(`pallas._states_kernel`, `pallas._states_bwd_kernel`) take about 2.7 and
-3.4 us a chunk at K = V = 128 on an H200. Here a block has three warpgroups:
+K^T (D U)` with `D = diag(e^{b_L - b})`, and forms the output on its way,
+`Y = scale (E Q M0 + S U)` with `E = diag(e^b)` and the scores
+`S = (Q K^T) * D_causal`; when a gradient will be taken it also stores the
+state entering each chunk and U. The reverse (`walk_reverse`) carries the
+adjoint back. There are only B x N walks (128 at B 8, N 16), about one per SM,
+so a walk's time is its chain's latency per chunk times the number of chunks.
+The Triton walks (`pallas._states_kernel`, `pallas._states_bwd_kernel`) take
+about 2.7 and 3.4 us a chunk at K = V = 128 on an H200. Here a block has three
+warpgroups:
 
 - a memory warpgroup streams each chunk's operands into a ring of `slots`
   shared-memory slots with TMA, ahead of the chain;
 - two compute warpgroups hold the f32 state in registers, 64 of its K rows
   each. Per chunk each writes its rows (in the input dtype) to shared memory
-  and hands them to TMA for the states output; then each forms 64 of the V
-  columns of `U = U~ - W M0` with `wgmma` (W's tile is padded to the 64 rows a
-  warpgroup's `wgmma` takes; the rows past the chunk are never read), stores
-  them (TMA) and their rows scaled by D to shared memory; then each adds
-  `K^T (D U)` for its K rows with one more `wgmma`.
+  (and, with residuals, hands them to TMA for the states output); then each
+  forms 64 of the V columns of `[W; Q] M0` with one `wgmma`: W and Q share a
+  64-row tile, one above the other, so `W M0` (for `U = U~ - W M0`) and
+  `Q M0` (for Y) come from the rows a warpgroup's `wgmma` takes anyway, and
+  `[W; Q] K^T` gives the scores. Each stores its U columns and their rows
+  scaled by D to shared memory, then adds `K^T (D U)` for its K rows and forms
+  `S U` for its V columns with two more `wgmma`s. Its [U; Y] tile leaves for
+  global memory (TMA) during the next chunk's first `wgmma`s.
 
-So the chain per chunk is two `wgmma`s and two warpgroup barriers, and the
-loads and stores run beside it. The reverse walk has the same structure on
-the adjoint G: `dU = scale S^T dY + D K G`, `G <- e^{b_L} G + Q^T (scale E dY)
-- W^T dU` with `E = diag(e^b)`. Every `wgmma` reads both operands from shared
-memory, so the kernels run unchanged in Mosaic GPU interpret mode.
+So the chain per chunk is two rounds of `wgmma`s and two warpgroup barriers,
+and the loads and stores run beside it. The reverse walk has the same
+structure on the adjoint G: `dU = scale S^T dY + D K G`, `G <- e^{b_L} G +
+Q^T (scale E dY) - W^T dU`, with `S^T = (K Q^T) * D_causal^T` formed from the
+same K operand as `K G` (the forward does not store the scores). Every `wgmma`
+reads both operands from shared memory, so the kernels run unchanged in Mosaic
+GPU interpret mode.
 
 Rounding differs from the Triton walks where a decay scales an operand: the
 forward multiplies K by D U rounded to the input dtype (the Triton walk rounds

@@ -20,7 +20,9 @@ Forward, three launches:
    `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`. When a
    gradient will be taken it stores `S` (transposed).
 On Hopper at padded K = V = 128 (16-bit, chunks of 16 to 32) both state walks
-run on Mosaic GPU kernels instead (mosaic.py, `GatedDeltaBlocks.mosaic_walk`).
+run on Mosaic GPU kernels instead (mosaic.py, `GatedDeltaBlocks.mosaic_walk`):
+the forward walk forms Y itself (launches 2 and 3 in one; the states and U go
+to memory only for a gradient), and the reverse walk forms `S^T` itself.
 
 Backward, three launches:
 1. states, reversed (per batch, head, V tile): with `dU = scale S^T dY +
