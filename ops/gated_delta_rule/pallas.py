@@ -435,8 +435,9 @@ def _seq_specs(time, key, rep, bv, chunk):
 
 
 def _states(k, w, u_tilde, b, h0, blocks):
-  """The state entering each chunk [B, N, C, K, V] and U [B, T, N, V], both in
-  the input dtype, and the final state (float32)."""
+  """The Triton forward walk (the Mosaic one, `mosaic.walk_forward`, forms Y
+  too): the state entering each chunk [B, N, C, K, V] and U [B, T, N, V], both
+  in the input dtype, and the final state (float32)."""
   batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
@@ -481,6 +482,10 @@ def _output(q, k, u, b, states, scale, blocks, *, save_scores):
 
 
 def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
+  """The reversed walk: the adjoint of the state leaving each chunk
+  [B, N, C, K, V] and dU [B, T, N, V] in the input dtype, d initial_state
+  (float32). The Triton walk reads the scores the output kernel stored; the
+  Mosaic walk (`scores` None) forms them."""
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
