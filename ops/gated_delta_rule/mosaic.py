@@ -81,6 +81,13 @@ def takes(dtype, key: int, value: int, chunk: int) -> bool:
   return _mosaic_takes(dtype) and limit(dtype, key, value, chunk) is None
 
 
+def _causal_decayed(causal, x, gap):
+  """x * exp(gap) where `causal`, else 0: decayed scores. The gaps above the
+  diagonal (and in padding rows) never reach the exponential, where they
+  could overflow, nor do padding values reach the result."""
+  return jnp.where(causal, x * jnp.exp(jnp.where(causal, gap, 0.0)), 0.0)
+
+
 def _forward_kernel(q_gmem, k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, *outs, chunk,
                     groups_per_key, slots, scale, residuals):
   """The forward walk with the output: per chunk `U = U~ - W M0`,
@@ -153,7 +160,7 @@ def _forward_kernel(q_gmem, k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, *outs, chu
           b = plgpu.load(b_smem.at[slot], layout=rows_layout)  # b, then b again
           b_tokens = plgpu.load(b_smem.at[slot, pl.ds(0, L)], layout=cols_layout)
           gap = by_row(b, (_ROWS, L)) - lax.broadcast_in_dim(b_tokens, (_ROWS, L), [1])
-          score_decay = jnp.where(causal, jnp.exp(jnp.where(causal, gap, 0.0)), 0.0)
+          score_decay = _causal_decayed(causal, 1.0, gap)
           return wq_m0_ref[...], wq_k_ref[...], b, score_decay
         wq_m0, wq_k, b, score_decay = pl.run_scoped(
             products, plgpu.ACC((_ROWS, half), _F32), plgpu.ACC((_ROWS, L), _F32))
@@ -258,8 +265,7 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, dfinal_gmem,
                                                  layout=wgmma_layout)
       # S^T's row j is key token j, its column i query token i (rows >= L: padding).
       causal = (iota(1) >= iota(0)) & (iota(0) < L)
-      g0 = plgpu.load(dfinal_gmem.at[bi, n, mine], layout=plgpu.Layout.WGMMA,
-                      optimized=False)
+      g0 = plgpu.load(dfinal_gmem.at[bi, n, mine], layout=wgmma_layout, optimized=False)
 
       def step(t, adj):
         c = num_chunks - 1 - t
@@ -286,7 +292,7 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, dfinal_gmem,
         b_last = b_smem[slot, L - 1]
         gap = (lax.broadcast_in_dim(b_tokens, (_ROWS, L), [1])
                - lax.broadcast_in_dim(b, (_ROWS, L), [0]))
-        scores_t = jnp.where(causal, kq * jnp.exp(jnp.where(causal, gap, 0.0)), 0.0)
+        scores_t = _causal_decayed(causal, kq, gap)
         st_smem.at[wg][...] = scores_t.astype(dtype)
         plgpu.commit_smem()
         def st_dy(acc_ref):
@@ -295,7 +301,7 @@ def _reverse_kernel(q_gmem, k_gmem, w_gmem, dy_gmem, b_gmem, dfinal_gmem,
         sdy = pl.run_scoped(st_dy, plgpu.ACC((_ROWS, half), _F32))
         rows = lambda x: lax.broadcast_in_dim(x, (_ROWS, half), [0])
         du = (scale * sdy + rows(jnp.exp(b_last - b)) * kg).astype(dtype)
-        dy = plgpu.load(dy_smem.at[slot, :, mine], layout=plgpu.Layout.WGMMA)
+        dy = plgpu.load(dy_smem.at[slot, :, mine], layout=wgmma_layout)
         plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # du_out_smem[parity] is free
         du_out_smem.at[parity, wg][...] = du
         du_smem.at[:, mine][...] = -du

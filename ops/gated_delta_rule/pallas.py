@@ -576,7 +576,10 @@ def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
     y, final, saved = mosaic.walk_forward(q, k, w, u_tilde, b, h0, chunk=blocks.chunk,
                                           scale=scale, residuals=residuals,
                                           interpret=_backend.pallas_interpret())
-    return y, final, (w, saved[1], t[0], saved[0], None) if residuals else None
+    if not residuals:
+      return y, final, None
+    states, u = saved
+    return y, final, (w, u, t[0], states, None)
   states, u, final = _states(k, w, u_tilde, b, h0, blocks)
   y, *scores_t = _output(q, k, u, b, states, scale, blocks, save_scores=residuals)
   if not residuals:
