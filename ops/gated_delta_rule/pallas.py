@@ -34,7 +34,11 @@ Backward, three launches:
    inverse is `dA = -T^T dT T^T`), from the stored `T`, `U` and `dU`; no state.
 3. key gradients (parallel over chunks and K tiles; a loop over V tiles
    accumulates the products with the states M0 and dM1 that reduce over V):
-   dQ and dK. Both gradient kernels add shares of d b and d beta.
+   dQ and dK. Both gradient kernels add shares of d b and d beta. On Hopper
+   at padded K = V = 128 (16-bit) the key gradients run on a Mosaic GPU kernel
+   instead (mosaic_key_grads.py, `GatedDeltaBlocks.mosaic_key_grads`), and the
+   value-gradient kernel writes its two [L, L] adjoints as one [2L, 2L] block,
+   that kernel's operand.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
 V value size, C chunks, L tokens per chunk.
@@ -53,6 +57,7 @@ from ops import _pallas
 from ops import _shapes
 from ops._rows import pick_row
 from ops.gated_delta_rule import mosaic
+from ops.gated_delta_rule import mosaic_key_grads
 from ops.ssd.pallas import _causal_decay
 from ops.ssd.pallas import _dot
 from ops.ssd.pallas import _is_pow2
@@ -87,6 +92,9 @@ class GatedDeltaBlocks:
                                    # (mosaic.py); None: wherever they run
                                    # compiled (Hopper, 16-bit, K = V = 128,
                                    # chunks of 16 to 32)
+  mosaic_key_grads: bool | None = None  # the key gradients on the Mosaic GPU kernel
+                                        # (mosaic_key_grads.py); None: wherever
+                                        # the Mosaic walks run
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
@@ -283,14 +291,17 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
 
 
 def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref,
-                       dv_ref, dru_ref, dsd_ref, dkk_ref, db_ref, dbeta_ref, *, chunk,
-                       scale, block_v):
+                       dv_ref, dru_ref, *outs, chunk, scale, block_v, pairs):
   """One chunk's gradients that need no state: dV, and the [L, L] adjoints of
   the scores and of `A` that the key-gradient kernel multiplies into dQ and
   dK. The V columns are visited a tile at a time; `dY U^T` and `dU U^T`
   accumulate across the tiles. Also stores `T^T dU` (the adjoint of `R_u`,
   rounded to `dtype` like every product that reads it) for that kernel, and
-  this kernel's shares of d b and d beta."""
+  this kernel's shares of d b and d beta. `outs`: the two adjoints (dS~, dA~)
+  each [L, L], or with `pairs` one [2L, 2L] block
+  `[[0, dS~], [dS~^T, dA~ + dA~^T]]` (the Mosaic key gradients' operand); then
+  d b and d beta."""
+  *squares, db_ref, dbeta_ref = outs
   q, k = q_ref[...], k_ref[...]
   dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
@@ -326,8 +337,17 @@ def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_r
   da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
   da = jnp.where(row > col, da, 0.0)
   # Both are read only as operands rounded to `dtype`, so they are stored so.
-  dsd_ref[...] = (ds * decay).astype(dsd_ref.dtype)
-  dkk_ref[...] = (da * beta[:, None] * decay).astype(dkk_ref.dtype)
+  dsd, dkk = ds * decay, da * beta[:, None] * decay
+  if pairs:
+    top, below = pl.ds(0, chunk), pl.ds(chunk, chunk)
+    block = squares[0]
+    block[top, top] = jnp.zeros((chunk, chunk), block.dtype)
+    block[top, below] = dsd.astype(block.dtype)
+    block[below, top] = dsd.T.astype(block.dtype)
+    block[below, below] = (dkk + dkk.T).astype(block.dtype)
+  else:
+    squares[0][...] = dsd.astype(squares[0].dtype)
+    squares[1][...] = dkk.astype(squares[1].dtype)
   # d b through D (in A and S); d beta through A and R_u.
   p = (da * beta[:, None] * kk + ds * qk) * decay
   db_ref[...] = jnp.sum(p, axis=1) - jnp.sum(p, axis=0)
@@ -510,25 +530,33 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
       name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
-def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks):
+def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks, *, pairs=False):
   """(dV, T^T dU) [B, T, N, V] in the input dtype; the chunks' adjoint
-  scores and `A` terms [B, N, T, L] in the input dtype; d b and d beta
-  shares [B, N, T] float32."""
+  scores and `A` terms [B, N, T, L] in the input dtype (with `pairs` instead
+  one [B, N, C, 2L, 2L] array of their blocks, for `mosaic_key_grads`); d b
+  and d beta shares [B, N, T] float32."""
   batch, time, groups, key = q.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head, square = sp["head"], sp["square"]
-  squares = jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)
+  if pairs:
+    square_specs = [pl.BlockSpec((None, None, None, 2 * chunk, 2 * chunk),
+                                 lambda i, n, c: (i, n, c, 0, 0))]
+    squares = [jax.ShapeDtypeStruct((batch, heads, time // chunk, 2 * chunk, 2 * chunk),
+                                    v.dtype)]
+  else:
+    square_specs = [square, square]
+    squares = [jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)] * 2
   return _pallas.pallas_call(
       functools.partial(_value_grad_kernel, chunk=chunk, scale=scale,
-                        block_v=blocks.block_v),
+                        block_v=blocks.block_v, pairs=pairs),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), head(value),
                 sp["vec"], sp["vec"], square],
-      out_specs=[head(value), head(value), square, square, sp["vec"], sp["vec"]],
+      out_specs=[head(value), head(value), *square_specs, sp["vec"], sp["vec"]],
       out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), squares, squares,
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), *squares,
                  jax.ShapeDtypeStruct(b.shape, _F32), jax.ShapeDtypeStruct(b.shape, _F32)],
       compiler_params=_params(blocks.value_grad_num_warps or blocks.num_warps,
                               blocks.grad_num_stages),
@@ -605,10 +633,17 @@ def _core_bwd(scale, blocks, residuals, cotangents):
   dy = dy.astype(v.dtype)
   dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
                                  blocks)
-  dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale,
-                                               blocks)
-  dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
-                                           dstates, scale, blocks)
+  if blocks.mosaic_key_grads:
+    dv, dru, pairs, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks,
+                                             pairs=True)
+    dq, dk, db_keys, dbeta_keys = mosaic_key_grads.key_grads(
+        q, k, u, dru, dy, b, beta, pairs, states, dstates, chunk=blocks.chunk, scale=scale,
+        interpret=_backend.pallas_interpret())
+  else:
+    dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale,
+                                                 blocks)
+    dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
+                                             dstates, scale, blocks)
   db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:
@@ -651,6 +686,10 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
                                  mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk))
   elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_walk`: {why}")
+  if blocks.mosaic_key_grads is None:
+    blocks = dataclasses.replace(blocks, mosaic_key_grads=blocks.mosaic_walk)
+  elif blocks.mosaic_key_grads and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
+    raise ValueError(f"`blocks.mosaic_key_grads`: {why}")
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
   v_p = pad(v, value_p)

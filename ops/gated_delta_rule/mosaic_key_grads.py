@@ -1,0 +1,276 @@
+"""Mosaic GPU (Hopper) key gradients of the gated delta rule: dQ and dK.
+
+The key-gradient step is the op's largest memory stream: per chunk it reads
+the state entering the chunk M0 and the adjoint of the state leaving it dM1
+([K, V] each, 64 KB together in bf16 at K = V = 128) to form three [L, K]
+products that reduce over V,
+
+    dY M0^T,  (T^T dU) M0^T  and  U dM1^T,
+
+and the Frobenius product <M0, dM1> (for d log-decay at the chunk's end).
+The Triton kernel (`pallas._key_grad_kernel`) does this at about 2.8 TB/s on
+an H200. Here one block walks a run of chunks of one (batch, head), and a
+memory warpgroup streams them through shared memory with TMA ahead of one
+compute warpgroup, in units of half a chunk's V columns (the two halves of
+M0, dM1, dY, T^T dU and U: 48 KB), so the ring of `slots` units keeps about
+a chunk in flight while the compute warpgroup works on the last.
+
+The compute warpgroup works on 64-row tiles whose rows 0..L-1 belong to dQ and
+rows L..2L-1 to dK (token i in rows i and L + i):
+
+    P1 = [dY; T^T dU] M0^T        (one wgmma per V half, accumulated)
+    P2 = [* ; U] dM1^T            (rows L..2L-1 only are read)
+    Z  = r1 * P1 + r2 * P2 + A5 [Q; K]
+
+with row scales r1 = [scale e^b; -beta e^b], r2 = [0; e^{b_L - b}], and
+A5 = [[0, dS~], [dS~^T, dA~ + dA~^T]] the [2L, 2L] block of the chunk's
+[L, L] adjoints (the decayed score adjoint dS~ and `A`'s dA~) that the
+value-gradient kernel writes in this form for this kernel. Then Z's rows are
+dQ and dK. The row sums that give d b and d beta,
+
+    s1 = rowsum(P1 * [Q; K]),  s2 = rowsum(P2 * [Q; K]),
+
+leave as three 64-entry vectors per chunk (d b and d beta by row, and the
+terms of d b at the chunk's last token), folded by the caller.
+
+Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
+K key size, V value size, C chunks, L tokens per chunk, WG warpgroup.
+"""
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from ops import _pallas
+from ops._mosaic_gpu import num_sms
+from ops._mosaic_gpu import swizzled
+from ops.gated_delta_rule import mosaic
+
+_F32 = jnp.float32
+KEY = mosaic.KEY_SIZE           # the padded K = V the kernel is written for
+_ROWS = 64                      # the wgmma rows: dQ's L rows, then dK's
+_HALF = 64                      # V columns of a streamed unit
+_UNITS = 2                      # units per chunk (V = 128)
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+# Vectors per chunk in the `rows` output: d b by row, d beta by row, the d b
+# terms of the chunk's last token.
+DB, DBETA, END = range(3)
+
+
+def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_gmem,
+            states_gmem, dstates_gmem, dq_gmem, dk_gmem, rows_gmem, *, chunk,
+            groups_per_key, chunks_per_block, slots, scale):
+  L = chunk
+  dtype = q_gmem.dtype
+  bi, n = lax.axis_index("batch"), lax.axis_index("heads")
+  first = lax.axis_index("split") * chunks_per_block
+  g = lax.div(n, jnp.int32(groups_per_key))
+  size = 2 * L  # the rows that carry tokens (the rest: padding at L = 16)
+
+  def scoped(a1_smem, a2_smem, m0_smem, dm1_smem, qk_smem, pairs_smem, b_smem, beta_smem,
+             out_smem, rows_smem, unit_loaded, unit_free, chunk_loaded, chunk_free):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _compute():
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      wgmma_layout = plgpu.Layout.WGMMA
+      rows_layout = wgmma_layout.reduce(1)
+      row = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=rows_layout)
+      dq_rows, dk_rows = row < L, (row >= L) & (row < size)
+      by_row = lambda x: lax.broadcast_in_dim(x, (_ROWS, KEY), [0])
+
+      def step(t, carry):
+        c = first + t
+        parity = lax.rem(t, 2)
+        units = [lax.rem(_UNITS * t + h, slots) for h in range(_UNITS)]
+
+        def products(p1_ref, p2_ref):
+          for slot in units:
+            plgpu.barrier_wait(unit_loaded.at[slot])
+            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(p2_ref, a2_smem.at[slot], dm1_smem.at[slot].transpose((1, 0)))
+          # <M0, dM1> by row of M0 (rows r and 64 + r summed), under the wgmmas.
+          m_dot_dm = jnp.zeros((_ROWS,), _F32)
+          for slot in units:
+            for top in range(0, KEY, _ROWS):
+              part = lambda ref: plgpu.load(ref.at[slot, pl.ds(top, _ROWS)],
+                                            layout=wgmma_layout).astype(_F32)
+              m_dot_dm += jnp.sum(part(m0_smem) * part(dm1_smem), axis=1)
+          return p1_ref[...], p2_ref[...], m_dot_dm
+        p1, p2, m_dot_dm = pl.run_scoped(
+            products, plgpu.ACC((_ROWS, KEY), _F32), plgpu.ACC((_ROWS, KEY), _F32))
+        for slot in units:
+          plgpu.barrier_arrive(unit_free.at[slot])
+
+        plgpu.barrier_wait(chunk_loaded.at[parity])
+        valid = row < size
+        b = jnp.where(valid, plgpu.load(b_smem.at[parity], layout=rows_layout), 0.0)
+        beta = jnp.where(valid, plgpu.load(beta_smem.at[parity], layout=rows_layout), 0.0)
+        b_last = b_smem[parity, L - 1]
+        eb, e_end = jnp.exp(b), jnp.exp(b_last - b)
+        r1 = jnp.where(dq_rows, scale * eb, -beta * eb)
+        r2 = jnp.where(dk_rows, e_end, 0.0)
+        qk = plgpu.load(qk_smem.at[parity], layout=wgmma_layout).astype(_F32)
+        s1 = jnp.where(valid, jnp.sum(p1 * qk, axis=1), 0.0)
+        s2 = jnp.where(dk_rows, jnp.sum(jnp.where(by_row(dk_rows), p2, 0.0) * qk, axis=1), 0.0)
+        z = by_row(r1) * p1 + jnp.where(by_row(dk_rows), by_row(r2) * p2, 0.0)
+
+        def pair_terms(acc_ref):
+          plgpu.wgmma(acc_ref, pairs_smem.at[parity], qk_smem.at[parity, pl.ds(0, size)])
+          return acc_ref[...]
+        # (A zero accumulator and an add: interpret mode runs no ACC.init.)
+        z += pl.run_scoped(pair_terms, plgpu.ACC((_ROWS, KEY), _F32))
+        plgpu.barrier_arrive(chunk_free.at[parity])
+
+        # The last chunk's stores read these buffers: done with them first.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[...] = z.astype(out_smem.dtype)
+        end_terms = r2 * s2
+        rows_smem.at[DB][...] = r1 * s1 - end_terms
+        rows_smem.at[DBETA][...] = jnp.where(dk_rows, -eb * s1, 0.0)
+        rows_smem.at[END][...] = end_terms + jnp.exp(b_last) * m_dot_dm
+        plgpu.commit_smem()
+        tokens = pl.ds(c * L, L)
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, L)], dq_gmem.at[bi, tokens, n],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(L, L)], dk_gmem.at[bi, tokens, n],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(rows_smem, rows_gmem.at[bi, n, c])
+        return carry
+
+      lax.fori_loop(0, chunks_per_block, step, 0)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+      @pl.loop(0, chunks_per_block)
+      def _load(t):
+        c = first + t
+        parity = lax.rem(t, 2)
+        tokens, top, below = pl.ds(c * L, L), pl.ds(0, L), pl.ds(L, L)
+        for h in range(_UNITS):
+          unit = _UNITS * t + h
+          slot = lax.rem(unit, slots)
+          pl.when(unit >= slots)(lambda: plgpu.barrier_wait(unit_free.at[slot]))
+          cols, done = pl.ds(h * _HALF, _HALF), unit_loaded.at[slot]
+          plgpu.copy_gmem_to_smem(dy_gmem.at[bi, tokens, n, cols], a1_smem.at[slot, top], done)
+          plgpu.copy_gmem_to_smem(dru_gmem.at[bi, tokens, n, cols], a1_smem.at[slot, below],
+                                  done)
+          plgpu.copy_gmem_to_smem(u_gmem.at[bi, tokens, n, cols], a2_smem.at[slot, below], done)
+          plgpu.copy_gmem_to_smem(states_gmem.at[bi, n, c, :, cols], m0_smem.at[slot], done)
+          plgpu.copy_gmem_to_smem(dstates_gmem.at[bi, n, c, :, cols], dm1_smem.at[slot], done)
+        pl.when(t >= 2)(lambda: plgpu.barrier_wait(chunk_free.at[parity]))
+        done = chunk_loaded.at[parity]
+        plgpu.copy_gmem_to_smem(q_gmem.at[bi, tokens, g], qk_smem.at[parity, top], done)
+        plgpu.copy_gmem_to_smem(k_gmem.at[bi, tokens, g], qk_smem.at[parity, below], done)
+        plgpu.copy_gmem_to_smem(pairs_gmem.at[bi, n, c], pairs_smem.at[parity, pl.ds(0, size)],
+                                done)
+        for ref, smem in ((b_gmem, b_smem), (beta_gmem, beta_smem)):
+          plgpu.copy_gmem_to_smem(ref.at[bi, n, tokens], smem.at[parity, top], done)
+          plgpu.copy_gmem_to_smem(ref.at[bi, n, tokens], smem.at[parity, below], done)
+
+      # See every phase of the barriers it waits on (interpret mode checks).
+      total = _UNITS * chunks_per_block
+      @pl.loop(max(total - slots, 0), total)
+      def _drain_units(unit):
+        plgpu.barrier_wait(unit_free.at[lax.rem(unit, slots)])
+
+      @pl.loop(max(chunks_per_block - 2, 0), chunks_per_block)
+      def _drain_chunks(t):
+        plgpu.barrier_wait(chunk_free.at[lax.rem(t, 2)])
+
+  half = swizzled(dtype, _HALF)  # operands contracted over a unit's 64 V columns
+  pairs = swizzled(dtype, size)  # A5 [Q; K], contracted over the chunk's 2L tokens
+  out_dtype = dq_gmem.dtype
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [dY; T^T dU]
+      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [*; U]
+      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # M0
+      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # dM1
+      plgpu.SMEM((2, _ROWS, KEY), dtype, transforms=pairs),           # [Q; K], padded
+      plgpu.SMEM((2, _ROWS, size), dtype, transforms=pairs),          # A5, padded
+      plgpu.SMEM((2, _ROWS), _F32),                                   # [b; b]
+      plgpu.SMEM((2, _ROWS), _F32),                                   # [beta; beta]
+      plgpu.SMEM((_ROWS, KEY), out_dtype, transforms=swizzled(out_dtype, KEY)),  # [dQ; dK]
+      plgpu.SMEM((3, _ROWS), _F32),                                   # the row vectors
+      plgpu.Barrier(num_arrivals=5, num_barriers=slots),   # a unit's five loads
+      plgpu.Barrier(num_arrivals=1, num_barriers=slots),   # unit released
+      plgpu.Barrier(num_arrivals=7, num_barriers=2),       # a chunk's seven loads
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),       # chunk released
+      collective_axes="wg",
+  )
+
+
+
+def _splits(batch, heads, num_chunks):
+  """Chunk runs per (batch, head): the largest divisor of the chunk count that
+  keeps the blocks within one wave (one block per SM: the ring fills most of
+  its shared memory)."""
+  room = max(1, num_sms() // (batch * heads))
+  return max(d for d in range(1, min(room, num_chunks) + 1) if num_chunks % d == 0)
+
+
+def key_grads(q, k, u, dru, dy, b, beta, pairs, states, dstates, *, chunk: int,
+              scale: float, slots: int | None = None, splits: int | None = None,
+              interpret: bool = False):
+  """dQ, dK and the key gradients' shares of d log-decay and d beta.
+
+  Args:
+    q, k: [B, T, G, K] (T a multiple of `chunk`, K = 128), 16-bit.
+    u, dru, dy: [B, T, N, V] (V = 128): the forward's U, the value-gradient
+      kernel's T^T dU and the output's cotangent, in q's dtype.
+    b, beta: [B, N, T] float32, the chunk-local cumulative log-decay and beta.
+    pairs: [B, N, C, 2L, 2L] in q's dtype, each chunk's
+      [[0, dS~], [dS~^T, dA~ + dA~^T]] (the value-gradient kernel's).
+    states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
+      chunk and the adjoint of the state leaving it.
+    chunk, scale: the chunk (16 to 32 tokens) and the output scale.
+    slots: shared-memory units of the input ring (default: 3 with 16-bit
+      outputs, 2 with float32 ones).
+    splits: blocks per (batch, head), each a run of chunks (default: as many
+      as fill the GPU's SMs once).
+    interpret: run in Mosaic GPU interpret mode (the CPU).
+
+  Returns:
+    dQ, dK [B, T, N, K] (in q's dtype when N = G, else float32, to be summed
+    over each group's heads), and the d b and d beta shares [1, B, N, T]
+    float32.
+  """
+  batch, time, groups, key = q.shape
+  heads, value = dy.shape[2:]
+  rep = heads // groups
+  out_dtype = q.dtype if rep == 1 else _F32
+  if slots is None:
+    slots = 3 if rep == 1 else 2  # float32 outputs take the third unit's room
+  mosaic._check("key_grads", q.dtype, key, value, time, chunk, slots)
+  num_chunks = time // chunk
+  splits = splits or _splits(batch, heads, num_chunks)
+  if num_chunks % splits:
+    raise ValueError(f"key_grads: `splits` {splits} must divide the {num_chunks} chunks")
+  kernel = functools.partial(_kernel, chunk=chunk, groups_per_key=rep,
+                             chunks_per_block=num_chunks // splits, slots=slots,
+                             scale=scale)
+  grads = jax.ShapeDtypeStruct((batch, time, heads, key), out_dtype)
+  out_type = (grads, grads, jax.ShapeDtypeStruct((batch, heads, num_chunks, 3, _ROWS), _F32))
+  dq, dk, rows = _pallas.mosaic_kernel(
+      kernel, out_type=out_type, grid=(heads, batch, splits),
+      grid_names=("heads", "batch", "split"), num_threads=2, thread_name="wg",
+      kernel_name="gated_delta_key_grads_mosaic",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(q, k, u, dru, dy, b, beta, pairs, states, dstates)
+  # Token i's terms are in rows i (dQ's) and L + i (dK's) of each chunk.
+  L = chunk
+  db = rows[:, :, :, DB, :L] + rows[:, :, :, DB, L:2 * L]
+  db = db.at[:, :, :, L - 1].add(rows[:, :, :, END].sum(-1))
+  dbeta = rows[:, :, :, DBETA, L:2 * L]
+  return dq, dk, db.reshape(1, batch, heads, time), dbeta.reshape(1, batch, heads, time)
