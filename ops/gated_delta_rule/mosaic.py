@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from ops import _pallas
 from ops._mosaic_gpu import DTYPES
+from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
 from ops._mosaic_gpu import takes as _mosaic_takes
 
@@ -208,8 +209,7 @@ def _forward_kernel(q_gmem, k_gmem, w_gmem, ut_gmem, b_gmem, h0_gmem, *outs, chu
         plgpu.copy_gmem_to_smem(w_gmem.at[bi, rows, n], wq_smem.at[slot, top], done)
         plgpu.copy_gmem_to_smem(q_gmem.at[bi, rows, g], wq_smem.at[slot, below], done)
         plgpu.copy_gmem_to_smem(ut_gmem.at[bi, rows, n], ut_smem.at[slot, top], done)
-        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, top], done)
-        plgpu.copy_gmem_to_smem(b_gmem.at[bi, n, rows], b_smem.at[slot, below], done)
+        load_twice(b_gmem.at[bi, n, rows], b_smem.at[slot], done, L)
 
       _stream(num_chunks, slots, load, free)
 
@@ -376,10 +376,39 @@ def _stream(num_chunks, slots, load, free):
     pl.when(t >= slots)(lambda: plgpu.barrier_wait(free.at[slot]))
     load(t, slot)
 
-  # See every phase of the barriers it waits on (interpret mode checks).
-  @pl.loop(max(num_chunks - slots, 0), num_chunks)
+  drain(free, num_chunks, slots)
+
+
+def load_twice(src, dst, done, rows: int):
+  """`src` (`rows` rows) by TMA into rows 0..rows-1 and rows..2 rows-1 of
+  `dst`: a vector for both halves of a 64-row tile (two arrivals on `done`)."""
+  plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(0, rows)], done)
+  plgpu.copy_gmem_to_smem(src, dst.at[pl.ds(rows, rows)], done)
+
+
+def store_halves(tile, top, below, rows: int):
+  """Rows 0..rows-1 of a shared-memory tile to `top` and rows..2 rows-1 to
+  `below` by TMA, in the bulk group of the next store that commits one."""
+  plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, rows)], top, commit_group=False)
+  plgpu.copy_smem_to_gmem(tile.at[pl.ds(rows, rows)], below, commit_group=False)
+
+
+def drain(free, count: int, slots: int):
+  """Waits on the last `slots` of `count` releases of a ring's `free`
+  barriers, the ones a loader that waits only before reusing a slot never
+  sees (interpret mode checks that every phase is waited on)."""
+  @pl.loop(max(count - slots, 0), count)
   def _drain(t):
     plgpu.barrier_wait(free.at[lax.rem(t, slots)])
+
+
+def runs_per_head(batch: int, heads: int, num_chunks: int) -> int:
+  """Runs of chunks per (batch, head) for the gradient kernels, whose chunks are
+  independent: the largest divisor of the chunk count that keeps the blocks
+  within one wave (one block per SM: their rings fill most of its shared
+  memory)."""
+  room = max(1, num_sms() // (batch * heads))
+  return max(d for d in range(1, min(room, num_chunks) + 1) if num_chunks % d == 0)
 
 
 def _check(caller, dtype, key, value, time, chunk, slots):

@@ -9,16 +9,19 @@ products that reduce over V,
 
 and the Frobenius product <M0, dM1> (for d log-decay at the chunk's end).
 The Triton kernel (`pallas._key_grad_kernel`) does this at about 2.8 TB/s on
-an H200. Here one block walks a run of chunks of one (batch, head), and a
-memory warpgroup streams them through shared memory with TMA ahead of one
-compute warpgroup, in units of half a chunk's V columns (the two halves of
-M0, dM1, dY, T^T dU and U: 48 KB), so the ring of `slots` units keeps about
-a chunk in flight while the compute warpgroup works on the last.
+an H200 and reads `T^T dU` from the value-gradient kernel. Here one block
+walks a run of chunks of one (batch, head), and a memory warpgroup streams
+them through shared memory with TMA ahead of one compute warpgroup, in units
+of half a chunk's V columns (the halves of M0, dM1, dY, dU and U: 44 KB), so
+the ring of `slots` units keeps about a chunk in flight while the compute
+warpgroup works on the last. `T^T dU` is formed here, from dU and the
+prepare kernel's T^T, so it never goes through memory.
 
 The compute warpgroup works on 64-row tiles whose rows 0..L-1 belong to dQ and
 rows L..2L-1 to dK (token i in rows i and L + i):
 
-    P1 = [dY; T^T dU] M0^T        (one wgmma per V half, accumulated)
+    P1 = [dY; T^T dU] M0^T        (per V half: [*; T^T] dU, its rows L..2L-1
+                                   written under dY's, then one wgmma)
     P2 = [* ; U] dM1^T            (rows L..2L-1 only are read)
     Z  = r1 * P1 + r2 * P2 + A5 [Q; K]
 
@@ -46,7 +49,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops import _pallas
-from ops._mosaic_gpu import num_sms
+from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 from ops.gated_delta_rule import mosaic
 
@@ -62,7 +65,7 @@ _MEMORY_REGISTERS = 40
 DB, DBETA, END = range(3)
 
 
-def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_gmem,
+def _kernel(q_gmem, k_gmem, u_gmem, du_gmem, tt_gmem, dy_gmem, b_gmem, beta_gmem, pairs_gmem,
             states_gmem, dstates_gmem, dq_gmem, dk_gmem, rows_gmem, *, chunk,
             groups_per_key, chunks_per_block, slots, scale):
   L = chunk
@@ -72,8 +75,9 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
   g = lax.div(n, jnp.int32(groups_per_key))
   size = 2 * L  # the rows that carry tokens (the rest: padding at L = 16)
 
-  def scoped(a1_smem, a2_smem, m0_smem, dm1_smem, qk_smem, pairs_smem, b_smem, beta_smem,
-             out_smem, rows_smem, unit_loaded, unit_free, chunk_loaded, chunk_free):
+  def scoped(a1_smem, du_smem, a2_smem, m0_smem, dm1_smem, qk_smem, pairs_smem, tt_smem,
+             b_smem, beta_smem, out_smem, rows_smem, unit_loaded, unit_free, chunk_loaded,
+             chunk_free):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == 0)
@@ -83,6 +87,8 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
       rows_layout = wgmma_layout.reduce(1)
       row = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=rows_layout)
       dq_rows, dk_rows = row < L, (row >= L) & (row < size)
+      dq_rows_2d = plgpu.broadcasted_iota(jnp.int32, (_ROWS, _HALF), 0,
+                                          layout=wgmma_layout) < L
       by_row = lambda x: lax.broadcast_in_dim(x, (_ROWS, KEY), [0])
 
       def step(t, carry):
@@ -90,9 +96,20 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
         parity = lax.rem(t, 2)
         units = [lax.rem(_UNITS * t + h, slots) for h in range(_UNITS)]
 
+        plgpu.barrier_wait(chunk_loaded.at[parity])
+
         def products(p1_ref, p2_ref):
           for slot in units:
             plgpu.barrier_wait(unit_loaded.at[slot])
+            # T^T dU for this unit's V columns, in rows L..2L-1 (T^T's rows).
+            def form_dru(acc_ref):
+              plgpu.wgmma(acc_ref, tt_smem.at[parity], du_smem.at[slot])
+              return acc_ref[...]
+            dru = pl.run_scoped(form_dru, plgpu.ACC((_ROWS, _HALF), _F32))
+            # [dY; T^T dU] back into dY's tile: the wgmma's A operand.
+            dy = plgpu.load(a1_smem.at[slot], layout=wgmma_layout)
+            a1_smem.at[slot][...] = jnp.where(dq_rows_2d, dy.astype(_F32), dru).astype(dtype)
+            plgpu.commit_smem()
             plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot].transpose((1, 0)))
             plgpu.wgmma(p2_ref, a2_smem.at[slot], dm1_smem.at[slot].transpose((1, 0)))
           # <M0, dM1> by row of M0 (rows r and 64 + r summed), under the wgmmas.
@@ -108,7 +125,6 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
         for slot in units:
           plgpu.barrier_arrive(unit_free.at[slot])
 
-        plgpu.barrier_wait(chunk_loaded.at[parity])
         valid = row < size
         b = jnp.where(valid, plgpu.load(b_smem.at[parity], layout=rows_layout), 0.0)
         beta = jnp.where(valid, plgpu.load(beta_smem.at[parity], layout=rows_layout), 0.0)
@@ -137,10 +153,7 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
         rows_smem.at[END][...] = end_terms + jnp.exp(b_last) * m_dot_dm
         plgpu.commit_smem()
         tokens = pl.ds(c * L, L)
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, L)], dq_gmem.at[bi, tokens, n],
-                                commit_group=False)
-        plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(L, L)], dk_gmem.at[bi, tokens, n],
-                                commit_group=False)
+        mosaic.store_halves(out_smem, dq_gmem.at[bi, tokens, n], dk_gmem.at[bi, tokens, n], L)
         plgpu.copy_smem_to_gmem(rows_smem, rows_gmem.at[bi, n, c])
         return carry
 
@@ -162,8 +175,7 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
           pl.when(unit >= slots)(lambda: plgpu.barrier_wait(unit_free.at[slot]))
           cols, done = pl.ds(h * _HALF, _HALF), unit_loaded.at[slot]
           plgpu.copy_gmem_to_smem(dy_gmem.at[bi, tokens, n, cols], a1_smem.at[slot, top], done)
-          plgpu.copy_gmem_to_smem(dru_gmem.at[bi, tokens, n, cols], a1_smem.at[slot, below],
-                                  done)
+          plgpu.copy_gmem_to_smem(du_gmem.at[bi, tokens, n, cols], du_smem.at[slot], done)
           plgpu.copy_gmem_to_smem(u_gmem.at[bi, tokens, n, cols], a2_smem.at[slot, below], done)
           plgpu.copy_gmem_to_smem(states_gmem.at[bi, n, c, :, cols], m0_smem.at[slot], done)
           plgpu.copy_gmem_to_smem(dstates_gmem.at[bi, n, c, :, cols], dm1_smem.at[slot], done)
@@ -173,69 +185,65 @@ def _kernel(q_gmem, k_gmem, u_gmem, dru_gmem, dy_gmem, b_gmem, beta_gmem, pairs_
         plgpu.copy_gmem_to_smem(k_gmem.at[bi, tokens, g], qk_smem.at[parity, below], done)
         plgpu.copy_gmem_to_smem(pairs_gmem.at[bi, n, c], pairs_smem.at[parity, pl.ds(0, size)],
                                 done)
+        plgpu.copy_gmem_to_smem(tt_gmem.at[bi, n, tokens], tt_smem.at[parity, below], done)
         for ref, smem in ((b_gmem, b_smem), (beta_gmem, beta_smem)):
-          plgpu.copy_gmem_to_smem(ref.at[bi, n, tokens], smem.at[parity, top], done)
-          plgpu.copy_gmem_to_smem(ref.at[bi, n, tokens], smem.at[parity, below], done)
+          mosaic.load_twice(ref.at[bi, n, tokens], smem.at[parity], done, L)
 
-      # See every phase of the barriers it waits on (interpret mode checks).
-      total = _UNITS * chunks_per_block
-      @pl.loop(max(total - slots, 0), total)
-      def _drain_units(unit):
-        plgpu.barrier_wait(unit_free.at[lax.rem(unit, slots)])
-
-      @pl.loop(max(chunks_per_block - 2, 0), chunks_per_block)
-      def _drain_chunks(t):
-        plgpu.barrier_wait(chunk_free.at[lax.rem(t, 2)])
+      mosaic.drain(unit_free, _UNITS * chunks_per_block, slots)
+      mosaic.drain(chunk_free, chunks_per_block, 2)
 
   half = swizzled(dtype, _HALF)  # operands contracted over a unit's 64 V columns
   pairs = swizzled(dtype, size)  # A5 [Q; K], contracted over the chunk's 2L tokens
+  narrow = swizzled(dtype, L)    # T^T dU, contracted over the chunk's L tokens
   out_dtype = dq_gmem.dtype
   pl.run_scoped(
       scoped,
-      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [dY; T^T dU]
+      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [dY; *], [dY; T^T dU]
+      plgpu.SMEM((slots, L, _HALF), dtype, transforms=narrow),        # dU
       plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [*; U]
       plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # M0
       plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # dM1
       plgpu.SMEM((2, _ROWS, KEY), dtype, transforms=pairs),           # [Q; K], padded
       plgpu.SMEM((2, _ROWS, size), dtype, transforms=pairs),          # A5, padded
+      plgpu.SMEM((2, _ROWS, L), dtype, transforms=narrow),            # [*; T^T]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [b; b]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [beta; beta]
       plgpu.SMEM((_ROWS, KEY), out_dtype, transforms=swizzled(out_dtype, KEY)),  # [dQ; dK]
       plgpu.SMEM((3, _ROWS), _F32),                                   # the row vectors
       plgpu.Barrier(num_arrivals=5, num_barriers=slots),   # a unit's five loads
       plgpu.Barrier(num_arrivals=1, num_barriers=slots),   # unit released
-      plgpu.Barrier(num_arrivals=7, num_barriers=2),       # a chunk's seven loads
+      plgpu.Barrier(num_arrivals=8, num_barriers=2),       # a chunk's eight loads
       plgpu.Barrier(num_arrivals=1, num_barriers=2),       # chunk released
       collective_axes="wg",
   )
 
 
 
-def _splits(batch, heads, num_chunks):
-  """Chunk runs per (batch, head): the largest divisor of the chunk count that
-  keeps the blocks within one wave (one block per SM: the ring fills most of
-  its shared memory)."""
-  room = max(1, num_sms() // (batch * heads))
-  return max(d for d in range(1, min(room, num_chunks) + 1) if num_chunks % d == 0)
+def _smem_bytes(dtype, out_dtype, chunk, slots):
+  """Shared memory of a block (the `run_scoped` allocations below, less barriers)."""
+  item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  unit = (2 * _ROWS * _HALF + chunk * _HALF + 2 * KEY * _HALF) * item
+  per_chunk = (_ROWS * KEY + _ROWS * 2 * chunk + _ROWS * chunk) * item + 2 * _ROWS * 4
+  return slots * unit + 2 * per_chunk + _ROWS * KEY * out_item + 3 * _ROWS * 4
 
 
-def key_grads(q, k, u, dru, dy, b, beta, pairs, states, dstates, *, chunk: int,
+def key_grads(q, k, u, du, tt, dy, b, beta, pairs, states, dstates, *, chunk: int,
               scale: float, slots: int | None = None, splits: int | None = None,
               interpret: bool = False):
   """dQ, dK and the key gradients' shares of d log-decay and d beta.
 
   Args:
     q, k: [B, T, G, K] (T a multiple of `chunk`, K = 128), 16-bit.
-    u, dru, dy: [B, T, N, V] (V = 128): the forward's U, the value-gradient
-      kernel's T^T dU and the output's cotangent, in q's dtype.
+    u, du, dy: [B, T, N, V] (V = 128): the forward's U, the reverse walk's dU
+      and the output's cotangent, in q's dtype.
+    tt: [B, N, T, L] in q's dtype, each chunk's T^T (T = (I + A)^-1).
     b, beta: [B, N, T] float32, the chunk-local cumulative log-decay and beta.
     pairs: [B, N, C, 2L, 2L] in q's dtype, each chunk's
       [[0, dS~], [dS~^T, dA~ + dA~^T]] (the value-gradient kernel's).
     states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
       chunk and the adjoint of the state leaving it.
     chunk, scale: the chunk (16 to 32 tokens) and the output scale.
-    slots: shared-memory units of the input ring (default: 3 with 16-bit
-      outputs, 2 with float32 ones).
+    slots: shared-memory units of the input ring (2 fill most of it).
     splits: blocks per (batch, head), each a run of chunks (default: as many
       as fill the GPU's SMs once).
     interpret: run in Mosaic GPU interpret mode (the CPU).
@@ -249,11 +257,13 @@ def key_grads(q, k, u, dru, dy, b, beta, pairs, states, dstates, *, chunk: int,
   heads, value = dy.shape[2:]
   rep = heads // groups
   out_dtype = q.dtype if rep == 1 else _F32
-  if slots is None:
-    slots = 3 if rep == 1 else 2  # float32 outputs take the third unit's room
+  slots = slots or 2
   mosaic._check("key_grads", q.dtype, key, value, time, chunk, slots)
+  if (need := _smem_bytes(q.dtype, out_dtype, chunk, slots)) > SMEM_BUDGET:
+    raise ValueError(f"key_grads: `slots` {slots} needs {need} bytes of shared memory, over "
+                     f"the {SMEM_BUDGET} a block has")
   num_chunks = time // chunk
-  splits = splits or _splits(batch, heads, num_chunks)
+  splits = splits or mosaic.runs_per_head(batch, heads, num_chunks)
   if num_chunks % splits:
     raise ValueError(f"key_grads: `splits` {splits} must divide the {num_chunks} chunks")
   kernel = functools.partial(_kernel, chunk=chunk, groups_per_key=rep,
@@ -267,7 +277,7 @@ def key_grads(q, k, u, dru, dy, b, beta, pairs, states, dstates, *, chunk: int,
       kernel_name="gated_delta_key_grads_mosaic",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(q, k, u, dru, dy, b, beta, pairs, states, dstates)
+  )(q, k, u, du, tt, dy, b, beta, pairs, states, dstates)
   # Token i's terms are in rows i (dQ's) and L + i (dK's) of each chunk.
   L = chunk
   db = rows[:, :, :, DB, :L] + rows[:, :, :, DB, L:2 * L]

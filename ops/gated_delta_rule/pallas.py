@@ -2,15 +2,15 @@
 
 The chunked WY / UT form of xla.py, split so that the [L, L] matrices (the
 decays, `A`, its inverse `T`, the scores) are formed on chip and only the
-per-token `W`, `U~`, the chunk-boundary states and, for the backward, `T` and
-the scores go through memory. With `b` the chunk-local cumulative log-decay,
+per-token `W`, `U~`, the chunk-boundary states and, for the backward, `T^T`
+and the scores go through memory. With `b` the chunk-local cumulative log-decay,
 `D_ij = exp(b_i - b_j)` (i >= j):
 
 Forward, three launches:
 1. prepare (parallel over chunks): `A = strict_lower(beta_i D_ij k_i.k_j)`,
    `T = (I + A)^-1` by forward substitution in registers inside 16-row
    diagonal blocks, merged by tile products, `W = T (beta e^b K)`,
-   `U~ = T (beta V)`, written in the input dtype (and `T` too, when a
+   `U~ = T (beta V)`, written in the input dtype (and `T^T` too, when a
    gradient will be taken: every product that reads it rounds it to that).
 2. states (one program per batch, head and V tile; V columns of the state
    evolve independently): per chunk `U = U~ - W M0`,
@@ -31,14 +31,17 @@ Backward, three launches:
    each chunk's `dU`.
 2. value gradients (parallel over chunks; a loop over V tiles): dV, `T^T dU`,
    and the [L, L] adjoints of the scores and of `A` (the gradient through the
-   inverse is `dA = -T^T dT T^T`), from the stored `T`, `U` and `dU`; no state.
+   inverse, `dA = -T^T dT T^T`, is `-(T^T dU) U^T`: see the kernel), from the
+   stored `T^T`, `U` and `dU`; no state.
 3. key gradients (parallel over chunks and K tiles; a loop over V tiles
    accumulates the products with the states M0 and dM1 that reduce over V):
    dQ and dK. Both gradient kernels add shares of d b and d beta. On Hopper
    at padded K = V = 128 (16-bit) the key gradients run on a Mosaic GPU kernel
-   instead (mosaic_key_grads.py, `GatedDeltaBlocks.mosaic_key_grads`), and the
-   value-gradient kernel writes its two [L, L] adjoints as one [2L, 2L] block,
-   that kernel's operand.
+   instead (mosaic_key_grads.py, `GatedDeltaBlocks.mosaic_key_grads`; it forms
+   `T^T dU` itself), and the value-gradient kernel writes its two [L, L]
+   adjoints as one [2L, 2L] block, that kernel's operand. Opt-in
+   (`GatedDeltaBlocks.mosaic_grads`): launches 2 and 3 as one Mosaic GPU
+   kernel (mosaic_grads.py), slower so far.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
 V value size, C chunks, L tokens per chunk.
@@ -57,6 +60,7 @@ from ops import _pallas
 from ops import _shapes
 from ops._rows import pick_row
 from ops.gated_delta_rule import mosaic
+from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import mosaic_key_grads
 from ops.ssd.pallas import _causal_decay
 from ops.ssd.pallas import _dot
@@ -92,9 +96,13 @@ class GatedDeltaBlocks:
                                    # (mosaic.py); None: wherever they run
                                    # compiled (Hopper, 16-bit, K = V = 128,
                                    # chunks of 16 to 32)
-  mosaic_key_grads: bool | None = None  # the key gradients on the Mosaic GPU kernel
-                                        # (mosaic_key_grads.py); None: wherever
-                                        # the Mosaic walks run
+  mosaic_grads: bool = False  # all chunk gradients (value and key) on one Mosaic
+                              # GPU kernel (mosaic_grads.py); off by default: on
+                              # the H200 it is slower than the two kernels so far
+                              # (BUILD_NOTES.md, "Twenty-fifth session")
+  mosaic_key_grads: bool | None = None  # the key gradients alone on a Mosaic GPU
+                                        # kernel (mosaic_key_grads.py); None:
+                                        # where the walks run and mosaic_grads not
 
   def __post_init__(self):
     for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
@@ -207,7 +215,8 @@ def _wy_inverse(k, b, beta, chunk, inverse_block):
 
 def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk,
                     inverse_block):
-  """W and U~ of one chunk (and T = (I + A)^-1 for the backward, if asked)."""
+  """W and U~ of one chunk (and T^T, T = (I + A)^-1, for the backward, if asked:
+  transposed, the operand both gradient kernels multiply by)."""
   k, v = k_ref[...], v_ref[...]
   b, beta = b_ref[...], beta_ref[...]
   dtype = v.dtype
@@ -217,7 +226,7 @@ def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk,
   w_ref[...] = _mm(t, rw, dtype).astype(w_ref.dtype)
   u_ref[...] = _mm(t, ru, dtype).astype(u_ref.dtype)
   if t_ref:
-    t_ref[0][...] = t.astype(t_ref[0].dtype)
+    t_ref[0][...] = t.T.astype(t_ref[0].dtype)
 
 
 def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, out_ref, u_ref, final_ref, *,
@@ -290,52 +299,50 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
   dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
-def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, t_ref,
-                       dv_ref, dru_ref, *outs, chunk, scale, block_v, pairs):
+def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, tt_ref,
+                       dv_ref, *outs, chunk, scale, block_v, pairs):
   """One chunk's gradients that need no state: dV, and the [L, L] adjoints of
   the scores and of `A` that the key-gradient kernel multiplies into dQ and
-  dK. The V columns are visited a tile at a time; `dY U^T` and `dU U^T`
-  accumulate across the tiles. Also stores `T^T dU` (the adjoint of `R_u`,
-  rounded to `dtype` like every product that reads it) for that kernel, and
-  this kernel's shares of d b and d beta. `outs`: the two adjoints (dS~, dA~)
-  each [L, L], or with `pairs` one [2L, 2L] block
-  `[[0, dS~], [dS~^T, dA~ + dA~^T]]` (the Mosaic key gradients' operand); then
-  d b and d beta."""
+  dK. The V columns are visited a tile at a time; `dY U^T` and
+  `(T^T dU) U^T` accumulate across the tiles. `outs`: `T^T dU` (the adjoint of `R_u`,
+  rounded to `dtype` like every product that reads it) and the two adjoints
+  (dS~, dA~) each [L, L], for the Triton key-gradient kernel; or with `pairs`
+  one [2L, 2L] block `[[0, dS~], [dS~^T, dA~ + dA~^T]]` for the Mosaic one
+  (which forms `T^T dU` itself); then this kernel's shares of d b and d beta."""
   *squares, db_ref, dbeta_ref = outs
+  dru_ref = None if pairs else squares.pop(0)
   q, k = q_ref[...], k_ref[...]
   dtype = v_ref.dtype
   b, beta = b_ref[...], beta_ref[...]
   row, col = _masks(chunk)
-  t = t_ref[...]                            # (I + A)^-1, rounded to dtype (as _mm would)
-  t_t_in = t.T  # the loop's operand
+  t_t_in = tt_ref[...]  # T^T = ((I + A)^-1)^T, rounded to dtype (as _mm would)
 
   def tile(e, acc):
     # Through Y = scale (e^b Q M0 + S U) and U~ = T R_u.
-    dy_dot_u, du_dot_u, dbeta_v = acc
+    dy_dot_u, dru_dot_u, dbeta_v = acc
     cols = pl.ds(e * block_v, block_v)
     dy, vf = dy_ref[:, cols], v_ref[:, cols].astype(_F32)        # [L, bv]
     u, du = u_ref[:, cols], du_ref[:, cols]                      # [L, bv]
     dru = _mm(t_t_in, du, dtype)                                 # T^T dU
     dv_ref[:, cols] = (beta[:, None] * dru).astype(dv_ref.dtype)
-    dru_ref[:, cols] = dru.astype(dru_ref.dtype)
+    if dru_ref is not None:
+      dru_ref[:, cols] = dru.astype(dru_ref.dtype)
     return (dy_dot_u + _mm(dy, u, dtype, trans_b=True),
-            du_dot_u + _mm(du, u, dtype, trans_b=True),
+            dru_dot_u + _mm(dru, u, dtype, trans_b=True),
             dbeta_v + jnp.sum(dru * vf, axis=1))
 
   square = jnp.zeros((chunk, chunk), _F32)
-  dy_dot_u, du_dot_u, dbeta_v = jax.lax.fori_loop(
+  dy_dot_u, dru_dot_u, dbeta_v = jax.lax.fori_loop(
       0, v_ref.shape[-1] // block_v, tile, (square, square, jnp.zeros((chunk,), _F32)))
   decay = _causal_decay(b, chunk)
   kk = _mm(k, k, dtype, trans_b=True)
   qk = _mm(q, k, dtype, trans_b=True)
   ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
-  # Through T = (I + A)^-1 (dA = -T^T dT T^T). With dW = -dU M0^T,
-  # dT = dW R_w^T + dU R_u^T = dU (R_u - R_w M0)^T = (dU U^T)(I + A)^T
-  # (R_w = (I + A) W, R_u = (I + A) U~, U = U~ - W M0): no [L, K] products here.
-  i_plus_a = _wy_matrix(kk, decay, beta, chunk) + (row == col)
-  dt = _mm(du_dot_u, i_plus_a, dtype, trans_b=True)
-  da = -_mm(_mm(t, dt, dtype, trans_a=True), t, dtype, trans_b=True)
-  da = jnp.where(row > col, da, 0.0)
+  # Through T = (I + A)^-1. With dW = -dU M0^T, dT = dW R_w^T + dU R_u^T =
+  # dU (R_u - R_w M0)^T = dU ((I + A) U)^T (R_w = (I + A) W, R_u = (I + A) U~,
+  # U = U~ - W M0), so dA = -T^T dT T^T = -(T^T dU) U^T: no product with the
+  # inverse's own chain, and no [L, K] products here.
+  da = jnp.where(row > col, -dru_dot_u, 0.0)
   # Both are read only as operands rounded to `dtype`, so they are stored so.
   dsd, dkk = ds * decay, da * beta[:, None] * decay
   if pairs:
@@ -422,7 +429,7 @@ def _specs(chunk, key, rep):
 
 
 def _prepare(k, v, b, beta, blocks, *, save_inverse):
-  """(W, U~) and, with `save_inverse`, T [B, N, T, L], all in the input dtype."""
+  """(W, U~) and, with `save_inverse`, T^T [B, N, T, L], all in the input dtype."""
   batch, time, groups, key = k.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
@@ -530,38 +537,38 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
       name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
 
 
-def _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks, *, pairs=False):
-  """(dV, T^T dU) [B, T, N, V] in the input dtype; the chunks' adjoint
-  scores and `A` terms [B, N, T, L] in the input dtype (with `pairs` instead
-  one [B, N, C, 2L, 2L] array of their blocks, for `mosaic_key_grads`); d b
-  and d beta shares [B, N, T] float32."""
+def _value_grads(q, k, v, u, du, dy, b, beta, tt, scale, blocks, *, pairs=False):
+  """dV [B, T, N, V]; then `T^T dU` [B, T, N, V] and the chunks' adjoint
+  scores and `A` terms [B, N, T, L] each, or with `pairs` (for
+  `mosaic_key_grads`) one [B, N, C, 2L, 2L] array of their blocks; all in the
+  input dtype; then the d b and d beta shares [B, N, T] float32."""
   batch, time, groups, key = q.shape
   heads, value = v.shape[2:]
   chunk = blocks.chunk
   sp = _specs(chunk, key, heads // groups)
   head, square = sp["head"], sp["square"]
+  rows = jax.ShapeDtypeStruct(v.shape, v.dtype)
   if pairs:
-    square_specs = [pl.BlockSpec((None, None, None, 2 * chunk, 2 * chunk),
-                                 lambda i, n, c: (i, n, c, 0, 0))]
-    squares = [jax.ShapeDtypeStruct((batch, heads, time // chunk, 2 * chunk, 2 * chunk),
-                                    v.dtype)]
+    out_specs = [pl.BlockSpec((None, None, None, 2 * chunk, 2 * chunk),
+                              lambda i, n, c: (i, n, c, 0, 0))]
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, time // chunk, 2 * chunk, 2 * chunk),
+                                      v.dtype)]
   else:
-    square_specs = [square, square]
-    squares = [jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)] * 2
+    out_specs = [head(value), square, square]
+    out_shape = [rows] + [jax.ShapeDtypeStruct((batch, heads, time, chunk), v.dtype)] * 2
   return _pallas.pallas_call(
       functools.partial(_value_grad_kernel, chunk=chunk, scale=scale,
                         block_v=blocks.block_v, pairs=pairs),
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], sp["qk"], head(value), head(value), head(value), head(value),
                 sp["vec"], sp["vec"], square],
-      out_specs=[head(value), head(value), *square_specs, sp["vec"], sp["vec"]],
-      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), *squares,
-                 jax.ShapeDtypeStruct(b.shape, _F32), jax.ShapeDtypeStruct(b.shape, _F32)],
+      out_specs=[head(value), *out_specs, sp["vec"], sp["vec"]],
+      out_shape=[rows, *out_shape, jax.ShapeDtypeStruct(b.shape, _F32),
+                 jax.ShapeDtypeStruct(b.shape, _F32)],
       compiler_params=_params(blocks.value_grad_num_warps or blocks.num_warps,
                               blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_value_grads")(q, k, v, u, du, dy, b, beta, t)
+      name="gated_delta_value_grads")(q, k, v, u, du, dy, b, beta, tt)
 
 
 def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, blocks):
@@ -628,19 +635,24 @@ def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
 
 
 def _core_bwd(scale, blocks, residuals, cotangents):
-  q, k, v, b, beta, tokens, w, u, t, states, scores = residuals
+  q, k, v, b, beta, tokens, w, u, tt, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
   dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
                                  blocks)
-  if blocks.mosaic_key_grads:
-    dv, dru, pairs, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale, blocks,
-                                             pairs=True)
+  if blocks.mosaic_grads:
+    dq, dk, dv, db, dbeta = mosaic_grads.chunk_grads(
+        q, k, v, u, du, dy, tt, b, beta, states, dstates, scale=scale,
+        interpret=_backend.pallas_interpret())
+    db_keys = dbeta_keys = jnp.zeros((0,) + b.shape, _F32)
+  elif blocks.mosaic_key_grads:
+    dv, pairs, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, tt, scale, blocks,
+                                        pairs=True)
     dq, dk, db_keys, dbeta_keys = mosaic_key_grads.key_grads(
-        q, k, u, dru, dy, b, beta, pairs, states, dstates, chunk=blocks.chunk, scale=scale,
+        q, k, u, du, tt, dy, b, beta, pairs, states, dstates, chunk=blocks.chunk, scale=scale,
         interpret=_backend.pallas_interpret())
   else:
-    dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, t, scale,
+    dv, dru, dsd, dkk, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, tt, scale,
                                                  blocks)
     dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
                                              dstates, scale, blocks)
@@ -686,8 +698,11 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
                                  mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk))
   elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_walk`: {why}")
+  if blocks.mosaic_grads and (why := mosaic_grads.limit(dtype, key_p, value_p, chunk)):
+    raise ValueError(f"`blocks.mosaic_grads`: {why}")
   if blocks.mosaic_key_grads is None:
-    blocks = dataclasses.replace(blocks, mosaic_key_grads=blocks.mosaic_walk)
+    blocks = dataclasses.replace(blocks,
+                                 mosaic_key_grads=blocks.mosaic_walk and not blocks.mosaic_grads)
   elif blocks.mosaic_key_grads and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_key_grads`: {why}")
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)

@@ -1,0 +1,375 @@
+"""Mosaic GPU (Hopper) chunk gradients of the gated delta rule: dQ, dK, dV,
+d log-decay and d beta in one kernel.
+
+After the reverse walk has formed dU and the adjoint states, every chunk's
+gradients are independent. The Triton path splits them into a value-gradient
+kernel (no state) and a key-gradient kernel (the products with the state M0
+entering the chunk and the adjoint dM1 of the state leaving it), which pass
+`T^T dU` and the [L, L] adjoints through memory and read q, k, U and dY twice.
+This kernel reads each chunk once (Q, K, V, U, dU, dY, T^T and the two
+states: 114 KB in bf16 at K = V = 128, L = 32) and writes dQ, dK, dV.
+
+Two identities keep it to products of operands it has in shared memory:
+- The adjoint of `A` (T = (I + A)^-1, U~ = T R_u, W = T R_w, U = U~ - W M0):
+  dT = dU ((I + A) U)^T, so dA = -T^T dT T^T = -(T^T dU) U^T, strictly lower
+  (no product with the inverse's own adjoint chain).
+- Transposes from operand order: with a1 = [T^T dU; dY] and uv = [U; V]
+  (64-row tiles, token i in rows i and L + i; dru = T^T dU),
+      X = a1 uv^T = [[dru U^T, dru V^T], [dY U^T, *]],
+      Y = uv a1^T = [[U dru^T, U dY^T], *],
+  hold every [L, L] block the gradients need, transposed where needed (and
+  d beta's share through dV = beta dru on X's diagonal of dru V^T).
+
+Rows 0..L-1 of every 64-row tile belong to dK and rows L..2L-1 to dQ:
+
+    P1 = [T^T dU; dY] M0^T,   P2 = [U; V] dM1^T (rows 0..L-1 read),
+    Z  = r1 * P1 + r2 * P2 + A5 [K; Q],
+    A5 = [[dA~ + dA~^T, dS~^T], [dS~, 0]]
+
+with r1 = [-beta e^b; scale e^b], r2 = [e^{b_L - b}; 0], dA~ = dA * beta_i *
+D, dS~ = scale tril(dY U^T) * D (D the causal decays). A5 is formed in
+registers from X and Y and goes through shared memory once, as the operand of
+its product. The row and column sums that give d b and d beta leave as four
+64-entry vectors per chunk, folded by the caller.
+
+A block walks a run of chunks of one (batch, head): a memory warpgroup streams
+each chunk's row tiles and states, by halves of their V columns, into two
+rings (the states' ring is released as soon as their products are done), and
+one compute warpgroup runs the products above.
+
+Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
+K key size, V value size, C chunks, L tokens per chunk (32 here), WG warpgroup.
+"""
+
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import jax.numpy as jnp
+
+from ops import _pallas
+from ops._mosaic_gpu import SMEM_BUDGET
+from ops._mosaic_gpu import swizzled
+from ops.gated_delta_rule import mosaic
+
+_F32 = jnp.float32
+KEY = mosaic.KEY_SIZE           # the padded K = V the kernel is written for
+CHUNK = 32                      # tokens per chunk: dK's rows, then dQ's, fill 64
+_ROWS = 2 * CHUNK
+_HALF = 64                      # V columns of a streamed unit
+_UNITS = KEY // _HALF           # units per chunk
+_COMPUTE_REGISTERS = 232
+_MEMORY_REGISTERS = 40
+# The 64-entry vectors per chunk in the `vectors` output: d b by row (token i
+# in rows i and L + i), d beta by row, the d b terms of the chunk's last token,
+# d b by column (minus; tokens in columns 0..L-1).
+DB, DBETA, END, DB_COLS = range(4)
+
+
+def limit(dtype, key: int, value: int, chunk: int) -> str | None:
+  """None when the kernel takes these (padded) sizes, else why not."""
+  if (why := mosaic.limit(dtype, key, value, chunk)) is not None:
+    return why
+  if chunk != CHUNK:
+    return f"the Mosaic chunk gradients take chunks of {CHUNK} tokens, got {chunk}"
+  return None
+
+
+def takes(dtype, key: int, value: int, chunk: int) -> bool:
+  """Whether the compiled kernel runs these inputs here (a Hopper GPU)."""
+  return mosaic.takes(dtype, key, value, chunk) and limit(dtype, key, value, chunk) is None
+
+
+def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, beta_gmem,
+            states_gmem, dstates_gmem, dq_gmem, dk_gmem, dv_gmem, vectors_gmem, *,
+            groups_per_key, chunks_per_block, slots, scale):
+  L = CHUNK
+  dtype = q_gmem.dtype
+  bi, n = lax.axis_index("batch"), lax.axis_index("heads")
+  first = lax.axis_index("split") * chunks_per_block
+  g = lax.div(n, jnp.int32(groups_per_key))
+  top, below = pl.ds(0, L), pl.ds(L, L)
+
+  def scoped(a1_smem, uv_smem, du_smem, m0_smem, dm1_smem, kq_smem, tt_smem,
+             b_smem, beta_smem, a5_smem, out_smem, vectors_smem,
+             rows_loaded, rows_free, states_loaded, states_free, chunk_loaded, chunk_free,
+             *dv_staging):
+    # dV leaves through the [dK; dQ] tile early in each chunk when both are
+    # in the input dtype (the tile is free then), else through its own tile.
+    dv_smem = dv_staging[0] if dv_staging else out_smem
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 0)
+    def _compute():
+      plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      layout = plgpu.Layout.WGMMA
+      rows_layout, cols_layout = layout.reduce(1), layout.reduce(0)
+      iota = lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
+      row_1d = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=rows_layout)
+      dk_rows = row_1d < L
+      by_row = lambda x, cols: lax.broadcast_in_dim(x, (_ROWS, cols), [0])
+      by_col = lambda x: lax.broadcast_in_dim(x, (_ROWS, _ROWS), [1])
+
+      def step(t, carry):
+        c_idx = first + t
+        parity = lax.rem(t, 2)
+        units = [lax.rem(_UNITS * t + h, slots) for h in range(_UNITS)]
+        tokens = pl.ds(c_idx * L, L)
+        plgpu.barrier_wait(chunk_loaded.at[parity])
+        b = plgpu.load(b_smem.at[parity], layout=rows_layout)      # [b; b]
+        beta = plgpu.load(beta_smem.at[parity], layout=rows_layout)
+        b_last = b_smem[parity, L - 1]
+        eb = jnp.exp(b)
+
+        # T^T dU by V half (rows 0..L-1), written over the rows of a1 that
+        # TMA left free; dV = beta T^T dU leaves from there too.
+        def form_dru(*accs):
+          for acc_ref, slot in zip(accs, units):
+            plgpu.barrier_wait(rows_loaded.at[slot])
+            plgpu.wgmma(acc_ref, tt_smem.at[parity], du_smem.at[slot])
+          return tuple(acc_ref[...] for acc_ref in accs)
+        drus = pl.run_scoped(form_dru, *[plgpu.ACC((_ROWS, _HALF), _F32)] * _UNITS)
+        # The last chunk's stores read the staging buffers: done with them first.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dk_half = iota((_ROWS, _HALF), 0) < L
+        for h, (slot, dru) in enumerate(zip(units, drus)):
+          dy = plgpu.load(a1_smem.at[slot], layout=layout)
+          a1_smem.at[slot][...] = jnp.where(dk_half, dru, dy.astype(_F32)).astype(dtype)
+          dv_smem.at[:, pl.ds(h * _HALF, _HALF)][...] = (
+              by_row(beta, _HALF) * dru).astype(dtype)
+        del drus
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dv_smem.at[top], dv_gmem.at[bi, tokens, n])
+
+        # The [L, L] blocks: X = a1 uv^T, Y = uv a1^T, Z2 = [K; Q] [K; Q]^T.
+        def square_products(x_ref, y_ref, z2_ref):
+          for slot in units:
+            plgpu.wgmma(x_ref, a1_smem.at[slot], uv_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(y_ref, uv_smem.at[slot], a1_smem.at[slot].transpose((1, 0)))
+          plgpu.wgmma(z2_ref, kq_smem.at[parity], kq_smem.at[parity].transpose((1, 0)))
+          return x_ref[...], y_ref[...], z2_ref[...]
+        x, y, z2 = pl.run_scoped(square_products, *[plgpu.ACC((_ROWS, _ROWS), _F32)] * 3)
+        # Token i = row mod L, token j = column mod L; rows < L are dK's, columns
+        # < L multiply K. (Comparisons and `&` only: with boolean `~` and `|` the
+        # Hopper lowering failed, converting an i1 vector.)
+        r, c = iota((_ROWS, _ROWS), 0), iota((_ROWS, _ROWS), 1)
+        diff = lax.rem(r, L) - lax.rem(c, L)                     # i - j
+        b_cols = plgpu.load(b_smem.at[parity], layout=cols_layout)
+        gap = by_row(b, _ROWS) - by_col(b_cols)                  # b_i - b_j
+        # D_ij where i >= j, D_ji where j > i (never exponentiating a rise).
+        decay = jnp.exp(jnp.where(diff >= 0, gap, -gap))
+        beta_cols = plgpu.load(beta_smem.at[parity], layout=cols_layout)
+        dk_left = (r < L) & (c < L)
+        a_lower = dk_left & (diff > 0)                           # dA~ (dK rows, K cols)
+        s = (r >= L) & (c < L) & (diff >= 0)                     # dS~ (dQ rows, K cols)
+        a5 = decay * jnp.where(
+            a_lower, -x * by_row(beta, _ROWS),
+            jnp.where(dk_left & (diff < 0), -y * by_col(beta_cols),       # dA~^T
+                      jnp.where((r < L) & (c >= L) & (diff <= 0), scale * y,  # dS~^T
+                                jnp.where(s, scale * x, 0.0))))
+        a5_smem[...] = a5.astype(dtype)
+        plgpu.commit_smem()
+        # d b through D (in A and S): p = (dA beta kk + dS qk) * D, rowsum - colsum;
+        # d beta through A: rowsum(dA * D * kk).
+        p = jnp.where(a_lower, a5 * z2, jnp.where(s, a5 * z2, 0.0))
+        db_rows, db_cols = jnp.sum(p, axis=1), jnp.sum(p, axis=0)
+        dbeta_a = jnp.sum(jnp.where(a_lower, -x * decay * z2, 0.0), axis=1)
+        # d beta through dV = beta T^T dU: the diagonal of X's (T^T dU) V^T block.
+        dbeta_v = jnp.sum(jnp.where((r < L) & (c >= L) & (diff == 0), x, 0.0), axis=1)
+        del x, y, z2, p, a5, decay
+
+        # <M0, dM1> by row of M0 (rows r and 64 + r summed), then the state products.
+        m_dot_dm = jnp.zeros((_ROWS,), _F32)
+        for slot in units:
+          plgpu.barrier_wait(states_loaded.at[slot])
+          for first_row in range(0, KEY, _ROWS):
+            part = lambda ref: plgpu.load(ref.at[slot, pl.ds(first_row, _ROWS)],
+                                          layout=layout).astype(_F32)
+            m_dot_dm += jnp.sum(part(m0_smem) * part(dm1_smem), axis=1)
+
+        def state_products(p1_ref, p2_ref):
+          for slot in units:
+            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(p2_ref, uv_smem.at[slot], dm1_smem.at[slot].transpose((1, 0)))
+          return p1_ref[...], p2_ref[...]
+        p1, p2 = pl.run_scoped(
+            state_products, plgpu.ACC((_ROWS, KEY), _F32), plgpu.ACC((_ROWS, KEY), _F32))
+        for slot in units:
+          plgpu.barrier_arrive(states_free.at[slot])
+          plgpu.barrier_arrive(rows_free.at[slot])
+        kq = plgpu.load(kq_smem.at[parity], layout=layout)       # [K; Q]
+        r1 = jnp.where(dk_rows, -beta * eb, scale * eb)
+        r2 = jnp.where(dk_rows, jnp.exp(b_last - b), 0.0)
+        s1 = jnp.sum(p1 * kq.astype(_F32), axis=1)
+        s2 = jnp.where(dk_rows, jnp.sum(p2 * kq.astype(_F32), axis=1), 0.0)
+        z = by_row(r1, KEY) * p1 + by_row(r2, KEY) * jnp.where(by_row(dk_rows, KEY), p2, 0.0)
+
+        def pair_terms(acc_ref):
+          plgpu.wgmma(acc_ref, a5_smem, kq_smem.at[parity])
+          return acc_ref[...]
+        z += pl.run_scoped(pair_terms, plgpu.ACC((_ROWS, KEY), _F32))
+        plgpu.barrier_arrive(chunk_free.at[parity])
+
+        if not dv_staging:
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV has left the tile
+        out_smem[...] = z.astype(out_smem.dtype)
+        end_terms = r2 * s2
+        vectors_smem.at[DB][...] = r1 * s1 - end_terms + db_rows
+        vectors_smem.at[DBETA][...] = jnp.where(dk_rows, -eb * s1 + dbeta_a + dbeta_v, 0.0)
+        vectors_smem.at[END][...] = end_terms + jnp.exp(b_last) * m_dot_dm
+        vectors_smem.at[DB_COLS][...] = db_cols
+        plgpu.commit_smem()
+        mosaic.store_halves(out_smem, dk_gmem.at[bi, tokens, n], dq_gmem.at[bi, tokens, n], L)
+        plgpu.copy_smem_to_gmem(vectors_smem, vectors_gmem.at[bi, n, c_idx])
+        return carry
+
+      lax.fori_loop(0, chunks_per_block, step, 0)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+      plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+
+      @pl.loop(0, chunks_per_block)
+      def _load(t):
+        c_idx = first + t
+        parity = lax.rem(t, 2)
+        tokens = pl.ds(c_idx * L, L)
+        slots_of = [lax.rem(_UNITS * t + h, slots) for h in range(_UNITS)]
+        for h, slot in enumerate(slots_of):
+          unit = _UNITS * t + h
+          pl.when(unit >= slots)(lambda: plgpu.barrier_wait(rows_free.at[slot]))
+          cols, done = pl.ds(h * _HALF, _HALF), rows_loaded.at[slot]
+          plgpu.copy_gmem_to_smem(dy_gmem.at[bi, tokens, n, cols], a1_smem.at[slot, below],
+                                  done)
+          plgpu.copy_gmem_to_smem(u_gmem.at[bi, tokens, n, cols], uv_smem.at[slot, top], done)
+          plgpu.copy_gmem_to_smem(v_gmem.at[bi, tokens, n, cols], uv_smem.at[slot, below],
+                                  done)
+          plgpu.copy_gmem_to_smem(du_gmem.at[bi, tokens, n, cols], du_smem.at[slot], done)
+        pl.when(t >= 2)(lambda: plgpu.barrier_wait(chunk_free.at[parity]))
+        done = chunk_loaded.at[parity]
+        plgpu.copy_gmem_to_smem(k_gmem.at[bi, tokens, g], kq_smem.at[parity, top], done)
+        plgpu.copy_gmem_to_smem(q_gmem.at[bi, tokens, g], kq_smem.at[parity, below], done)
+        plgpu.copy_gmem_to_smem(tt_gmem.at[bi, n, tokens], tt_smem.at[parity, top], done)
+        for ref, smem in ((b_gmem, b_smem), (beta_gmem, beta_smem)):
+          mosaic.load_twice(ref.at[bi, n, tokens], smem.at[parity], done, L)
+        for h, slot in enumerate(slots_of):
+          unit = _UNITS * t + h
+          pl.when(unit >= slots)(lambda: plgpu.barrier_wait(states_free.at[slot]))
+          cols, done = pl.ds(h * _HALF, _HALF), states_loaded.at[slot]
+          plgpu.copy_gmem_to_smem(states_gmem.at[bi, n, c_idx, :, cols], m0_smem.at[slot],
+                                  done)
+          plgpu.copy_gmem_to_smem(dstates_gmem.at[bi, n, c_idx, :, cols], dm1_smem.at[slot],
+                                  done)
+
+      for free in (rows_free, states_free):
+        mosaic.drain(free, _UNITS * chunks_per_block, slots)
+      mosaic.drain(chunk_free, chunks_per_block, 2)
+
+  half = swizzled(dtype, _HALF)  # operands contracted over 64 V columns or 64 rows
+  narrow = swizzled(dtype, L)    # T^T dU, contracted over the chunk's L tokens
+  out_dtype = dq_gmem.dtype
+  dv_staging = [] if out_dtype == dtype else [
+      plgpu.SMEM((_ROWS, KEY), dtype, transforms=swizzled(dtype, KEY))]   # [dV; *]
+  pl.run_scoped(
+      scoped,
+      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [T^T dU; dY]
+      plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [U; V]
+      plgpu.SMEM((slots, L, _HALF), dtype, transforms=narrow),        # dU
+      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # M0
+      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # dM1
+      plgpu.SMEM((2, _ROWS, KEY), dtype, transforms=half),            # [K; Q]
+      plgpu.SMEM((2, _ROWS, L), dtype, transforms=narrow),            # [T^T; *]
+      plgpu.SMEM((2, _ROWS), _F32),                                   # [b; b]
+      plgpu.SMEM((2, _ROWS), _F32),                                   # [beta; beta]
+      plgpu.SMEM((_ROWS, _ROWS), dtype, transforms=half),             # A5
+      plgpu.SMEM((_ROWS, KEY), out_dtype, transforms=swizzled(out_dtype, KEY)),  # [dK; dQ]
+      plgpu.SMEM((4, _ROWS), _F32),                                   # the vectors
+      plgpu.Barrier(num_arrivals=4, num_barriers=slots),   # a unit's four row loads
+      plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # a unit's two state halves
+      plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=7, num_barriers=2),       # a chunk's seven loads
+      plgpu.Barrier(num_arrivals=1, num_barriers=2),
+      *dv_staging,
+      collective_axes="wg",
+  )
+
+
+def _smem_bytes(dtype, out_dtype, slots):
+  """Shared memory of a block (the `run_scoped` allocations above, less barriers)."""
+  item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  unit = (2 * _ROWS * _HALF + CHUNK * _HALF + 2 * KEY * _HALF) * item
+  per_chunk = (_ROWS * KEY + _ROWS * CHUNK) * item + 2 * _ROWS * 4
+  staging = _ROWS * _ROWS * item + _ROWS * KEY * out_item
+  if out_dtype != dtype:
+    staging += _ROWS * KEY * item  # dV's own tile
+  return slots * unit + 2 * per_chunk + staging + 4 * _ROWS * 4
+
+
+def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: float,
+                slots: int | None = None, splits: int | None = None,
+                interpret: bool = False):
+  """Every chunk's gradients after the reverse walk, on the Mosaic GPU kernel.
+
+  Args:
+    q, k: [B, T, G, K] (T a multiple of 32, K = 128), 16-bit.
+    v, u, du, dy: [B, T, N, V] (V = 128): the values, the forward's U, the
+      reverse walk's dU and the output's cotangent, in q's dtype.
+    tt: [B, N, T, L] in q's dtype, each chunk's T^T (T = (I + A)^-1).
+    b, beta: [B, N, T] float32, the chunk-local cumulative log-decay and beta.
+    states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
+      chunk and the adjoint of the state leaving it.
+    scale: the output scale.
+    slots: units (V halves) of each input ring (default: 3 where they fit in
+      shared memory, with 16-bit dQ and dK, else 2).
+    splits: blocks per (batch, head), each a run of chunks (default: as many
+      as fill the GPU's SMs once).
+    interpret: run in Mosaic GPU interpret mode (the CPU).
+
+  Returns:
+    dQ, dK [B, T, N, K] (in q's dtype when N = G, else float32, to be summed
+    over each group's heads), dV [B, T, N, V] in q's dtype, and d b, d beta
+    [B, N, T] float32 (this step's shares: d b here is through the chunk-local
+    cumulative log-decay).
+  """
+  batch, time, groups, key = q.shape
+  heads, value = dy.shape[2:]
+  rep = heads // groups
+  out_dtype = q.dtype if rep == 1 else _F32
+  if (why := limit(q.dtype, key, value, CHUNK)) is not None:
+    raise ValueError(f"chunk_grads: {why}")
+  if time % CHUNK:
+    raise ValueError(f"chunk_grads: T = {time} must be a multiple of {CHUNK}")
+  if slots is None:
+    slots = 3 if _smem_bytes(q.dtype, out_dtype, 3) <= SMEM_BUDGET else 2
+  if slots < _UNITS:
+    raise ValueError(f"chunk_grads: `slots` must be >= {_UNITS}, got {slots}")
+  if (need := _smem_bytes(q.dtype, out_dtype, slots)) > SMEM_BUDGET:
+    raise ValueError(f"chunk_grads: `slots` {slots} needs {need} bytes of shared memory, "
+                     f"over the {SMEM_BUDGET} a block has")
+  num_chunks = time // CHUNK
+  splits = splits or mosaic.runs_per_head(batch, heads, num_chunks)
+  if num_chunks % splits:
+    raise ValueError(f"chunk_grads: `splits` {splits} must divide the {num_chunks} chunks")
+  kernel = functools.partial(_kernel, groups_per_key=rep, chunks_per_block=num_chunks // splits,
+                             slots=slots, scale=scale)
+  grads = jax.ShapeDtypeStruct((batch, time, heads, key), out_dtype)
+  out_type = (grads, grads, jax.ShapeDtypeStruct(dy.shape, q.dtype),
+              jax.ShapeDtypeStruct((batch, heads, num_chunks, 4, _ROWS), _F32))
+  dq, dk, dv, vectors = _pallas.mosaic_kernel(
+      kernel, out_type=out_type, grid=(heads, batch, splits),
+      grid_names=("heads", "batch", "split"), num_threads=2, thread_name="wg",
+      kernel_name="gated_delta_chunk_grads_mosaic",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=plgpu.InterpretGPUParams() if interpret else None,
+  )(q, k, v, u, du, dy, tt, b, beta, states, dstates)
+  # Token i's terms are in rows i (dK's) and L + i (dQ's), and column i.
+  L = CHUNK
+  at = lambda name: vectors[:, :, :, name]
+  db = at(DB)[..., :L] + at(DB)[..., L:] - at(DB_COLS)[..., :L]
+  db = db.at[..., L - 1].add(at(END).sum(-1))
+  dbeta = at(DBETA)[..., :L]
+  return dq, dk, dv, db.reshape(batch, heads, time), dbeta.reshape(batch, heads, time)
