@@ -34,8 +34,12 @@ its product. The row and column sums that give d b and d beta leave as four
 
 A block walks a run of chunks of one (batch, head): a memory warpgroup streams
 each chunk's row tiles and states, by halves of their V columns, into two
-rings (the states' ring is released as soon as their products are done), and
-one compute warpgroup runs the products above.
+rings, and two compute warpgroups share each chunk: each forms `T^T dU` for
+one V half, then warpgroup 1 forms Y and hands it over while warpgroup 0
+forms X, Z2 and A5, and each runs the state products and `A5 [K; Q]` for one
+half of dQ's and dK's columns (M0's and dM1's rows). (The first version, one
+compute warpgroup, took 926-972 us on the H200 at (8, 4096, 16, 128) against
+894 for the two kernels it replaces: BUILD_NOTES.md, "Twenty-fifth session".)
 
 Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
 K key size, V value size, C chunks, L tokens per chunk (32 here), WG warpgroup.
@@ -60,12 +64,15 @@ CHUNK = 32                      # tokens per chunk: dK's rows, then dQ's, fill 6
 _ROWS = 2 * CHUNK
 _HALF = 64                      # V columns of a streamed unit
 _UNITS = KEY // _HALF           # units per chunk
+_COMPUTE_WGS = 2                # each takes a V half, then a K half
 _COMPUTE_REGISTERS = 232
 _MEMORY_REGISTERS = 40
-# The 64-entry vectors per chunk in the `vectors` output: d b by row (token i
-# in rows i and L + i), d beta by row, the d b terms of the chunk's last token,
-# d b by column (minus; tokens in columns 0..L-1).
-DB, DBETA, END, DB_COLS = range(4)
+# The 64-entry vectors per chunk and compute warpgroup in the `vectors` output:
+# d b by row (token i in rows i and L + i) and d beta by row from the state
+# products, the d b terms of the chunk's last token, and from the [L, L] terms
+# (warpgroup 0's) d b by row, d beta by row and d b by column (minus; tokens
+# in columns 0..L-1).
+_VECTORS = DB, DBETA, END, DB_PAIRS, DBETA_PAIRS, DB_COLS = range(6)
 
 
 def limit(dtype, key: int, value: int, chunk: int) -> str | None:
@@ -92,30 +99,36 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
   g = lax.div(n, jnp.int32(groups_per_key))
   top, below = pl.ds(0, L), pl.ds(L, L)
 
-  def scoped(a1_smem, uv_smem, du_smem, m0_smem, dm1_smem, kq_smem, tt_smem,
-             b_smem, beta_smem, a5_smem, out_smem, vectors_smem,
+  def scoped(a1_smem, uv_smem, du_smem, m0_smem, dm1_smem, kq_smem, tt_smem, b_smem,
+             beta_smem, y_smem, a5_smem, out_smem, dv_smem, vectors_smem,
              rows_loaded, rows_free, states_loaded, states_free, chunk_loaded, chunk_free,
-             *dv_staging):
-    # dV leaves through the [dK; dQ] tile early in each chunk when both are
-    # in the input dtype (the tile is free then), else through its own tile.
-    dv_smem = dv_staging[0] if dv_staging else out_smem
+             a1_ready, y_ready, a5_ready):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == 0)
+    @pl.when(wg < _COMPUTE_WGS)
     def _compute():
       plgpu.set_max_registers(_COMPUTE_REGISTERS, action="increase")
+      # This warpgroup's V half (its unit: T^T dU, dV) and K half (M0's and
+      # dM1's rows, dQ's and dK's columns).
+      mine = pl.ds(wg * _HALF, _HALF)
       layout = plgpu.Layout.WGMMA
       rows_layout, cols_layout = layout.reduce(1), layout.reduce(0)
       iota = lambda shape, axis: plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
       row_1d = plgpu.broadcasted_iota(jnp.int32, (_ROWS,), 0, layout=rows_layout)
       dk_rows = row_1d < L
-      by_row = lambda x, cols: lax.broadcast_in_dim(x, (_ROWS, cols), [0])
+      by_row = lambda x, cols=_HALF: lax.broadcast_in_dim(x, (_ROWS, cols), [0])
       by_col = lambda x: lax.broadcast_in_dim(x, (_ROWS, _ROWS), [1])
+      # The [L, L] terms of d b and d beta are warpgroup 0's; warpgroup 1's
+      # rows of them stay zero.
+      zeros = plgpu.layout_cast(jnp.zeros((_ROWS,), _F32), rows_layout)
+      for name in (DB_PAIRS, DBETA_PAIRS, DB_COLS):
+        vectors_smem.at[wg, name][...] = zeros
 
       def step(t, carry):
         c_idx = first + t
         parity = lax.rem(t, 2)
         units = [lax.rem(_UNITS * t + h, slots) for h in range(_UNITS)]
+        my_unit = lax.rem(_UNITS * t + wg, slots)
         tokens = pl.ds(c_idx * L, L)
         plgpu.barrier_wait(chunk_loaded.at[parity])
         b = plgpu.load(b_smem.at[parity], layout=rows_layout)      # [b; b]
@@ -123,112 +136,127 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
         b_last = b_smem[parity, L - 1]
         eb = jnp.exp(b)
 
-        # T^T dU by V half (rows 0..L-1), written over the rows of a1 that
-        # TMA left free; dV = beta T^T dU leaves from there too.
-        def form_dru(*accs):
-          for acc_ref, slot in zip(accs, units):
-            plgpu.barrier_wait(rows_loaded.at[slot])
-            plgpu.wgmma(acc_ref, tt_smem.at[parity], du_smem.at[slot])
-          return tuple(acc_ref[...] for acc_ref in accs)
-        drus = pl.run_scoped(form_dru, *[plgpu.ACC((_ROWS, _HALF), _F32)] * _UNITS)
-        # The last chunk's stores read the staging buffers: done with them first.
+        # T^T dU for this warpgroup's V half (rows 0..L-1), written over the
+        # rows of a1 that TMA left free; dV = beta T^T dU leaves from here.
+        for slot in units:
+          plgpu.barrier_wait(rows_loaded.at[slot])
+        def form_dru(acc_ref):
+          plgpu.wgmma(acc_ref, tt_smem.at[parity], du_smem.at[my_unit])
+          return acc_ref[...]
+        dru = pl.run_scoped(form_dru, plgpu.ACC((_ROWS, _HALF), _F32))
+        # This warpgroup's stores of the last chunk read its staging tiles.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        dy = plgpu.load(a1_smem.at[my_unit], layout=layout)
         dk_half = iota((_ROWS, _HALF), 0) < L
-        for h, (slot, dru) in enumerate(zip(units, drus)):
-          dy = plgpu.load(a1_smem.at[slot], layout=layout)
-          a1_smem.at[slot][...] = jnp.where(dk_half, dru, dy.astype(_F32)).astype(dtype)
-          dv_smem.at[:, pl.ds(h * _HALF, _HALF)][...] = (
-              by_row(beta, _HALF) * dru).astype(dtype)
-        del drus
+        a1_smem.at[my_unit][...] = jnp.where(dk_half, dru, dy.astype(_F32)).astype(dtype)
+        dv_smem.at[wg][...] = (by_row(beta) * dru).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dv_smem.at[top], dv_gmem.at[bi, tokens, n])
+        plgpu.copy_smem_to_gmem(dv_smem.at[wg, top], dv_gmem.at[bi, tokens, n, mine])
+        del dru, dy
+        plgpu.barrier_arrive(a1_ready)
+        plgpu.barrier_wait(a1_ready)
 
-        # The [L, L] blocks: X = a1 uv^T, Y = uv a1^T, Z2 = [K; Q] [K; Q]^T.
-        def square_products(x_ref, y_ref, z2_ref):
-          for slot in units:
-            plgpu.wgmma(x_ref, a1_smem.at[slot], uv_smem.at[slot].transpose((1, 0)))
-            plgpu.wgmma(y_ref, uv_smem.at[slot], a1_smem.at[slot].transpose((1, 0)))
-          plgpu.wgmma(z2_ref, kq_smem.at[parity], kq_smem.at[parity].transpose((1, 0)))
-          return x_ref[...], y_ref[...], z2_ref[...]
-        x, y, z2 = pl.run_scoped(square_products, *[plgpu.ACC((_ROWS, _ROWS), _F32)] * 3)
-        # Token i = row mod L, token j = column mod L; rows < L are dK's, columns
-        # < L multiply K. (Comparisons and `&` only: with boolean `~` and `|` the
-        # Hopper lowering failed, converting an i1 vector.)
-        r, c = iota((_ROWS, _ROWS), 0), iota((_ROWS, _ROWS), 1)
-        diff = lax.rem(r, L) - lax.rem(c, L)                     # i - j
-        b_cols = plgpu.load(b_smem.at[parity], layout=cols_layout)
-        gap = by_row(b, _ROWS) - by_col(b_cols)                  # b_i - b_j
-        # D_ij where i >= j, D_ji where j > i (never exponentiating a rise).
-        decay = jnp.exp(jnp.where(diff >= 0, gap, -gap))
-        beta_cols = plgpu.load(beta_smem.at[parity], layout=cols_layout)
-        dk_left = (r < L) & (c < L)
-        a_lower = dk_left & (diff > 0)                           # dA~ (dK rows, K cols)
-        s = (r >= L) & (c < L) & (diff >= 0)                     # dS~ (dQ rows, K cols)
-        a5 = decay * jnp.where(
-            a_lower, -x * by_row(beta, _ROWS),
-            jnp.where(dk_left & (diff < 0), -y * by_col(beta_cols),       # dA~^T
-                      jnp.where((r < L) & (c >= L) & (diff <= 0), scale * y,  # dS~^T
-                                jnp.where(s, scale * x, 0.0))))
-        a5_smem[...] = a5.astype(dtype)
-        plgpu.commit_smem()
-        # d b through D (in A and S): p = (dA beta kk + dS qk) * D, rowsum - colsum;
-        # d beta through A: rowsum(dA * D * kk).
-        p = jnp.where(a_lower, a5 * z2, jnp.where(s, a5 * z2, 0.0))
-        db_rows, db_cols = jnp.sum(p, axis=1), jnp.sum(p, axis=0)
-        dbeta_a = jnp.sum(jnp.where(a_lower, -x * decay * z2, 0.0), axis=1)
-        # d beta through dV = beta T^T dU: the diagonal of X's (T^T dU) V^T block.
-        dbeta_v = jnp.sum(jnp.where((r < L) & (c >= L) & (diff == 0), x, 0.0), axis=1)
-        del x, y, z2, p, a5, decay
+        # The [L, L] blocks, split between the warpgroups: warpgroup 1 forms
+        # Y = uv a1^T and hands it over; warpgroup 0 forms X = a1 uv^T,
+        # Z2 = [K; Q] [K; Q]^T and from them A5 and the [L, L] terms of d b
+        # and d beta.
+        @pl.when(wg == 1)
+        def _y():
+          def form_y(y_ref):
+            for slot in units:
+              plgpu.wgmma(y_ref, uv_smem.at[slot], a1_smem.at[slot].transpose((1, 0)))
+            return y_ref[...]
+          y_smem[...] = pl.run_scoped(form_y, plgpu.ACC((_ROWS, _ROWS), _F32))
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(y_ready)
 
-        # <M0, dM1> by row of M0 (rows r and 64 + r summed), then the state products.
+        @pl.when(wg == 0)
+        def _pairs():
+          def form_x_z2(x_ref, z2_ref):
+            for slot in units:
+              plgpu.wgmma(x_ref, a1_smem.at[slot], uv_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(z2_ref, kq_smem.at[parity], kq_smem.at[parity].transpose((1, 0)))
+            return x_ref[...], z2_ref[...]
+          x, z2 = pl.run_scoped(form_x_z2, *[plgpu.ACC((_ROWS, _ROWS), _F32)] * 2)
+          # Token i = row mod L, token j = column mod L; rows < L are dK's,
+          # columns < L multiply K. (Comparisons and `&` only: with boolean `~`
+          # and `|` the Hopper lowering failed, converting an i1 vector.)
+          r, c = iota((_ROWS, _ROWS), 0), iota((_ROWS, _ROWS), 1)
+          diff = lax.rem(r, L) - lax.rem(c, L)                     # i - j
+          b_cols = plgpu.load(b_smem.at[parity], layout=cols_layout)
+          gap = by_row(b, _ROWS) - by_col(b_cols)                  # b_i - b_j
+          # D_ij where i >= j, D_ji where j > i (never exponentiating a rise).
+          decay = jnp.exp(jnp.where(diff >= 0, gap, -gap))
+          beta_cols = plgpu.load(beta_smem.at[parity], layout=cols_layout)
+          dk_left = (r < L) & (c < L)
+          a_lower = dk_left & (diff > 0)                           # dA~ (dK rows, K cols)
+          s = (r >= L) & (c < L) & (diff >= 0)                     # dS~ (dQ rows, K cols)
+          # d beta through dV = beta T^T dU: the diagonal of X's (T^T dU) V^T.
+          dbeta_v = jnp.sum(jnp.where((r < L) & (c >= L) & (diff == 0), x, 0.0), axis=1)
+          plgpu.barrier_wait(y_ready)
+          y = plgpu.load(y_smem, layout=layout)
+          a5 = decay * jnp.where(
+              a_lower, -x * by_row(beta, _ROWS),
+              jnp.where(dk_left & (diff < 0), -y * by_col(beta_cols),          # dA~^T
+                        jnp.where((r < L) & (c >= L) & (diff <= 0), scale * y,   # dS~^T
+                                  jnp.where(s, scale * x, 0.0))))
+          a5_smem[...] = a5.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(a5_ready)
+          # d b through D (in A and S): p = (dA beta kk + dS qk) * D, rowsum -
+          # colsum; d beta through A: rowsum(dA * D * kk).
+          p = jnp.where(a_lower, a5 * z2, jnp.where(s, a5 * z2, 0.0))
+          vectors_smem.at[wg, DB_PAIRS][...] = jnp.sum(p, axis=1)
+          vectors_smem.at[wg, DB_COLS][...] = jnp.sum(p, axis=0)
+          vectors_smem.at[wg, DBETA_PAIRS][...] = dbeta_v + jnp.sum(
+              jnp.where(a_lower, -x * decay * z2, 0.0), axis=1)
+
+        # The state products for this warpgroup's K half (M0's and dM1's rows).
         m_dot_dm = jnp.zeros((_ROWS,), _F32)
         for slot in units:
           plgpu.barrier_wait(states_loaded.at[slot])
-          for first_row in range(0, KEY, _ROWS):
-            part = lambda ref: plgpu.load(ref.at[slot, pl.ds(first_row, _ROWS)],
-                                          layout=layout).astype(_F32)
-            m_dot_dm += jnp.sum(part(m0_smem) * part(dm1_smem), axis=1)
+          part = lambda ref: plgpu.load(ref.at[slot, mine], layout=layout).astype(_F32)
+          m_dot_dm += jnp.sum(part(m0_smem) * part(dm1_smem), axis=1)
 
         def state_products(p1_ref, p2_ref):
           for slot in units:
-            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot].transpose((1, 0)))
-            plgpu.wgmma(p2_ref, uv_smem.at[slot], dm1_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot, mine].transpose((1, 0)))
+            plgpu.wgmma(p2_ref, uv_smem.at[slot], dm1_smem.at[slot, mine].transpose((1, 0)))
           return p1_ref[...], p2_ref[...]
-        p1, p2 = pl.run_scoped(
-            state_products, plgpu.ACC((_ROWS, KEY), _F32), plgpu.ACC((_ROWS, KEY), _F32))
+        p1, p2 = pl.run_scoped(state_products, *[plgpu.ACC((_ROWS, _HALF), _F32)] * 2)
         for slot in units:
           plgpu.barrier_arrive(states_free.at[slot])
           plgpu.barrier_arrive(rows_free.at[slot])
-        kq = plgpu.load(kq_smem.at[parity], layout=layout)       # [K; Q]
+        kq = plgpu.load(kq_smem.at[parity, :, mine], layout=layout).astype(_F32)  # [K; Q]
         r1 = jnp.where(dk_rows, -beta * eb, scale * eb)
         r2 = jnp.where(dk_rows, jnp.exp(b_last - b), 0.0)
-        s1 = jnp.sum(p1 * kq.astype(_F32), axis=1)
-        s2 = jnp.where(dk_rows, jnp.sum(p2 * kq.astype(_F32), axis=1), 0.0)
-        z = by_row(r1, KEY) * p1 + by_row(r2, KEY) * jnp.where(by_row(dk_rows, KEY), p2, 0.0)
+        s1 = jnp.sum(p1 * kq, axis=1)
+        s2 = jnp.where(dk_rows, jnp.sum(p2 * kq, axis=1), 0.0)
+        z = by_row(r1) * p1 + by_row(r2) * jnp.where(by_row(dk_rows), p2, 0.0)
+        del p1, p2, kq
 
+        pl.when(wg == 1)(lambda: plgpu.barrier_wait(a5_ready))
         def pair_terms(acc_ref):
-          plgpu.wgmma(acc_ref, a5_smem, kq_smem.at[parity])
+          plgpu.wgmma(acc_ref, a5_smem, kq_smem.at[parity, :, mine])
           return acc_ref[...]
-        z += pl.run_scoped(pair_terms, plgpu.ACC((_ROWS, KEY), _F32))
+        z += pl.run_scoped(pair_terms, plgpu.ACC((_ROWS, _HALF), _F32))
         plgpu.barrier_arrive(chunk_free.at[parity])
 
-        if not dv_staging:
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # dV has left the tile
-        out_smem[...] = z.astype(out_smem.dtype)
+        out_smem.at[wg][...] = z.astype(out_smem.dtype)
         end_terms = r2 * s2
-        vectors_smem.at[DB][...] = r1 * s1 - end_terms + db_rows
-        vectors_smem.at[DBETA][...] = jnp.where(dk_rows, -eb * s1 + dbeta_a + dbeta_v, 0.0)
-        vectors_smem.at[END][...] = end_terms + jnp.exp(b_last) * m_dot_dm
-        vectors_smem.at[DB_COLS][...] = db_cols
+        vectors_smem.at[wg, DB][...] = r1 * s1 - end_terms
+        vectors_smem.at[wg, DBETA][...] = jnp.where(dk_rows, -eb * s1, 0.0)
+        vectors_smem.at[wg, END][...] = end_terms + jnp.exp(b_last) * m_dot_dm
         plgpu.commit_smem()
-        mosaic.store_halves(out_smem, dk_gmem.at[bi, tokens, n], dq_gmem.at[bi, tokens, n], L)
-        plgpu.copy_smem_to_gmem(vectors_smem, vectors_gmem.at[bi, n, c_idx])
+        mosaic.store_halves(out_smem.at[wg], dk_gmem.at[bi, tokens, n, mine],
+                            dq_gmem.at[bi, tokens, n, mine], L)
+        plgpu.copy_smem_to_gmem(vectors_smem.at[wg], vectors_gmem.at[bi, n, c_idx, wg])
         return carry
 
       lax.fori_loop(0, chunks_per_block, step, 0)
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
+    @pl.when(wg == _COMPUTE_WGS)
     def _memory():
       plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
 
@@ -271,8 +299,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
   half = swizzled(dtype, _HALF)  # operands contracted over 64 V columns or 64 rows
   narrow = swizzled(dtype, L)    # T^T dU, contracted over the chunk's L tokens
   out_dtype = dq_gmem.dtype
-  dv_staging = [] if out_dtype == dtype else [
-      plgpu.SMEM((_ROWS, KEY), dtype, transforms=swizzled(dtype, KEY))]   # [dV; *]
+  both = _COMPUTE_WGS
   pl.run_scoped(
       scoped,
       plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [T^T dU; dY]
@@ -284,16 +311,21 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
       plgpu.SMEM((2, _ROWS, L), dtype, transforms=narrow),            # [T^T; *]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [b; b]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [beta; beta]
+      plgpu.SMEM((_ROWS, _ROWS), _F32),                               # Y, handed over
       plgpu.SMEM((_ROWS, _ROWS), dtype, transforms=half),             # A5
-      plgpu.SMEM((_ROWS, KEY), out_dtype, transforms=swizzled(out_dtype, KEY)),  # [dK; dQ]
-      plgpu.SMEM((4, _ROWS), _F32),                                   # the vectors
+      plgpu.SMEM((both, _ROWS, _HALF), out_dtype,
+                 transforms=swizzled(out_dtype, _HALF)),              # [dK; dQ] by K half
+      plgpu.SMEM((both, _ROWS, _HALF), dtype, transforms=half),       # [dV; *] by V half
+      plgpu.SMEM((both, len(_VECTORS), _ROWS), _F32),                 # the vectors
       plgpu.Barrier(num_arrivals=4, num_barriers=slots),   # a unit's four row loads
-      plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=both, num_barriers=slots),
       plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # a unit's two state halves
-      plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=both, num_barriers=slots),
       plgpu.Barrier(num_arrivals=7, num_barriers=2),       # a chunk's seven loads
-      plgpu.Barrier(num_arrivals=1, num_barriers=2),
-      *dv_staging,
+      plgpu.Barrier(num_arrivals=both, num_barriers=2),
+      plgpu.Barrier(num_arrivals=both),                    # both halves of a1 written
+      plgpu.Barrier(num_arrivals=1),                       # Y handed over
+      plgpu.Barrier(num_arrivals=1),                       # A5 written
       collective_axes="wg",
   )
 
@@ -303,10 +335,10 @@ def _smem_bytes(dtype, out_dtype, slots):
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
   unit = (2 * _ROWS * _HALF + CHUNK * _HALF + 2 * KEY * _HALF) * item
   per_chunk = (_ROWS * KEY + _ROWS * CHUNK) * item + 2 * _ROWS * 4
-  staging = _ROWS * _ROWS * item + _ROWS * KEY * out_item
-  if out_dtype != dtype:
-    staging += _ROWS * KEY * item  # dV's own tile
-  return slots * unit + 2 * per_chunk + staging + 4 * _ROWS * 4
+  # Y (f32), A5, [dK; dQ] and [dV; *] by half, the vectors
+  staging = (_ROWS * _ROWS * (4 + item) + _ROWS * KEY * (out_item + item)
+             + _COMPUTE_WGS * len(_VECTORS) * _ROWS * 4)
+  return slots * unit + 2 * per_chunk + staging
 
 
 def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: float,
@@ -358,18 +390,21 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
                              slots=slots, scale=scale)
   grads = jax.ShapeDtypeStruct((batch, time, heads, key), out_dtype)
   out_type = (grads, grads, jax.ShapeDtypeStruct(dy.shape, q.dtype),
-              jax.ShapeDtypeStruct((batch, heads, num_chunks, 4, _ROWS), _F32))
+              jax.ShapeDtypeStruct((batch, heads, num_chunks, _COMPUTE_WGS, len(_VECTORS),
+                                    _ROWS), _F32))
   dq, dk, dv, vectors = _pallas.mosaic_kernel(
       kernel, out_type=out_type, grid=(heads, batch, splits),
-      grid_names=("heads", "batch", "split"), num_threads=2, thread_name="wg",
+      grid_names=("heads", "batch", "split"), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       kernel_name="gated_delta_chunk_grads_mosaic",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(q, k, v, u, du, dy, tt, b, beta, states, dstates)
   # Token i's terms are in rows i (dK's) and L + i (dQ's), and column i.
   L = CHUNK
+  vectors = vectors.sum(3)  # the compute warpgroups' shares
   at = lambda name: vectors[:, :, :, name]
-  db = at(DB)[..., :L] + at(DB)[..., L:] - at(DB_COLS)[..., :L]
+  by_token = lambda name: at(name)[..., :L] + at(name)[..., L:]
+  db = by_token(DB) + by_token(DB_PAIRS) - at(DB_COLS)[..., :L]
   db = db.at[..., L - 1].add(at(END).sum(-1))
-  dbeta = at(DBETA)[..., :L]
+  dbeta = at(DBETA)[..., :L] + at(DBETA_PAIRS)[..., :L]
   return dq, dk, dv, db.reshape(batch, heads, time), dbeta.reshape(batch, heads, time)

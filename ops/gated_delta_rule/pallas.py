@@ -41,7 +41,7 @@ Backward, three launches:
    `T^T dU` itself), and the value-gradient kernel writes its two [L, L]
    adjoints as one [2L, 2L] block, that kernel's operand. Opt-in
    (`GatedDeltaBlocks.mosaic_grads`): launches 2 and 3 as one Mosaic GPU
-   kernel (mosaic_grads.py), slower so far.
+   kernel (mosaic_grads.py; not faster yet).
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
 V value size, C chunks, L tokens per chunk.
@@ -97,8 +97,9 @@ class GatedDeltaBlocks:
                                    # compiled (Hopper, 16-bit, K = V = 128,
                                    # chunks of 16 to 32)
   mosaic_grads: bool = False  # all chunk gradients (value and key) on one Mosaic
-                              # GPU kernel (mosaic_grads.py); off by default: on
-                              # the H200 it is slower than the two kernels so far
+                              # GPU kernel (mosaic_grads.py); off by default: its
+                              # first version was slower than the two kernels on
+                              # the H200, the current one is not yet timed
                               # (BUILD_NOTES.md, "Twenty-fifth session")
   mosaic_key_grads: bool | None = None  # the key gradients alone on a Mosaic GPU
                                         # kernel (mosaic_key_grads.py); None:
