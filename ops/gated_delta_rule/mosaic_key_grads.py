@@ -12,10 +12,11 @@ The Triton kernel (`pallas._key_grad_kernel`) does this at about 2.8 TB/s on
 an H200 and reads `T^T dU` from the value-gradient kernel. Here one block
 walks a run of chunks of one (batch, head), and a memory warpgroup streams
 them through shared memory with TMA ahead of one compute warpgroup, in units
-of half a chunk's V columns (the halves of M0, dM1, dY, dU and U: 44 KB), so
-the ring of `slots` units keeps about a chunk in flight while the compute
-warpgroup works on the last. `T^T dU` is formed here, from dU and the
-prepare kernel's T^T, so it never goes through memory.
+of half a chunk's V columns (the halves of M0, dM1, dY, dU and U: 44 KB); a
+unit's slot is released once its state products are done, so the next
+chunk's units load under the rest of this one (2 units by default, one chunk:
+a third does not fit beside the other buffers). `T^T dU` is formed here, from
+dU and the prepare kernel's T^T, so it never goes through memory.
 
 The compute warpgroup works on 64-row tiles whose rows 0..L-1 belong to dQ and
 rows L..2L-1 to dK (token i in rows i and L + i):
