@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from ops import _pallas
 from ops._mosaic_gpu import DTYPES
+from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
 from ops._mosaic_gpu import takes as _mosaic_takes
@@ -402,13 +403,26 @@ def drain(free, count: int, slots: int):
     plgpu.barrier_wait(free.at[lax.rem(t, slots)])
 
 
-def runs_per_head(batch: int, heads: int, num_chunks: int) -> int:
+def runs_per_head(caller, batch: int, heads: int, num_chunks: int,
+                  runs: int | None = None) -> int:
   """Runs of chunks per (batch, head) for the gradient kernels, whose chunks are
-  independent: the largest divisor of the chunk count that keeps the blocks
-  within one wave (one block per SM: their rings fill most of its shared
-  memory)."""
-  room = max(1, num_sms() // (batch * heads))
-  return max(d for d in range(1, min(room, num_chunks) + 1) if num_chunks % d == 0)
+  independent: `runs` if given (it must divide the chunk count), else the
+  largest divisor of the chunk count that keeps the blocks within one wave
+  (one block per SM: their rings fill most of its shared memory)."""
+  if runs is None:
+    room = max(1, num_sms() // (batch * heads))
+    return max(d for d in range(1, min(room, num_chunks) + 1) if num_chunks % d == 0)
+  if num_chunks % runs:
+    raise ValueError(f"{caller}: `splits` {runs} must divide the {num_chunks} chunks")
+  return runs
+
+
+def check_smem(caller, slots: int, need: int):
+  """Raises when a block with `slots` ring units needs more shared memory than
+  a block has."""
+  if need > SMEM_BUDGET:
+    raise ValueError(f"{caller}: `slots` {slots} needs {need} bytes of shared memory, over "
+                     f"the {SMEM_BUDGET} a block has")
 
 
 def _check(caller, dtype, key, value, time, chunk, slots):
@@ -420,11 +434,16 @@ def _check(caller, dtype, key, value, time, chunk, slots):
     raise ValueError(f"{caller}: `slots` must be >= 2, got {slots}")
 
 
-def _launch(kernel, *, name, batch, heads, out_type, args, interpret):
-  """One block per (head, batch) of three warpgroups."""
+def launch(kernel, *, name, batch, heads, out_type, args, interpret, runs=None,
+           compute_wgs=_COMPUTE_WGS):
+  """One block per (head, batch), or per run of chunks of one with `runs`, of
+  `compute_wgs` compute warpgroups and a memory warpgroup."""
+  grid, names = (heads, batch), ("heads", "batch")
+  if runs is not None:
+    grid, names = grid + (runs,), names + ("split",)
   return _pallas.mosaic_kernel(
-      kernel, out_type=out_type, grid=(heads, batch), grid_names=("heads", "batch"),
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg", kernel_name=name,
+      kernel, out_type=out_type, grid=grid, grid_names=names,
+      num_threads=compute_wgs + 1, thread_name="wg", kernel_name=name,
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
   )(*args)
@@ -461,7 +480,7 @@ def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
   if residuals:
     out_type += (jax.ShapeDtypeStruct((batch, heads, time // chunk, key, value), k.dtype),
                  rows)
-  y, final, *saved = _launch(kernel, name="gated_delta_states_mosaic", batch=batch,
+  y, final, *saved = launch(kernel, name="gated_delta_states_mosaic", batch=batch,
                              heads=heads, out_type=out_type,
                              args=(q, k, w, u_tilde, b, h0), interpret=interpret)
   return y, final, (tuple(saved) if residuals else None)
@@ -492,6 +511,6 @@ def walk_reverse(q, k, w, dy, b, dfinal, *, chunk: int, scale: float,
   out_type = (jax.ShapeDtypeStruct((batch, heads, time // chunk, key, value), k.dtype),
               jax.ShapeDtypeStruct(dy.shape, k.dtype),
               jax.ShapeDtypeStruct((batch, heads, key, value), _F32))
-  return _launch(kernel, name="gated_delta_states_reverse_mosaic", batch=batch,
+  return launch(kernel, name="gated_delta_states_reverse_mosaic", batch=batch,
                  heads=heads, out_type=out_type, args=(q, k, w, dy, b, dfinal),
                  interpret=interpret)

@@ -53,8 +53,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from ops import _pallas
-from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 from ops.gated_delta_rule import mosaic
 
@@ -355,8 +353,8 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
     states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
       chunk and the adjoint of the state leaving it.
     scale: the output scale.
-    slots: units (V halves) of each input ring (default: 3 where they fit in
-      shared memory, with 16-bit dQ and dK, else 2).
+    slots: units (V halves) of each input ring (2, one chunk, by default: a
+      third does not fit in shared memory).
     splits: blocks per (batch, head), each a run of chunks (default: as many
       as fill the GPU's SMs once).
     interpret: run in Mosaic GPU interpret mode (the CPU).
@@ -373,32 +371,21 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
   out_dtype = q.dtype if rep == 1 else _F32
   if (why := limit(q.dtype, key, value, CHUNK)) is not None:
     raise ValueError(f"chunk_grads: {why}")
-  if time % CHUNK:
-    raise ValueError(f"chunk_grads: T = {time} must be a multiple of {CHUNK}")
-  if slots is None:
-    slots = 3 if _smem_bytes(q.dtype, out_dtype, 3) <= SMEM_BUDGET else 2
-  if slots < _UNITS:
-    raise ValueError(f"chunk_grads: `slots` must be >= {_UNITS}, got {slots}")
-  if (need := _smem_bytes(q.dtype, out_dtype, slots)) > SMEM_BUDGET:
-    raise ValueError(f"chunk_grads: `slots` {slots} needs {need} bytes of shared memory, "
-                     f"over the {SMEM_BUDGET} a block has")
+  slots = slots or _UNITS
+  mosaic._check("chunk_grads", q.dtype, key, value, time, CHUNK, slots)
+  mosaic.check_smem("chunk_grads", slots, _smem_bytes(q.dtype, out_dtype, slots))
   num_chunks = time // CHUNK
-  splits = splits or mosaic.runs_per_head(batch, heads, num_chunks)
-  if num_chunks % splits:
-    raise ValueError(f"chunk_grads: `splits` {splits} must divide the {num_chunks} chunks")
+  splits = mosaic.runs_per_head("chunk_grads", batch, heads, num_chunks, splits)
   kernel = functools.partial(_kernel, groups_per_key=rep, chunks_per_block=num_chunks // splits,
                              slots=slots, scale=scale)
   grads = jax.ShapeDtypeStruct((batch, time, heads, key), out_dtype)
   out_type = (grads, grads, jax.ShapeDtypeStruct(dy.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, heads, num_chunks, _COMPUTE_WGS, len(_VECTORS),
                                     _ROWS), _F32))
-  dq, dk, dv, vectors = _pallas.mosaic_kernel(
-      kernel, out_type=out_type, grid=(heads, batch, splits),
-      grid_names=("heads", "batch", "split"), num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-      kernel_name="gated_delta_chunk_grads_mosaic",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(q, k, v, u, du, dy, tt, b, beta, states, dstates)
+  dq, dk, dv, vectors = mosaic.launch(
+      kernel, name="gated_delta_chunk_grads_mosaic", batch=batch, heads=heads,
+      out_type=out_type, args=(q, k, v, u, du, dy, tt, b, beta, states, dstates),
+      interpret=interpret, runs=splits, compute_wgs=_COMPUTE_WGS)
   # Token i's terms are in rows i (dK's) and L + i (dQ's), and column i.
   L = CHUNK
   vectors = vectors.sum(3)  # the compute warpgroups' shares

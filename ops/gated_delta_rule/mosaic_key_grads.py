@@ -49,8 +49,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
-from ops import _pallas
-from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import swizzled
 from ops.gated_delta_rule import mosaic
 
@@ -260,25 +258,18 @@ def key_grads(q, k, u, du, tt, dy, b, beta, pairs, states, dstates, *, chunk: in
   out_dtype = q.dtype if rep == 1 else _F32
   slots = slots or 2
   mosaic._check("key_grads", q.dtype, key, value, time, chunk, slots)
-  if (need := _smem_bytes(q.dtype, out_dtype, chunk, slots)) > SMEM_BUDGET:
-    raise ValueError(f"key_grads: `slots` {slots} needs {need} bytes of shared memory, over "
-                     f"the {SMEM_BUDGET} a block has")
+  mosaic.check_smem("key_grads", slots, _smem_bytes(q.dtype, out_dtype, chunk, slots))
   num_chunks = time // chunk
-  splits = splits or mosaic.runs_per_head(batch, heads, num_chunks)
-  if num_chunks % splits:
-    raise ValueError(f"key_grads: `splits` {splits} must divide the {num_chunks} chunks")
+  splits = mosaic.runs_per_head("key_grads", batch, heads, num_chunks, splits)
   kernel = functools.partial(_kernel, chunk=chunk, groups_per_key=rep,
                              chunks_per_block=num_chunks // splits, slots=slots,
                              scale=scale)
   grads = jax.ShapeDtypeStruct((batch, time, heads, key), out_dtype)
   out_type = (grads, grads, jax.ShapeDtypeStruct((batch, heads, num_chunks, 3, _ROWS), _F32))
-  dq, dk, rows = _pallas.mosaic_kernel(
-      kernel, out_type=out_type, grid=(heads, batch, splits),
-      grid_names=("heads", "batch", "split"), num_threads=2, thread_name="wg",
-      kernel_name="gated_delta_key_grads_mosaic",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(q, k, u, du, tt, dy, b, beta, pairs, states, dstates)
+  dq, dk, rows = mosaic.launch(
+      kernel, name="gated_delta_key_grads_mosaic", batch=batch, heads=heads,
+      out_type=out_type, args=(q, k, u, du, tt, dy, b, beta, pairs, states, dstates),
+      interpret=interpret, runs=splits, compute_wgs=1)
   # Token i's terms are in rows i (dQ's) and L + i (dK's) of each chunk.
   L = chunk
   db = rows[:, :, :, DB, :L] + rows[:, :, :, DB, L:2 * L]

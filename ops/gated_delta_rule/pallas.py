@@ -645,7 +645,6 @@ def _core_bwd(scale, blocks, residuals, cotangents):
     dq, dk, dv, db, dbeta = mosaic_grads.chunk_grads(
         q, k, v, u, du, dy, tt, b, beta, states, dstates, scale=scale,
         interpret=_backend.pallas_interpret())
-    db_keys = dbeta_keys = jnp.zeros((0,) + b.shape, _F32)
   elif blocks.mosaic_key_grads:
     dv, pairs, db, dbeta = _value_grads(q, k, v, u, du, dy, b, beta, tt, scale, blocks,
                                         pairs=True)
@@ -657,7 +656,8 @@ def _core_bwd(scale, blocks, residuals, cotangents):
                                                  blocks)
     dq, dk, db_keys, dbeta_keys = _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states,
                                              dstates, scale, blocks)
-  db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
+  if not blocks.mosaic_grads:  # the value and key kernels' shares
+    db, dbeta = db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
   groups, heads = q.shape[2], v.shape[2]
   if groups != heads:
     batch, time, _, key = q.shape
