@@ -12,10 +12,16 @@ After the timings, each kernel is checked against the reference on this device.
 Rows are printed and the JSON rewritten as each case completes.
 `--sweep` adds a few block-size variants of the Pallas kernels; `--models`
 times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
+
+`--ops` also takes `ssd` and `gated_delta_rule`, the chunked ops: they run as
+experiments/benchmark_kernel_ssd.py (their shapes, their chunked XLA peer and
+their cells' train steps with `--models`) in a process of their own, writing
+`<output stem>_chunked.json`.
 """
 
 import functools
 import json
+import os
 
 from absl import app
 from absl import flags
@@ -42,8 +48,9 @@ _MODELS = flags.DEFINE_bool("models", False, "Time SSMModel per cell.")
 _MEMORY = flags.DEFINE_bool("memory", True, "Selective scan at T 16384, S 128: memory.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _CELLS = flags.DEFINE_list("cells", ["lru", "mamba"], "SSMModel cells timed with --models.")
-_OPS = flags.DEFINE_list("ops", ["selective_scan", "linear_scan"],
-                         "Which scan ops to time and check.")
+_OPS = flags.DEFINE_list("ops", ["selective_scan", "linear_scan", "ssd", "gated_delta_rule"],
+                         "Which ops to time and check.")
+_CHUNKED_OPS = ("ssd", "gated_delta_rule")  # both timed by benchmark_kernel_ssd.py
 
 _SELECTIVE = {"pallas": selective_scan_pallas, "xla": selective_scan_xla,
               "lax.scan": selective_scan_reference}
@@ -279,6 +286,12 @@ def main(argv):
                               "median_ms", "temp_mb"]))
   print(harness.format_table([r for r in rows if r["kind"] == "ratio"],
                              ["op", "shape", "mode", "pallas_ms", "xla_ms", "xla_over_pallas"]))
+  if any(op in _OPS.value for op in _CHUNKED_OPS):
+    harness.run_program(
+        "experiments.benchmark_kernel_ssd",
+        f"{os.path.splitext(_OUTPUT.value)[0]}_chunked.json",
+        [f"--iters={_ITERS.value}", "--quick" if small else "--noquick",
+         "--models" if _MODELS.value else "--nomodels"])
 
 
 if __name__ == "__main__":

@@ -34,12 +34,19 @@ its product. The row and column sums that give d b and d beta leave as four
 
 A block walks a run of chunks of one (batch, head): a memory warpgroup streams
 each chunk's row tiles and states, by halves of their V columns, into two
-rings, and two compute warpgroups share each chunk: each forms `T^T dU` for
+rings (the rows' two chunks deep where shared memory allows, the states' one
+chunk), and two compute warpgroups share each chunk: each forms `T^T dU` for
 one V half, then warpgroup 1 forms Y and hands it over while warpgroup 0
 forms X, Z2 and A5, and each runs the state products and `A5 [K; Q]` for one
-half of dQ's and dK's columns (M0's and dM1's rows). (The first version, one
-compute warpgroup, took 926-972 us on the H200 at (8, 4096, 16, 128) against
-894 for the two kernels it replaces: BUILD_NOTES.md, "Twenty-fifth session".)
+half of dQ's and dK's columns (M0's and dM1's rows).
+
+On the H200 at (8, 4096, 16, 128), bf16 (BUILD_NOTES.md, "Twenty-sixth
+session"): 670 us against 887 for the two kernels it replaces; with a row
+ring of one chunk, 787 us. Slower variants timed there: A5 formed in two
+halves, one per warpgroup (828 us), and warpgroup 0's reductions moved into
+the state products' wgmma window (1,130 us). With heads sharing keys (float32
+dQ, dK; a one-chunk row ring) it is slower than the two kernels (934 against
+~910 us), so the op does not pick it there.
 
 Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
 K key size, V value size, C chunks, L tokens per chunk (32 here), WG warpgroup.
@@ -90,6 +97,8 @@ def takes(dtype, key: int, value: int, chunk: int) -> bool:
 def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, beta_gmem,
             states_gmem, dstates_gmem, dq_gmem, dk_gmem, dv_gmem, vectors_gmem, *,
             groups_per_key, chunks_per_block, slots, scale):
+  # `slots` is the row ring's depth in units; the state ring holds one chunk
+  # (its unit h in slot h).
   L = CHUNK
   dtype = q_gmem.dtype
   bi, n = lax.axis_index("batch"), lax.axis_index("heads")
@@ -97,11 +106,16 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
   g = lax.div(n, jnp.int32(groups_per_key))
   top, below = pl.ds(0, L), pl.ds(L, L)
 
+  shared_staging = dq_gmem.dtype == dtype
+
   def scoped(a1_smem, uv_smem, du_smem, m0_smem, dm1_smem, kq_smem, tt_smem, b_smem,
-             beta_smem, y_smem, a5_smem, out_smem, dv_smem, vectors_smem,
+             beta_smem, y_smem, a5_smem, out_smem, vectors_smem,
              rows_loaded, rows_free, states_loaded, states_free, chunk_loaded, chunk_free,
-             a1_ready, y_ready, a5_ready):
+             a1_ready, y_ready, a5_ready, *dv_staging):
     wg = lax.axis_index("wg")
+    # dV leaves through the [dK; dQ] staging tiles when they have its dtype
+    # (its store is read long before they are written again).
+    dv_smem = out_smem if shared_staging else dv_staging[0]
 
     @pl.when(wg < _COMPUTE_WGS)
     def _compute():
@@ -164,7 +178,8 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
             for slot in units:
               plgpu.wgmma(y_ref, uv_smem.at[slot], a1_smem.at[slot].transpose((1, 0)))
             return y_ref[...]
-          y_smem[...] = pl.run_scoped(form_y, plgpu.ACC((_ROWS, _ROWS), _F32))
+          # Rounded to the input dtype, as A5 is (it is only ever a term of A5).
+          y_smem[...] = pl.run_scoped(form_y, plgpu.ACC((_ROWS, _ROWS), _F32)).astype(dtype)
           plgpu.commit_smem()
           plgpu.barrier_arrive(y_ready)
 
@@ -192,7 +207,7 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
           # d beta through dV = beta T^T dU: the diagonal of X's (T^T dU) V^T.
           dbeta_v = jnp.sum(jnp.where((r < L) & (c >= L) & (diff == 0), x, 0.0), axis=1)
           plgpu.barrier_wait(y_ready)
-          y = plgpu.load(y_smem, layout=layout)
+          y = plgpu.load(y_smem, layout=layout).astype(_F32)
           a5 = decay * jnp.where(
               a_lower, -x * by_row(beta, _ROWS),
               jnp.where(dk_left & (diff < 0), -y * by_col(beta_cols),          # dA~^T
@@ -211,19 +226,19 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
 
         # The state products for this warpgroup's K half (M0's and dM1's rows).
         m_dot_dm = jnp.zeros((_ROWS,), _F32)
-        for slot in units:
-          plgpu.barrier_wait(states_loaded.at[slot])
-          part = lambda ref: plgpu.load(ref.at[slot, mine], layout=layout).astype(_F32)
+        for h in range(_UNITS):
+          plgpu.barrier_wait(states_loaded.at[h])
+          part = lambda ref: plgpu.load(ref.at[h, mine], layout=layout).astype(_F32)
           m_dot_dm += jnp.sum(part(m0_smem) * part(dm1_smem), axis=1)
 
         def state_products(p1_ref, p2_ref):
-          for slot in units:
-            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[slot, mine].transpose((1, 0)))
-            plgpu.wgmma(p2_ref, uv_smem.at[slot], dm1_smem.at[slot, mine].transpose((1, 0)))
+          for h, slot in enumerate(units):
+            plgpu.wgmma(p1_ref, a1_smem.at[slot], m0_smem.at[h, mine].transpose((1, 0)))
+            plgpu.wgmma(p2_ref, uv_smem.at[slot], dm1_smem.at[h, mine].transpose((1, 0)))
           return p1_ref[...], p2_ref[...]
         p1, p2 = pl.run_scoped(state_products, *[plgpu.ACC((_ROWS, _HALF), _F32)] * 2)
-        for slot in units:
-          plgpu.barrier_arrive(states_free.at[slot])
+        for h, slot in enumerate(units):
+          plgpu.barrier_arrive(states_free.at[h])
           plgpu.barrier_arrive(rows_free.at[slot])
         kq = plgpu.load(kq_smem.at[parity, :, mine], layout=layout).astype(_F32)  # [K; Q]
         r1 = jnp.where(dk_rows, -beta * eb, scale * eb)
@@ -240,6 +255,8 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
         z += pl.run_scoped(pair_terms, plgpu.ACC((_ROWS, _HALF), _F32))
         plgpu.barrier_arrive(chunk_free.at[parity])
 
+        if shared_staging:  # dV's store, issued at the top of the step, is read
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         out_smem.at[wg][...] = z.astype(out_smem.dtype)
         end_terms = r2 * s2
         vectors_smem.at[wg, DB][...] = r1 * s1 - end_terms
@@ -281,49 +298,49 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
         plgpu.copy_gmem_to_smem(tt_gmem.at[bi, n, tokens], tt_smem.at[parity, top], done)
         for ref, smem in ((b_gmem, b_smem), (beta_gmem, beta_smem)):
           mosaic.load_twice(ref.at[bi, n, tokens], smem.at[parity], done, L)
-        for h, slot in enumerate(slots_of):
-          unit = _UNITS * t + h
-          pl.when(unit >= slots)(lambda: plgpu.barrier_wait(states_free.at[slot]))
-          cols, done = pl.ds(h * _HALF, _HALF), states_loaded.at[slot]
-          plgpu.copy_gmem_to_smem(states_gmem.at[bi, n, c_idx, :, cols], m0_smem.at[slot],
-                                  done)
-          plgpu.copy_gmem_to_smem(dstates_gmem.at[bi, n, c_idx, :, cols], dm1_smem.at[slot],
+        for h in range(_UNITS):
+          pl.when(t >= 1)(lambda: plgpu.barrier_wait(states_free.at[h]))
+          cols, done = pl.ds(h * _HALF, _HALF), states_loaded.at[h]
+          plgpu.copy_gmem_to_smem(states_gmem.at[bi, n, c_idx, :, cols], m0_smem.at[h], done)
+          plgpu.copy_gmem_to_smem(dstates_gmem.at[bi, n, c_idx, :, cols], dm1_smem.at[h],
                                   done)
 
-      for free in (rows_free, states_free):
-        mosaic.drain(free, _UNITS * chunks_per_block, slots)
+      mosaic.drain(rows_free, _UNITS * chunks_per_block, slots)
+      mosaic.drain(states_free, _UNITS * chunks_per_block, _UNITS)
       mosaic.drain(chunk_free, chunks_per_block, 2)
 
   half = swizzled(dtype, _HALF)  # operands contracted over 64 V columns or 64 rows
   narrow = swizzled(dtype, L)    # T^T dU, contracted over the chunk's L tokens
   out_dtype = dq_gmem.dtype
   both = _COMPUTE_WGS
+  dv_staging = [] if shared_staging else [
+      plgpu.SMEM((both, _ROWS, _HALF), dtype, transforms=half)]  # [dV; *] by V half
   pl.run_scoped(
       scoped,
       plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [T^T dU; dY]
       plgpu.SMEM((slots, _ROWS, _HALF), dtype, transforms=half),      # [U; V]
       plgpu.SMEM((slots, L, _HALF), dtype, transforms=narrow),        # dU
-      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # M0
-      plgpu.SMEM((slots, KEY, _HALF), dtype, transforms=half),        # dM1
+      plgpu.SMEM((_UNITS, KEY, _HALF), dtype, transforms=half),       # M0
+      plgpu.SMEM((_UNITS, KEY, _HALF), dtype, transforms=half),       # dM1
       plgpu.SMEM((2, _ROWS, KEY), dtype, transforms=half),            # [K; Q]
       plgpu.SMEM((2, _ROWS, L), dtype, transforms=narrow),            # [T^T; *]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [b; b]
       plgpu.SMEM((2, _ROWS), _F32),                                   # [beta; beta]
-      plgpu.SMEM((_ROWS, _ROWS), _F32),                               # Y, handed over
+      plgpu.SMEM((_ROWS, _ROWS), dtype),                              # Y, handed over
       plgpu.SMEM((_ROWS, _ROWS), dtype, transforms=half),             # A5
       plgpu.SMEM((both, _ROWS, _HALF), out_dtype,
                  transforms=swizzled(out_dtype, _HALF)),              # [dK; dQ] by K half
-      plgpu.SMEM((both, _ROWS, _HALF), dtype, transforms=half),       # [dV; *] by V half
       plgpu.SMEM((both, len(_VECTORS), _ROWS), _F32),                 # the vectors
       plgpu.Barrier(num_arrivals=4, num_barriers=slots),   # a unit's four row loads
       plgpu.Barrier(num_arrivals=both, num_barriers=slots),
-      plgpu.Barrier(num_arrivals=2, num_barriers=slots),   # a unit's two state halves
-      plgpu.Barrier(num_arrivals=both, num_barriers=slots),
+      plgpu.Barrier(num_arrivals=2, num_barriers=_UNITS),  # a unit's two state halves
+      plgpu.Barrier(num_arrivals=both, num_barriers=_UNITS),
       plgpu.Barrier(num_arrivals=7, num_barriers=2),       # a chunk's seven loads
       plgpu.Barrier(num_arrivals=both, num_barriers=2),
       plgpu.Barrier(num_arrivals=both),                    # both halves of a1 written
       plgpu.Barrier(num_arrivals=1),                       # Y handed over
       plgpu.Barrier(num_arrivals=1),                       # A5 written
+      *dv_staging,
       collective_axes="wg",
   )
 
@@ -331,12 +348,20 @@ def _kernel(q_gmem, k_gmem, v_gmem, u_gmem, du_gmem, dy_gmem, tt_gmem, b_gmem, b
 def _smem_bytes(dtype, out_dtype, slots):
   """Shared memory of a block (the `run_scoped` allocations above, less barriers)."""
   item, out_item = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  unit = (2 * _ROWS * _HALF + CHUNK * _HALF + 2 * KEY * _HALF) * item
+  row_unit = (2 * _ROWS * _HALF + CHUNK * _HALF) * item
+  states = _UNITS * 2 * KEY * _HALF * item
   per_chunk = (_ROWS * KEY + _ROWS * CHUNK) * item + 2 * _ROWS * 4
-  # Y (f32), A5, [dK; dQ] and [dV; *] by half, the vectors
-  staging = (_ROWS * _ROWS * (4 + item) + _ROWS * KEY * (out_item + item)
+  # Y and A5, [dK; dQ] by half, [dV; *] by half unless it shares those, the vectors
+  dv_staging = 0 if out_dtype == dtype else _ROWS * KEY * item
+  staging = (2 * _ROWS * _ROWS * item + _ROWS * KEY * out_item + dv_staging
              + _COMPUTE_WGS * len(_VECTORS) * _ROWS * 4)
-  return slots * unit + 2 * per_chunk + staging
+  return slots * row_unit + states + 2 * per_chunk + staging
+
+
+def default_slots(dtype, out_dtype) -> int:
+  """The deepest row ring (up to two chunks) that fits in shared memory."""
+  return max(s for s in range(_UNITS, 2 * _UNITS + 1)
+             if _smem_bytes(dtype, out_dtype, s) <= mosaic.SMEM_BUDGET or s == _UNITS)
 
 
 def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: float,
@@ -353,8 +378,9 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
     states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
       chunk and the adjoint of the state leaving it.
     scale: the output scale.
-    slots: units (V halves) of each input ring (2, one chunk, by default: a
-      third does not fit in shared memory).
+    slots: units (V halves) of the ring of row tiles (default: up to 4, two
+      chunks, as many as fit in shared memory: 4 when dQ and dK are in q's
+      dtype, 2 when they are float32); the states' ring holds one chunk.
     splits: blocks per (batch, head), each a run of chunks (default: as many
       as fill the GPU's SMs once).
     interpret: run in Mosaic GPU interpret mode (the CPU).
@@ -371,7 +397,7 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
   out_dtype = q.dtype if rep == 1 else _F32
   if (why := limit(q.dtype, key, value, CHUNK)) is not None:
     raise ValueError(f"chunk_grads: {why}")
-  slots = slots or _UNITS
+  slots = slots or default_slots(q.dtype, out_dtype)
   mosaic._check("chunk_grads", q.dtype, key, value, time, CHUNK, slots)
   mosaic.check_smem("chunk_grads", slots, _smem_bytes(q.dtype, out_dtype, slots))
   num_chunks = time // CHUNK

@@ -39,9 +39,10 @@ Backward, three launches:
    at padded K = V = 128 (16-bit) the key gradients run on a Mosaic GPU kernel
    instead (mosaic_key_grads.py, `GatedDeltaBlocks.mosaic_key_grads`; it forms
    `T^T dU` itself), and the value-gradient kernel writes its two [L, L]
-   adjoints as one [2L, 2L] block, that kernel's operand. Opt-in
-   (`GatedDeltaBlocks.mosaic_grads`): launches 2 and 3 as one Mosaic GPU
-   kernel (mosaic_grads.py; not faster yet).
+   adjoints as one [2L, 2L] block, that kernel's operand; with chunks of 32
+   (the default) and a key per head, launches 2 and 3 run as one Mosaic GPU
+   kernel instead (mosaic_grads.py, `GatedDeltaBlocks.mosaic_grads`), which
+   reads each chunk once.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
 V value size, C chunks, L tokens per chunk.
@@ -96,11 +97,14 @@ class GatedDeltaBlocks:
                                    # (mosaic.py); None: wherever they run
                                    # compiled (Hopper, 16-bit, K = V = 128,
                                    # chunks of 16 to 32)
-  mosaic_grads: bool = False  # all chunk gradients (value and key) on one Mosaic
-                              # GPU kernel (mosaic_grads.py); off by default: its
-                              # first version was slower than the two kernels on
-                              # the H200, the current one is not yet timed
-                              # (BUILD_NOTES.md, "Twenty-fifth session")
+  mosaic_grads: bool | None = None  # all chunk gradients (value and key) on one
+                                    # Mosaic GPU kernel (mosaic_grads.py); None:
+                                    # where the walks run, it takes the chunk,
+                                    # every head has its own keys and
+                                    # mosaic_key_grads is not asked for
+                                    # (32 tokens; fwd+bwd 9 % faster than value +
+                                    # key gradients on the H200, BUILD_NOTES.md,
+                                    # "Twenty-sixth session")
   mosaic_key_grads: bool | None = None  # the key gradients alone on a Mosaic GPU
                                         # kernel (mosaic_key_grads.py); None:
                                         # where the walks run and mosaic_grads not
@@ -699,7 +703,13 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
                                  mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk))
   elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_walk`: {why}")
-  if blocks.mosaic_grads and (why := mosaic_grads.limit(dtype, key_p, value_p, chunk)):
+  if blocks.mosaic_grads is None:
+    # Heads sharing keys make its dQ, dK float32 and its row ring half as
+    # deep: slower than the two kernels there (BUILD_NOTES.md).
+    blocks = dataclasses.replace(blocks, mosaic_grads=(
+        blocks.mosaic_walk and not blocks.mosaic_key_grads and q.shape[2] == heads
+        and mosaic_grads.limit(dtype, key_p, value_p, chunk) is None))
+  elif blocks.mosaic_grads and (why := mosaic_grads.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_grads`: {why}")
   if blocks.mosaic_key_grads is None:
     blocks = dataclasses.replace(blocks,

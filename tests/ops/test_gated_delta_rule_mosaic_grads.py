@@ -35,15 +35,15 @@ def _inputs(batch, time, heads, groups, seed):
           b.reshape(batch, heads, time), beta, m0, dm1)
 
 
-@pytest.mark.parametrize("heads, groups, splits", [
-    (2, 2, 2),   # bf16 outputs, two runs of chunks per head
-    (2, 1, 1),   # heads sharing keys: float32 dQ, dK
+@pytest.mark.parametrize("heads, groups, splits, chunks", [
+    (2, 2, 2, 3),  # bf16 outputs, two runs of chunks per head, the 4-unit row ring wrapping
+    (2, 1, 1, 2),  # heads sharing keys: float32 dQ, dK (a 2-unit row ring)
 ])
-def test_matches_the_triton_gradient_kernels(heads, groups, splits):
+def test_matches_the_triton_gradient_kernels(heads, groups, splits, chunks):
   """dQ, dK, dV, d log-decay and d beta against the Triton value- and
   key-gradient kernels on the same operands (the same bf16 products; the sums
   differ in order)."""
-  time = 2 * splits * _L
+  time = chunks * splits * _L
   q, k, v, u, du, dy, tt, b, beta, m0, dm1 = _inputs(1, time, heads, groups,
                                                       seed=heads + groups)
   blocks = gdr_pallas.GatedDeltaBlocks(chunk=_L, block_v=64, grad_block_k=_SIZE)
@@ -76,6 +76,18 @@ def test_lowers_to_mosaic_gpu_for_hopper(hopper_lowering):
     assert "gated_delta_value_grads" not in text and "gated_delta_key_grads" not in text
 
 
+def test_chosen_by_default_where_every_head_has_its_keys(hopper_lowering):
+  """With the Mosaic walks and otherwise default blocks (as on Hopper) the fused
+  kernel runs when N = G, and the value- and key-gradient kernels when heads
+  share keys (where they were measured faster)."""
+  del hopper_lowering
+  own_keys, shared_keys = (lowered_gradient(g, mosaic_walk=True) for g in (4, 2))
+  assert "gated_delta_chunk_grads_mosaic" in own_keys
+  assert "gated_delta_key_grads_mosaic" not in own_keys
+  assert "gated_delta_chunk_grads_mosaic" not in shared_keys
+  assert "gated_delta_key_grads_mosaic" in shared_keys
+
+
 @pytest.mark.parametrize("key, chunk, match", [(64, 32, "K = V = 128"),
                                                (_SIZE, 16, "chunks of 32 tokens")])
 def test_forced_outside_its_limits_raises(key, chunk, match):
@@ -93,7 +105,7 @@ def test_bad_runs_and_slots_raise():
                                                scale=1.0, **kw)
   with pytest.raises(ValueError, match="`splits` 3 must divide the 2 chunks"):
     call(splits=3)
-  with pytest.raises(ValueError, match="`slots` 4 needs .* bytes of shared memory"):
-    call(slots=4)
+  with pytest.raises(ValueError, match="`slots` 5 needs .* bytes of shared memory"):
+    call(slots=5)
   with pytest.raises(ValueError, match="`slots` must be >= 2"):
     call(slots=1)
