@@ -29,8 +29,9 @@ Rows 0..L-1 of every 64-row tile belong to dK and rows L..2L-1 to dQ:
 with r1 = [-beta e^b; scale e^b], r2 = [e^{b_L - b}; 0], dA~ = dA * beta_i *
 D, dS~ = scale tril(dY U^T) * D (D the causal decays). A5 is formed in
 registers from X and Y and goes through shared memory once, as the operand of
-its product. The row and column sums that give d b and d beta leave as four
-64-entry vectors per chunk, folded by the caller.
+its product. The row and column sums that give d b and d beta leave as
+64-entry vectors per chunk and compute warpgroup (`_VECTORS`), folded by the
+caller.
 
 A block walks a run of chunks of one (batch, head): a memory warpgroup streams
 each chunk's row tiles and states, by halves of their V columns, into two
@@ -46,7 +47,7 @@ ring of one chunk, 787 us. Slower variants timed there: A5 formed in two
 halves, one per warpgroup (828 us), and warpgroup 0's reductions moved into
 the state products' wgmma window (1,130 us). With heads sharing keys (float32
 dQ, dK; a one-chunk row ring) it is slower than the two kernels (934 against
-~910 us), so the op does not pick it there.
+583 + 303 us), so the op does not pick it there.
 
 Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
 K key size, V value size, C chunks, L tokens per chunk (32 here), WG warpgroup.
