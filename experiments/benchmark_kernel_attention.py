@@ -37,8 +37,8 @@ _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
-    "flex_triton (the Triton forward; flex_triton_<bq>x<bk>x<warps>x<stages> on those "
-    "tiles), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
+    "flex_triton[_<bq>x<bk>x<warps>x<stages>][_bound] (the Triton forward, on "
+    "those tiles, with the bounded softmax), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread), "
@@ -53,6 +53,9 @@ _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
     "kernel on these tiles, <block_q>x<block_k>x<steps>[_free][_wg3][_pipe][_persist[_all]] (for the "
     "16-bit cases it takes).")
+_CHECK_FWD_SOFTMAX = flags.DEFINE_string(
+    "check_fwd_softmax", None, "Also check flex with its forward on the Triton kernel "
+    "with this softmax (`FlexConfig.fwd_softmax`, e.g. bound) in every case.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -93,12 +96,17 @@ def _check_rows():
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = _check_cases(cases, "table")
-  for field, spec, parse in (("mosaic_fwd", _CHECK_MOSAIC_FWD.value, workloads.mosaic_fwd_tiles),
-                             ("mosaic_bwd", _CHECK_MOSAIC_BWD.value, workloads.mosaic_bwd_tiles)):
-    if spec:  # The table's config with this kernel's tiles replaced.
-      tiles, table = parse(spec), flex_configs.get_config
-      patched = lambda *a, field=field, tiles=tiles, **kw: dataclasses.replace(
-          table(*a, **kw), **{field: tiles})
+  for field, spec, changes in (
+      ("mosaic_fwd", _CHECK_MOSAIC_FWD.value,
+       lambda spec: dict(mosaic_fwd=workloads.mosaic_fwd_tiles(spec))),
+      ("mosaic_bwd", _CHECK_MOSAIC_BWD.value,
+       lambda spec: dict(mosaic_bwd=workloads.mosaic_bwd_tiles(spec))),
+      ("fwd_softmax", _CHECK_FWD_SOFTMAX.value,
+       lambda spec: dict(fwd_softmax=spec, mosaic_fwd=None))):
+    if spec:  # The table's config with these fields replaced.
+      table = flex_configs.get_config
+      patched = lambda *a, changes=changes(spec), **kw: dataclasses.replace(
+          table(*a, **kw), **changes)
       with mock.patch.object(flex_configs, "get_config", patched):
         rows += _check_cases(cases, f"{field}_{spec}")
   return rows

@@ -34,6 +34,9 @@ class KernelConfig:
       raise ValueError(f"`num_stages` must be >= 1, got {self.num_stages}")
 
 
+FWD_SOFTMAX = ("online", "bound")
+
+
 @dataclasses.dataclass(frozen=True)
 class FlexConfig:
   """The three launches of one attention call: forward, dK/dV and dQ.
@@ -43,12 +46,21 @@ class FlexConfig:
   (`pallas.prepare` decides: 16-bit, no segments or mods, long enough).
   `mosaic_bwd` likewise runs the backward on the one-launch Mosaic GPU kernel
   (`mosaic_backward.py`) instead of the `dkdv` and `dq` Triton launches.
+  `fwd_softmax` is how the Triton forward keeps its exponentials in range:
+  'online' (the running row maximum, rescaling as it grows) or 'bound' (a
+  per-row bound on the logits fixed before the first tile, row sums on the
+  tensor cores; `pallas.py`, "Bounded softmax"; opt-in, BUILD_NOTES says why).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
   dq: KernelConfig
   mosaic_fwd: mosaic.MosaicForwardConfig | None = None
   mosaic_bwd: mosaic_backward.MosaicBackwardConfig | None = None
+  fwd_softmax: str = "online"
+
+  def __post_init__(self):
+    if self.fwd_softmax not in FWD_SOFTMAX:
+      raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
 
 
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:

@@ -37,6 +37,7 @@ import math
 from typing import Callable
 
 import jax
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
@@ -99,8 +100,8 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # Forward.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
-                o_ref, lse_ref, *, st: _Static, num_q_tiles: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, k_norm_ref, q_seg_ref, k_seg_ref,
+                lists, o_ref, lse_ref, *, st: _Static, num_q_tiles: int):
   bq, hp = q_ref.shape
   bk = st.config.fwd.block_k
   seq_kv = k_ref.shape[0]
@@ -111,17 +112,25 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   q_seg = q_seg_ref[...][:, None] if st.segments else None
   b, n = pl.program_id(1), pl.program_id(2)
 
-  def body(j, carry, masked):
-    acc, m, l = carry  # [bq, Hp], [bq], [bq]
+  def logits(j, masked):
+    """Tile j's base-2 logits (masked: -inf where closed), its values, the
+    multiplier c (p = 2^(s * c - m)) and, for a masked tile, its open mask."""
     k0 = j * bk
     k = k_ref[pl.ds(k0, bk), :]  # [bk, Hp]
     v = v_ref[pl.ds(k0, bk), :]
     s = plgpu.dot(q, k, trans_b=True)  # [bq, bk] f32
     k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
     s, c = _score(st, s, b, n, q_idx, k_idx)
+    is_open = None
     if masked:
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      s = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), s, -jnp.inf)
+      is_open = masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n)
+      s = jnp.where(is_open, s, -jnp.inf)
+    return s, v, c, is_open
+
+  def online_body(j, carry, masked):
+    acc, m, l = carry  # [bq, Hp], [bq], [bq]
+    s, v, c, _ = logits(j, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # base-2 running max
     if masked:  # A row with nothing open so far: keep exp2 away from inf - inf.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -133,15 +142,87 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
-  carry = (jnp.zeros((bq, hp), jnp.float32),
-           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  acc, m, l = masks.tile_loop(st, ranges, lists, body, carry)
+
+  def online():
+    carry = (jnp.zeros((bq, hp), jnp.float32),
+             jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    return masks.tile_loop(st, ranges, lists, online_body, carry)
+
+  if st.config.fwd_softmax == "online":
+    acc, m, l = online()
+  else:
+    acc, m, l = _bounded_walk(st, q, k_norm_ref[0], logits, ranges, lists, online)
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
   # Base-2 log-sum-exp of the scaled logits; +inf marks an empty row so that
   # the backward's exp2(s * c - lse) is exactly 0 there.
   lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+
+
+# Bounded softmax (opt-in: `FlexConfig.fwd_softmax='bound'`). The online
+# softmax makes each tile wait for its row maxima (a reduction across threads)
+# before its exponentials, and rescales the accumulator whenever a maximum
+# grows. Any per-row reference r works in place of the maximum, as long as
+# 2^(s c - r) neither overflows nor underflows for the logits that matter.
+# Cauchy-Schwarz gives one before the first tile: |s c| <= |c| ||q_t||
+# max_s ||k_s|| =: B. With r = B - _HEADROOM every p <= 2^_HEADROOM (the sums
+# stay far from f32's and bfloat16's range), and p keeps full precision for
+# every logit within 126 + _HEADROOM of B. If a row's sum ends under
+# _UNDERFLOW, its largest logit sits more than ~72 (base-2 units) below B and
+# what f32 flushed to zero may matter: the program then walks its tiles again
+# with the online softmax. Otherwise the flushed terms add up to less than
+# n 2^-86 of the sum (n keys). Exact either way; fast where B is within ~72 of
+# each row's largest logit (unit-variance q and k at any head size), twice
+# the work for a program where it is not (large, nearly orthogonal q and k),
+# which is why it is not the default (BUILD_NOTES, twenty-seventh session).
+_HEADROOM = 32.0
+_UNDERFLOW = 2.0 ** -40
+
+
+def _bounded_walk(st: _Static, q, k_norm, logits, ranges, lists, online):
+  """(acc, r, l) of the bounded softmax, or `online()`'s if a row underflows.
+
+  Args:
+    q: [bq, Hp] the query tile; k_norm: the largest key norm of its
+      (batch, key/value head), f32 scalar.
+    logits: j, masked -> (s, v, c, is_open), one tile's base-2 logits.
+    ranges, lists: the tiles to walk (`masks.tile_loop`).
+    online: () -> (acc, m, l), the online softmax's walk (the fallback).
+  """
+  bq, hp = q.shape
+  bk = st.config.fwd.block_k
+  qf = q.astype(jnp.float32)
+  c = abs(st.scale * _LOG2E)  # No score_mod here (`prepare`).
+  r = c * jnp.sqrt(jnp.sum(qf * qf, axis=1)) * k_norm - _HEADROOM  # [bq]
+  # Row sums on the tensor cores: P @ ones gives every column the sum, so a
+  # tile needs no reduction across threads (16 columns: the smallest dot; a
+  # per-tile reduction measured slower). f32 inputs keep the f32 sum.
+  sum_by_mma = q.dtype.itemsize == 2
+  ones = jnp.ones((bk, 16), q.dtype) if sum_by_mma else None
+
+  def body(j, carry, masked):
+    acc, l, seen = carry
+    s, v, _, is_open = logits(j, masked)
+    if masked:  # `seen`: rows with an open key so far (empty rows sum to 0).
+      seen = jnp.maximum(seen, jnp.max(jnp.where(is_open, 1.0, 0.0), axis=1))
+    else:
+      seen = jnp.ones_like(seen)
+    p = _exp2(st, s * c - r[:, None])  # [bq, bk], each <= 2^_HEADROOM
+    pv = p.astype(v.dtype)
+    l = l + (plgpu.dot(pv, ones) if sum_by_mma else jnp.sum(p, axis=1))
+    return acc + plgpu.dot(pv, v), l, seen
+
+  l0 = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
+  carry = (jnp.zeros((bq, hp), jnp.float32), l0, jnp.zeros((bq,), jnp.float32))
+  acc, l, seen = masks.tile_loop(st, ranges, lists, body, carry)
+  if sum_by_mma:
+    l = jnp.max(l, axis=1)  # The 16 columns are equal.
+  underflow = jnp.where(l < _UNDERFLOW, 1.0, 0.0)
+  if st.any_mask:
+    underflow = underflow * seen
+  # (A max, not jnp.any: the Triton lowering has no boolean reductions.)
+  return lax.cond(jnp.max(underflow) > 0.0, online, lambda: (acc, r, l))
 
 
 def _seg_specs(st, q_block, k_block, q_index, k_index):
@@ -175,11 +256,17 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   bq, g = cfg.block_q, st.groups
   nq = seq_q // bq
   rev = lambda i: nq - 1 - i
+  k_norm = k_norm_spec = None
+  if st.config.fwd_softmax != "online":  # [B, K, 1]: the largest key norm.
+    k_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1),
+                              axis=1))[..., None]
+    k_norm_spec = pl.BlockSpec((None, None, 1), lambda i, b, n: (b, n // g, 0))
   in_specs = [
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
       pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
+      k_norm_spec,
       *_seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
       _row_list_specs(lists, nq),
@@ -195,7 +282,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
       compiler_params=_params(cfg),
-  )(q, k, v, kv_len, q_seg, k_seg, lists)
+  )(q, k, v, kv_len, k_norm, q_seg, k_seg, lists)
 
 
 # ----------------------------------------------------------------------------
@@ -408,6 +495,16 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
+def _fwd_softmax(config: configs.FlexConfig, dtype, score_mod) -> str:
+  """The config's forward softmax, or 'online' where the bound does not hold:
+  a score_mod may raise logits past it, and float16's P (largest 65504,
+  smallest normal 2^-14) cannot hold p up to 2^_HEADROOM nor keep precision
+  far below 1."""
+  if score_mod is not None or jnp.dtype(dtype) == jnp.float16:
+    return "online"
+  return config.fwd_softmax
+
+
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
             q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
             config: configs.FlexConfig | None = None, mask_mod=None,
@@ -445,7 +542,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     mosaic_bwd = None  # The Triton backward takes this call.
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
-                              mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd)
+                              mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
+                              fwd_softmax=_fwd_softmax(config, q.dtype, score_mod))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups
