@@ -37,8 +37,9 @@ _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
     "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
     "512-token documents), timed against plain flex on the same shapes; "
-    "flex_triton[_<bq>x<bk>x<warps>x<stages>][_bound] (the Triton forward, on "
-    "those tiles, with the bounded softmax), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
+    "flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the Triton forward, on "
+    "those tiles, with that softmax), flex_<fwd_softmax> (the table's kernels with "
+    "that forward softmax, e.g. flex_online), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread), "
@@ -55,7 +56,7 @@ _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "16-bit cases it takes).")
 _CHECK_FWD_SOFTMAX = flags.DEFINE_string(
     "check_fwd_softmax", None, "Also check flex with its forward on the Triton kernel "
-    "with this softmax (`FlexConfig.fwd_softmax`, e.g. bound) in every case.")
+    "with this softmax (`FlexConfig.fwd_softmax`) in every case.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")

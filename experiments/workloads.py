@@ -173,10 +173,13 @@ MHA_CONFIGS = {
 _MOSAIC_FWD_TILES = re.compile(
     r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist(_all)?)?(_r240)?$")
 # flex with its forward on the Triton kernel, on given tiles or the table's:
-# flex_triton[_<bq>x<bk>x<warps>x<stages>][_bound] (the tuning sweep's
-# `--small` set left 8 warps out at head sizes below 64; `_bound`: the bounded
-# softmax, `configs.FlexConfig.fwd_softmax`).
-_FLEX_TRITON = re.compile(r"flex_triton(?:_(\d+)x(\d+)x(\d+)x(\d+))?(_bound)?$")
+# flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the tuning sweep's
+# `--small` set left 8 warps out at head sizes below 64; the suffix sets
+# `configs.FlexConfig.fwd_softmax`, e.g. `_online`).
+_FLEX_TRITON = re.compile(
+    r"flex_triton(?:_(\d+)x(\d+)x(\d+)x(\d+))?(?:_(%s))?$" % "|".join(flex_configs.FWD_SOFTMAX))
+# flex with the table's kernels and another forward softmax: flex_<fwd_softmax>.
+_FLEX_SOFTMAX = re.compile(r"flex_(%s)$" % "|".join(flex_configs.FWD_SOFTMAX))
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
 # flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
 _FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
@@ -249,8 +252,8 @@ def input_dtype(impl):
 def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
   mask_mod variants, its Triton forward `flex_triton` (on given tiles:
-  `flex_triton_<bq>x<bk>x<warps>x<stages>`; `_bound`: the bounded
-  softmax), its Mosaic forward on
+  `flex_triton_<bq>x<bk>x<warps>x<stages>`; a `_<fwd_softmax>` suffix: that
+  softmax; `flex_<fwd_softmax>`: the table's kernels with it), its Mosaic forward on
   other tiles `flex_mosaic_*`, its backward on the Mosaic GPU kernel
   `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
@@ -262,8 +265,10 @@ def attention_fn(impl, h, causal):
     if match.group(1):
       changes["fwd"] = flex_configs.KernelConfig(*map(int, match.groups()[:4]))
     if match.group(5):
-      changes["fwd_softmax"] = match.group(5)[1:]
+      changes["fwd_softmax"] = match.group(5)
     return _flex_with(causal, **changes)
+  if match := _FLEX_SOFTMAX.match(impl):
+    return _flex_with(causal, fwd_softmax=match.group(1))
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
   if impl.startswith("flex_mosaic_"):

@@ -34,7 +34,7 @@ class KernelConfig:
       raise ValueError(f"`num_stages` must be >= 1, got {self.num_stages}")
 
 
-FWD_SOFTMAX = ("online", "bound")
+FWD_SOFTMAX = ("online", "first_tile_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,10 @@ class FlexConfig:
   (`pallas.prepare` decides: 16-bit, no segments or mods, long enough).
   `mosaic_bwd` likewise runs the backward on the one-launch Mosaic GPU kernel
   (`mosaic_backward.py`) instead of the `dkdv` and `dq` Triton launches.
-  `fwd_softmax` is how the Triton forward keeps its exponentials in range:
-  'online' (the running row maximum, rescaling as it grows) or 'bound' (a
-  per-row bound on the logits fixed before the first tile, row sums on the
-  tensor cores; `pallas.py`, "Bounded softmax"; opt-in, BUILD_NOTES says why).
+  `fwd_softmax` is how the forward (either kernel) keeps its exponentials
+  in range: 'online' (the running row maxima, rescaling as they grow) or
+  'first_tile_max' (the maxima of the first fully open key tile, kept for
+  the other open tiles: no maxima and no rescaling there; `pallas.py`).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -63,13 +63,14 @@ class FlexConfig:
       raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
 
 
-def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
+def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
       None if mosaic_fwd is None else (
           mosaic.MosaicForwardConfig(**mosaic_fwd) if isinstance(mosaic_fwd, dict)
           else mosaic.MosaicForwardConfig(*mosaic_fwd)),
-      None if mosaic_bwd is None else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd))
+      None if mosaic_bwd is None else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd),
+      fwd_softmax)
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -122,14 +123,17 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None) -> FlexConfig:
 # kernel_attention_h128_regs240_h200.json, kernel_attention_regs240_h200.json),
 # so only H128 takes it.
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
-    (32, "bfloat16", "sm90"): _c((128, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-                                 (128, 128, 2, True, False), (128, 64, 3)),
+    (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
+                                 (128, 128, 2, True, False), (128, 64, 3),
+                                 fwd_softmax="first_tile_max"),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
-                                      persistent=True), (128, 64, 2)),
+                                      persistent=True), (128, 64, 2),
+                                 fwd_softmax="first_tile_max"),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                                   dict(block_q=64, block_k=128, max_concurrent_steps=2,
-                                       persistent=True), (64, 64, 2, 2, 240)),
+                                       persistent=True), (64, 64, 2, 2, 240),
+                                  fwd_softmax="first_tile_max"),
     (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3),
                                   (64, 64, 2)),
     # Halving the key tiles of the 16-bit entry asks 311,296 bytes of shared

@@ -17,6 +17,13 @@ from jax import lax
 import jax.numpy as jnp
 
 
+# With the first tile's row maxima frozen (`pallas.py`, "The first-tile
+# maxima"), a row sum at or past this (p up to 2^64 / S; inf or NaN on
+# overflow) marks the row for the online softmax's second pass. It keeps
+# acc = sum p v inside f32 for |v| < 2^64.
+FROZEN_SUM_LIMIT = 2.0 ** 64
+
+
 def div(a, b: int):
   """Floor division of a non-negative traced (or static) int by a static int."""
   if isinstance(a, int):
@@ -124,6 +131,32 @@ def tile_loop(st, ranges, lists, body, carry, group: int | None = None):
     step = lambda t, c, index=index, masked=masked: body(index[at(t)], c, masked=masked)
     carry = lax.fori_loop(0, count[at(0)], step, carry)
   return carry
+
+
+def open_tiles(st, ranges, lists):
+  """(count, tile): the fully open key tiles of this program are tile(i) for
+  i in [0, count), in the order `tile_loop` visits them."""
+  if lists is None:
+    lo, full_lo, full_hi, hi = ranges
+    if not st.any_mask:
+      full_lo, full_hi = lo, hi
+    return full_hi - full_lo, lambda i: full_lo + i
+  full_count, full_index = lists[:2]
+  return full_count[0], lambda i: full_index[i]
+
+
+def masked_tile_loop(st, ranges, lists, body, carry):
+  """Runs body(index, carry, masked=True) over the partly masked tiles only
+  (the rest of `tile_loop`'s walk after `open_tiles`)."""
+  masked = functools.partial(body, masked=True)
+  if lists is None:
+    if not st.any_mask:
+      return carry
+    lo, full_lo, full_hi, hi = ranges
+    carry = lax.fori_loop(lo, full_lo, masked, carry)
+    return lax.fori_loop(full_hi, hi, masked, carry)
+  part_count, part_index = lists[2:]
+  return lax.fori_loop(0, part_count[0], lambda t, c: masked(part_index[t], c), carry)
 
 
 def tile_lists(dense, bq: int, bk: int, batch: int, num_heads: int, *,

@@ -67,6 +67,7 @@ from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
+from ops.flex_attention.masks import FROZEN_SUM_LIMIT
 from ops.flex_attention.masks import i32
 from ops.flex_attention.mosaic_tiles import config_limit
 from ops.flex_attention.mosaic_tiles import HEAD_SIZES
@@ -214,20 +215,33 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
-      def over_tiles(start, masked_fn, open_fn, carry):
+      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None):
         """Key tiles [start, hi) of this warpgroup: partly masked ones through
-        `masked_fn`, fully open ones through `open_fn`."""
-        if not st.any_mask:
-          return lax.fori_loop(start, hi, open_fn, carry)
-        open_lo = jnp.maximum(start, full_lo)
-        open_hi = jnp.maximum(open_lo, full_hi)
-        carry = lax.fori_loop(start, open_lo, masked_fn, carry)
-        carry = lax.fori_loop(open_lo, open_hi, open_fn, carry)
-        return lax.fori_loop(open_hi, hi, masked_fn, carry)
+        `masked_fn`, fully open ones through `open_fn`, or with `frozen_fn`
+        the first open one through `open_fn` and the others through it."""
+        open_lo, open_hi = start, hi
+        if st.any_mask:
+          open_lo = jnp.maximum(start, full_lo)
+          open_hi = jnp.maximum(open_lo, full_hi)
+          carry = lax.fori_loop(start, open_lo, masked_fn, carry)
+        if frozen_fn is None:
+          carry = lax.fori_loop(open_lo, open_hi, open_fn, carry)
+        else:
+          first_hi = jnp.minimum(open_lo + 1, open_hi)
+          carry = lax.fori_loop(open_lo, first_hi, open_fn, carry)
+          carry = lax.fori_loop(first_hi, open_hi, frozen_fn, carry)
+        if st.any_mask:
+          carry = lax.fori_loop(open_hi, hi, masked_fn, carry)
+        return carry
 
-      def softmax(s, j, m, l, masked):
+      def softmax(s, j, m, l, masked, frozen=False):
         """Key tile j's logits s [bq, bk] -> (P in the input dtype, the new
-        running max, the new running sum, the factor for the accumulator)."""
+        running max, the new running sum, the factor for the accumulator).
+        `frozen`: against the row maxima m as they are (`pallas.py`, "The
+        first-tile maxima"): no maxima, no factor (None)."""
+        if frozen:
+          p = jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
+          return p.astype(dtype), m, l + p.sum(axis=1), None
         if masked:
           layout = plgpu.Layout.WGMMA
           q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=layout)
@@ -245,6 +259,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         return p.astype(dtype), m_new, l, alpha
 
       def rescale(acc, alpha):
+        if alpha is None:
+          return acc
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
       def logits(slot, turn_inside):
@@ -259,13 +275,13 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         return _add_product(acc, p16, v_smem.at[slot],
                             None if p_smem2 is None else p_smem2.at[wg])
 
-      def body(j, carry, masked):
+      def body(j, carry, masked, frozen=False):
         acc, m, l = carry
         slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
         s = logits(slot, turn_inside=True)
         plgpu.barrier_arrive(k_free.at[slot])
-        p16, m_new, l, alpha = softmax(s, j, m, l, masked)
+        p16, m_new, l, alpha = softmax(s, j, m, l, masked, frozen)
         acc = rescale(acc, alpha)
         acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
         arrive_turn()  # softmax done
@@ -359,8 +375,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l, _ = lax.fori_loop(hi, item.hi, skip, carry)
       else:
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
+        frozen_fn = None
+        if st.config.fwd_softmax == "first_tile_max":
+          frozen_fn = functools.partial(body, masked=False, frozen=True)
         carry = over_tiles(lo, functools.partial(body, masked=True),
-                           functools.partial(body, masked=False), carry)
+                           functools.partial(body, masked=False), carry, frozen_fn)
         acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
@@ -375,8 +394,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       out_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
       # Base-2 log-sum-exp of the scaled logits; +inf marks a row that sees no
       # key, so that the backward's exp2(s * c - lse) is exactly 0 there.
-      lse_smem[...] = jnp.where(empty, jnp.inf,
-                                m + jnp.log(jnp.where(empty, 1.0, l)) * (1 / math.log(2)))
+      lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)) * (1 / math.log(2)))
+      if st.config.fwd_softmax == "first_tile_max":  # NaN: rows for the refresh
+        lse = jnp.where(l < FROZEN_SUM_LIMIT, lse, jnp.nan)
+      lse_smem[...] = lse
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[item.batch, pl.ds(q0, bq), item.head])
       plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[item.batch, item.head, pl.ds(q0, bq)])

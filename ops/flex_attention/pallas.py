@@ -100,37 +100,37 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # Forward.
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, k_norm_ref, q_seg_ref, k_seg_ref,
-                lists, o_ref, lse_ref, *, st: _Static, num_q_tiles: int):
+def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
+                o_ref, lse_ref, *, st: _Static, num_q_tiles: int, ids=None):
+  # `ids`: the program's (query tile, batch, head) ids, read by a caller that
+  # runs this under a condition (interpret mode reads them at the top only).
+  i, b, n = ids or (pl.program_id(0), pl.program_id(1), pl.program_id(2))
   bq, hp = q_ref.shape
   bk = st.config.fwd.block_k
   seq_kv = k_ref.shape[0]
-  q0 = (num_q_tiles - 1 - pl.program_id(0)) * bq
+  q0 = (num_q_tiles - 1 - i) * bq
   q = q_ref[...]  # [bq, Hp]
   kv_len = kv_len_ref[0]
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]
   q_seg = q_seg_ref[...][:, None] if st.segments else None
-  b, n = pl.program_id(1), pl.program_id(2)
 
   def logits(j, masked):
-    """Tile j's base-2 logits (masked: -inf where closed), its values, the
-    multiplier c (p = 2^(s * c - m)) and, for a masked tile, its open mask."""
+    """Tile j's base-2 logits s (masked: -inf where closed), its values, and
+    the multiplier c: p = 2^(s * c - m)."""
     k0 = j * bk
     k = k_ref[pl.ds(k0, bk), :]  # [bk, Hp]
     v = v_ref[pl.ds(k0, bk), :]
     s = plgpu.dot(q, k, trans_b=True)  # [bq, bk] f32
     k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
     s, c = _score(st, s, b, n, q_idx, k_idx)
-    is_open = None
     if masked:
       k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      is_open = masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n)
-      s = jnp.where(is_open, s, -jnp.inf)
-    return s, v, c, is_open
+      s = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), s, -jnp.inf)
+    return s, v, c
 
-  def online_body(j, carry, masked):
+  def body(j, carry, masked):
     acc, m, l = carry  # [bq, Hp], [bq], [bq]
-    s, v, c, _ = logits(j, masked)
+    s, v, c = logits(j, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # base-2 running max
     if masked:  # A row with nothing open so far: keep exp2 away from inf - inf.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -142,87 +142,59 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, k_norm_ref, q_seg_ref, k_seg_re
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
+  # Row sums of the frozen tiles on the tensor cores: P @ ones gives every
+  # column the sum, so a tile needs no reduction across threads (16 columns:
+  # the smallest dot). f32 inputs keep the f32 sum.
+  sum_by_mma = q.dtype.itemsize == 2
+  ones = jnp.ones((bk, 16), q.dtype) if sum_by_mma else None
+
+  def frozen_body(j, carry, m):
+    """An open tile against the frozen row maxima m: no max, no rescale."""
+    acc, l = carry
+    s, v, c = logits(j, masked=False)
+    p = _exp2(st, s * c - m[:, None])  # [bq, bk]; > 1 where a logit passes m
+    pv = p.astype(v.dtype)
+    l = l + (plgpu.dot(pv, ones) if sum_by_mma else jnp.sum(p, axis=1))
+    return acc + plgpu.dot(pv, v), l
+
+  carry = (jnp.zeros((bq, hp), jnp.float32),
+           jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-
-  def online():
-    carry = (jnp.zeros((bq, hp), jnp.float32),
-             jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    return masks.tile_loop(st, ranges, lists, online_body, carry)
-
-  if st.config.fwd_softmax == "online":
-    acc, m, l = online()
+  frozen = st.config.fwd_softmax == "first_tile_max"
+  if not frozen:
+    acc, m, l = masks.tile_loop(st, ranges, lists, body, carry)
   else:
-    acc, m, l = _bounded_walk(st, q, k_norm_ref[0], logits, ranges, lists, online)
+    count, tile = masks.open_tiles(st, ranges, lists)
+    first = jnp.minimum(count, 1)
+    acc, m, l = lax.fori_loop(0, first, lambda i, c: body(tile(i), c, masked=False), carry)
+    l_rest = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
+    acc, l_rest = lax.fori_loop(first, count, lambda i, c: frozen_body(tile(i), c, m),
+                                (acc, l_rest))
+    l = l + (jnp.max(l_rest, axis=1) if sum_by_mma else l_rest)  # (16 equal columns)
+    acc, m, l = masks.masked_tile_loop(st, ranges, lists, body, (acc, m, l))
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
   # Base-2 log-sum-exp of the scaled logits; +inf marks an empty row so that
   # the backward's exp2(s * c - lse) is exactly 0 there.
-  lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+  lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
+  if frozen:  # NaN: rows `_refresh_frozen` recomputes.
+    lse = jnp.where(l < masks.FROZEN_SUM_LIMIT, lse, jnp.nan)
+  lse_ref[...] = lse
 
 
-# Bounded softmax (opt-in: `FlexConfig.fwd_softmax='bound'`). The online
-# softmax makes each tile wait for its row maxima (a reduction across threads)
-# before its exponentials, and rescales the accumulator whenever a maximum
-# grows. Any per-row reference r works in place of the maximum, as long as
-# 2^(s c - r) neither overflows nor underflows for the logits that matter.
-# Cauchy-Schwarz gives one before the first tile: |s c| <= |c| ||q_t||
-# max_s ||k_s|| =: B. With r = B - _HEADROOM every p <= 2^_HEADROOM (the sums
-# stay far from f32's and bfloat16's range), and p keeps full precision for
-# every logit within 126 + _HEADROOM of B. If a row's sum ends under
-# _UNDERFLOW, its largest logit sits more than ~72 (base-2 units) below B and
-# what f32 flushed to zero may matter: the program then walks its tiles again
-# with the online softmax. Otherwise the flushed terms add up to less than
-# n 2^-86 of the sum (n keys). Exact either way; fast where B is within ~72 of
-# each row's largest logit (unit-variance q and k at any head size), twice
-# the work for a program where it is not (large, nearly orthogonal q and k),
-# which is why it is not the default (BUILD_NOTES, twenty-seventh session).
-_HEADROOM = 32.0
-_UNDERFLOW = 2.0 ** -40
-
-
-def _bounded_walk(st: _Static, q, k_norm, logits, ranges, lists, online):
-  """(acc, r, l) of the bounded softmax, or `online()`'s if a row underflows.
-
-  Args:
-    q: [bq, Hp] the query tile; k_norm: the largest key norm of its
-      (batch, key/value head), f32 scalar.
-    logits: j, masked -> (s, v, c, is_open), one tile's base-2 logits.
-    ranges, lists: the tiles to walk (`masks.tile_loop`).
-    online: () -> (acc, m, l), the online softmax's walk (the fallback).
-  """
-  bq, hp = q.shape
-  bk = st.config.fwd.block_k
-  qf = q.astype(jnp.float32)
-  c = abs(st.scale * _LOG2E)  # No score_mod here (`prepare`).
-  r = c * jnp.sqrt(jnp.sum(qf * qf, axis=1)) * k_norm - _HEADROOM  # [bq]
-  # Row sums on the tensor cores: P @ ones gives every column the sum, so a
-  # tile needs no reduction across threads (16 columns: the smallest dot; a
-  # per-tile reduction measured slower). f32 inputs keep the f32 sum.
-  sum_by_mma = q.dtype.itemsize == 2
-  ones = jnp.ones((bk, 16), q.dtype) if sum_by_mma else None
-
-  def body(j, carry, masked):
-    acc, l, seen = carry
-    s, v, _, is_open = logits(j, masked)
-    if masked:  # `seen`: rows with an open key so far (empty rows sum to 0).
-      seen = jnp.maximum(seen, jnp.max(jnp.where(is_open, 1.0, 0.0), axis=1))
-    else:
-      seen = jnp.ones_like(seen)
-    p = _exp2(st, s * c - r[:, None])  # [bq, bk], each <= 2^_HEADROOM
-    pv = p.astype(v.dtype)
-    l = l + (plgpu.dot(pv, ones) if sum_by_mma else jnp.sum(p, axis=1))
-    return acc + plgpu.dot(pv, v), l, seen
-
-  l0 = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
-  carry = (jnp.zeros((bq, hp), jnp.float32), l0, jnp.zeros((bq,), jnp.float32))
-  acc, l, seen = masks.tile_loop(st, ranges, lists, body, carry)
-  if sum_by_mma:
-    l = jnp.max(l, axis=1)  # The 16 columns are equal.
-  underflow = jnp.where(l < _UNDERFLOW, 1.0, 0.0)
-  if st.any_mask:
-    underflow = underflow * seen
-  # (A max, not jnp.any: the Triton lowering has no boolean reductions.)
-  return lax.cond(jnp.max(underflow) > 0.0, online, lambda: (acc, r, l))
+# The first-tile maxima ('first_tile_max', FlexConfig.fwd_softmax). The
+# online softmax makes every tile wait for its row maxima (a reduction across
+# threads) before its exponentials, and rescales the accumulator whenever one
+# grows. Any per-row reference works in place of the running maximum, as
+# long as 2^(s c - m) stays in range: the forwards take the row maxima of
+# their first fully open key tile (every row has a finite one there) and
+# keep them for the other open tiles, where p = 2^(s c - m) may pass 1 but
+# the largest p is >= 1, so nothing underflows that matters. Partly masked
+# tiles keep the online body (from the frozen m: still exact). A row whose
+# sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
+# above its first tile's maximum, for up to 2^20 keys; inf or NaN on
+# overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
+# with the online softmax.
 
 
 def _seg_specs(st, q_block, k_block, q_index, k_index):
@@ -245,44 +217,69 @@ def _row_list_specs(lists, num_q_tiles: int):
 def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
   if st.config.mosaic_fwd is not None:
-    return mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
-                          key_tiles=functools.partial(masks.key_tiles, st),
-                          is_open=lambda q_idx, k_idx, kv_len: masks.is_open(
-                              st, q_idx, k_idx, kv_len, None, None),
-                          interpret=st.interpret)
+    out, lse = mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
+                              key_tiles=functools.partial(masks.key_tiles, st),
+                              is_open=lambda q_idx, k_idx, kv_len: masks.is_open(
+                                  st, q_idx, k_idx, kv_len, None, None),
+                              interpret=st.interpret)
+  else:
+    out, lse = _triton_forward(st, q, k, v, kv_len, q_seg, k_seg, lists)
+  if st.config.fwd_softmax == "first_tile_max":
+    out, lse = _refresh_frozen(st, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
+  return out, lse
+
+
+def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse):
+  """Recomputes, with the online softmax, the query tiles of `_forward`'s
+  first-tile-maxima pass that hold a NaN lse; the others keep their rows (one
+  launch whose programs mostly read their lse tile and stop)."""
+  online = dataclasses.replace(
+      st, config=dataclasses.replace(st.config, fwd_softmax="online", mosaic_fwd=None))
+  return _triton_forward(online, q, k, v, kv_len, q_seg, k_seg, lists, refresh=(out, lse))
+
+
+def _refresh_kernel(out_in_ref, lse_in_ref, *refs, **kwargs):
+  del out_in_ref  # the output's buffer: rows not recomputed keep their values
+  ids = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  flagged = jnp.max(jnp.where(jnp.isnan(lse_in_ref[...]), 1.0, 0.0)) > 0.0
+  pl.when(flagged)(lambda: _fwd_kernel(*refs, ids=ids, **kwargs))
+
+
+def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, refresh=None):
+  """The Triton forward; `refresh=(out, lse)`: only where lse has a NaN."""
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   cfg = st.config.fwd
   bq, g = cfg.block_q, st.groups
   nq = seq_q // bq
   rev = lambda i: nq - 1 - i
-  k_norm = k_norm_spec = None
-  if st.config.fwd_softmax != "online":  # [B, K, 1]: the largest key norm.
-    k_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(k.astype(jnp.float32)), axis=-1),
-                              axis=1))[..., None]
-    k_norm_spec = pl.BlockSpec((None, None, 1), lambda i, b, n: (b, n // g, 0))
+  out_specs = [
+      pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i))),
+  ]
   in_specs = [
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
       pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
-      k_norm_spec,
       *_seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
       _row_list_specs(lists, nq),
   ]
-  out_specs = [
-      pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i))),
-  ]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)]
+  kernel, args, extra = _fwd_kernel, (q, k, v, kv_len, q_seg, k_seg, lists), {}
+  if refresh is not None:  # (out, lse) in front, aliased to the outputs
+    kernel, args = _refresh_kernel, (*refresh, *args)
+    in_specs = out_specs + in_specs
+    extra = dict(input_output_aliases={0: 0, 1: 1})
   return _pallas.pallas_call(
-      functools.partial(_fwd_kernel, st=st, num_q_tiles=nq),
+      functools.partial(kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
-      out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
-      compiler_params=_params(cfg),
-  )(q, k, v, kv_len, k_norm, q_seg, k_seg, lists)
+      out_shape=out_shape, interpret=st.interpret,
+      name="flex_attention_fwd" if refresh is None else "flex_attention_fwd_refresh",
+      compiler_params=_params(cfg), **extra,
+  )(*args)
 
 
 # ----------------------------------------------------------------------------
@@ -495,12 +492,11 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
-def _fwd_softmax(config: configs.FlexConfig, dtype, score_mod) -> str:
-  """The config's forward softmax, or 'online' where the bound does not hold:
-  a score_mod may raise logits past it, and float16's P (largest 65504,
-  smallest normal 2^-14) cannot hold p up to 2^_HEADROOM nor keep precision
-  far below 1."""
-  if score_mod is not None or jnp.dtype(dtype) == jnp.float16:
+def _fwd_softmax(config: configs.FlexConfig, mosaic_fwd, dtype) -> str:
+  """The config's forward softmax, or 'online' where the first tile's maxima
+  do not suit: float16's P overflows at 65504 (logits 16 base-2 units above
+  the frozen maximum), and the Mosaic forward's pipelined walk has none."""
+  if jnp.dtype(dtype) == jnp.float16 or (mosaic_fwd is not None and mosaic_fwd.pipelined):
     return "online"
   return config.fwd_softmax
 
@@ -543,7 +539,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
                               mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
-                              fwd_softmax=_fwd_softmax(config, q.dtype, score_mod))
+                              fwd_softmax=_fwd_softmax(config, mosaic_fwd, q.dtype))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups

@@ -1,0 +1,148 @@
+"""The forwards' first-tile maxima (`FlexConfig.fwd_softmax='first_tile_max'`).
+
+Interpret mode on CPU, against reference.py: forward and gradients with the
+row maxima of each program's first open key tile kept for its other open
+tiles, in the Triton forward (masks, segments, mods) and the Mosaic GPU one
+(the table's walks); the second pass that recomputes rows whose logits pass
+their frozen maxima by far; and the calls that keep the online softmax.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ops.flex_attention import configs
+from ops.flex_attention import mosaic
+from ops.flex_attention import pallas
+from tests.ops import test_flex_attention as flex_tests
+from tests.ops import test_flex_attention_mosaic as mosaic_tests
+
+_FROZEN = dataclasses.replace(configs._INTERPRET, fwd_softmax="first_tile_max")
+
+
+@pytest.fixture
+def frozen(monkeypatch):
+  """Every call in the test takes the interpret-mode tiles (32 x 32: two or
+  more key tiles, so frozen ones) with the first tile's maxima."""
+  monkeypatch.setattr(configs, "get_config", lambda *a, **kw: _FROZEN)
+
+
+# b, t, s, n, kh, h, dtype, options; all but the segments case (whose tiles
+# are all partly masked) have programs with two or more fully open tiles.
+_CASES = {
+    # An empty batch row (key length 0), a window on both sides, GQA 4:2.
+    "window_lengths_gqa_bf16": (2, 128, 128, 4, 2, 32, jnp.bfloat16,
+                                dict(local_window_size=(80, 40),
+                                     kv_seq_lengths=np.array([128, 0]))),
+    "causal_cross_f32": (1, 100, 120, 2, 1, 64, jnp.float32, dict(is_causal=True)),
+    "segments_bf16": (1, 100, 100, 2, 2, 32, jnp.bfloat16, dict(segment_ids=np.repeat(
+        np.arange(2), [30, 70])[None])),
+    "documents_softcap_f32": (1, 128, 128, 2, 1, 16, jnp.float32,
+                              dict(mask_mod=lambda b, n, t, s: (t // 64) == (s // 64),
+                                   score_mod=flex_tests._softcap)),
+    "alibi_full_bf16": (1, 64, 128, 4, 2, 32, jnp.bfloat16,
+                        dict(score_mod=flex_tests._alibi)),
+}
+
+
+@pytest.mark.parametrize("name", list(_CASES))
+def test_triton_forward_matches_reference(name, frozen):
+  b, t, s, n, kh, h, dtype, options = _CASES[name]
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  flex_tests._check(b, t, s, n, kh, h, dtype, **options)
+
+
+@pytest.mark.parametrize("tiles, options", [
+    # The H64 entry's walk: one block per SM, full attention, GQA.
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True), {}),
+    # The H32 entry's: 128 rows per warpgroup, free-running, causal.
+    (mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False),
+     dict(is_causal=True)),
+    # Ping-pong turns, a window on both sides and key lengths.
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64),
+     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+])
+def test_mosaic_forward_matches_reference(tiles, options):
+  options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
+             for k, v in options.items()}
+  config = dataclasses.replace(mosaic_tests._CONFIG, mosaic_fwd=tiles,
+                               fwd_softmax="first_tile_max")
+  q, k, v, w = mosaic_tests._inputs(2, 256, 256, 4, 2, 64, jnp.bfloat16)
+  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
+                         window=options.get("local_window_size"), q_segment_ids=None,
+                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         config=config)
+  assert st.config.mosaic_fwd is not None and st.config.fwd_softmax == "first_tile_max"
+  out, grads = jax.jit(functools.partial(
+      flex_tests._vjp, mosaic_tests._kernel(config, **options)))(q, k, v, w)
+  out_r, grads_r = jax.jit(functools.partial(
+      flex_tests._vjp, mosaic_tests._reference(**options)))(q, k, v, w)
+  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert mosaic_tests._rel(x, x_r) < mosaic_tests._TOL[jnp.bfloat16], name
+
+
+def _far_above_the_first_tile():
+  """Keys small but key 40 (an open tile after the first) along q, with a logit ~500 base-2 units above
+  the first tile's maxima: its p overflows, and the rows need the second pass."""
+  keys = jax.random.split(jax.random.PRNGKey(7), 3)
+  q = jax.random.normal(keys[0], (1, 40, 1, 64)).at[..., 0].set(30.0)
+  k = 0.1 * jax.random.normal(keys[1], (1, 80, 1, 64))
+  k = k.at[0, 40, 0, 0].set(100.0)
+  v = jax.random.normal(keys[2], (1, 80, 1, 64))
+  return q, k, v
+
+
+def _forward(q, k, v):
+  st, args = pallas.prepare(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=False,
+                            window=None, q_segment_ids=None, kv_segment_ids=None,
+                            kv_seq_lengths=None, interpret=True)
+  return pallas._forward(st, *args)[0][:, :q.shape[1]]
+
+
+def test_rows_past_their_frozen_maxima_are_recomputed(frozen, monkeypatch):
+  q, k, v = _far_above_the_first_tile()
+  expected = flex_tests.flex_attention_reference(q, k, v)
+  assert flex_tests._rel(_forward(q, k, v), expected) < flex_tests._TOL[jnp.float32]
+  # Without the second pass these rows are lost (NaN or inf).
+  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  assert not np.isfinite(np.asarray(_forward(q, k, v))).all()
+
+
+@pytest.mark.parametrize("dtype, mosaic_fwd, expected", [
+    (jnp.bfloat16, None, "first_tile_max"),
+    (jnp.float32, None, "first_tile_max"),
+    (jnp.float16, None, "online"),  # P in float16 overflows at 2^16
+    (jnp.bfloat16, mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
+                                              pipelined=True, max_concurrent_steps=3),
+     "online"),  # the pipelined walk has no frozen tiles
+])
+def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, expected):
+  config = dataclasses.replace(_FROZEN, mosaic_fwd=mosaic_fwd)
+  q = jnp.zeros((1, 256, 2, 64), dtype)
+  st, _ = pallas.prepare(q, q, q, scale=0.2, is_causal=False, window=None,
+                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         interpret=True, config=config)
+  assert st.config.fwd_softmax == expected
+
+
+def test_config_names_the_softmax():
+  with pytest.raises(ValueError, match="fwd_softmax"):
+    dataclasses.replace(configs._INTERPRET, fwd_softmax="maximum")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_triton_forward_lowers_for_hopper(dtype, hopper_lowering):
+  """The frozen walk, the row sums' dot and the second pass lower for sm90."""
+  config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")],
+                               fwd_softmax="first_tile_max", mosaic_fwd=None)
+  spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
+  fn = lambda q, k, v: pallas.flex_attention_pallas(
+      q, k, v, scale=0.17, is_causal=True, window=None, q_segment_ids=None,
+      kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+  text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= 2  # the forward and the second pass
