@@ -122,6 +122,15 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") ->
 # and did not help H32 or H64 (-0.6 to +2.5 % on the table's tiles;
 # kernel_attention_h128_regs240_h200.json, kernel_attention_regs240_h200.json),
 # so only H128 takes it.
+# fwd_softmax="first_tile_max" (H32, H64, H128; `pallas.py`, "The first-tile
+# maxima"): forward ms in one H200 run against the same table with the online
+# softmax (docs/benchmarks/kernel_attention_first_tile_max_h200.json; full /
+# causal): H64 0.538 / 0.348 against 0.627 / 0.356, H128 1.779 / 0.930
+# against 1.842 / 0.973, H32 0.488 / 0.269 against 0.523 / 0.289 (the online
+# run on the same 128 x 64 Triton tiles). With it the H32 Triton forward takes
+# 128 x 64 tiles: at 128 x 128 it measured 0.575 ms against 0.505 for those
+# tiles online, the table's before (kernel_attention_first_tile_max_h32_h200.json). H256 is not measured
+# with it and keeps the online softmax.
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
                                  (128, 128, 2, True, False), (128, 64, 3),

@@ -22,6 +22,11 @@ Speed notes:
   * Query tiles run in reverse order so that, under a causal mask, the
     longest programs start first.
   * `exp2` is the bare `ex2.approx.ftz.f32` instruction when compiled.
+  * With `fwd_softmax='first_tile_max'` (the table's default on Hopper for
+    16-bit inputs) the forward keeps the row maxima of its first fully open
+    key tile for the other open tiles: no maxima, no rescaling and (16-bit)
+    row sums on the tensor cores there; rows whose logits pass those maxima
+    by far get a second, online pass ("The first-tile maxima" below).
 
 `mask_mod(b, n, t, s)` and `score_mod(score, b, n, t, s)` run inside the
 kernels on tile indices. With a `mask_mod`, the loops follow per-program lists
@@ -100,6 +105,21 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # Forward.
 
 
+# The first-tile maxima ('first_tile_max', FlexConfig.fwd_softmax). The
+# online softmax makes every tile wait for its row maxima (a reduction across
+# threads) before its exponentials, and rescales the accumulator whenever one
+# grows. Any per-row reference works in place of the running maximum, as
+# long as 2^(s c - m) stays in range: the forwards take the row maxima of
+# their first fully open key tile (every row has a finite one there) and
+# keep them for the other open tiles, where p = 2^(s c - m) may pass 1 but
+# the largest p is >= 1, so nothing underflows that matters. Partly masked
+# tiles keep the online body (from the frozen m: still exact). A row whose
+# sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
+# above its first tile's maximum, for up to 2^20 keys; inf or NaN on
+# overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
+# with the online softmax.
+
+
 def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
                 o_ref, lse_ref, *, st: _Static, num_q_tiles: int, ids=None):
   # `ids`: the program's (query tile, batch, head) ids, read by a caller that
@@ -166,9 +186,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   else:
     count, tile = masks.open_tiles(st, ranges, lists)
     first = jnp.minimum(count, 1)
-    acc, m, l = lax.fori_loop(0, first, lambda i, c: body(tile(i), c, masked=False), carry)
+    acc, m, l = lax.fori_loop(0, first, lambda t, c: body(tile(t), c, masked=False), carry)
     l_rest = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
-    acc, l_rest = lax.fori_loop(first, count, lambda i, c: frozen_body(tile(i), c, m),
+    acc, l_rest = lax.fori_loop(first, count, lambda t, c: frozen_body(tile(t), c, m),
                                 (acc, l_rest))
     l = l + (jnp.max(l_rest, axis=1) if sum_by_mma else l_rest)  # (16 equal columns)
     acc, m, l = masks.masked_tile_loop(st, ranges, lists, body, (acc, m, l))
@@ -180,21 +200,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   if frozen:  # NaN: rows `_refresh_frozen` recomputes.
     lse = jnp.where(l < masks.FROZEN_SUM_LIMIT, lse, jnp.nan)
   lse_ref[...] = lse
-
-
-# The first-tile maxima ('first_tile_max', FlexConfig.fwd_softmax). The
-# online softmax makes every tile wait for its row maxima (a reduction across
-# threads) before its exponentials, and rescales the accumulator whenever one
-# grows. Any per-row reference works in place of the running maximum, as
-# long as 2^(s c - m) stays in range: the forwards take the row maxima of
-# their first fully open key tile (every row has a finite one there) and
-# keep them for the other open tiles, where p = 2^(s c - m) may pass 1 but
-# the largest p is >= 1, so nothing underflows that matters. Partly masked
-# tiles keep the online body (from the frozen m: still exact). A row whose
-# sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
-# above its first tile's maximum, for up to 2^20 keys; inf or NaN on
-# overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
-# with the online softmax.
 
 
 def _seg_specs(st, q_block, k_block, q_index, k_index):
