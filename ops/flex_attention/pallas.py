@@ -152,7 +152,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     acc, m, l = carry  # [bq, Hp], [bq], [bq]
     s, v, c = logits(j, masked)
     m_new = jnp.maximum(m, jnp.max(s, axis=1) * c)  # base-2 running max
-    if masked:  # A row with nothing open so far: keep exp2 away from inf - inf.
+    if masked or st.score_mod is not None:
+      # A row with nothing open so far (or a score_mod's -inf everywhere so
+      # far): keep exp2 away from inf - inf.
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     else:
       m_use = m_new
@@ -187,6 +189,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     count, tile = masks.open_tiles(st, ranges, lists)
     first = jnp.minimum(count, 1)
     acc, m, l = lax.fori_loop(0, first, lambda t, c: body(tile(t), c, masked=False), carry)
+    if st.score_mod is not None:  # its -inf on a whole row: any reference (acc, l = 0)
+      m = jnp.where(m == -jnp.inf, 0.0, m)
     l_rest = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
     acc, l_rest = lax.fori_loop(first, count, lambda t, c: frozen_body(tile(t), c, m),
                                 (acc, l_rest))

@@ -206,3 +206,18 @@ def test_mask_mod_tile_lists_skip_empty_tiles():
   # The dK/dV lists are the transpose, grouped by key/value head (G = 3).
   counts = masks.tile_lists(dense, 16, 16, 2, 3, groups=3)[0]
   assert counts.shape == (2, 1, 3, 8, 1) and (counts == 2).all()
+
+
+def test_score_mod_minus_inf_rows_give_zeros():
+  """A score_mod that sends every logit of some rows to -inf: zeros there,
+  as the reference gives, never NaN (the rows' running max stays -inf)."""
+  q, k, v, _ = _inputs((1, 64, 1, 32), (1, 64, 1, 32), jnp.float32, seed=4)
+  mod = lambda score, b, n, t, s: jnp.where(t < 8, -jnp.inf, score)
+  out = flex_attention(q, k, v, score_mod=mod, implementation="pallas")
+  expected = flex_attention_reference(q, k, v, score_mod=mod)
+  assert not np.isnan(np.asarray(out)).any()
+  assert (np.asarray(out)[0, :8] == 0).all()
+  assert _rel(out, expected) < _TOL[jnp.float32]
+  loss = lambda q, k, v: jnp.sum(flex_attention(q, k, v, score_mod=mod,
+                                                implementation="pallas"))
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.grad(loss, (0, 1, 2))(q, k, v))

@@ -49,6 +49,11 @@ _CASES = {
 }
 
 
+def test_score_mod_minus_inf_rows_give_zeros(frozen):
+  """Rows a score_mod sends to -inf have no finite first-tile maximum."""
+  flex_tests.test_score_mod_minus_inf_rows_give_zeros()
+
+
 @pytest.mark.parametrize("name", list(_CASES))
 def test_triton_forward_matches_reference(name, frozen):
   b, t, s, n, kh, h, dtype, options = _CASES[name]
