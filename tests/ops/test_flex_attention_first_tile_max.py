@@ -135,6 +135,17 @@ def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, expected):
   assert st.config.fwd_softmax == expected
 
 
+def test_vmap(frozen):
+  """vmap batches the forward and its second pass (out, lse aliased)."""
+  q, k, v, _ = flex_tests._inputs((3, 1, 96, 2, 32), (3, 1, 96, 2, 32), jnp.float32)
+  fn = lambda q, k, v: pallas.flex_attention_pallas(
+      q, k, v, scale=0.2, is_causal=True, window=None, q_segment_ids=None,
+      kv_segment_ids=None, kv_seq_lengths=None, interpret=True, config=_FROZEN)
+  expected = jax.vmap(lambda q, k, v: flex_tests.flex_attention_reference(
+      q, k, v, is_causal=True, scale=0.2))(q, k, v)
+  assert flex_tests._rel(jax.vmap(fn)(q, k, v), expected) < flex_tests._TOL[jnp.float32]
+
+
 def test_config_names_the_softmax():
   with pytest.raises(ValueError, match="fwd_softmax"):
     dataclasses.replace(configs._INTERPRET, fwd_softmax="maximum")
