@@ -62,6 +62,11 @@ class FlexConfig:
     if self.fwd_softmax not in FWD_SOFTMAX:
       raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
 
+  @property
+  def keeps_first_tile_max(self) -> bool:
+    """Whether the forward keeps its first open tile's row maxima."""
+    return self.fwd_softmax == "first_tile_max"
+
 
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") -> FlexConfig:
   return FlexConfig(

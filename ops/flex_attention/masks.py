@@ -104,50 +104,51 @@ def query_tiles(st, k0, bq: int, bk: int, kv_len, seq_q: int):
   return lo, full_lo, full_hi, hi
 
 
-def three_loops(st, ranges, body, carry):
-  """Runs body(index, carry, masked) over the masked/open/masked ranges."""
+def _at(group: int | None):
+  """Index of entry i of this program's lists (dK/dV: row `group` of [G, .])."""
+  return (lambda i: (i,)) if group is None else (lambda i: (group, i))
+
+
+def _open_range(st, ranges):
+  """`ranges` with [full_lo, full_hi) all of [lo, hi) when nothing is masked."""
   lo, full_lo, full_hi, hi = ranges
-  if not st.any_mask:
-    return lax.fori_loop(lo, hi, functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(body, masked=False), carry)
-  carry = lax.fori_loop(lo, full_lo, functools.partial(body, masked=True), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(body, masked=True), carry)
+  return (lo, lo, hi, hi) if not st.any_mask else (lo, full_lo, full_hi, hi)
 
 
 def tile_loop(st, ranges, lists, body, carry, group: int | None = None):
   """Visits the tiles: from the mask's ranges, or from `mask_mod`'s lists.
 
-  `lists` (refs) holds, for this program, the count and the indices of the
-  fully open tiles and of the partly masked ones (computed in XLA from the
-  dense mask, `tile_lists`); tiles on neither list are never visited.
-  `group` selects the row of [G, .] lists (dK/dV: one row per query head).
+  Runs body(index, carry, masked) over the fully open tiles, then over the
+  partly masked ones (`masked_tile_loop`). `lists` (refs) holds, for this
+  program, the count and the indices of the fully open tiles and of the
+  partly masked ones (computed in XLA from the dense mask, `tile_lists`);
+  tiles on neither list are never visited. `group` selects the row of
+  [G, .] lists (dK/dV: one row per query head).
   """
+  open_body = functools.partial(body, masked=False)
   if lists is None:
-    return three_loops(st, ranges, body, carry)
-  full_count, full_index, part_count, part_index = lists
-  at = (lambda i: (i,)) if group is None else (lambda i: (group, i))
-  for count, index, masked in ((full_count, full_index, False),
-                               (part_count, part_index, True)):
-    step = lambda t, c, index=index, masked=masked: body(index[at(t)], c, masked=masked)
-    carry = lax.fori_loop(0, count[at(0)], step, carry)
-  return carry
+    _, full_lo, full_hi, _ = _open_range(st, ranges)
+    carry = lax.fori_loop(full_lo, full_hi, open_body, carry)
+  else:
+    count, tile = open_tiles(st, ranges, lists, group)
+    carry = lax.fori_loop(0, count, lambda t, c: open_body(tile(t), c), carry)
+  return masked_tile_loop(st, ranges, lists, body, carry, group)
 
 
-def open_tiles(st, ranges, lists):
+def open_tiles(st, ranges, lists, group: int | None = None):
   """(count, tile): the fully open key tiles of this program are tile(i) for
   i in [0, count), in the order `tile_loop` visits them."""
   if lists is None:
-    lo, full_lo, full_hi, hi = ranges
-    if not st.any_mask:
-      full_lo, full_hi = lo, hi
+    _, full_lo, full_hi, _ = _open_range(st, ranges)
     return full_hi - full_lo, lambda i: full_lo + i
+  at = _at(group)
   full_count, full_index = lists[:2]
-  return full_count[0], lambda i: full_index[i]
+  return full_count[at(0)], lambda i: full_index[at(i)]
 
 
-def masked_tile_loop(st, ranges, lists, body, carry):
+def masked_tile_loop(st, ranges, lists, body, carry, group: int | None = None):
   """Runs body(index, carry, masked=True) over the partly masked tiles only
-  (the rest of `tile_loop`'s walk after `open_tiles`)."""
+  (the rest of `tile_loop`'s walk after the open tiles)."""
   masked = functools.partial(body, masked=True)
   if lists is None:
     if not st.any_mask:
@@ -155,8 +156,9 @@ def masked_tile_loop(st, ranges, lists, body, carry):
     lo, full_lo, full_hi, hi = ranges
     carry = lax.fori_loop(lo, full_lo, masked, carry)
     return lax.fori_loop(full_hi, hi, masked, carry)
+  at = _at(group)
   part_count, part_index = lists[2:]
-  return lax.fori_loop(0, part_count[0], lambda t, c: masked(part_index[t], c), carry)
+  return lax.fori_loop(0, part_count[at(0)], lambda t, c: masked(part_index[at(t)], c), carry)
 
 
 def tile_lists(dense, bq: int, bk: int, batch: int, num_heads: int, *,

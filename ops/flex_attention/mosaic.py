@@ -382,7 +382,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       else:
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
         frozen_fn = None
-        if st.config.fwd_softmax == "first_tile_max":
+        if st.config.keeps_first_tile_max:
           frozen_fn = functools.partial(body, masked=False, frozen=True)
         carry = over_tiles(lo, functools.partial(body, masked=True),
                            functools.partial(body, masked=False), carry, frozen_fn)
@@ -401,7 +401,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # Base-2 log-sum-exp of the scaled logits; +inf marks a row that sees no
       # key, so that the backward's exp2(s * c - lse) is exactly 0 there.
       lse = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)) * (1 / math.log(2)))
-      if st.config.fwd_softmax == "first_tile_max":  # NaN: rows for the refresh
+      if st.config.keeps_first_tile_max:  # NaN: rows for the refresh
         lse = jnp.where(l < FROZEN_SUM_LIMIT, lse, jnp.nan)
       lse_smem[...] = lse
       plgpu.commit_smem()

@@ -182,7 +182,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   carry = (jnp.zeros((bq, hp), jnp.float32),
            jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
   ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  frozen = st.config.fwd_softmax == "first_tile_max"
+  frozen = st.config.keeps_first_tile_max
   if not frozen:
     acc, m, l = masks.tile_loop(st, ranges, lists, body, carry)
   else:
@@ -233,7 +233,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
                               interpret=st.interpret)
   else:
     out, lse = _triton_forward(st, q, k, v, kv_len, q_seg, k_seg, lists)
-  if st.config.fwd_softmax == "first_tile_max":
+  if st.config.keeps_first_tile_max:
     out, lse = _refresh_frozen(st, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
   return out, lse
 
