@@ -93,6 +93,7 @@ def _check_rows():
       (8, 1024, 1024, 8, 8, 32, jnp.bfloat16, dict(is_causal=True)),
       (1, 256, 256, 2, 1, 256, jnp.float32, dict(is_causal=True)),
       (2, 1024, 1024, 8, 4, 64, jnp.bfloat16, {}),  # the Mosaic forward's H64 full case
+      (1, 1024, 1024, 4, 2, 256, jnp.bfloat16, {}),  # and its H256 one
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]

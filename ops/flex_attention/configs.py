@@ -134,8 +134,11 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") ->
 # against 1.842 / 0.973, H32 0.488 / 0.269 against 0.523 / 0.289 (the online
 # run on the same 128 x 64 Triton tiles). With it the H32 Triton forward takes
 # 128 x 64 tiles: at 128 x 128 it measured 0.575 ms against 0.505 for those
-# tiles online, the table's before (kernel_attention_first_tile_max_h32_h200.json). H256 is not measured
-# with it and keeps the online softmax.
+# tiles online, the table's before (kernel_attention_first_tile_max_h32_h200.json).
+# H256 (its Mosaic forward, 64 x 64 x 2 with the turns) took it in the
+# twenty-eighth session: 0.900 / 0.501 ms against 0.959 / 0.526 online, cuDNN
+# 0.880 / 0.528, in one run (docs/benchmarks/kernel_attention_h256_first_tile_max_h200.json,
+# B 2, N 16, T 4096, full / causal).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
                                  (128, 128, 2, True, False), (128, 64, 3),
@@ -149,7 +152,7 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
                                        persistent=True), (64, 64, 2, 2, 240),
                                   fwd_softmax="first_tile_max"),
     (256, "bfloat16", "sm90"): _c((64, 32, 4, 2), (64, 64, 8, 2), (128, 32, 8, 3),
-                                  (64, 64, 2)),
+                                  (64, 64, 2), fwd_softmax="first_tile_max"),
     # Halving the key tiles of the 16-bit entry asks 311,296 bytes of shared
     # memory from the float32 dQ kernel on an H200; these (the 16-bit
     # entry's halves before that entry was swept) fit.

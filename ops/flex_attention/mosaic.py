@@ -50,7 +50,11 @@ attention in two runs; the table uses it there. Causal calls walked
 persistently, heaviest items first (`persistent_right_bounded`), measured
 within -2.4 to +3.3 % of one block per item: no entry uses that.
 The first-tile maxima took 14 % off H64 full attention, 2-7 % elsewhere
-(twenty-seventh session).
+(twenty-seventh session); at H256 7 % (full) and 5 % (causal). The
+pipelined walk takes them too (twenty-eighth session), and its best tiles
+measured slower than the table's kernels on full attention in one run:
+0.494 against 0.486 ms at H32, 0.584 against 0.559 at H64, 2.04 against
+1.79 at H128 (BUILD_NOTES.md).
 
 The tiles (`MosaicForwardConfig`) and the limits both Mosaic kernels share
 live in `mosaic_tiles.py`.
@@ -221,10 +225,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
-      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None):
+      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None, opened=False):
         """Key tiles [start, hi) of this warpgroup: partly masked ones through
         `masked_fn`, fully open ones through `open_fn`, or with `frozen_fn`
-        the first open one through `open_fn` and the others through it."""
+        the first open one through `open_fn` (none if `opened`: the tile
+        before `start` was open) and the others through it."""
         open_lo, open_hi = start, hi
         if st.any_mask:
           open_lo = jnp.maximum(start, full_lo)
@@ -234,6 +239,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           carry = lax.fori_loop(open_lo, open_hi, open_fn, carry)
         else:
           first_hi = jnp.minimum(open_lo + 1, open_hi)
+          if opened is not False:
+            first_hi = jnp.where(opened, open_lo, first_hi)
           carry = lax.fori_loop(open_lo, first_hi, open_fn, carry)
           carry = lax.fori_loop(first_hi, open_hi, frozen_fn, carry)
         if st.any_mask:
@@ -322,9 +329,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         take_turn()  # softmax done; then the tensor cores are ours again
         return acc, m, l, p16
 
-      def step(j, carry, masked):
+      def step(j, carry, masked, frozen=False):
         # Tile j's Q K^T and tile j - 1's P V on the tensor cores, tile j's
-        # softmax under the second; then the accumulator's rescale.
+        # softmax under the second; then the accumulator's rescale (none
+        # when `frozen`).
         acc, m, l, p16 = carry
         slot = ring_slot(j)
         prev = ring_slot(j - 1)
@@ -336,7 +344,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           s = logits(slot, turn_inside=True)
           plgpu.barrier_arrive(k_free.at[slot])
           acc = add_pv(acc, p16, prev)
-          p16, m, l, alpha = softmax(s, j, m, l, masked)
+          p16, m, l, alpha = softmax(s, j, m, l, masked, frozen)
           arrive_turn()
         else:
           def overlapped(refs):
@@ -346,8 +354,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
             take_turn()
             s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T only
             plgpu.barrier_arrive(k_free.at[slot])
-            p_new, m_ref[...], l_ref[...], alpha_ref[...] = softmax(
-                s, j, m_ref[...], l_ref[...], masked)
+            p_new, m_ref[...], l_ref[...], alpha = softmax(
+                s, j, m_ref[...], l_ref[...], masked, frozen)
+            if alpha is not None:
+              alpha_ref[...] = alpha
             arrive_turn()  # softmax done
             plgpu.wgmma_wait(0)  # P V has read the old P
             p_ref[...] = p_new
@@ -355,6 +365,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           # (`m` only gives alpha's slot its row layout; the step overwrites it.)
           acc, _, m, l, p16, alpha = pl.run_state(overlapped)(
               (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p16, m))
+          alpha = None if frozen else alpha
         plgpu.barrier_arrive(v_free.at[prev])
         acc = rescale(acc, alpha)
         wait_turn()  # the tensor cores are ours again
@@ -370,20 +381,23 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l, p16
 
+      tile_fn = step if config.pipelined else body
+      frozen_fn = None
+      if st.config.keeps_first_tile_max:
+        frozen_fn = functools.partial(tile_fn, masked=False, frozen=True)
       if config.pipelined:
         p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l, p0))
         carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
         # From lo + 1, past hi when the warpgroup has no tile: no steps then.
+        # (`first` ran tile lo online: if it was open, its maxima hold.)
         carry = over_tiles(lo + 1, functools.partial(step, masked=True),
-                           functools.partial(step, masked=False), carry)
+                           functools.partial(step, masked=False), carry, frozen_fn,
+                           opened=(lo >= full_lo) & (lo < full_hi))
         carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
         acc, m, l, _ = lax.fori_loop(hi, item.hi, skip, carry)
       else:
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
-        frozen_fn = None
-        if st.config.keeps_first_tile_max:
-          frozen_fn = functools.partial(body, masked=False, frozen=True)
         carry = over_tiles(lo, functools.partial(body, masked=True),
                            functools.partial(body, masked=False), carry, frozen_fn)
         acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)

@@ -501,11 +501,11 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
-def _fwd_softmax(config: configs.FlexConfig, mosaic_fwd, dtype) -> str:
+def _fwd_softmax(config: configs.FlexConfig, dtype) -> str:
   """The config's forward softmax, or 'online' where the first tile's maxima
   do not suit: float16's P overflows at 65504 (logits 16 base-2 units above
-  the frozen maximum), and the Mosaic forward's pipelined walk has none."""
-  if jnp.dtype(dtype) == jnp.float16 or (mosaic_fwd is not None and mosaic_fwd.pipelined):
+  the frozen maximum)."""
+  if jnp.dtype(dtype) == jnp.float16:
     return "online"
   return config.fwd_softmax
 
@@ -548,7 +548,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
                               mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
-                              fwd_softmax=_fwd_softmax(config, mosaic_fwd, q.dtype))
+                              fwd_softmax=_fwd_softmax(config, q.dtype))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups
