@@ -1,6 +1,8 @@
-"""Shape helpers shared by the kernels: padding to block multiples."""
+"""Shape helpers shared by the ops: padding to block multiples, and the input
+checks of their api.py files (errors that name the argument and the limit)."""
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,3 +38,48 @@ def check_time_blocks(blocks) -> None:
   if blocks.chunk < 1 or blocks.chunk % blocks.unroll:
     raise ValueError(f"`chunk` must be a positive multiple of {blocks.unroll=}, "
                      f"got {blocks.chunk}")
+
+
+def _where(op: str | None) -> str:
+  return f"{op}: " if op else ""
+
+
+def check_arrays(op: str | None, named) -> None:
+  """TypeError naming the first `(name, x)` whose `x` is not an array (JAX,
+  numpy or a tracer); None entries (optional arguments) are skipped."""
+  for name, x in named:
+    if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+      raise TypeError(f"{_where(op)}`{name}` must be an array, got "
+                      f"{type(x).__name__}")
+
+
+def check_inexact(op: str | None, named) -> None:
+  """ValueError naming the first `(name, x)` whose dtype is not a float or
+  complex type (integers and bools would be truncated or refused deep inside);
+  None entries are skipped."""
+  for name, x in named:
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.inexact):
+      raise ValueError(f"{_where(op)}`{name}` must be a float (or complex) array, "
+                       f"got {x.dtype}")
+
+
+def check_bool(op: str | None, name: str, value) -> None:
+  """TypeError unless `value` is a Python (or numpy) bool: a static option,
+  where a string such as 'no' would otherwise count as True."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{_where(op)}`{name}` must be a bool, got {value!r}")
+
+
+def check_time(op: str | None, name: str, shape, axis: int = 1) -> None:
+  """ValueError unless `shape[axis]` (the time axis) holds at least one step."""
+  if shape[axis] < 1:
+    raise ValueError(f"{_where(op)}`{name}` needs T >= 1 time steps on axis "
+                     f"{axis}, got shape {tuple(shape)}")
+
+
+def check_chunk_size(op: str | None, chunk_size) -> None:
+  """ValueError unless `chunk_size` is None or a positive Python int (not a bool)."""
+  if chunk_size is not None and (not isinstance(chunk_size, int)
+                                 or isinstance(chunk_size, bool) or chunk_size < 1):
+    raise ValueError(f"{_where(op)}`chunk_size` must be a positive int, "
+                     f"got {chunk_size!r}")

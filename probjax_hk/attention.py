@@ -134,6 +134,13 @@ def _check_shapes(query, key, value):
                      f"key/value heads ({key.shape[2]})")
 
 
+def _check_window(local_window_size):
+  window = _normalize_window(local_window_size)
+  if window is not None and (len(window) != 2 or any(w < 0 for w in window)):
+    raise ValueError("`local_window_size` must be None, an int >= 0 or a pair (left, right) "
+                     f"of ints >= 0, got {local_window_size=}")
+
+
 def dot_product_attention(
     query: jax.Array, key: jax.Array, value: jax.Array,
     bias: jax.Array | None = None, mask: jax.Array | None = None, *,
@@ -160,6 +167,7 @@ def dot_product_attention(
     [B, T, N, H] in the query's dtype.
   """
   _check_shapes(query, key, value)
+  _check_window(local_window_size)
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
       local_window_size=local_window_size, implementation=implementation,
@@ -195,8 +203,12 @@ class MultiHeadAttention(hk.Module):
                attention_fn: AttentionFn = dot_product_attention,
                with_bias: bool = False, name: str | None = None):
     super().__init__(name=name)
+    if num_heads < 1:
+      raise ValueError(f"`num_heads` must be >= 1, got {num_heads=}")
+    if head_dim is not None and head_dim < 1:
+      raise ValueError(f"`head_dim` must be >= 1 or None, got {head_dim=}")
     num_kv_heads = num_kv_heads or num_heads
-    if num_heads % num_kv_heads:
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
       raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_heads=} {num_kv_heads=}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -221,7 +233,15 @@ class MultiHeadAttention(hk.Module):
     Returns:
       [B, T, D].
     """
+    if x.ndim != 3:
+      raise ValueError(f"`x` must be [B, T, D], got shape {x.shape}")
+    if context is not None and (context.ndim != 3 or context.shape[0] != x.shape[0]):
+      raise ValueError(f"`context` must be [B, S, D_c] with B={x.shape[0]}, "
+                       f"got shape {context.shape}")
     model_dim = x.shape[-1]
+    if self.head_dim is None and model_dim % self.num_heads:
+      raise ValueError(f"`num_heads` must divide the model width `x.shape[-1]` when "
+                       f"`head_dim` is None, got num_heads={self.num_heads} {model_dim=}")
     head_dim = self.head_dim or model_dim // self.num_heads
     context = x if context is None else context
     batch, seq_len = x.shape[:2]

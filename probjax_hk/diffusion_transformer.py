@@ -84,7 +84,7 @@ class DiffusionTransformer(hk.Module):
     """
     super().__init__(name=name)
     transformer.check_model_args(model_dim, num_heads, num_layers, num_kv_heads,
-                                 dropout_rate, remat_policy, scan_unroll)
+                                 dropout_rate, remat_policy, scan_unroll, widening_factor)
     self.model_dim = model_dim
     self.num_heads = num_heads
     self.num_layers = num_layers
@@ -110,7 +110,7 @@ class DiffusionTransformer(hk.Module):
     Returns:
       [B, T, D_x] in x's dtype.
     """
-    transformer.check_tokens(x)
+    layers.check_tokens(x)
     batch = x.shape[0]
     t = jnp.asarray(t)
     if t.ndim == 0:

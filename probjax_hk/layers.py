@@ -18,6 +18,12 @@ from probjax_hk import lean_backward
 Activation = Literal["gelu", "swiglu"]
 
 
+def check_tokens(x: jax.Array, name: str = "x") -> None:
+  """A sequence model's input must be [B, T, D] (a ValueError naming `name`)."""
+  if x.ndim != 3:
+    raise ValueError(f"`{name}` must be [B, T, D], got rank {x.ndim} with shape {x.shape}")
+
+
 class Linear(hk.Module):
   """`y = x @ w + b` with float32 parameters cast to the input's dtype.
 
@@ -30,6 +36,8 @@ class Linear(hk.Module):
                b_init: hk.initializers.Initializer | None = None,
                name: str | None = None):
     super().__init__(name=name)
+    if output_size < 1:
+      raise ValueError(f"`output_size` must be >= 1, got {output_size=}")
     self.output_size = output_size
     self.with_bias = with_bias
     self.w_init = w_init
@@ -94,6 +102,10 @@ class MLP(hk.Module):
     super().__init__(name=name)
     if activation not in ("gelu", "swiglu"):
       raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
+    if hidden_dim < 1:
+      raise ValueError(f"`hidden_dim` must be >= 1, got {hidden_dim=}")
+    if output_dim is not None and output_dim < 1:
+      raise ValueError(f"`output_dim` must be >= 1 or None, got {output_dim=}")
     self.hidden_dim = hidden_dim
     self.output_dim = output_dim
     self.activation = activation
@@ -119,6 +131,8 @@ class AdaLNModulation(hk.Module):
 
   def __init__(self, model_dim: int, num_chunks: int, *, name: str | None = None):
     super().__init__(name=name)
+    if model_dim < 1 or num_chunks < 1:
+      raise ValueError(f"`model_dim` and `num_chunks` must be >= 1, got {model_dim=} {num_chunks=}")
     self.model_dim = model_dim
     self.num_chunks = num_chunks
 
@@ -145,8 +159,10 @@ def sinusoidal_embedding(t: jax.Array, dim: int, *, max_period: float = 10_000.0
   Returns:
     [B, dim] float32 embedding, cosines then sines.
   """
-  if dim % 2:
-    raise ValueError(f"`dim` must be even, got {dim=}")
+  if dim < 2 or dim % 2:
+    raise ValueError(f"`dim` must be even and >= 2, got {dim=}")
+  if t.ndim != 1:
+    raise ValueError(f"`t` must be [B], got shape {t.shape}")
   half = dim // 2
   freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
   angles = t.astype(jnp.float32)[:, None] * freqs[None, :]
@@ -158,6 +174,10 @@ class TimestepEmbedding(hk.Module):
 
   def __init__(self, dim: int, *, frequency_dim: int = 256, name: str | None = None):
     super().__init__(name=name)
+    if dim < 1:
+      raise ValueError(f"`dim` must be >= 1, got {dim=}")
+    if frequency_dim < 2 or frequency_dim % 2:
+      raise ValueError(f"`frequency_dim` must be even and >= 2, got {frequency_dim=}")
     self.dim = dim
     self.frequency_dim = frequency_dim
 
@@ -179,9 +199,15 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10_000
   Returns:
     [B, T, N, H], the pairs (x[..., :H/2], x[..., H/2:]) rotated by position.
   """
+  if x.ndim != 4:
+    raise ValueError(f"`x` must be [B, T, N, H], got shape {x.shape}")
   head_dim = x.shape[-1]
   if head_dim % 2:
     raise ValueError(f"rotary embedding needs an even head size, got {head_dim=}")
+  batch, seq_len = x.shape[:2]
+  if positions.shape not in ((seq_len,), (1, seq_len), (batch, seq_len)):
+    raise ValueError(f"`positions` must be [T]=({seq_len},) or [B, T]=({batch}, {seq_len}), "
+                     f"got shape {positions.shape}")
   half = head_dim // 2
   freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
   angles = positions.astype(jnp.float32)[..., None] * freqs  # [(B,) T, H/2]

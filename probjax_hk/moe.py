@@ -494,6 +494,8 @@ class MoELayer(hk.Module):
     Returns:
       [..., D] in `x.dtype`.
     """
+    if x.ndim < 1 or x.shape[-1] < 1:
+      raise ValueError(f"`x` must be [..., D] with D >= 1, got shape {x.shape}")
     d_model = x.shape[-1]
     e, f = self.num_experts, self.d_hidden
     x2 = x.reshape(-1, d_model)  # [T, D]

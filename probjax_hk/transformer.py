@@ -16,7 +16,8 @@ from probjax_hk import stacking
 
 def check_model_args(model_dim: int, num_heads: int, num_layers: int,
                      num_kv_heads: int | None, dropout_rate: float,
-                     remat_policy: stacking.RematPolicy, scan_unroll: int) -> None:
+                     remat_policy: stacking.RematPolicy, scan_unroll: int,
+                     widening_factor: int = 4) -> None:
   """The constructor checks the Transformer and DiffusionTransformer share."""
   if model_dim <= 0 or num_heads <= 0 or num_layers <= 0:
     raise ValueError(f"`model_dim`, `num_heads` and `num_layers` must be positive, "
@@ -25,16 +26,13 @@ def check_model_args(model_dim: int, num_heads: int, num_layers: int,
     raise ValueError(f"`num_heads` must divide `model_dim`, got {num_heads=} {model_dim=}")
   if num_kv_heads is not None and (num_kv_heads <= 0 or num_heads % num_kv_heads):
     raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_kv_heads=} {num_heads=}")
+  if widening_factor < 1:
+    raise ValueError(f"`widening_factor` must be >= 1, got {widening_factor=}")
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
   stacking.validate_remat_policy(remat_policy)
   if scan_unroll < 1:
     raise ValueError(f"`scan_unroll` must be >= 1, got {scan_unroll=}")
-
-
-def check_tokens(x: jax.Array, name: str = "x") -> None:
-  if x.ndim != 3:
-    raise ValueError(f"`{name}` must be [B, T, D], got rank {x.ndim} with shape {x.shape}")
 
 
 def dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:
@@ -116,7 +114,7 @@ class Transformer(hk.Module):
     """
     super().__init__(name=name)
     check_model_args(model_dim, num_heads, num_layers, num_kv_heads, dropout_rate,
-                     remat_policy, scan_unroll)
+                     remat_policy, scan_unroll, widening_factor)
     self.model_dim = model_dim
     self.num_heads = num_heads
     self.num_layers = num_layers
@@ -144,7 +142,7 @@ class Transformer(hk.Module):
     Returns:
       [B, T, D] in x's dtype.
     """
-    check_tokens(x)
+    layers.check_tokens(x)
     if key_value_seq_lengths is not None and key_value_seq_lengths.shape != x.shape[:1]:
       raise ValueError(f"`key_value_seq_lengths` must be [B]={x.shape[:1]}, "
                        f"got {key_value_seq_lengths.shape}")

@@ -241,6 +241,10 @@ class UNet(hk.Module):
       raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
     if time_embedding_dim is not None and time_embedding_dim < 1:
       raise ValueError(f"`time_embedding_dim` must be >= 1, got {time_embedding_dim=}")
+    if out_channels is not None and out_channels < 1:
+      raise ValueError(f"`out_channels` must be >= 1 or None, got {out_channels=}")
+    if context_dim is not None and context_dim < 1:
+      raise ValueError(f"`context_dim` must be >= 1 or None, got {context_dim=}")
     stacking.validate_remat_policy(remat_policy)
     self.in_channels = in_channels
     self.channels = channels

@@ -4,7 +4,7 @@ Users copy these first; a renamed argument or a changed default should fail
 here rather than in their hands. The one edit: `fit_model`'s checkpoint
 directory points into the test's temporary directory. After each example the
 test checks what its comments promise (shapes, dtypes, decoding = the
-sequence path, a checkpoint written).
+sequence path, a checkpoint written, the attention mods against the reference).
 """
 
 import os
@@ -35,7 +35,21 @@ def _check_ssd(ns, tmp_path):
   assert ns["final_state"].shape == (2, 4, 32, 32)
 
 
-_CHECKS = (_check_transformer, _check_ssm_decoding, _check_fit, _check_ssd)
+def _check_flex_mods(ns, tmp_path):
+  import ops  # pylint: disable=g-import-not-at-top
+  from ops.flex_attention import reference  # pylint: disable=g-import-not-at-top
+  q = ns["q"].astype(jnp.float32)
+  want = reference.flex_attention_reference(
+      q, q, q, scale=32 ** -0.5, mask_mod=ns["prefix_lm"], score_mod=ns["alibi"])
+  assert ns["out"].shape == (2, 256, 4, 32) and ns["out"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(ns["out"], np.float32), want, atol=2e-2)
+  # The mods change the result: plain attention differs.
+  plain = ops.flex_attention(ns["q"], ns["q"], ns["q"])
+  assert not np.allclose(np.asarray(plain, np.float32), want, atol=2e-2)
+
+
+_CHECKS = (_check_transformer, _check_ssm_decoding, _check_fit, _check_ssd,
+           _check_flex_mods)
 
 
 def test_readme_examples_run(tmp_path):

@@ -58,7 +58,8 @@ def _validate(q, k, v, is_causal, scale, segment_ids, local_window_size,
       raise ValueError("`local_window_size` must be an int or a (left, right) pair, "
                        f"got {local_window_size!r}") from None
     for side in window:
-      if side is not None and (not isinstance(side, int) or side < 0):
+      if side is not None and (not isinstance(side, int) or isinstance(side, bool)
+                               or side < 0):
         raise ValueError("`local_window_size` entries must be ints >= 0 or None, "
                          f"got {local_window_size!r}")
   q_ids, kv_ids = reference.split_segment_ids(segment_ids)

@@ -6,9 +6,12 @@ Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
 K key size, V value size.
 """
 
+import numbers
+
 import jax
 
 from ops import _backend
+from ops import _shapes
 from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import chunked_kernel_limit
@@ -46,9 +49,11 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
   """
   validate("gated_delta_rule", q, k, v, log_decay, initial_state,
            extra=(("beta", beta),))
-  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-    raise ValueError(f"gated_delta_rule: `chunk_size` must be a positive int, "
-                     f"got {chunk_size!r}")
+  _shapes.check_chunk_size("gated_delta_rule", chunk_size)
+  if scale is not None and (isinstance(scale, bool) or not (
+      isinstance(scale, numbers.Real) or getattr(scale, "shape", None) == ())):
+    raise TypeError(f"gated_delta_rule: `scale` must be a number (or a scalar "
+                    f"array) or None, got {scale!r}")
 
   def kernel_limit():
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
+from ops import _shapes
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 from ops.grouped_matmul import xla
@@ -35,7 +36,21 @@ def validate_group_sizes(group_sizes, num_rows: int, num_groups: int) -> None:
                        f"{num_rows} rows of the input")
 
 
+def kernel_limit(rows: str, num_rows: int, weights: str, num_groups: int
+                 ) -> str | None:
+  """None when the Pallas kernels take M rows (of the argument named `rows`)
+  and G groups (of `weights`), else the reason (`implementation=None` then
+  runs XLA, which takes empty inputs)."""
+  if num_rows < 1:
+    return f"`{rows}` needs M >= 1 rows for the kernel, got M = {num_rows}"
+  if num_groups < 1:
+    return f"`{weights}` needs G >= 1 groups for the kernel, got G = {num_groups}"
+  return None
+
+
 def _validate(lhs, rhs, group_sizes) -> None:
+  _shapes.check_arrays("grouped_matmul", (("lhs", lhs), ("rhs", rhs),
+                                          ("group_sizes", group_sizes)))
   if lhs.ndim != 2:
     raise ValueError(f"`lhs` must be [M, K], got shape {lhs.shape}")
   if rhs.ndim != 3:
@@ -74,7 +89,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       truncated, later groups are empty), so the result stays defined.
   """
   _validate(lhs, rhs, group_sizes)
-  backend = _backend.choose("grouped_matmul", implementation, lambda: None)
+  backend = _backend.choose("grouped_matmul", implementation,
+                            lambda: kernel_limit("lhs", lhs.shape[0], "rhs", rhs.shape[0]))
   starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
   if backend == "pallas":
     return pallas.grouped_matmul_pallas(lhs, rhs, starts, ends)

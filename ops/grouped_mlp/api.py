@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
+from ops import _shapes
+from ops.grouped_matmul.api import kernel_limit
 from ops.grouped_matmul.api import validate_group_sizes
 from ops.grouped_matmul.reference import group_bounds
 from ops.grouped_mlp import pallas
@@ -28,6 +30,8 @@ def _validate(x, w_in, w_out, group_sizes, activation) -> None:
   if activation not in reference.ACTIVATIONS:
     raise ValueError(f"`activation` must be one of {reference.ACTIVATIONS}, got "
                      f"{activation!r}")
+  _shapes.check_arrays("grouped_mlp", (("x", x), ("w_in", w_in), ("w_out", w_out),
+                                       ("group_sizes", group_sizes)))
   if x.ndim != 2:
     raise ValueError(f"`x` must be [M, D], got shape {x.shape}")
   if w_in.ndim != 3 or w_out.ndim != 3:
@@ -81,7 +85,8 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       `group_sizes` that are negative or sum to more than M.
   """
   _validate(x, w_in, w_out, group_sizes, activation)
-  backend = _backend.choose("grouped_mlp", implementation, lambda: None)
+  backend = _backend.choose("grouped_mlp", implementation,
+                            lambda: kernel_limit("x", x.shape[0], "w_in", w_in.shape[0]))
   if backend == "pallas":
     starts, ends = group_bounds(group_sizes, x.shape[0])
     return pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends, activation=activation)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
+from ops import _shapes
 from ops.linear_scan import pallas as pallas_impl
 from ops.linear_scan.xla import linear_scan_xla
 
@@ -25,9 +26,11 @@ _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 _PALLAS_IS_GPU_DEFAULT = True
 
 
-def _validate(a, b, initial_state):
+def _validate(a, b, initial_state, reverse):
+  _shapes.check_arrays(None, (("a", a), ("b", b), ("initial_state", initial_state)))
   if b.ndim != 3:
     raise ValueError(f"`b` must be [B, T, D], got shape {b.shape}")
+  _shapes.check_time(None, "b", b.shape)
   if a.shape != b.shape and a.shape != b.shape[2:]:
     raise ValueError(f"`a` must be [B, T, D] = {b.shape} like `b`, or [D] = "
                      f"{b.shape[2:]} (the same decay at every step), got {a.shape}")
@@ -37,6 +40,8 @@ def _validate(a, b, initial_state):
   if initial_state is not None and initial_state.shape != (b.shape[0], b.shape[2]):
     raise ValueError(f"`initial_state` must be [B, D] = {(b.shape[0], b.shape[2])}, "
                      f"got {initial_state.shape}")
+  _shapes.check_inexact(None, (("initial_state", initial_state),))
+  _shapes.check_bool(None, "reverse", reverse)
 
 
 def linear_scan(a: jax.Array, b: jax.Array, *,
@@ -64,7 +69,7 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       complex64).
     final_state: [B, D], the state after the last step processed.
   """
-  _validate(a, b, initial_state)
+  _validate(a, b, initial_state, reverse)
   dtype = jnp.dtype(jnp.result_type(a, b))
 
   def kernel_limit():

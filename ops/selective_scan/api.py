@@ -9,15 +9,21 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
+from ops import _shapes
 from ops.selective_scan import pallas as pallas_impl
 from ops.selective_scan.xla import selective_scan_xla
 
 _KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state):
+def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+              reverse):
+  named = (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D),
+           ("z", z), ("delta_bias", delta_bias), ("initial_state", initial_state))
+  _shapes.check_arrays(None, named)
   if u.ndim != 3:
     raise ValueError(f"`u` must be [B, T, D], got shape {u.shape}")
+  _shapes.check_time(None, "u", u.shape)
   batch, time, width = u.shape
   if delta.shape != u.shape:
     raise ValueError(f"`delta` must have the shape of `u` {u.shape}, got {delta.shape}")
@@ -28,7 +34,7 @@ def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state):
     if x.ndim not in (3, 4) or x.shape[:2] != (batch, time) or x.shape[-1] != state:
       raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)} or per "
                        f"group [B, T, G, S], got {x.shape} (T must match `u`)")
-    if x.ndim == 4 and width % x.shape[2]:
+    if x.ndim == 4 and (x.shape[2] == 0 or width % x.shape[2]):
       raise ValueError(f"`{name}`: the group count G = {x.shape[2]} must divide "
                        f"D = {width}")
   if B.shape != C.shape:
@@ -41,6 +47,9 @@ def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state):
   if initial_state is not None and initial_state.shape != (batch, width, state):
     raise ValueError(f"`initial_state` must be [B, D, S] = {(batch, width, state)}, "
                      f"got {initial_state.shape}")
+  _shapes.check_inexact(None, named)
+  _shapes.check_bool(None, "delta_softplus", delta_softplus)
+  _shapes.check_bool(None, "reverse", reverse)
 
 
 def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
@@ -77,7 +86,8 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
     y: [B, T, D] in `u`'s dtype (accumulated in float32).
     final_state: [B, D, S] float32, the state after the last step processed.
   """
-  _validate(u, delta, A, B, C, D, z, delta_bias, initial_state)
+  _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+            reverse)
   dtypes = {name: jnp.dtype(x.dtype) for name, x in
             (("u", u), ("delta", delta), ("B", B), ("C", C))}
 

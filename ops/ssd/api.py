@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ops import _backend
+from ops import _shapes
 from ops.ssd import pallas as pallas_impl
 from ops.ssd.xla import ssd_xla
 
@@ -18,14 +19,17 @@ _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
+  _shapes.check_arrays(op, (("q", q), ("k", k), ("v", v), ("log_decay", log_decay),
+                            ("initial_state", initial_state)) + tuple(extra))
   if v.ndim != 4:
     raise ValueError(f"{op}: `v` must be [B, T, N, V], got shape {v.shape}")
   batch, time, heads, value = v.shape
+  _shapes.check_time(op, "v", v.shape)
   if q.ndim != 4 or q.shape[:2] != (batch, time):
     raise ValueError(f"{op}: `q` must be [B, T, N, K] or [B, T, G, K] with B, T = "
                      f"{(batch, time)} of `v`, got shape {q.shape}")
   groups, key = q.shape[2:]
-  if heads % groups:
+  if groups == 0 or heads % groups:
     raise ValueError(f"{op}: the heads of `v` ({heads}) must be a multiple of the "
                      f"groups of `q` ({groups})")
   if k.shape != q.shape:
@@ -43,6 +47,9 @@ def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   for name, x in (("q", q), ("k", k), ("v", v), ("log_decay", log_decay)) + tuple(extra):
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{op}: `{name}` must be floating point, got {x.dtype}")
+  if initial_state is not None and not jnp.issubdtype(initial_state.dtype, jnp.floating):
+    raise ValueError(f"{op}: `initial_state` must be floating point, got "
+                     f"{initial_state.dtype}")
 
 
 
@@ -86,8 +93,7 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
     final_state: [B, N, K, V] float32, the state after the last token.
   """
   validate("ssd", q, k, v, log_decay, initial_state)
-  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-    raise ValueError(f"ssd: `chunk_size` must be a positive int, got {chunk_size!r}")
+  _shapes.check_chunk_size("ssd", chunk_size)
 
   def kernel_limit():
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,

@@ -26,6 +26,9 @@ from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.arguments import check_positive_ints
 from probjax_hk.ssm.arguments import check_positive_or_none
+from probjax_hk.ssm.arguments import check_state
+from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
 from probjax_hk.ssm.mamba2 import causal_conv_step
 from probjax_hk.ssm.mamba2 import conv_params
@@ -131,13 +134,18 @@ class GatedDeltaNetCell(hk.Module):
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
     """`(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])` float32 zeros."""
-    _, heads, p = self._dims()
-    return (jnp.zeros((batch_size, self.conv_width - 1, 3 * heads * p), _F32),
-            jnp.zeros((batch_size, heads, p, p), _F32))
+    return zeros(self._state_shapes(batch_size))
+
+  def _state_shapes(self, batch_size: int, model_dim: int | None = None):
+    _, heads, p = self._dims(model_dim)
+    return (jax.ShapeDtypeStruct((batch_size, self.conv_width - 1, 3 * heads * p), _F32),
+            jax.ShapeDtypeStruct((batch_size, heads, p, p), _F32))
 
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    check_step_input("u_t", u_t)
+    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
     conv_state, ssm_state = state
     model_dim, heads, p = self._dims(u_t.shape[-1])
     qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u_t)

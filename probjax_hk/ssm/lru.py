@@ -23,6 +23,10 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from probjax_hk.ssm.arguments import check_positive_or_none
+from probjax_hk.ssm.arguments import check_state
+from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import zeros
+from probjax_hk.layers import check_tokens
 
 
 def _ring_nu_log(r_min: float, r_max: float):
@@ -104,6 +108,7 @@ class LRUCell(hk.Module):
     Returns:
       [B, T, H] in `x`'s dtype.
     """
+    check_tokens(x)
     lam, b, c, d = self._params(x.shape[-1])
     xf = x.astype(jnp.float32)
     # Real products on the real and imaginary parts: a real input times a
@@ -119,11 +124,16 @@ class LRUCell(hk.Module):
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int) -> jax.Array:
     """[B, N] complex64 zeros."""
-    return jnp.zeros((batch_size, self._dims()[1]), jnp.complex64)
+    return zeros(self._state_shapes(batch_size))
+
+  def _state_shapes(self, batch_size: int, model_dim: int | None = None):
+    return jax.ShapeDtypeStruct((batch_size, self._dims(model_dim)[1]), jnp.complex64)
 
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One step: x_t [B, H], state [B, N] -> (y_t [B, H], state)."""
+    check_step_input("x_t", x_t)
+    check_state(state, self._state_shapes(x_t.shape[0], x_t.shape[-1]))
     lam, b, c, d = self._params(x_t.shape[-1])
     xf = x_t.astype(jnp.float32)
     state = lam * state + xf.astype(jnp.complex64) @ b                  # [B, N]

@@ -25,6 +25,10 @@ from ops import _backend
 from ops.selective_scan.reference import finish_output
 from probjax_hk.layers import Linear
 from probjax_hk.ssm.arguments import check_positive_or_none
+from probjax_hk.ssm.arguments import check_state
+from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import zeros
+from probjax_hk.layers import check_tokens
 
 
 class MambaCell(hk.Module):
@@ -122,6 +126,7 @@ class MambaCell(hk.Module):
     Returns:
       [B, T, H] in `x`'s dtype.
     """
+    check_tokens(x)
     h, inner, state, rank = self._dims(x.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x)           # [B, T, 2E]
     xi, z = jnp.split(xz, 2, axis=-1)
@@ -146,13 +151,18 @@ class MambaCell(hk.Module):
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
     """`(conv_state [B, W - 1, E] f32, ssm_state [B, E, S] f32)` zeros."""
-    _, inner, state, _ = self._dims()
-    return (jnp.zeros((batch_size, self.conv_width - 1, inner), jnp.float32),
-            jnp.zeros((batch_size, inner, state), jnp.float32))
+    return zeros(self._state_shapes(batch_size))
+
+  def _state_shapes(self, batch_size: int, model_dim: int | None = None):
+    _, inner, state, _ = self._dims(model_dim)
+    return (jax.ShapeDtypeStruct((batch_size, self.conv_width - 1, inner), jnp.float32),
+            jax.ShapeDtypeStruct((batch_size, inner, state), jnp.float32))
 
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state):
     """One step: x_t [B, H] -> (y_t [B, H], state)."""
+    check_step_input("x_t", x_t)
+    check_state(state, self._state_shapes(x_t.shape[0], x_t.shape[-1]))
     conv_state, ssm_state = state
     h, inner, state_dim, rank = self._dims(x_t.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x_t)         # [B, 2E]

@@ -23,6 +23,9 @@ from ops import _backend
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.arguments import check_positive_ints
+from probjax_hk.ssm.arguments import check_state
+from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
 from probjax_hk.ssm.ssd import ssd_inputs
@@ -154,14 +157,19 @@ class Mamba2Cell(hk.Module):
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
     """`(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])` float32 zeros."""
-    _, inner, heads = self._dims()
+    return zeros(self._state_shapes(batch_size))
+
+  def _state_shapes(self, batch_size: int, model_dim: int | None = None):
+    _, inner, heads = self._dims(model_dim)
     channels = inner + 2 * self.ngroups * self.state_dim
-    return (jnp.zeros((batch_size, self.conv_width - 1, channels), _F32),
-            jnp.zeros((batch_size, heads, self.state_dim, self.head_dim), _F32))
+    return (jax.ShapeDtypeStruct((batch_size, self.conv_width - 1, channels), _F32),
+            jax.ShapeDtypeStruct((batch_size, heads, self.state_dim, self.head_dim), _F32))
 
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    check_step_input("u_t", u_t)
+    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
     conv_state, ssm_state = state
     model_dim, _, heads = self._dims(u_t.shape[-1])
     z, xbc, dt = self._in_proj(u_t)

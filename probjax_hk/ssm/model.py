@@ -178,6 +178,7 @@ class SSMModel(hk.Module):
     self._check_decodable()
     if x_t.ndim != 2 or x_t.shape[-1] != self.input_dim:
       raise ValueError(f"`x_t` must be [B, input_dim={self.input_dim}], got {x_t.shape}")
+    self._check_layer_states(state)
     h = Linear(self.model_dim, name="input_proj")(x_t)
     if self.scan_layers:
       def one_layer(h, layer_state):
@@ -191,6 +192,21 @@ class SSMModel(hk.Module):
         new_state.append(s)
       state = new_state
     return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h)), state
+
+  def _check_layer_states(self, state):
+    """`state` must hold num_layers per-layer states, as `initial_state` makes
+    them (each cell's `step` checks its own shapes)."""
+    if self.scan_layers:
+      leaves = jax.tree.leaves(state)
+      if not leaves or any(jnp.ndim(a) < 1 or jnp.shape(a)[0] != self.num_layers
+                           for a in leaves):
+        raise ValueError(f"`state` must be `initial_state(batch_size)`: per-layer states "
+                         f"stacked on a leading axis of num_layers={self.num_layers}, got "
+                         f"shapes {[jnp.shape(a) for a in leaves]}")
+    elif not isinstance(state, (list, tuple)) or len(state) != self.num_layers:
+      got = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+      raise ValueError(f"`state` must be `initial_state(batch_size)`: a list of "
+                       f"num_layers={self.num_layers} per-layer states, got {got}")
 
   def _check_decodable(self):
     if self.bidirectional:

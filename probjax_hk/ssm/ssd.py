@@ -24,6 +24,10 @@ from ops.ssd.reference import ssd_step
 from probjax_hk.layers import Linear
 from probjax_hk.ssm.arguments import check_positive_ints
 from probjax_hk.ssm.arguments import check_positive_or_none
+from probjax_hk.ssm.arguments import check_state
+from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import zeros
+from probjax_hk.layers import check_tokens
 
 _F32 = jnp.float32
 
@@ -87,6 +91,7 @@ def time_reversed(sequence_fn, u: jax.Array, reverse: bool) -> jax.Array:
   """Runs a forward-in-time sequence path [B, T, H] -> [B, T, H], from the
   last step to the first when `reverse` (the backward half of a
   bidirectional model)."""
+  check_tokens(u, "u")
   if reverse:
     return sequence_fn(u[:, ::-1])[:, ::-1]
   return sequence_fn(u)
@@ -165,12 +170,17 @@ class SSDCell(hk.Module):
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
     """`[B, N, S, P]` float32 zeros."""
-    _, heads, p, s = self._dims()
-    return jnp.zeros((batch_size, heads, s, p), _F32)
+    return zeros(self._state_shapes(batch_size))
+
+  def _state_shapes(self, batch_size: int, model_dim: int | None = None):
+    _, heads, p, s = self._dims(model_dim)
+    return jax.ShapeDtypeStruct((batch_size, heads, s, p), _F32)
 
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
+    check_step_input("u_t", u_t)
+    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
     model_dim = u_t.shape[-1]
     _, heads, p, _ = self._dims(model_dim)
     x, b, c, dt = self._project(u_t)

@@ -30,7 +30,7 @@ import itertools
 import math
 import queue
 import threading
-from typing import Any, Callable, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sized
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +100,9 @@ class ArrayData:
   def __init__(self, data, *, batch_size: int | None, last_batch: str, mesh,
                argname: str = "data", steps_per_call: int = 1):
     self.num_examples = leading_dim(data, argname)
+    if self.num_examples == 0:
+      raise ValueError(f"`{argname}` holds no examples (its leaves have leading"
+                       f" dimension 0)")
     if batch_size is None:
       batch_size = self.num_examples
     if batch_size > self.num_examples:
@@ -355,6 +358,9 @@ def validation_batches(data, batch_size: int, argname: str = "validation_data"):
   """
   if is_in_memory(data):
     n = leading_dim(data, argname)
+    if n == 0:
+      raise ValueError(f"`{argname}` holds no examples (its leaves have leading"
+                       f" dimension 0)")
     size = min(batch_size, n)
     def arrays():
       for start in range(0, n, size):
@@ -363,4 +369,6 @@ def validation_batches(data, batch_size: int, argname: str = "validation_data"):
   if isinstance(data, Iterator) or not isinstance(data, Iterable):
     raise ValueError(f"`{argname}` must be a pytree of arrays or a re-iterable"
                      f" collection of batches (e.g. a list), got {type(data)}")
+  if isinstance(data, Sized) and len(data) == 0:
+    raise ValueError(f"`{argname}` is empty: it holds no batch to evaluate")
   return lambda: iter(data)

@@ -19,6 +19,7 @@ Glossary of shapes: N in-memory examples, B batch size.
 
 import difflib
 import inspect
+import os
 from typing import Any, Callable, Iterable, Sequence
 
 import haiku as hk
@@ -50,6 +51,11 @@ AUTO_STATE_BYTES = 256 * 2**20
 # an item within this size.
 AUTO_STREAM_ITEM_BYTES = 64 * 2**20
 
+# fit()'s arguments that must be positive integers (or None).
+_POSITIVE_ARGUMENTS = (
+    "batch_size", "num_steps", "epochs", "eval_every", "checkpoint_every",
+    "keep_checkpoints", "log_every", "steps_per_call")
+
 _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
     "validation_data", "eval_every", "callbacks", "checkpoint_dir",
@@ -74,6 +80,38 @@ def _check_positive(**values) -> None:
                               or isinstance(value, bool) or value < 1):
       raise ValueError(f"`{name}` must be a positive integer or None, got"
                        f" {name}={value!r}")
+
+
+def _check_checkpoint_dir(checkpoint_dir) -> None:
+  """A path (or None) that is, or can be created as, a directory: orbax would
+  otherwise fail only at the first save, after the training steps."""
+  if checkpoint_dir is None:
+    return
+  if not isinstance(checkpoint_dir, (str, os.PathLike)):
+    raise TypeError(f"`checkpoint_dir` must be a path (str or os.PathLike) or"
+                    f" None, got {checkpoint_dir!r}")
+  path = os.path.abspath(os.fspath(checkpoint_dir))
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)
+  if not os.path.isdir(path):
+    raise ValueError(f"`checkpoint_dir` must be a directory, but {path} is a"
+                     f" file (got {checkpoint_dir=})")
+
+
+def _check_types(loss_fn, optimizer, callbacks, mesh) -> None:
+  """TypeErrors for arguments of the wrong kind (before anything is traced)."""
+  if not callable(loss_fn):
+    raise TypeError(f"`loss_fn` must be callable, got {type(loss_fn).__name__}")
+  if optimizer is not None and not (hasattr(optimizer, "init")
+                                    and hasattr(optimizer, "update")):
+    raise TypeError(f"`optimizer` must be an optax.GradientTransformation (with"
+                    f" `init` and `update`), got {optimizer!r}")
+  if (callable(callbacks) or isinstance(callbacks, (str, bytes, callbacks_lib.Callback))
+      or not isinstance(callbacks, Iterable)):
+    raise TypeError(f"`callbacks` must be a sequence of Callbacks or functions"
+                    f" (wrap a single one in a list), got {callbacks!r}")
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {mesh!r}")
 
 
 def _auto_steps_per_call(params, state, optimizer, callbacks, checkpoint_dir) -> int:
@@ -150,6 +188,29 @@ def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
     raise ValueError(f"`loss_fn` must return a scalar loss (or (loss, aux)),"
                      f" got {jax.tree.map(lambda x: x.shape, loss)}")
   return has_aux, step_lib.metric_names(out[1] if has_aux else None)
+
+
+def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
+                           rng, use_mask, has_state) -> None:
+  """Traces the loss (no compile; cached) on a batch like the first
+  validation batch, so that a batch the loss cannot take fails now, not at
+  the first evaluation after training steps."""
+  if data_lib.is_in_memory(validation_data):
+    n = min(batch_size, data_lib.leading_dim(validation_data, "validation_data"))
+    first = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n,) + x.shape[1:], x.dtype),
+                         validation_data)
+  else:
+    first = next(iter(validation_data))
+    n = data_lib.leading_dim(first, "validation_data batch")
+  example = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None)
+                                     or np.asarray(x).dtype), first)
+  mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if use_mask else None
+  try:
+    _loss_structure(loss_fn, params, state, rng, example, mask, has_state)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f"`validation_data` batches do not fit `loss_fn` (the"
+                     f" training batches do): {type(e).__name__}: {e}") from e
 
 
 def fit(loss_fn: Callable[..., Any], params, data, *,
@@ -258,6 +319,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                   eval_every=eval_every, checkpoint_every=checkpoint_every,
                   keep_checkpoints=keep_checkpoints, log_every=log_every,
                   steps_per_call=steps_per_call)
+  _check_types(loss_fn, optimizer, callbacks, mesh)
+  _check_checkpoint_dir(checkpoint_dir)
   if last_batch == "pad" and not _accepts_mask(loss_fn):
     raise ValueError("`last_batch='pad'` passes `mask=` to `loss_fn`, which"
                      " takes no `mask` argument")
@@ -310,6 +373,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                   if last_batch == "pad" else None)
   has_aux, names = _loss_structure(loss_fn, params, state, rng, example,
                                    mask_example, has_state)
+  if validation is not None:
+    _check_validation_fits(validation_data, source.batch_size, loss_fn, params,
+                           state, rng, last_batch == "pad", has_state)
   spec = step_lib.StepSpec(
       loss_fn=loss_fn, optimizer=optimizer, has_state=has_state,
       has_aux=has_aux, use_mask=last_batch == "pad",
@@ -379,6 +445,10 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
   if not isinstance(transformed, (hk.Transformed, hk.TransformedWithState)):
     raise ValueError(f"`transformed` must be hk.transform(...) or"
                      f" hk.transform_with_state(...), got {type(transformed)}")
+  # The arguments fit() checks cheaply, checked before `transformed.init` runs.
+  _check_positive(**{k: fit_kwargs[k] for k in _POSITIVE_ARGUMENTS
+                     if k in fit_kwargs})
+  _check_checkpoint_dir(fit_kwargs.get("checkpoint_dir"))
   key = _as_raw_key(rng)
   if params is None or (with_state and state is None):
     if data_lib.is_in_memory(data):

@@ -1,0 +1,144 @@
+"""Bad configurations and inputs raise a ValueError naming the argument.
+
+Each case builds (or calls) a model inside `hk.transform` and expects the
+error at construction or at the start of the call, not a shape error from
+deep inside jnp. Arguments already covered by the per-model test files are
+not repeated here.
+"""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import pytest
+
+import probjax_hk as pk
+
+B, T, D = 2, 4, 16
+X = jnp.ones((B, T, D))
+
+
+def _init(fn, *args):
+  hk.transform_with_state(fn).init(jax.random.key(0), *args)
+
+
+@pytest.mark.parametrize("fn, argument", [
+    (lambda: pk.Transformer(D, 4, 1, widening_factor=0)(X), "widening_factor"),
+    (lambda: pk.DiffusionTransformer(D, 4, 1, widening_factor=-1)(X, 0.0), "widening_factor"),
+    (lambda: pk.MultiHeadAttention(0)(X), "num_heads"),
+    (lambda: pk.MultiHeadAttention(4, num_kv_heads=-1)(X), "num_kv_heads"),
+    (lambda: pk.MultiHeadAttention(4, head_dim=0)(X), "head_dim"),
+    (lambda: pk.MultiHeadAttention(4)(X[..., :14]), "num_heads"),   # 4 does not divide 14
+    (lambda: pk.MultiHeadAttention(4)(X[0]), "`x`"),
+    (lambda: pk.MultiHeadAttention(4)(X[None]), "`x`"),
+    (lambda: pk.MultiHeadAttention(4)(X, jnp.ones((B + 1, T, D))), "`context`"),
+    (lambda: pk.MultiHeadAttention(4)(X, jnp.ones((T, D))), "`context`"),
+    (lambda: pk.MLP(0)(X), "hidden_dim"),
+    (lambda: pk.MLP(8, output_dim=0)(X), "output_dim"),
+    (lambda: pk.Linear(0)(X), "output_size"),
+    (lambda: pk.AdaLNModulation(D, 0)(X[:, 0]), "num_chunks"),
+    (lambda: pk.AdaLNModulation(0, 2)(X[:, 0]), "model_dim"),
+    (lambda: pk.TimestepEmbedding(0)(jnp.ones((B,))), "`dim`"),
+    (lambda: pk.TimestepEmbedding(D, frequency_dim=7)(jnp.ones((B,))), "frequency_dim"),
+    (lambda: pk.TimestepEmbedding(D)(jnp.ones((B, 1))), "`t`"),
+    (lambda: pk.MoELayer(4, 2, 8)(jnp.ones(())), "`x`"),
+    (lambda: pk.MoELayer(4, 2, 8)(jnp.ones((B, 0))), "`x`"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_module_arguments_raise(fn, argument):
+  with pytest.raises(ValueError, match=argument):
+    _init(fn)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"out_channels": 0}, "out_channels"),
+    ({"out_channels": -1}, "out_channels"),
+    ({"context_dim": 0}, "context_dim"),
+    ({"context_dim": -3}, "context_dim"),
+])
+def test_bad_unet_arguments_raise(kwargs, argument):
+  with pytest.raises(ValueError, match=argument):
+    _init(lambda: pk.UNet(3, (8, 16), norm_groups=4, num_heads=2, **kwargs))
+
+
+@pytest.mark.parametrize("fn, argument", [
+    (lambda: pk.sinusoidal_embedding(jnp.ones((B,)), 0), "`dim`"),
+    (lambda: pk.sinusoidal_embedding(jnp.ones((B,)), -2), "`dim`"),
+    (lambda: pk.sinusoidal_embedding(jnp.ones((B, 1)), 8), "`t`"),
+    (lambda: pk.sinusoidal_embedding(jnp.ones(()), 8), "`t`"),
+    (lambda: pk.rotary_embedding(X, jnp.arange(T)), "`x`"),
+    (lambda: pk.rotary_embedding(X.reshape(B, T, 2, 8), jnp.arange(T + 1)), "positions"),
+    (lambda: pk.rotary_embedding(X.reshape(B, T, 2, 8), jnp.zeros((B + 1, T))), "positions"),
+    (lambda: pk.dot_product_attention(X[..., None], X[..., None], X[..., None],
+                                      local_window_size=-1), "local_window_size"),
+    (lambda: pk.dot_product_attention(X[..., None], X[..., None], X[..., None],
+                                      local_window_size=(1, 2, 3)), "local_window_size"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_function_arguments_raise(fn, argument):
+  with pytest.raises(ValueError, match=argument):
+    fn()
+
+
+def test_good_rotary_positions_still_run():
+  q = X.reshape(B, T, 2, 8)
+  for positions in (jnp.arange(T), jnp.arange(T)[None], jnp.tile(jnp.arange(T), (B, 1))):
+    assert pk.rotary_embedding(q, positions).shape == q.shape
+
+
+# --- SSM decoding ---------------------------------------------------------------
+
+CELLS = {
+    "lru": (pk.LRUCell, {"state_dim": 4}),
+    "mamba": (pk.MambaCell, {"state_dim": 4}),
+    "ssd": (pk.SSDCell, {"num_heads": 2, "state_dim": 4}),
+    "mamba2": (pk.Mamba2Cell, {"head_dim": 8, "state_dim": 4}),
+    "gated_delta_net": (pk.GatedDeltaNetCell, {"num_heads": 2}),
+}
+I, O = 3, 5
+BAD_STATES = {
+    "batch+1": lambda s: jax.tree.map(lambda a: jnp.concatenate([a, a[:1]]), s),
+    "batch_1": lambda s: jax.tree.map(lambda a: a[:1], s),
+    "width+1": lambda s: jax.tree.map(lambda a: jnp.concatenate([a, a[..., :1]], -1), s),
+    "none": lambda s: None,
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_STATES))
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_cell_step_with_a_wrong_state_raises(cell, bad):
+  cls, kwargs = CELLS[cell]
+
+  def f():
+    c = cls(**kwargs, model_dim=D)
+    return c.step(jnp.ones((B, D)), BAD_STATES[bad](c.initial_state(B)))
+  with pytest.raises(ValueError, match="`state`"):
+    _init(f)
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_cell_bad_input_ranks_raise(cell):
+  cls, kwargs = CELLS[cell]
+  with pytest.raises(ValueError, match=r"`(x|u)` must be \[B, T, D\]"):
+    _init(lambda: cls(**kwargs)(jnp.ones((B, D))))
+  with pytest.raises(ValueError, match=r"`(x_t|u_t)` must be \[B, H\]"):
+    _init(lambda: (lambda c: c.step(jnp.ones((B, T, D)), c.initial_state(B)))(
+        cls(**kwargs, model_dim=D)))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_model_step_with_the_wrong_layer_count_raises(scan_layers):
+  def f():
+    m = pk.SSMModel(I, D, O, 2, scan_layers=scan_layers)
+    state = jax.tree.map(lambda a: a[:1], m.initial_state(B)) if scan_layers else \
+        m.initial_state(B)[:1]
+    return m.step(jnp.ones((B, I)), state)
+  with pytest.raises(ValueError, match="`state`.*num_layers=2"):
+    _init(f)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_model_step_with_a_wrong_state_shape_raises(scan_layers):
+  def f():
+    m = pk.SSMModel(I, D, O, 2, scan_layers=scan_layers)
+    state = jax.tree.map(lambda a: jnp.concatenate([a, a[..., :1]], -1), m.initial_state(B))
+    return m.step(jnp.ones((B, I)), state)
+  with pytest.raises(ValueError, match="`state`"):
+    _init(f)
