@@ -39,7 +39,8 @@ _IMPLS = flags.DEFINE_list(
     "512-token documents), timed against plain flex on the same shapes; "
     "flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the Triton forward, on "
     "those tiles, with that softmax), flex_<fwd_softmax> (the table's kernels with "
-    "that forward softmax, e.g. flex_online), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
+    "that forward softmax, e.g. flex_online), flex_refresh_<mode> (the table's kernels "
+    "with that `FlexConfig.refresh`, e.g. flex_refresh_in_kernel), flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread), "
@@ -57,6 +58,8 @@ _CHECK_MOSAIC_FWD = flags.DEFINE_string(
 _CHECK_FWD_SOFTMAX = flags.DEFINE_string(
     "check_fwd_softmax", None, "Also check flex with its forward on the Triton kernel "
     "with this softmax (`FlexConfig.fwd_softmax`) in every case.")
+_CHECK_REFRESH = flags.DEFINE_string(
+    "check_refresh", None, "Also check flex with this `FlexConfig.refresh` in every case.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -104,7 +107,8 @@ def _check_rows():
       ("mosaic_bwd", _CHECK_MOSAIC_BWD.value,
        lambda spec: dict(mosaic_bwd=workloads.mosaic_bwd_tiles(spec))),
       ("fwd_softmax", _CHECK_FWD_SOFTMAX.value,
-       lambda spec: dict(fwd_softmax=spec, mosaic_fwd=None))):
+       lambda spec: dict(fwd_softmax=spec, mosaic_fwd=None)),
+      ("refresh", _CHECK_REFRESH.value, lambda spec: dict(refresh=spec))):
     if spec:  # The table's config with these fields replaced.
       table = flex_configs.get_config
       patched = lambda *a, changes=changes(spec), **kw: dataclasses.replace(

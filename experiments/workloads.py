@@ -180,6 +180,8 @@ _FLEX_TRITON = re.compile(
     r"flex_triton(?:_(\d+)x(\d+)x(\d+)x(\d+))?(?:_(%s))?$" % "|".join(flex_configs.FWD_SOFTMAX))
 # flex with the table's kernels and another forward softmax: flex_<fwd_softmax>.
 _FLEX_SOFTMAX = re.compile(r"flex_(%s)$" % "|".join(flex_configs.FWD_SOFTMAX))
+# flex with the table's kernels and another `FlexConfig.refresh`: flex_refresh_<mode>.
+_FLEX_REFRESH = re.compile(r"flex_refresh_(%s)$" % "|".join(flex_configs.REFRESH))
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
 # flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
 _FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
@@ -253,7 +255,8 @@ def attention_fn(impl, h, causal):
   """(q, k, v) -> out for one implementation: flex (and its score_mod /
   mask_mod variants, its Triton forward `flex_triton` (on given tiles:
   `flex_triton_<bq>x<bk>x<warps>x<stages>`; a `_<fwd_softmax>` suffix: that
-  softmax; `flex_<fwd_softmax>`: the table's kernels with it), its Mosaic forward on
+  softmax; `flex_<fwd_softmax>`: the table's kernels with it; `flex_refresh_<mode>`:
+  with that `FlexConfig.refresh`), its Mosaic forward on
   other tiles `flex_mosaic_*`, its backward on the Mosaic GPU kernel
   `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
@@ -269,6 +272,8 @@ def attention_fn(impl, h, causal):
     return _flex_with(causal, **changes)
   if match := _FLEX_SOFTMAX.match(impl):
     return _flex_with(causal, fwd_softmax=match.group(1))
+  if match := _FLEX_REFRESH.match(impl):
+    return _flex_with(causal, refresh=match.group(1))
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
   if impl.startswith("flex_mosaic_"):

@@ -35,6 +35,8 @@ class KernelConfig:
 
 
 FWD_SOFTMAX = ("online", "first_tile_max")
+# Where rows past the first-tile maxima's limit are recomputed (`pallas.py`).
+REFRESH = ("launch", "in_kernel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,11 @@ class FlexConfig:
   in range: 'online' (the running row maxima, rescaling as they grow) or
   'first_tile_max' (the maxima of the first fully open key tile, kept for
   the other open tiles: no maxima and no rescaling there; `pallas.py`).
+  `refresh` is where 'first_tile_max' recomputes the query tiles whose rows
+  passed the kept maxima by far: 'launch' (a second launch over all query
+  tiles, most of whose programs read their lse and stop) or 'in_kernel' (the
+  Triton forward reruns the tile online at its end, no second launch; the
+  Mosaic forward always launches).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -57,10 +64,13 @@ class FlexConfig:
   mosaic_fwd: mosaic.MosaicForwardConfig | None = None
   mosaic_bwd: mosaic_backward.MosaicBackwardConfig | None = None
   fwd_softmax: str = "online"
+  refresh: str = "launch"
 
   def __post_init__(self):
     if self.fwd_softmax not in FWD_SOFTMAX:
       raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
+    if self.refresh not in REFRESH:
+      raise ValueError(f"`refresh` must be one of {REFRESH}, got {self.refresh!r}")
 
   @property
   def keeps_first_tile_max(self) -> bool:

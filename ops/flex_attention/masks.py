@@ -3,7 +3,7 @@ that visit them. Shared by the Triton kernels (`pallas.py`) and, through the
 callables `pallas` hands them, the Mosaic GPU ones.
 
 `st` is the call's static description (`pallas._Static`): `left`, `right`
-(the window; causal is right = 0), `kv_mask` (key lengths), `segments`,
+(the window; causal is right = 0), `kv_mask` (key lengths), `key_length`, `segments`,
 `mask_mod` and `any_mask` are what these functions read. Tiles are in three
 classes: fully open (no mask arithmetic), partly masked (masked body), and
 closed (never visited). Loop bounds are computed from block indices, or with a
@@ -41,6 +41,21 @@ def i32(x):
 
 def clip(x, lo, hi):
   return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def key_length(st, lengths_ref, index):
+  """The key length of a batch row: entry `index` of the kernel's key-length
+  operand, or, when the call has no `kv_seq_lengths` (and so no such operand:
+  nothing to build or load per call), the static S of every row."""
+  return st.key_length if lengths_ref is None else lengths_ref[index]
+
+
+def key_length_operand(kv_len, kernel):
+  """(operands, kernel) for a Mosaic GPU kernel whose first input is the [B]
+  key lengths: `kv_len` as int32, or none and the kernel given None."""
+  if kv_len is None:
+    return (), functools.partial(kernel, None)
+  return (kv_len.astype(jnp.int32),), kernel
 
 
 def is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b=None, n=None):

@@ -77,6 +77,7 @@ from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
+from ops.flex_attention import masks
 from ops.flex_attention.masks import FROZEN_SUM_LIMIT
 from ops.flex_attention.masks import i32
 from ops.flex_attention.mosaic_tiles import config_limit
@@ -118,7 +119,7 @@ class _Item(NamedTuple):
   head: jax.Array
   kv_head: jax.Array
   q0: jax.Array  # the item's first query row
-  kv_len: jax.Array
+  kv_len: jax.Array | int  # int: the static length of every row
   ranges: list  # per warpgroup: (lo, full_lo, full_hi, hi), `key_tiles`'s
   lo: jax.Array  # the key tiles the memory warpgroup loads: [lo, hi)
   hi: jax.Array
@@ -168,7 +169,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       rest = lax.div(index, batch_size)
       q_tile, head = lax.rem(rest, num_q_tiles), lax.div(rest, num_q_tiles)
     q0 = (num_q_tiles - 1 - q_tile) * config.rows_per_block
-    kv_len = kv_len_gmem[batch]
+    kv_len = masks.key_length(st, kv_len_gmem, batch)
     ranges = [key_tiles(q0 + wg * bq, bq, bk, kv_len, seq_kv) for wg in range(wgs)]
     lo = functools.reduce(jnp.minimum, [i32(r[0]) for r in ranges])
     hi = functools.reduce(jnp.maximum, [i32(r[3]) for r in ranges])
@@ -515,7 +516,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
   Args:
     st: `pallas._Static` (scale, window, key-length mask, groups); no segments
       or mods.
-    kv_len: [B] int32 key lengths (<= Sp).
+    kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.
     config: the tiles; Tp must be a multiple of 2 x block_q, Sp of block_k.
     key_tiles: `(q0, bq, bk, kv_len, seq_kv) -> (lo, full_lo, full_hi, hi)`,
       the key-tile ranges of a query tile (`masks.key_tiles` for `st`).
@@ -532,6 +533,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
   kernel = functools.partial(_kernel, st=st, config=config, key_tiles=key_tiles,
                              is_open=is_open,
                              interpret=interpret)
+  lengths, kernel = masks.key_length_operand(kv_len, kernel)
   out_type = (jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32))
   num_items = num_heads * (seq_q // config.rows_per_block) * batch
@@ -545,4 +547,4 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
       kernel_name="flex_attention_mosaic_fwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(kv_len.astype(jnp.int32), q, k, v)
+  )(*lengths, q, k, v)

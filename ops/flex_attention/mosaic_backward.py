@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from ops import _pallas
 from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import swizzled
+from ops.flex_attention import masks
 from ops.flex_attention import mosaic
 from ops.flex_attention.masks import i32
 from ops.flex_attention import mosaic_tiles
@@ -150,7 +151,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
   batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_heads")
   block = lax.axis_index("k_blocks")
   k0 = block * config.keys_per_block
-  kv_len = kv_len_gmem[batch]
+  kv_len = masks.key_length(st, kv_len_gmem, batch)
   c = st.scale * _LOG2E  # logits -> base-2 units
 
   # The query tiles of the block, [lo, hi), of which [full_lo, full_hi) are
@@ -345,7 +346,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
     st: `pallas._Static` (scale, window, key-length mask, groups); no segments
       or mods.
     q, dout: [B, Tp, N, Hp] 16-bit; k, v: [B, Sp, K, Hp].
-    kv_len: [B] int32 key lengths (<= Sp).
+    kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.
     lse, delta: [B, N, Tp] f32, the forward's base-2 log-sum-exp and
       rowsum(dO * O).
     config: the tiles; Tp must be a multiple of block_q, Sp of 2 x block_k.
@@ -368,6 +369,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
   dq_acc = jax.new_ref(jnp.zeros(dq_shape, jnp.float32))
   kernel = functools.partial(_kernel, st=st, config=config, query_tiles=query_tiles,
                              is_open=is_open, interpret=interpret)
+  lengths, kernel = masks.key_length_operand(kv_len, kernel)
   dk, dv = _pallas.mosaic_kernel(
       kernel, out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),
                         jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -376,7 +378,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
       kernel_name="flex_attention_mosaic_bwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,
-  )(kv_len.astype(jnp.int32), q, k, v, dout, lse, delta, dq_acc)
+  )(*lengths, q, k, v, dout, lse, delta, dq_acc)
   dq = jax.freeze(dq_acc)
   if interpret:
     dq = dq.sum(axis=0)

@@ -65,6 +65,7 @@ class _Static:
   left: int | None  # keys s >= t - left are open (None: unbounded)
   right: int | None  # keys s <= t + right are open (causal: 0)
   kv_mask: bool  # key lengths vary or Sp > S: mask s >= kv_len
+  key_length: int  # S; every row's key length unless `kv_seq_lengths` is given
   segments: bool  # segment ids given
   groups: int  # G query heads per key/value head
   config: configs.FlexConfig
@@ -93,6 +94,16 @@ def _exp2(st: _Static, x):
   return y
 
 
+def _rows(kv_len):
+  """[B, 1] key lengths -> [B] (None stays None), for the Mosaic GPU kernels."""
+  return None if kv_len is None else kv_len[:, 0]
+
+
+def _key_length_spec(kv_len, index_map):
+  """The [B, 1] key lengths' block spec (None when the call has none)."""
+  return None if kv_len is None else pl.BlockSpec((None, 1), index_map)
+
+
 def _score(st: _Static, s, b, n, q_idx, k_idx):
   """Logits in base-2 units and their multiplier: (s, c) with p = 2^(s * c - m)."""
   if st.score_mod is None:
@@ -117,7 +128,9 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
 # above its first tile's maximum, for up to 2^20 keys; inf or NaN on
 # overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
-# with the online softmax.
+# with the online softmax in a second launch; with `FlexConfig.refresh =
+# 'in_kernel'` the Triton forward instead reruns such a tile online at its end
+# (a branch almost never taken; no second launch).
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
@@ -130,7 +143,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   seq_kv = k_ref.shape[0]
   q0 = (num_q_tiles - 1 - i) * bq
   q = q_ref[...]  # [bq, Hp]
-  kv_len = kv_len_ref[0]
+  kv_len = masks.key_length(st, kv_len_ref, 0)
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]  # [bq, 1]
   q_seg = q_seg_ref[...][:, None] if st.segments else None
 
@@ -196,12 +209,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
                                 (acc, l_rest))
     l = l + (jnp.max(l_rest, axis=1) if sum_by_mma else l_rest)  # (16 equal columns)
     acc, m, l = masks.masked_tile_loop(st, ranges, lists, body, (acc, m, l))
+    if _refreshes_in_kernel(st):  # a row past the limit: the tile again, online
+      past = jnp.max(jnp.where(l < masks.FROZEN_SUM_LIMIT, 0.0, 1.0)) > 0.0
+      acc, m, l = lax.cond(past, lambda: masks.tile_loop(st, ranges, lists, body, carry),
+                           lambda: (acc, m, l))
   empty = l == 0.0
   o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
   # Base-2 log-sum-exp of the scaled logits; +inf marks an empty row so that
   # the backward's exp2(s * c - lse) is exactly 0 there.
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
-  if frozen:  # NaN: rows `_refresh_frozen` recomputes.
+  if frozen and not _refreshes_in_kernel(st):  # NaN: rows `_refresh_frozen` recomputes.
     lse = jnp.where(l < masks.FROZEN_SUM_LIMIT, lse, jnp.nan)
   lse_ref[...] = lse
 
@@ -226,16 +243,23 @@ def _row_list_specs(lists, num_q_tiles: int):
 def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
   if st.config.mosaic_fwd is not None:
-    out, lse = mosaic.forward(st, q, k, v, kv_len[:, 0], config=st.config.mosaic_fwd,
+    out, lse = mosaic.forward(st, q, k, v, _rows(kv_len), config=st.config.mosaic_fwd,
                               key_tiles=functools.partial(masks.key_tiles, st),
                               is_open=lambda q_idx, k_idx, kv_len: masks.is_open(
                                   st, q_idx, k_idx, kv_len, None, None),
                               interpret=st.interpret)
   else:
     out, lse = _triton_forward(st, q, k, v, kv_len, q_seg, k_seg, lists)
-  if st.config.keeps_first_tile_max:
+  if st.config.keeps_first_tile_max and not _refreshes_in_kernel(st):
     out, lse = _refresh_frozen(st, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
   return out, lse
+
+
+def _refreshes_in_kernel(st: _Static) -> bool:
+  """Whether the forward recomputes rows past the first-tile maxima's limit
+  inside its kernel (the Triton one, `refresh='in_kernel'`) rather than in
+  `_refresh_frozen`'s second launch."""
+  return st.config.refresh == "in_kernel" and st.config.mosaic_fwd is None
 
 
 def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse):
@@ -270,7 +294,7 @@ def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, refresh=N
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
       pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
-      pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
+      _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
       *_seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
       _row_list_specs(lists, nq),
@@ -305,7 +329,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   c = st.scale * _LOG2E
   k = k_ref[...]  # [bk, Hp]
   v = v_ref[...]
-  kv_len = kv_len_ref[0]
+  kv_len = masks.key_length(st, kv_len_ref, 0)
   k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
   k_seg = k_seg_ref[...][:, None] if st.segments else None
   ranges = None if lists else masks.query_tiles(st, k0, bq, bk, kv_len, seq_q)
@@ -357,7 +381,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
   do = do_ref[...]
   lse = lse_ref[...][:, None]  # [bq, 1]
   delta = delta_ref[...][:, None]
-  kv_len = kv_len_ref[0]
+  kv_len = masks.key_length(st, kv_len_ref, 0)
   q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
   q_seg = q_seg_ref[...][:, None] if st.segments else None
   b, n = pl.program_id(1), pl.program_id(2)
@@ -411,7 +435,7 @@ def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
   group_spec = pl.BlockSpec((None, seq_q, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
   row_spec = pl.BlockSpec((None, None, g, seq_q), lambda j, b, h: (b, h, 0, 0))
   in_specs = [group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec,
-              pl.BlockSpec((None, 1), lambda j, b, h: (b, 0)),
+              _key_length_spec(kv_len, lambda j, b, h: (b, 0)),
               *_seg_specs(st, (None, seq_q), (None, bk),
                           lambda j, b, h: (b, 0), lambda j, b, h: (b, j))]
   if lists is None:
@@ -446,7 +470,7 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
   row_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i)))
   kv_full = pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0))
   in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
-              pl.BlockSpec((None, 1), lambda i, b, n: (b, 0)),
+              _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
               *_seg_specs(st, (None, bq), (None, seq_kv),
                           lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
               _row_list_specs(lists, nq)]
@@ -463,7 +487,7 @@ def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout)
   delta = _delta(out, dout)
   if st.config.mosaic_bwd is not None:
     return mosaic_backward.backward(
-        st, q, k, v, kv_len[:, 0], lse, delta, dout, config=st.config.mosaic_bwd,
+        st, q, k, v, _rows(kv_len), lse, delta, dout, config=st.config.mosaic_bwd,
         query_tiles=functools.partial(masks.query_tiles, st),
         is_open=lambda q_idx, k_idx, kv_len: masks.is_open(st, q_idx, k_idx, kv_len, None, None),
         interpret=st.interpret)
@@ -517,7 +541,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   """Pads to tile multiples and fixes the static description of the call.
 
   Returns:
-    (static, (q [B, Tp, N, Hp], k, v [B, Sp, K, Hp], kv_len [B, 1],
+    (static, (q [B, Tp, N, Hp], k, v [B, Sp, K, Hp], kv_len [B, 1] | None,
     q_seg [B, Tp] | None, k_seg [B, Sp] | None, lists)); `lists` is None
     unless `mask_mod` is given (then the per-kernel tile lists).
   """
@@ -548,7 +572,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
                                 for c in (config.fwd, config.dkdv, config.dq)),
                               mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
-                              fwd_softmax=_fwd_softmax(config, q.dtype))
+                              fwd_softmax=_fwd_softmax(config, q.dtype),
+                              refresh=config.refresh)
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups
@@ -562,16 +587,15 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
   st = _Static(scale=float(scale), left=left, right=right,
-               kv_mask=kv_seq_lengths is not None or sp != seq_kv,
+               kv_mask=kv_seq_lengths is not None or sp != seq_kv, key_length=seq_kv,
                segments=q_segment_ids is not None, groups=num_heads // num_kv,
                config=config, interpret=interpret, mask_mod=mask_mod,
                score_mod=score_mod)
 
   pad = lambda x, n: _shapes.pad_axis(_shapes.pad_axis(x, 1, n), 3, hp)
   q, k, v = pad(q, tp), pad(k, sp), pad(v, sp)
-  if kv_seq_lengths is None:
-    kv_len = jnp.full((batch, 1), seq_kv, jnp.int32)
-  else:
+  kv_len = None  # Every row has S keys: the kernels take the static length.
+  if kv_seq_lengths is not None:
     kv_len = jnp.minimum(kv_seq_lengths.astype(jnp.int32), seq_kv)[:, None]
   q_seg = k_seg = None
   if st.segments:  # Padded queries see nothing (-1 matches no key).
@@ -583,7 +607,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
         batch, num_heads, tp, sp, is_causal=is_causal,
         segment_ids=None if q_seg is None else (q_seg, k_seg),
         local_window_size=window, mask_mod=mask_mod,
-        kv_seq_lengths=kv_len[:, 0] if st.kv_mask else None)
+        kv_seq_lengths=(_rows(kv_len) if kv_len is not None else  # padded keys closed
+                        jnp.full((batch,), seq_kv, jnp.int32) if st.kv_mask else None))
     lists = {
         "fwd": masks.tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
         "dq": masks.tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),

@@ -35,6 +35,7 @@ def test_mosaic_backward_tiles():
 
 @pytest.mark.parametrize("impl", ["flex", "flex_triton", "flex_triton_128x128x8x3",
                                   "flex_mosaic_64x128x2_free_wg3",
-                                  "flex_mosaic_bwd_128x64x3", "cudnn", "mha_128x64"])
+                                  "flex_mosaic_bwd_128x64x3", "flex_online",
+                                  "flex_refresh_in_kernel", "cudnn", "mha_128x64"])
 def test_attention_names_resolve(impl):
   assert callable(workloads.attention_fn(impl, 32, True))

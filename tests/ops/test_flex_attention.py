@@ -5,6 +5,7 @@ checks the three kernels (forward, dK/dV, dQ) against the f32 reference.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -221,3 +222,28 @@ def test_score_mod_minus_inf_rows_give_zeros():
   loss = lambda q, k, v: jnp.sum(flex_attention(q, k, v, score_mod=mod,
                                                 implementation="pallas"))
   assert all(np.isfinite(np.asarray(g)).all() for g in jax.grad(loss, (0, 1, 2))(q, k, v))
+
+
+def _pallas_int_operands(jaxpr):
+  """The shapes of the int32 operands of every pallas_call in `jaxpr` (nested)."""
+  shapes = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      shapes += [v.aval.shape for v in eqn.invars if v.aval.dtype == jnp.int32]
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      shapes += _pallas_int_operands(sub)
+  return shapes
+
+
+@pytest.mark.parametrize("lengths", [False, True])
+def test_key_lengths_are_an_operand_only_when_given(lengths):
+  """Without `kv_seq_lengths` the kernels take the static S: no [B, 1] array
+  is built (an XLA broadcast kernel per call on the GPU) or read; with them,
+  forward and both gradient kernels read it. (S = 200 pads the keys, so the
+  kernels still mask s >= S.)"""
+  q, k, v, _ = _inputs((2, 100, 2, 32), (2, 200, 2, 32), jnp.float32)
+  kw = dict(kv_seq_lengths=jnp.array([200, 150])) if lengths else {}
+  fn = lambda q, k, v: jnp.sum(flex_attention(q, k, v, implementation="pallas", **kw))
+  jaxpr = jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v).jaxpr
+  assert _pallas_int_operands(jaxpr) == ([(2, 1)] * 3 if lengths else [])
+  _check(2, 100, 200, 2, 2, 32, jnp.float32, **kw)

@@ -22,6 +22,7 @@ from tests.ops import test_flex_attention as flex_tests
 from tests.ops import test_flex_attention_mosaic as mosaic_tests
 
 _FROZEN = dataclasses.replace(configs._INTERPRET, fwd_softmax="first_tile_max")
+_IN_KERNEL = dataclasses.replace(_FROZEN, refresh="in_kernel")
 
 
 @pytest.fixture
@@ -47,6 +48,16 @@ _CASES = {
     "alibi_full_bf16": (1, 64, 128, 4, 2, 32, jnp.bfloat16,
                         dict(score_mod=flex_tests._alibi)),
 }
+
+
+@pytest.fixture
+def in_kernel(monkeypatch):
+  """As `frozen`, with rows past the limit recomputed inside the forward
+  kernel: the second launch must not run."""
+  monkeypatch.setattr(configs, "get_config", lambda *a, **kw: _IN_KERNEL)
+  def no_launch(*args):
+    raise AssertionError("refresh='in_kernel' launched `_refresh_frozen`")
+  monkeypatch.setattr(pallas, "_refresh_frozen", no_launch)
 
 
 def test_score_mod_minus_inf_rows_give_zeros(frozen):
@@ -132,6 +143,20 @@ def test_rows_past_their_frozen_maxima_are_recomputed(frozen, monkeypatch):
   assert not np.isfinite(np.asarray(_forward(q, k, v))).all()
 
 
+def test_rows_past_their_frozen_maxima_are_recomputed_in_the_kernel(in_kernel):
+  """The same rows, rerun online at the end of the forward kernel (the
+  fixture fails the test if the second launch runs)."""
+  q, k, v = _far_above_the_first_tile()
+  expected = flex_tests.flex_attention_reference(q, k, v)
+  assert flex_tests._rel(_forward(q, k, v), expected) < flex_tests._TOL[jnp.float32]
+
+
+@pytest.mark.parametrize("name", ["window_lengths_gqa_bf16", "documents_softcap_f32"])
+def test_in_kernel_refresh_leaves_other_calls_alone(name, in_kernel):
+  """Masks, key lengths, an empty row and mods, where no row passes the limit."""
+  test_triton_forward_matches_reference(name, None)
+
+
 @pytest.mark.parametrize("dtype, mosaic_fwd, expected", [
     (jnp.bfloat16, None, "first_tile_max"),
     (jnp.float32, None, "first_tile_max"),
@@ -163,16 +188,21 @@ def test_vmap(frozen):
 def test_config_names_the_softmax():
   with pytest.raises(ValueError, match="fwd_softmax"):
     dataclasses.replace(configs._INTERPRET, fwd_softmax="maximum")
+  with pytest.raises(ValueError, match="refresh"):
+    dataclasses.replace(configs._INTERPRET, refresh="later")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_triton_forward_lowers_for_hopper(dtype, hopper_lowering):
-  """The frozen walk, the row sums' dot and the second pass lower for sm90."""
+@pytest.mark.parametrize("dtype, refresh", [(jnp.bfloat16, "launch"), (jnp.float32, "launch"),
+                                            (jnp.bfloat16, "in_kernel")])
+def test_triton_forward_lowers_for_hopper(dtype, refresh, hopper_lowering):
+  """The frozen walk, the row sums' dot and the second pass (a launch, or a
+  branch of the forward kernel) lower for sm90."""
   config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")],
-                               fwd_softmax="first_tile_max", mosaic_fwd=None)
+                               fwd_softmax="first_tile_max", mosaic_fwd=None, refresh=refresh)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
   fn = lambda q, k, v: pallas.flex_attention_pallas(
       q, k, v, scale=0.17, is_causal=True, window=None, q_segment_ids=None,
       kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("__gpu$xla.gpu.triton") >= 2  # the forward and the second pass
+  # The forward and the second pass, or the forward alone.
+  assert text.count("__gpu$xla.gpu.triton") == (2 if refresh == "launch" else 1)
