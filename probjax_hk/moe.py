@@ -23,6 +23,7 @@ Every `dropless_impl` computes the same function:
 
 import functools
 import math
+import numbers
 from typing import Literal, NamedTuple
 
 import haiku as hk
@@ -458,6 +459,10 @@ class MoELayer(hk.Module):
       name: module name.
     """
     super().__init__(name=name or "moe_layer")
+    for arg, value in (("num_experts", num_experts), ("top_k", top_k), ("d_hidden", d_hidden)):
+      # numbers.Integral takes numpy's ints too; a float would fail deep inside.
+      if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"`{arg}` must be an int, got {value!r}")
     if num_experts < 1:
       raise ValueError(f"`num_experts` must be >= 1, got {num_experts}")
     if not 1 <= top_k <= num_experts:

@@ -9,6 +9,7 @@ not repeated here.
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import probjax_hk as pk
@@ -142,3 +143,19 @@ def test_model_step_with_a_wrong_state_shape_raises(scan_layers):
     return m.step(jnp.ones((B, I)), state)
   with pytest.raises(ValueError, match="`state`"):
     _init(f)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(num_experts=4.0), "num_experts"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(d_hidden=True), "d_hidden"),
+])
+def test_moe_sizes_must_be_ints(kwargs, argument):
+  """A float size failed deep inside (a TypeError from a reshape or top_k)."""
+  sizes = dict(num_experts=4, top_k=2, d_hidden=8) | kwargs
+  with pytest.raises(TypeError, match=argument):
+    _init(lambda: pk.MoELayer(**sizes)(X))
+
+
+def test_moe_takes_numpy_ints():
+  _init(lambda: pk.MoELayer(np.int64(4), np.int32(2), np.int64(8))(X))
