@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from ops import _backend
 from ops.flex_attention import api as flex_api
+from probjax_hk import arguments
 from probjax_hk import layers
 
 AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
@@ -203,12 +204,10 @@ class MultiHeadAttention(hk.Module):
                attention_fn: AttentionFn = dot_product_attention,
                with_bias: bool = False, name: str | None = None):
     super().__init__(name=name)
-    if num_heads < 1:
-      raise ValueError(f"`num_heads` must be >= 1, got {num_heads=}")
-    if head_dim is not None and head_dim < 1:
-      raise ValueError(f"`head_dim` must be >= 1 or None, got {head_dim=}")
+    arguments.check_positive_ints(num_heads=num_heads)
+    arguments.check_positive_ints_or_none(num_kv_heads=num_kv_heads, head_dim=head_dim)
     num_kv_heads = num_kv_heads or num_heads
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
+    if num_heads % num_kv_heads:
       raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_heads=} {num_kv_heads=}")
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads

@@ -13,6 +13,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from probjax_hk import arguments
 from probjax_hk import lean_backward
 
 Activation = Literal["gelu", "swiglu"]
@@ -36,8 +37,7 @@ class Linear(hk.Module):
                b_init: hk.initializers.Initializer | None = None,
                name: str | None = None):
     super().__init__(name=name)
-    if output_size < 1:
-      raise ValueError(f"`output_size` must be >= 1, got {output_size=}")
+    arguments.check_positive_ints(output_size=output_size)
     self.output_size = output_size
     self.with_bias = with_bias
     self.w_init = w_init
@@ -102,10 +102,8 @@ class MLP(hk.Module):
     super().__init__(name=name)
     if activation not in ("gelu", "swiglu"):
       raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
-    if hidden_dim < 1:
-      raise ValueError(f"`hidden_dim` must be >= 1, got {hidden_dim=}")
-    if output_dim is not None and output_dim < 1:
-      raise ValueError(f"`output_dim` must be >= 1 or None, got {output_dim=}")
+    arguments.check_positive_ints(hidden_dim=hidden_dim)
+    arguments.check_positive_ints_or_none(output_dim=output_dim)
     self.hidden_dim = hidden_dim
     self.output_dim = output_dim
     self.activation = activation
@@ -131,8 +129,7 @@ class AdaLNModulation(hk.Module):
 
   def __init__(self, model_dim: int, num_chunks: int, *, name: str | None = None):
     super().__init__(name=name)
-    if model_dim < 1 or num_chunks < 1:
-      raise ValueError(f"`model_dim` and `num_chunks` must be >= 1, got {model_dim=} {num_chunks=}")
+    arguments.check_positive_ints(model_dim=model_dim, num_chunks=num_chunks)
     self.model_dim = model_dim
     self.num_chunks = num_chunks
 
@@ -174,8 +171,7 @@ class TimestepEmbedding(hk.Module):
 
   def __init__(self, dim: int, *, frequency_dim: int = 256, name: str | None = None):
     super().__init__(name=name)
-    if dim < 1:
-      raise ValueError(f"`dim` must be >= 1, got {dim=}")
+    arguments.check_positive_ints(dim=dim, frequency_dim=frequency_dim)
     if frequency_dim < 2 or frequency_dim % 2:
       raise ValueError(f"`frequency_dim` must be even and >= 2, got {frequency_dim=}")
     self.dim = dim

@@ -23,7 +23,6 @@ Every `dropless_impl` computes the same function:
 
 import functools
 import math
-import numbers
 from typing import Literal, NamedTuple
 
 import haiku as hk
@@ -36,6 +35,7 @@ from ops import _backend
 from ops import _shapes
 from ops.grouped_mlp.reference import Activation
 from ops.grouped_mlp.reference import activate
+from probjax_hk import arguments
 
 DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
 DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
@@ -459,16 +459,9 @@ class MoELayer(hk.Module):
       name: module name.
     """
     super().__init__(name=name or "moe_layer")
-    for arg, value in (("num_experts", num_experts), ("top_k", top_k), ("d_hidden", d_hidden)):
-      # numbers.Integral takes numpy's ints too; a float would fail deep inside.
-      if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"`{arg}` must be an int, got {value!r}")
-    if num_experts < 1:
-      raise ValueError(f"`num_experts` must be >= 1, got {num_experts}")
-    if not 1 <= top_k <= num_experts:
+    arguments.check_positive_ints(num_experts=num_experts, top_k=top_k, d_hidden=d_hidden)
+    if top_k > num_experts:
       raise ValueError(f"`top_k` must be in [1, num_experts], got {top_k=} {num_experts=}")
-    if d_hidden < 1:
-      raise ValueError(f"`d_hidden` must be >= 1, got {d_hidden}")
     if activation not in ("gelu", "swiglu"):
       raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
     if dropless_impl not in DROPLESS_IMPLS:

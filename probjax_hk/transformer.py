@@ -9,6 +9,7 @@ N query heads, K key/value heads, H = D / N head size.
 import haiku as hk
 import jax
 
+from probjax_hk import arguments
 from probjax_hk import attention
 from probjax_hk import layers
 from probjax_hk import stacking
@@ -19,20 +20,17 @@ def check_model_args(model_dim: int, num_heads: int, num_layers: int,
                      remat_policy: stacking.RematPolicy, scan_unroll: int,
                      widening_factor: int = 4) -> None:
   """The constructor checks the Transformer and DiffusionTransformer share."""
-  if model_dim <= 0 or num_heads <= 0 or num_layers <= 0:
-    raise ValueError(f"`model_dim`, `num_heads` and `num_layers` must be positive, "
-                     f"got {model_dim=} {num_heads=} {num_layers=}")
+  arguments.check_positive_ints(model_dim=model_dim, num_heads=num_heads,
+                                num_layers=num_layers, widening_factor=widening_factor,
+                                scan_unroll=scan_unroll)
+  arguments.check_positive_ints_or_none(num_kv_heads=num_kv_heads)
   if model_dim % num_heads:
     raise ValueError(f"`num_heads` must divide `model_dim`, got {num_heads=} {model_dim=}")
-  if num_kv_heads is not None and (num_kv_heads <= 0 or num_heads % num_kv_heads):
+  if num_kv_heads is not None and num_heads % num_kv_heads:
     raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_kv_heads=} {num_heads=}")
-  if widening_factor < 1:
-    raise ValueError(f"`widening_factor` must be >= 1, got {widening_factor=}")
   if not 0.0 <= dropout_rate < 1.0:
     raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
   stacking.validate_remat_policy(remat_policy)
-  if scan_unroll < 1:
-    raise ValueError(f"`scan_unroll` must be >= 1, got {scan_unroll=}")
 
 
 def dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:

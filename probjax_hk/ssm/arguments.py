@@ -1,26 +1,16 @@
 """The argument checks the SSM cells and model share.
 
-Each raises a ValueError naming the argument and its value: the constructor
-checks at construction, before any parameter exists, the step checks at the
-start of `step`, from static shapes only.
+The constructor checks (`probjax_hk.arguments`, shared with the other models)
+run at construction, before any parameter exists; the step checks here at the
+start of `step`, from static shapes only. Each raises an error naming the
+argument and its value.
 """
 
 import jax
 import jax.numpy as jnp
 
-
-def check_positive_ints(**values) -> None:
-  """Every value must be an int >= 1."""
-  for arg, value in values.items():
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"`{arg}` must be a positive integer, got {arg}={value!r}")
-
-
-def check_positive_or_none(**values) -> None:
-  """Every value must be None (a default chosen later) or > 0."""
-  for arg, value in values.items():
-    if value is not None and value <= 0:
-      raise ValueError(f"`{arg}` must be positive, got {arg}={value!r}")
+from probjax_hk.arguments import check_positive_ints  # pylint: disable=unused-import
+from probjax_hk.arguments import check_positive_or_none  # pylint: disable=unused-import
 
 
 def check_step_input(name: str, x_t: jax.Array) -> None:

@@ -159,3 +159,25 @@ def test_moe_sizes_must_be_ints(kwargs, argument):
 
 def test_moe_takes_numpy_ints():
   _init(lambda: pk.MoELayer(np.int64(4), np.int32(2), np.int64(8))(X))
+
+
+@pytest.mark.parametrize("fn, argument", [
+    (lambda: pk.Transformer(16.0, 4, 1)(X), "model_dim"),  # ran silently
+    (lambda: pk.Transformer(D, 4.0, 1)(X), "num_heads"),
+    (lambda: pk.DiffusionTransformer(D, 4, 2.0)(X, jnp.ones((B,))), "num_layers"),
+    (lambda: pk.Transformer(D, 4, 1, num_kv_heads=True)(X), "num_kv_heads"),
+    (lambda: pk.MultiHeadAttention(4.0)(X), "num_heads"),
+    (lambda: pk.MultiHeadAttention(4, head_dim=8.0)(X), "head_dim"),
+    (lambda: pk.MLP(8.0)(X), "hidden_dim"),
+    (lambda: pk.Linear(8.0)(X), "output_size"),
+    (lambda: pk.SSMModel(D, 32, D, 1.0, cell=pk.MambaCell)(X), "num_layers"),
+])
+def test_float_sizes_raise_a_type_error(fn, argument):
+  """Sizes are integers: a float gave a shape error from inside Haiku or jax
+  (or, for the Transformer's width, ran)."""
+  with pytest.raises(TypeError, match=f"`{argument}` must be a positive integer"):
+    _init(fn)
+
+
+def test_numpy_int_sizes_are_sizes():
+  _init(lambda: pk.Transformer(np.int64(D), np.int32(4), np.int64(1))(X))
