@@ -232,8 +232,7 @@ class MultiHeadAttention(hk.Module):
     Returns:
       [B, T, D].
     """
-    if x.ndim != 3:
-      raise ValueError(f"`x` must be [B, T, D], got shape {x.shape}")
+    layers.check_tokens(x)
     if context is not None and (context.ndim != 3 or context.shape[0] != x.shape[0]):
       raise ValueError(f"`context` must be [B, S, D_c] with B={x.shape[0]}, "
                        f"got shape {context.shape}")

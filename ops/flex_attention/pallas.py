@@ -603,12 +603,14 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     k_seg = _shapes.pad_axis(kv_segment_ids.astype(jnp.int32), 1, sp, value=-2)
   lists = None
   if mask_mod is not None:  # The block mask: built once per call, in XLA.
+    dense_lengths = None
+    if st.kv_mask:  # key lengths, or S for every row (padded keys closed)
+      dense_lengths = jnp.full((batch,), seq_kv, jnp.int32) if kv_len is None else kv_len[:, 0]
     dense = reference.allowed_mask(
         batch, num_heads, tp, sp, is_causal=is_causal,
         segment_ids=None if q_seg is None else (q_seg, k_seg),
         local_window_size=window, mask_mod=mask_mod,
-        kv_seq_lengths=(_rows(kv_len) if kv_len is not None else  # padded keys closed
-                        jnp.full((batch,), seq_kv, jnp.int32) if st.kv_mask else None))
+        kv_seq_lengths=dense_lengths)
     lists = {
         "fwd": masks.tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
         "dq": masks.tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),

@@ -44,12 +44,10 @@ def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
   if initial_state is not None and initial_state.shape != (batch, heads, key, value):
     raise ValueError(f"{op}: `initial_state` must be [B, N, K, V] = "
                      f"{(batch, heads, key, value)}, got {initial_state.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v), ("log_decay", log_decay)) + tuple(extra):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
+  for name, x in ((("q", q), ("k", k), ("v", v), ("log_decay", log_decay),
+                   ("initial_state", initial_state)) + tuple(extra)):
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{op}: `{name}` must be floating point, got {x.dtype}")
-  if initial_state is not None and not jnp.issubdtype(initial_state.dtype, jnp.floating):
-    raise ValueError(f"{op}: `initial_state` must be floating point, got "
-                     f"{initial_state.dtype}")
 
 
 

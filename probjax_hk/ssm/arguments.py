@@ -9,19 +9,14 @@ argument and its value.
 import jax
 import jax.numpy as jnp
 
-from probjax_hk.arguments import check_positive_ints  # pylint: disable=unused-import
-from probjax_hk.arguments import check_positive_or_none  # pylint: disable=unused-import
 
-
-def check_step_input(name: str, x_t: jax.Array) -> None:
-  """A decoding step's input must be [B, H]."""
+def check_step(name: str, x_t: jax.Array, state, state_shapes) -> None:
+  """A decoding step's input must be [B, H] and `state` must have the arrays
+  and shapes of `state_shapes(B, H)` (the cell's `jax.ShapeDtypeStruct`s,
+  which `initial_state(B)` also builds from)."""
   if x_t.ndim != 2:
     raise ValueError(f"`{name}` must be [B, H], got shape {x_t.shape}")
-
-
-def check_state(state, expected) -> None:
-  """`state` must have the arrays and shapes of `expected` (the
-  `jax.ShapeDtypeStruct`s of `initial_state(batch_size)`)."""
+  expected = state_shapes(x_t.shape[0], x_t.shape[-1])
   want = [tuple(s.shape) for s in jax.tree.leaves(expected)]
   got = [tuple(jnp.shape(a)) for a in jax.tree.leaves(state)]
   if got != want:

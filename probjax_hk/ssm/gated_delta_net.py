@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from ops.gated_delta_rule.reference import gated_delta_step
+from probjax_hk.arguments import check_positive_ints
+from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
-from probjax_hk.ssm.arguments import check_positive_ints
-from probjax_hk.ssm.arguments import check_positive_or_none
-from probjax_hk.ssm.arguments import check_state
-from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
 from probjax_hk.ssm.mamba2 import causal_conv_step
@@ -144,8 +143,7 @@ class GatedDeltaNetCell(hk.Module):
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
-    check_step_input("u_t", u_t)
-    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
+    check_step("u_t", u_t, state, self._state_shapes)
     conv_state, ssm_state = state
     model_dim, heads, p = self._dims(u_t.shape[-1])
     qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u_t)

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
-from probjax_hk.ssm.arguments import check_positive_or_none
-from probjax_hk.ssm.arguments import check_state
-from probjax_hk.ssm.arguments import check_step_input
-from probjax_hk.ssm.arguments import zeros
+from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import zeros
 
 
 def _ring_nu_log(r_min: float, r_max: float):
@@ -132,8 +131,7 @@ class LRUCell(hk.Module):
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state: jax.Array) -> tuple[jax.Array, jax.Array]:
     """One step: x_t [B, H], state [B, N] -> (y_t [B, H], state)."""
-    check_step_input("x_t", x_t)
-    check_state(state, self._state_shapes(x_t.shape[0], x_t.shape[-1]))
+    check_step("x_t", x_t, state, self._state_shapes)
     lam, b, c, d = self._params(x_t.shape[-1])
     xf = x_t.astype(jnp.float32)
     state = lam * state + xf.astype(jnp.complex64) @ b                  # [B, N]

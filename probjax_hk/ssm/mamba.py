@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from ops.selective_scan.reference import finish_output
+from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
-from probjax_hk.ssm.arguments import check_positive_or_none
-from probjax_hk.ssm.arguments import check_state
-from probjax_hk.ssm.arguments import check_step_input
-from probjax_hk.ssm.arguments import zeros
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import zeros
 
 
 class MambaCell(hk.Module):
@@ -161,8 +160,7 @@ class MambaCell(hk.Module):
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state):
     """One step: x_t [B, H] -> (y_t [B, H], state)."""
-    check_step_input("x_t", x_t)
-    check_state(state, self._state_shapes(x_t.shape[0], x_t.shape[-1]))
+    check_step("x_t", x_t, state, self._state_shapes)
     conv_state, ssm_state = state
     h, inner, state_dim, rank = self._dims(x_t.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x_t)         # [B, 2E]

@@ -20,11 +20,10 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
+from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
-from probjax_hk.ssm.arguments import check_positive_ints
-from probjax_hk.ssm.arguments import check_state
-from probjax_hk.ssm.arguments import check_step_input
+from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
@@ -168,8 +167,7 @@ class Mamba2Cell(hk.Module):
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
-    check_step_input("u_t", u_t)
-    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
+    check_step("u_t", u_t, state, self._state_shapes)
     conv_state, ssm_state = state
     model_dim, _, heads = self._dims(u_t.shape[-1])
     z, xbc, dt = self._in_proj(u_t)

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from probjax_hk import stacking
+from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import MLP
 from probjax_hk.layers import RMSNorm
-from probjax_hk.ssm.arguments import check_positive_ints
 from probjax_hk.ssm.lru import LRUCell
 
 _MLP_RATIO = 2  # swiglu hidden width / model width

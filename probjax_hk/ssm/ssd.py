@@ -21,13 +21,12 @@ import ops
 from ops import _backend
 from ops.ssd.reference import expand_groups
 from ops.ssd.reference import ssd_step
+from probjax_hk.arguments import check_positive_ints
+from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
-from probjax_hk.ssm.arguments import check_positive_ints
-from probjax_hk.ssm.arguments import check_positive_or_none
-from probjax_hk.ssm.arguments import check_state
-from probjax_hk.ssm.arguments import check_step_input
-from probjax_hk.ssm.arguments import zeros
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import zeros
 
 _F32 = jnp.float32
 
@@ -179,8 +178,7 @@ class SSDCell(hk.Module):
   @hk.name_like("__call__")
   def step(self, u_t: jax.Array, state):
     """One step: u_t [B, H], state -> (y_t [B, H], state)."""
-    check_step_input("u_t", u_t)
-    check_state(state, self._state_shapes(u_t.shape[0], u_t.shape[-1]))
+    check_step("u_t", u_t, state, self._state_shapes)
     model_dim = u_t.shape[-1]
     _, heads, p, _ = self._dims(model_dim)
     x, b, c, dt = self._project(u_t)
