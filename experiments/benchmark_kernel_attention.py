@@ -5,7 +5,10 @@ respect to q, k and v) of every implementation on the shapes of ANCHORS.md,
 in one process, and writes JSON rows (harness format) with TFLOP/s and ratios
 against cuDNN and against JAX's Pallas `mha` at its best block sizes (a small
 sweep in the same run). With --check it first compares flex with the f32
-reference on the GPU (forward and gradients, masks, GQA, odd lengths).
+reference on the GPU (forward and gradients, masks, GQA, odd lengths). With
+--chain 10 each executable makes ten calls in a row (`workloads.chained`), so
+that calls of tens of microseconds are timed on the device rather than as
+the host's dispatch of one executable.
 
   python3 -m experiments.benchmark_kernel_attention --check \
       --output docs/benchmarks/kernel_attention_h200.json
@@ -60,6 +63,10 @@ _CHECK_FWD_SOFTMAX = flags.DEFINE_string(
     "with this softmax (`FlexConfig.fwd_softmax`) in every case.")
 _CHECK_REFRESH = flags.DEFINE_string(
     "check_refresh", None, "Also check flex with this `FlexConfig.refresh` in every case.")
+_CHAIN = flags.DEFINE_integer(
+    "chain", 1, "Calls per executable (workloads.chained): with more than one, "
+    "short calls are timed on the device instead of as host dispatches; times "
+    "are per call.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -69,6 +76,14 @@ _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after t
 SHAPES = {
     "b8_n8_t4096_h32": (8, 8, 4096, 32, (False, True)),
     "b8_n8_t1024_h32": (8, 8, 1024, 32, (False,)),
+    # Where `FlexConfig.refresh='auto'` changes over (configs.py): not in ANCHORS.md.
+    "b8_n8_t512_h32": (8, 8, 512, 32, (False,)),
+    "b8_n8_t2048_h32": (8, 8, 2048, 32, (False,)),
+    "b32_n8_t1024_h32": (32, 8, 1024, 32, (False,)),
+    "b2_n8_t2048_h32": (2, 8, 2048, 32, (False,)),
+    "b8_n8_t256_h32": (8, 8, 256, 32, (False,)),
+    "b16_n8_t512_h32": (16, 8, 512, 32, (False,)),
+    "b4_n8_t1024_h32": (4, 8, 1024, 32, (False,)),
     "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
     # Beyond cuDNN's head sizes (not in ANCHORS.md): flex's two forwards.
@@ -175,9 +190,12 @@ def main(argv):
             row = dict(config, status="unsup", message="time budget")
           else:
             iters = max(5, _ITERS.value // 2) if impl == "xla" else _ITERS.value
-            row = harness.run_case(config, workloads.attention_case(impl, (b, n, t, h), causal, mode),
-                                   iters=iters)
+            case = workloads.attention_case(impl, (b, n, t, h), causal, mode,
+                                            chain=_CHAIN.value)
+            row = dict(harness.run_case(config, case, iters=iters), chain=_CHAIN.value)
           if row.get("status") == "ok":
+            row["median_ms"] /= row["chain"]
+            row["min_ms"] /= row["chain"]
             row["tflops"] = _flops(b, n, t, h, causal, mode) / (row["median_ms"] * 1e9)
           print(json.dumps({k: row.get(k) for k in ("shape", "causal", "mode", "impl",
                                                      "status", "median_ms", "message")}),

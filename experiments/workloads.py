@@ -307,15 +307,38 @@ def attention_fn(impl, h, causal):
                                      num_stages=stages)
 
 
-def attention_case(impl, shape, causal, mode):
-  """A harness build thunk: (B, N, T, H) -> (jitted fwd or grad, (q, k, v))."""
+def attention_case(impl, shape, causal, mode, chain=1):
+  """A harness build thunk: (B, N, T, H) -> (jitted fwd or grad, (q, k, v)).
+
+  With `chain` > 1 the executable makes that many calls one after another,
+  each on the same q, k, v passed through an optimization barrier with the
+  previous call's result (so none is merged with or moved past another, and
+  every call sees the same random inputs): a call of tens of microseconds is
+  then timed on the device rather than as the host's dispatch of one
+  executable. The time per call is the harness's time over `chain`.
+  """
   b, n, t, h = shape
   def build():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (b, t, n, h), input_dtype(impl)) for key in keys)
-    fn = attention_fn(impl, h, causal)
-    if mode == "fwd":
-      return jax.jit(fn), (q, k, v)
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (q, k, v)
+    attend = attention_fn(impl, h, causal)
+    fn = attend
+    if mode != "fwd":
+      loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+      fn = jax.grad(loss, argnums=(0, 1, 2))
+    return jax.jit(chained(fn, chain)), (q, k, v)
   return build
+
+
+def chained(fn, chain: int):
+  """`fn` called `chain` times in a row on the same arguments; returns the
+  last call's result (and, for `chain` > 1, the earlier ones, which keep the
+  barriers whole: XLA drops a barrier's unused operands)."""
+  def run(*args):
+    out, earlier = fn(*args), []
+    for _ in range(chain - 1):
+      *args, previous = jax.lax.optimization_barrier((*args, out))
+      earlier.append(previous)
+      out = fn(*args)
+    return (out, earlier) if earlier else out
+  return run

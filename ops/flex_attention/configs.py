@@ -36,7 +36,18 @@ class KernelConfig:
 
 FWD_SOFTMAX = ("online", "first_tile_max")
 # Where rows past the first-tile maxima's limit are recomputed (`pallas.py`).
-REFRESH = ("launch", "in_kernel")
+REFRESH = ("launch", "in_kernel", "auto")
+# refresh='auto' takes 'in_kernel' for calls of at most this many scores
+# (B x N x T x S), 'launch' for larger ones: the rerun inside the kernel saves
+# a launch (fixed) but slows the walk (in proportion to the work). Thirtieth
+# session, H32 full attention on an H200, forward microseconds launch /
+# in_kernel, each call chained ten to an executable so that the device is
+# timed (docs/benchmarks/kernel_attention_chain_short_h200.json): 4.2 M scores
+# 15.1 / 7.9 (B 8, T 256), 16.8 M 16.9 / 13.0 (B 8, T 512), 33.6 M 23.5 / 23.0
+# (B 16, T 512) and 20.0 / 20.5 (B 4, T 1024), 67 M 37.8 / 38.7 (B 8, T 1024);
+# kernel_attention_chain_h200.json: 67 M 35.4 / 37.9 (B 2, T 2048); and
+# 0.49 / 0.55 ms at 1.07 G (B 8, T 4096, kernel_attention_refresh_h200.json).
+IN_KERNEL_REFRESH_MAX_SCORES = 2**25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +67,9 @@ class FlexConfig:
   passed the kept maxima by far: 'launch' (a second launch over all query
   tiles, most of whose programs read their lse and stop) or 'in_kernel' (the
   Triton forward reruns the tile online at its end, no second launch; the
-  Mosaic forward always launches).
+  Mosaic forward always launches) or 'auto' ('in_kernel' for calls of at
+  most `IN_KERNEL_REFRESH_MAX_SCORES` scores, where the second launch is a
+  large share of the call; `pallas.prepare` decides).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -78,14 +91,15 @@ class FlexConfig:
     return self.fwd_softmax == "first_tile_max"
 
 
-def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") -> FlexConfig:
+def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
+       refresh="launch") -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
       None if mosaic_fwd is None else (
           mosaic.MosaicForwardConfig(**mosaic_fwd) if isinstance(mosaic_fwd, dict)
           else mosaic.MosaicForwardConfig(*mosaic_fwd)),
       None if mosaic_bwd is None else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd),
-      fwd_softmax)
+      fwd_softmax, refresh)
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -152,7 +166,7 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online") ->
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
                                  (128, 128, 2, True, False), (128, 64, 3),
-                                 fwd_softmax="first_tile_max"),
+                                 fwd_softmax="first_tile_max", refresh="auto"),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
                                       persistent=True), (128, 64, 2),

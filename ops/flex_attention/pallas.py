@@ -534,6 +534,13 @@ def _fwd_softmax(config: configs.FlexConfig, dtype) -> str:
   return config.fwd_softmax
 
 
+def _refresh(config: configs.FlexConfig, scores: int) -> str:
+  """Where a forward of `scores` scores recomputes rows past the limit."""
+  if config.refresh != "auto":
+    return config.refresh
+  return "in_kernel" if scores <= configs.IN_KERNEL_REFRESH_MAX_SCORES else "launch"
+
+
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
             q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
             config: configs.FlexConfig | None = None, mask_mod=None,
@@ -573,7 +580,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
                                 for c in (config.fwd, config.dkdv, config.dq)),
                               mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
                               fwd_softmax=_fwd_softmax(config, q.dtype),
-                              refresh=config.refresh)
+                              refresh=_refresh(config, batch * num_heads * seq_q * seq_kv))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups

@@ -1,6 +1,10 @@
 """experiments.workloads: the attention implementation names that the
 benchmarks take map to the configs they say."""
 
+import re
+
+import jax
+import numpy as np
 import pytest
 
 from experiments import workloads
@@ -39,3 +43,18 @@ def test_mosaic_backward_tiles():
                                   "flex_refresh_in_kernel", "cudnn", "mha_128x64"])
 def test_attention_names_resolve(impl):
   assert callable(workloads.attention_fn(impl, 32, True))
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
+def test_chained_attention_keeps_every_call(mode):
+  """Each of the chained calls stays in the optimized executable (none merged
+  or dropped) and each computes what one call does."""
+  fn, args = workloads.attention_case("xla", (1, 2, 16, 8), False, mode, chain=3)()
+  one, _ = workloads.attention_case("xla", (1, 2, 16, 8), False, mode)()
+  products = lambda f: len(re.findall(r"= \S+ dot\(", f.lower(*args).compile().as_text()))
+  assert products(fn) == 3 * products(one) > 0
+  last, earlier = fn(*args)
+  assert len(earlier) == 2
+  for got in (last, *earlier):
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(one(*args))):
+      np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=1e-6)

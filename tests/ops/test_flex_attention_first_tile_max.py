@@ -174,6 +174,22 @@ def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, expected):
   assert st.config.fwd_softmax == expected
 
 
+@pytest.mark.parametrize("batch, seq_kv, expected", [
+    (2, 128, "in_kernel"),
+    (1, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64), "in_kernel"),  # at the limit
+    (1, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64) + 1, "launch"),  # one key more
+    (2, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64), "launch"),
+])
+def test_auto_refresh_follows_the_number_of_scores(batch, seq_kv, expected):
+  config = dataclasses.replace(_FROZEN, refresh="auto")
+  q = jnp.zeros((batch, 64, 2, 32), jnp.bfloat16)
+  kv = jnp.zeros((batch, seq_kv, 2, 32), jnp.bfloat16)
+  st, _ = pallas.prepare(q, kv, kv, scale=0.2, is_causal=False, window=None,
+                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         interpret=True, config=config)
+  assert st.config.refresh == expected
+
+
 def test_vmap(frozen):
   """vmap batches the forward and its second pass (out, lse aliased)."""
   q, k, v, _ = flex_tests._inputs((3, 1, 96, 2, 32), (3, 1, 96, 2, 32), jnp.float32)
