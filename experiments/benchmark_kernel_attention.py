@@ -5,10 +5,10 @@ respect to q, k and v) of every implementation on the shapes of ANCHORS.md,
 in one process, and writes JSON rows (harness format) with TFLOP/s and ratios
 against cuDNN and against JAX's Pallas `mha` at its best block sizes (a small
 sweep in the same run). With --check it first compares flex with the f32
-reference on the GPU (forward and gradients, masks, GQA, odd lengths). With
---chain 10 each executable makes ten calls in a row (`workloads.chained`), so
-that calls of tens of microseconds are timed on the device rather than as
-the host's dispatch of one executable.
+reference on the GPU (forward and gradients, masks, GQA, odd lengths). Shapes
+of at most `CHAINED_MAX_SCORES` scores (T 1024 at B 8, N 8) run ten calls per
+executable (`workloads.chained`, `--chain` to set), so that calls of tens of
+microseconds are timed on the device rather than as the host's dispatch.
 
   python3 -m experiments.benchmark_kernel_attention --check \
       --output docs/benchmarks/kernel_attention_h200.json
@@ -64,9 +64,9 @@ _CHECK_FWD_SOFTMAX = flags.DEFINE_string(
 _CHECK_REFRESH = flags.DEFINE_string(
     "check_refresh", None, "Also check flex with this `FlexConfig.refresh` in every case.")
 _CHAIN = flags.DEFINE_integer(
-    "chain", 1, "Calls per executable (workloads.chained): with more than one, "
+    "chain", None, "Calls per executable (workloads.chained): with more than one, "
     "short calls are timed on the device instead of as host dispatches; times "
-    "are per call.")
+    "are per call. Default: `chain_for` of the shape.")
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
@@ -91,6 +91,18 @@ SHAPES = {
 }
 DEFAULT_SHAPES = ("b8_n8_t4096_h32", "b8_n8_t1024_h32", "b4_n16_t4096_h64",
                   "b2_n16_t8192_h128")
+
+# Calls of at most this many scores (B x N x T x T) run ten to an executable by
+# default: one took 15-50 us on an H200, less than the host's dispatch of an
+# executable, which timed one call per executable as the host (BUILD_NOTES.md,
+# flex_attention, "Thirtieth session").
+CHAINED_MAX_SCORES = 2**26
+
+
+def chain_for(b: int, n: int, t: int) -> int:
+  """Calls per executable for a shape, unless --chain says."""
+  return 10 if b * n * t * t <= CHAINED_MAX_SCORES else 1
+
 
 def _flops(b, n, t, h, causal, mode):
   fwd = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
@@ -190,9 +202,9 @@ def main(argv):
             row = dict(config, status="unsup", message="time budget")
           else:
             iters = max(5, _ITERS.value // 2) if impl == "xla" else _ITERS.value
-            case = workloads.attention_case(impl, (b, n, t, h), causal, mode,
-                                            chain=_CHAIN.value)
-            row = dict(harness.run_case(config, case, iters=iters), chain=_CHAIN.value)
+            chain = chain_for(b, n, t) if _CHAIN.value is None else _CHAIN.value
+            case = workloads.attention_case(impl, (b, n, t, h), causal, mode, chain=chain)
+            row = dict(harness.run_case(config, case, iters=iters), chain=chain)
           if row.get("status") == "ok":
             row["median_ms"] /= row["chain"]
             row["min_ms"] /= row["chain"]

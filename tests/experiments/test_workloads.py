@@ -58,3 +58,9 @@ def test_chained_attention_keeps_every_call(mode):
   for got in (last, *earlier):
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(one(*args))):
       np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32), rtol=1e-6)
+
+
+def test_short_attention_shapes_are_chained():
+  from experiments import benchmark_kernel_attention as bench
+  assert bench.chain_for(8, 8, 1024) == 10  # 2^26 scores: tens of microseconds
+  assert bench.chain_for(8, 8, 2048) == bench.chain_for(8, 8, 4096) == 1
