@@ -322,10 +322,8 @@ def attention_case(impl, shape, causal, mode, chain=1):
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q, k, v = (jax.random.normal(key, (b, t, n, h), input_dtype(impl)) for key in keys)
     attend = attention_fn(impl, h, causal)
-    fn = attend
-    if mode != "fwd":
-      loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
-      fn = jax.grad(loss, argnums=(0, 1, 2))
+    loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
+    fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
     return jax.jit(chained(fn, chain)), (q, k, v)
   return build
 
