@@ -123,8 +123,8 @@ def _ssd(op, impl, shape, mode, small):
   return jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)), args
 
 
-def _attention(impl, mode, small, causal=True):
-  shape = (1, 2, 128, 32) if small else (8, 8, 4096, 32)
+def _attention(impl, mode, small, causal=True, seq=4096):
+  shape = (1, 2, 128, 32) if small else (8, 8, seq, 32)
   return workloads.attention_case(impl, shape, causal, mode)()
 
 
@@ -172,6 +172,11 @@ CASES = {
     # Full attention: the Triton forward's case (the Mosaic one takes causal calls).
     "flex_triton_h32_fwd_full": lambda small: _attention("flex_triton", "fwd", small, False),
     "cudnn_h32_fwd_full": lambda small: _attention("cudnn", "fwd", small, False),
+    # The T 1024 anchor's forward (full attention): flex's kernels (the forward
+    # and the first-tile maxima's second launch) against JAX's mha at its best tiles.
+    **{f"{impl}_h32_fwd_full_t1024": functools.partial(
+        lambda small, impl: _attention(impl, "fwd", small, False, seq=1024), impl=impl)
+       for impl in ("flex", "flex_refresh_in_kernel", "mha_128x64", "cudnn")},
     # The standard-profile model steps, per attention ('default' = flex on NVIDIA GPUs).
     **{f"{model}_step_{choice}": functools.partial(
         lambda small, model, choice: _model_step(model, choice, small),

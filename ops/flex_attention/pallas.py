@@ -130,7 +130,9 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
 # with the online softmax in a second launch; with `FlexConfig.refresh =
 # 'in_kernel'` the Triton forward instead reruns such a tile online at its end
-# (a branch almost never taken; no second launch).
+# (a branch almost never taken; no second launch). Calls with a `score_mod`
+# keep the online softmax (`_fwd_softmax`): a positional bias makes that
+# branch the rule.
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
@@ -202,8 +204,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     count, tile = masks.open_tiles(st, ranges, lists)
     first = jnp.minimum(count, 1)
     acc, m, l = lax.fori_loop(0, first, lambda t, c: body(tile(t), c, masked=False), carry)
-    if st.score_mod is not None:  # its -inf on a whole row: any reference (acc, l = 0)
-      m = jnp.where(m == -jnp.inf, 0.0, m)
     l_rest = jnp.zeros((bq, 16) if sum_by_mma else (bq,), jnp.float32)
     acc, l_rest = lax.fori_loop(first, count, lambda t, c: frozen_body(tile(t), c, m),
                                 (acc, l_rest))
@@ -525,11 +525,14 @@ def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelCo
                              block_k=fit(cfg.block_k, seq_kv))
 
 
-def _fwd_softmax(config: configs.FlexConfig, dtype) -> str:
+def _fwd_softmax(config: configs.FlexConfig, dtype, score_mod) -> str:
   """The config's forward softmax, or 'online' where the first tile's maxima
   do not suit: float16's P overflows at 65504 (logits 16 base-2 units above
-  the frozen maximum)."""
-  if jnp.dtype(dtype) == jnp.float16:
+  the frozen maximum), and a `score_mod` may move logits with the key's
+  position (ALiBi: a query's first key tile sits hundreds of units below its
+  nearest keys), which sent nearly every query tile to the second pass: the
+  ALiBi forward took 1.72 x the online one's time (thirty-first session)."""
+  if jnp.dtype(dtype) == jnp.float16 or score_mod is not None:
     return "online"
   return config.fwd_softmax
 
@@ -576,11 +579,12 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   if mosaic_bwd is not None and not mosaic_backward.takes(
       q.dtype, hp, seq_q, seq_kv, mosaic_bwd, **unsupported):
     mosaic_bwd = None  # The Triton backward takes this call.
-  config = configs.FlexConfig(*(_fit(c, seq_q, seq_kv)
-                                for c in (config.fwd, config.dkdv, config.dq)),
-                              mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
-                              fwd_softmax=_fwd_softmax(config, q.dtype),
-                              refresh=_refresh(config, batch * num_heads * seq_q * seq_kv))
+  config = dataclasses.replace(
+      config, **{name: _fit(getattr(config, name), seq_q, seq_kv)
+                 for name in ("fwd", "dkdv", "dq")},
+      mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
+      fwd_softmax=_fwd_softmax(config, q.dtype, score_mod),
+      refresh=_refresh(config, batch * num_heads * seq_q * seq_kv))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups

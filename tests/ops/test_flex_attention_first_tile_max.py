@@ -2,7 +2,7 @@
 
 Interpret mode on CPU, against reference.py: forward and gradients with the
 row maxima of each program's first open key tile kept for its other open
-tiles, in the Triton forward (masks, segments, mods) and the Mosaic GPU one
+tiles, in the Triton forward (masks, segments, mask_mod) and the Mosaic GPU one
 (the table's walks); the second pass that recomputes rows whose logits pass
 their frozen maxima by far; and the calls that keep the online softmax.
 """
@@ -42,11 +42,10 @@ _CASES = {
     "causal_cross_f32": (1, 100, 120, 2, 1, 64, jnp.float32, dict(is_causal=True)),
     "segments_bf16": (1, 100, 100, 2, 2, 32, jnp.bfloat16, dict(segment_ids=np.repeat(
         np.arange(2), [30, 70])[None])),
-    "documents_softcap_f32": (1, 128, 128, 2, 1, 16, jnp.float32,
-                              dict(mask_mod=lambda b, n, t, s: (t // 64) == (s // 64),
-                                   score_mod=flex_tests._softcap)),
-    "alibi_full_bf16": (1, 64, 128, 4, 2, 32, jnp.bfloat16,
-                        dict(score_mod=flex_tests._alibi)),
+    "documents_f32": (1, 128, 128, 2, 1, 16, jnp.float32,
+                      dict(mask_mod=lambda b, n, t, s: (t // 64) == (s // 64))),
+    "prefix_lm_bf16": (1, 128, 128, 4, 2, 32, jnp.bfloat16,
+                       dict(mask_mod=lambda b, n, t, s: (s < 48) | (s <= t))),
 }
 
 
@@ -58,11 +57,6 @@ def in_kernel(monkeypatch):
   def no_launch(*args):
     raise AssertionError("refresh='in_kernel' launched `_refresh_frozen`")
   monkeypatch.setattr(pallas, "_refresh_frozen", no_launch)
-
-
-def test_score_mod_minus_inf_rows_give_zeros(frozen):
-  """Rows a score_mod sends to -inf have no finite first-tile maximum."""
-  flex_tests.test_score_mod_minus_inf_rows_give_zeros()
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -151,27 +145,41 @@ def test_rows_past_their_frozen_maxima_are_recomputed_in_the_kernel(in_kernel):
   assert flex_tests._rel(_forward(q, k, v), expected) < flex_tests._TOL[jnp.float32]
 
 
-@pytest.mark.parametrize("name", ["window_lengths_gqa_bf16", "documents_softcap_f32"])
+@pytest.mark.parametrize("name", ["window_lengths_gqa_bf16", "documents_f32"])
 def test_in_kernel_refresh_leaves_other_calls_alone(name, in_kernel):
-  """Masks, key lengths, an empty row and mods, where no row passes the limit."""
+  """Masks, key lengths, an empty row and a mask_mod, where no row passes the limit."""
   test_triton_forward_matches_reference(name, None)
 
 
-@pytest.mark.parametrize("dtype, mosaic_fwd, expected", [
-    (jnp.bfloat16, None, "first_tile_max"),
-    (jnp.float32, None, "first_tile_max"),
-    (jnp.float16, None, "online"),  # P in float16 overflows at 2^16
+@pytest.mark.parametrize("dtype, mosaic_fwd, mods, expected", [
+    (jnp.bfloat16, None, {}, "first_tile_max"),
+    (jnp.float32, None, {}, "first_tile_max"),
+    (jnp.float16, None, {}, "online"),  # P in float16 overflows at 2^16
     (jnp.bfloat16, mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
                                               pipelined=True, max_concurrent_steps=3),
-     "first_tile_max"),  # the pipelined walk too
+     {}, "first_tile_max"),  # the pipelined walk too
+    # A score_mod may lift later keys far above the first tile (ALiBi).
+    (jnp.bfloat16, None, dict(score_mod=flex_tests._alibi), "online"),
+    (jnp.bfloat16, None, dict(mask_mod=lambda b, n, t, s: s <= t), "first_tile_max"),
 ])
-def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, expected):
+def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, mods, expected):
   config = dataclasses.replace(_FROZEN, mosaic_fwd=mosaic_fwd)
   q = jnp.zeros((1, 256, 2, 64), dtype)
   st, _ = pallas.prepare(q, q, q, scale=0.2, is_causal=False, window=None,
                          q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
-                         interpret=True, config=config)
+                         interpret=True, config=config, **mods)
   assert st.config.fwd_softmax == expected
+
+
+def test_prepare_keeps_every_config_field():
+  """`prepare` fits the tiles and decides the softmax and the refresh; the
+  config's other fields pass through."""
+  config = dataclasses.replace(_FROZEN, refresh="in_kernel")
+  q = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
+  st, _ = pallas.prepare(q, q, q, scale=0.2, is_causal=False, window=None,
+                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         interpret=True, config=config)
+  assert st.config == config
 
 
 @pytest.mark.parametrize("batch, seq_kv, expected", [
