@@ -120,7 +120,7 @@ def query_tiles(st, k0, bq: int, bk: int, kv_len, seq_q: int):
 
 
 def _at(group: int | None):
-  """Index of entry i of this program's lists (dK/dV: row `group` of [G, .])."""
+  """Index of entry i of this program's lists (row `group` of [R, .] lists)."""
   return (lambda i: (i,)) if group is None else (lambda i: (group, i))
 
 
@@ -138,7 +138,8 @@ def tile_loop(st, ranges, lists, body, carry, group: int | None = None):
   program, the count and the indices of the fully open tiles and of the
   partly masked ones (computed in XLA from the dense mask, `tile_lists`);
   tiles on neither list are never visited. `group` selects the row of
-  [G, .] lists (dK/dV: one row per query head).
+  [R, .] lists (dK/dV: one row per query head; the forward's second pass
+  holds a (batch, head)'s lists of every query tile, a row per tile).
   """
   open_body = functools.partial(body, masked=False)
   if lists is None:

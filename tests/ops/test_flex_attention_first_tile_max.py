@@ -137,6 +137,42 @@ def test_rows_past_their_frozen_maxima_are_recomputed(frozen, monkeypatch):
   assert not np.isfinite(np.asarray(_forward(q, k, v))).all()
 
 
+@pytest.mark.parametrize("options", [
+    {},
+    dict(mask_mod=lambda b, n, t, s: s != 64 + t // 32),  # a key closed per query tile
+    dict(kv_seq_lengths=np.array([57, 80])),
+])
+def test_second_pass_recomputes_only_flagged_tiles_in_groups(options, frozen, monkeypatch):
+  """Twelve query tiles in groups of four per program of the second pass, two
+  batch rows, GQA 2:1; query tiles 0 and 6 of batch row 1 pass their frozen
+  maxima (their p overflow), and only they are recomputed."""
+  monkeypatch.setattr(pallas, "REFRESH_TILES_PER_PROGRAM", 4)
+  keys = jax.random.split(jax.random.PRNGKey(3), 3)
+  q = jax.random.normal(keys[0], (2, 384, 2, 32))
+  far = jnp.zeros(384, bool).at[0:32].set(True).at[192:224].set(True)
+  q = q.at[:, :, :, 0].set(0.0).at[1, :, :, 0].set(jnp.where(far[:, None], 6.0, 0.0))
+  # Keys 40-47 and 64-79 share one far logit: the far rows' outputs average
+  # them, so a key the mask closes there still counts.
+  k = (0.1 * jax.random.normal(keys[1], (2, 80, 1, 32))).at[:, 40:48, 0, 0].set(100.0)
+  k = k.at[:, 64:, 0, 0].set(100.0)
+  v = jax.random.normal(keys[2], (2, 80, 1, 32))
+  options = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x
+             for key, x in options.items()}
+  def fn():  # the forward alone, not cached: the second call runs without the pass
+    st, args = pallas.prepare(q, k, v, scale=32 ** -0.5, is_causal=False, window=None,
+                              q_segment_ids=None, kv_segment_ids=None, interpret=True,
+                              kv_seq_lengths=options.get("kv_seq_lengths"),
+                              mask_mod=options.get("mask_mod"))
+    *args, lists = args
+    out, lse = pallas._forward(st, *args, None if lists is None else lists["fwd"])
+    return out, lse
+  expected = flex_tests.flex_attention_reference(q, k, v, **options)
+  assert flex_tests._rel(fn()[0], expected) < flex_tests._TOL[jnp.float32]
+  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  flagged = np.isnan(np.asarray(fn()[1])).all(axis=1)  # [B, T]: NaN lse in both heads
+  np.testing.assert_array_equal(flagged, np.stack([np.zeros(384, bool), np.asarray(far)]))
+
+
 def test_rows_past_their_frozen_maxima_are_recomputed_in_the_kernel(in_kernel):
   """The same rows, rerun online at the end of the forward kernel (the
   fixture fails the test if the second launch runs)."""
@@ -216,17 +252,23 @@ def test_config_names_the_softmax():
     dataclasses.replace(configs._INTERPRET, refresh="later")
 
 
-@pytest.mark.parametrize("dtype, refresh", [(jnp.bfloat16, "launch"), (jnp.float32, "launch"),
-                                            (jnp.bfloat16, "in_kernel")])
-def test_triton_forward_lowers_for_hopper(dtype, refresh, hopper_lowering):
+@pytest.mark.parametrize("dtype, refresh, extra", [
+    (jnp.bfloat16, "launch", {}), (jnp.float32, "launch", {}), (jnp.bfloat16, "in_kernel", {}),
+    # The second pass's row slices of segment ids and of mask_mod's lists.
+    (jnp.bfloat16, "launch", dict(q_segment_ids=jnp.zeros((2, 512), jnp.int32),
+                                  kv_segment_ids=jnp.zeros((2, 512), jnp.int32))),
+    (jnp.bfloat16, "launch", dict(mask_mod=lambda b, n, t, s: s != t + 1)),
+])
+def test_triton_forward_lowers_for_hopper(dtype, refresh, extra, hopper_lowering):
   """The frozen walk, the row sums' dot and the second pass (a launch, or a
   branch of the forward kernel) lower for sm90."""
   config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")],
                                fwd_softmax="first_tile_max", mosaic_fwd=None, refresh=refresh)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
+  options = dict(dict(q_segment_ids=None, kv_segment_ids=None), **extra)
   fn = lambda q, k, v: pallas.flex_attention_pallas(
-      q, k, v, scale=0.17, is_causal=True, window=None, q_segment_ids=None,
-      kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+      q, k, v, scale=0.17, is_causal=True, window=None, kv_seq_lengths=None,
+      interpret=False, config=config, **options)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
   # The forward and the second pass, or the forward alone.
   assert text.count("__gpu$xla.gpu.triton") == (2 if refresh == "launch" else 1)
