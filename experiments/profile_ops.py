@@ -123,8 +123,11 @@ def _ssd(op, impl, shape, mode, small):
   return jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)), args
 
 
-def _attention(impl, mode, small, causal=True, seq=4096):
-  shape = (1, 2, 128, 32) if small else (8, 8, seq, 32)
+def _attention(impl, mode, small, causal=True, seq=4096, shape=None):
+  if small:
+    shape = (1, 2, 128, 32)
+  elif shape is None:
+    shape = (8, 8, seq, 32)
   return workloads.attention_case(impl, shape, causal, mode)()
 
 
@@ -177,6 +180,12 @@ CASES = {
     **{f"{impl}_h32_fwd_full_t1024": functools.partial(
         lambda small, impl: _attention(impl, "fwd", small, False, seq=1024), impl=impl)
        for impl in ("flex", "flex_refresh_in_kernel", "mha_128x64", "cudnn")},
+    # flex's forward kernels at the other ANCHORS.md head sizes (the Mosaic
+    # forward and the first-tile maxima's second pass), full attention.
+    "flex_h64_fwd_full": lambda small: _attention("flex", "fwd", small, False,
+                                                  shape=(4, 16, 4096, 64)),
+    "flex_h128_fwd_full": lambda small: _attention("flex", "fwd", small, False,
+                                                   shape=(2, 16, 8192, 128)),
     # The standard-profile model steps, per attention ('default' = flex on NVIDIA GPUs).
     **{f"{model}_step_{choice}": functools.partial(
         lambda small, model, choice: _model_step(model, choice, small),
