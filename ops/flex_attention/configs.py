@@ -64,14 +64,15 @@ class FlexConfig:
   `fwd_softmax` is how the forward (either kernel) keeps its exponentials
   in range: 'online' (the running row maxima, rescaling as they grow) or
   'first_tile_max' (the maxima of the first fully open key tile, kept for
-  the other open tiles: no maxima and no rescaling there; `pallas.py`).
+  the other open tiles: no maxima and no rescaling there; `pallas.py`;
+  float16 calls and calls with a `score_mod` keep 'online').
   `refresh` is where 'first_tile_max' recomputes the query tiles whose rows
-  passed the kept maxima by far: 'launch' (a second launch over all query
-  tiles, most of whose programs read their lse and stop) or 'in_kernel' (the
-  Triton forward reruns the tile online at its end, no second launch; the
-  Mosaic forward always launches) or 'auto' ('in_kernel' for calls of at
-  most `IN_KERNEL_REFRESH_MAX_SCORES` scores, where the second launch is a
-  large share of the call; `pallas.prepare` decides).
+  passed the kept maxima by far: 'launch' (a second launch whose programs
+  read the lse of eight query tiles each and rerun the flagged ones) or
+  'in_kernel' (the Triton forward reruns the tile online at its end, no
+  second launch; the Mosaic forward always launches) or 'auto' ('in_kernel'
+  for calls of at most `IN_KERNEL_REFRESH_MAX_SCORES` scores, where the
+  second launch is a large share of the call; `pallas.prepare` decides).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
