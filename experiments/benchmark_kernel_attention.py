@@ -208,8 +208,7 @@ def main(argv):
             if row["status"] == "ok":  # per call
               row["median_ms"] /= chain
               row["min_ms"] /= chain
-          if row.get("status") == "ok":
-            row["tflops"] = _flops(b, n, t, h, causal, mode) / (row["median_ms"] * 1e9)
+              row["tflops"] = _flops(b, n, t, h, causal, mode) / (row["median_ms"] * 1e9)
           print(json.dumps({k: row.get(k) for k in ("shape", "causal", "mode", "impl",
                                                      "status", "median_ms", "message")}),
                 flush=True)

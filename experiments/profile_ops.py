@@ -123,11 +123,8 @@ def _ssd(op, impl, shape, mode, small):
   return jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)), args
 
 
-def _attention(impl, mode, small, causal=True, seq=4096, shape=None):
-  if small:
-    shape = (1, 2, 128, 32)
-  elif shape is None:
-    shape = (8, 8, seq, 32)
+def _attention(impl, mode, small, causal=True, shape=(8, 8, 4096, 32)):
+  shape = (1, 2, 128, 32) if small else shape
   return workloads.attention_case(impl, shape, causal, mode)()
 
 
@@ -178,7 +175,8 @@ CASES = {
     # The T 1024 anchor's forward (full attention): flex's kernels (the forward
     # and the first-tile maxima's second launch) against JAX's mha at its best tiles.
     **{f"{impl}_h32_fwd_full_t1024": functools.partial(
-        lambda small, impl: _attention(impl, "fwd", small, False, seq=1024), impl=impl)
+        lambda small, impl: _attention(impl, "fwd", small, False, shape=(8, 8, 1024, 32)),
+        impl=impl)
        for impl in ("flex", "flex_refresh_in_kernel", "mha_128x64", "cudnn")},
     # flex's forward kernels at the other ANCHORS.md head sizes (the Mosaic
     # forward and the first-tile maxima's second pass), full attention.

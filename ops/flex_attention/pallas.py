@@ -227,6 +227,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
   lse_ref[...] = lse
 
 
+def _whole_kv_spec(st: _Static, seq_kv: int, hp: int):
+  """K or V [B, Sp, K, Hp]: all keys of the head's group, for a (., b, n) grid."""
+  return pl.BlockSpec((None, seq_kv, None, hp), lambda _, b, n: (b, 0, n // st.groups, 0))
+
+
 def _seg_specs(st, q_block, k_block, q_index, k_index):
   if not st.segments:
     return [None, None]
@@ -292,7 +297,7 @@ def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
   per = math.gcd(nq, REFRESH_TILES_PER_PROGRAM)  # groups of equal size
   rows = pl.BlockSpec((None, seq_q, None, hp), lambda c, b, n: (b, 0, n, 0))
   lse_rows = pl.BlockSpec((None, None, seq_q), lambda c, b, n: (b, n, 0))
-  kv = pl.BlockSpec((None, seq_kv, None, hp), lambda c, b, n: (b, 0, n // st.groups, 0))
+  kv = _whole_kv_spec(st, seq_kv, hp)
   list_specs = None
   if lists is not None:  # every tile's lists of the (batch, head): [nq, .]
     list_specs = tuple(pl.BlockSpec((None, None, nq, x.shape[-1]), lambda c, b, n: (b, n, 0, 0))
@@ -342,7 +347,7 @@ def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists):
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   cfg = st.config.fwd
-  bq, g = cfg.block_q, st.groups
+  bq = cfg.block_q
   nq = seq_q // bq
   rev = lambda i: nq - 1 - i
   out_specs = [
@@ -351,8 +356,8 @@ def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists):
   ]
   in_specs = [
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
-      pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
-      pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0)),
+      _whole_kv_spec(st, seq_kv, hp),
+      _whole_kv_spec(st, seq_kv, hp),
       _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
       *_seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
@@ -515,13 +520,13 @@ def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
   """dQ: grid over query tiles, loop over key tiles (the forward's ranges)."""
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
-  g, cfg = st.groups, st.config.dq
+  cfg = st.config.dq
   bq = cfg.block_q
   nq = seq_q // bq
   rev = lambda i: nq - 1 - i
   q_spec = pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0))
   row_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i)))
-  kv_full = pl.BlockSpec((None, seq_kv, None, hp), lambda i, b, n: (b, 0, n // g, 0))
+  kv_full = _whole_kv_spec(st, seq_kv, hp)
   in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
               _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
               *_seg_specs(st, (None, bq), (None, seq_kv),
