@@ -82,12 +82,20 @@ class MosaicBackwardConfig:
   compute_registers: registers per thread of each compute warpgroup; the
     memory warpgroup gets what is left of the 504 that three warpgroups of
     one block can hold (232 -> 40, 240 -> 24).
+  ds_slots: shared dS^T tiles, 1 or 2. With 2, step t writes slot t % 2 and
+    only the warpgroup that forms that step's dQ waits for both halves: the
+    other runs on into its next step under the dQ product.
+  pipelined: issue S^T and dP^T together and wait for S^T only, so dP^T runs
+    under the exponentials; dV's product runs under dS, dK's under the dS^T
+    store (compiled only: interpret mode runs the same steps one at a time).
   """
   block_q: int = 64
   block_k: int = 64
   max_concurrent_steps: int = 2
   dq_column_chunks: int = 1
   compute_registers: int = 232
+  ds_slots: int = 1
+  pipelined: bool = False
 
   def __post_init__(self):
     mosaic_tiles.check_tiles(self)
@@ -95,6 +103,8 @@ class MosaicBackwardConfig:
       raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
     if self.compute_registers not in (232, 240):
       raise ValueError(f"`compute_registers` must be 232 or 240, got {self.compute_registers}")
+    if self.ds_slots not in (1, NUM_COMPUTE_WGS):
+      raise ValueError(f"`ds_slots` must be 1 or {NUM_COMPUTE_WGS}, got {self.ds_slots}")
 
   @property
   def memory_registers(self) -> int:
@@ -106,13 +116,13 @@ class MosaicBackwardConfig:
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
     """K and V of the block, the Q/dO ring, lse/delta rows, the shared dS^T
-    tile and one f32 dQ tile per compute warpgroup, each aligned to 1 KiB,
+    tiles and one f32 dQ tile per compute warpgroup, each aligned to 1 KiB,
     and 2 KiB for the barriers."""
     align = lambda n: -(-n // 1024) * 1024
     kv = 2 * align(self.keys_per_block * head_dim * itemsize)
     ring = 2 * align(self.max_concurrent_steps * self.block_q * head_dim * itemsize)
     rows = 2 * align(self.max_concurrent_steps * self.block_q * 4)
-    ds = align(self.keys_per_block * self.block_q * itemsize)
+    ds = align(self.ds_slots * self.keys_per_block * self.block_q * itemsize)
     dq = NUM_COMPUTE_WGS * align(self.block_q * head_dim * 4)
     return kv + ring + rows + ds + dq + 2048
 
@@ -183,6 +193,37 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
                                         plgpu.Layout.WGMMA)
       col = plgpu.Layout.WGMMA.reduce(0)
 
+      def probabilities(s_t, lse, i, masked):
+        """P^T = exp2(S^T c - lse) [bk, bq] in f32, masked."""
+        p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+        if masked:
+          layout = plgpu.Layout.WGMMA
+          k_idx = k0 + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=layout)
+          q_idx = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=layout)
+          p_t = jnp.where(is_open(q_idx, k_idx, kv_len), p_t, 0.0)
+        return p_t
+
+      def load_row(ready, free, row_smem, slot):
+        plgpu.barrier_wait(ready.at[slot])
+        row = plgpu.load(row_smem.at[slot], layout=col)
+        plgpu.barrier_arrive(free.at[slot])
+        return row
+
+      def grad_logits(p_t, dp_t, delta):
+        """dS^T = P^T (dP^T - delta), in the inputs' dtype."""
+        return (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+
+      def store_ds(t, ds16):
+        """This warpgroup's rows of step t's dS^T into its shared slot."""
+        ds_slot = lax.rem(t, config.ds_slots)
+        # The slot's last dQ product (step t - ds_slots) has read it.
+        pl.when(t >= config.ds_slots)(lambda: plgpu.barrier_wait(ds_free.at[ds_slot]))
+        ds_smem.at[ds_slot, rows][...] = ds16
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(ds_ready.at[ds_slot])
+        if config.ds_slots == 1:  # both wait, so that the barrier's phases match
+          plgpu.barrier_wait(ds_ready.at[0])
+
       def body(t, carry, masked):
         dk, dv = carry
         g, i = step_tile(t)
@@ -190,56 +231,66 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
 
         plgpu.barrier_wait(q_ready.at[slot])
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, k_rows, q_tile.transpose((1, 0)))
-          return acc_ref[...]
-        s_t = pl.run_scoped(qk, plgpu.ACC((bk, bq), jnp.float32))  # [bk, bq]
-        plgpu.barrier_wait(lse_ready.at[slot])
-        lse = plgpu.load(lse_smem.at[slot], layout=col)
-        plgpu.barrier_arrive(lse_free.at[slot])
-        p_t = jnp.exp2(s_t * c - lax.broadcast_in_dim(lse, s_t.shape, [1]))
-        if masked:
-          layout = plgpu.Layout.WGMMA
-          k_idx = k0 + wg * bk + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 0, layout=layout)
-          q_idx = i * bq + plgpu.broadcasted_iota(jnp.int32, (bk, bq), 1, layout=layout)
-          p_t = jnp.where(is_open(q_idx, k_idx, kv_len), p_t, 0.0)
-        p16 = p_t.astype(dtype)
+        if config.pipelined and not interpret:
+          plgpu.barrier_wait(do_ready.at[slot])
+          def overlapped(refs):
+            s_ref, dp_ref, dv_ref, dk_ref = refs
+            plgpu.wgmma(s_ref, k_rows, q_tile.transpose((1, 0)))
+            plgpu.wgmma(dp_ref, v_rows, do_tile.transpose((1, 0)))
+            s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T only
+            lse = load_row(lse_ready, lse_free, lse_smem, slot)
+            p_t = probabilities(s_t, lse, i, masked)
+            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
+            dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dV's may run on
+            delta = load_row(delta_ready, delta_free, delta_smem, slot)
+            ds16 = grad_logits(p_t, dp_t, delta)
+            plgpu.wgmma(dk_ref, ds16, q_tile)
+            store_ds(t, ds16)
+            plgpu.wgmma_wait(0)
+          tile = lambda: plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32),
+                                           plgpu.Layout.WGMMA)
+          _, _, dv, dk = pl.run_state(overlapped)(
+              (plgpu.ACC.init(tile()), plgpu.ACC.init(tile()), plgpu.ACC.init(dv),
+               plgpu.ACC.init(dk)))
+          plgpu.barrier_arrive(do_free.at[slot])
+          plgpu.barrier_arrive(q_free.at[slot])
+        else:
+          def qk(acc_ref):
+            plgpu.wgmma(acc_ref, k_rows, q_tile.transpose((1, 0)))
+            return acc_ref[...]
+          s_t = pl.run_scoped(qk, plgpu.ACC((bk, bq), jnp.float32))  # [bk, bq]
+          p_t = probabilities(s_t, load_row(lse_ready, lse_free, lse_smem, slot), i, masked)
+          plgpu.barrier_wait(do_ready.at[slot])
+          dv = mosaic._add_product(dv, p_t.astype(dtype), do_tile, stage)
+          def vdo(acc_ref):
+            plgpu.wgmma(acc_ref, v_rows, do_tile.transpose((1, 0)))
+            return acc_ref[...]
+          dp_t = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))
+          plgpu.barrier_arrive(do_free.at[slot])
+          ds16 = grad_logits(p_t, dp_t, load_row(delta_ready, delta_free, delta_smem, slot))
+          dk = mosaic._add_product(dk, ds16, q_tile, stage)
+          plgpu.barrier_arrive(q_free.at[slot])
+          store_ds(t, ds16)
 
-        plgpu.barrier_wait(do_ready.at[slot])
-        dv = mosaic._add_product(dv, p16, do_tile, stage)
-        def vdo(acc_ref):
-          plgpu.wgmma(acc_ref, v_rows, do_tile.transpose((1, 0)))
-          return acc_ref[...]
-        dp_t = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))
-        plgpu.barrier_arrive(do_free.at[slot])
-        plgpu.barrier_wait(delta_ready.at[slot])
-        delta = plgpu.load(delta_smem.at[slot], layout=col)
-        plgpu.barrier_arrive(delta_free.at[slot])
-        ds16 = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
-        dk = mosaic._add_product(dk, ds16, q_tile, stage)
-        plgpu.barrier_arrive(q_free.at[slot])
-
-        # dQ = dS K over the block's keys: both halves of dS^T in shared
-        # memory, then one warpgroup (alternating) forms and adds the tile.
-        pl.when(t > 0)(lambda: plgpu.barrier_wait(ds_free))
-        ds_smem.at[rows][...] = ds16
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(ds_ready)
-        plgpu.barrier_wait(ds_ready)
-
+        # dQ = dS K over the block's keys, from both halves of the step's
+        # dS^T: one warpgroup (alternating) forms and adds the tile.
         @pl.when(lax.rem(t, NUM_COMPUTE_WGS) == wg)
         def _dq():
+          ds_slot = lax.rem(t, config.ds_slots)
+          if config.ds_slots > 1:
+            plgpu.barrier_wait(ds_ready.at[ds_slot])
           tile = dq_smem.at[wg]
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # its last add has read it
           width = hp // config.dq_column_chunks
           for chunk in range(config.dq_column_chunks):
             columns = pl.ds(chunk * width, width)
             def dsk(acc_ref):
-              plgpu.wgmma(acc_ref, ds_smem.transpose((1, 0)), k_smem.at[:, columns])
+              plgpu.wgmma(acc_ref, ds_smem.at[ds_slot].transpose((1, 0)),
+                          k_smem.at[:, columns])
               return acc_ref[...]
             dq = pl.run_scoped(dsk, plgpu.ACC((bq, width), jnp.float32))
             if chunk == config.dq_column_chunks - 1:
-              plgpu.barrier_arrive(ds_free)
+              plgpu.barrier_arrive(ds_free.at[ds_slot])
             tile.at[:, columns][...] = dq
           plgpu.commit_smem()
           n = kv_head * groups + g
@@ -260,8 +311,9 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         return lax.fori_loop(full_hi, hi, step(True), carry)
 
       dk, dv = lax.fori_loop(0, groups, loops, (zeros(), zeros()))
-      # The last dQ product has read K and dS: K's rows can take dK.
-      pl.when(num_steps > 0)(lambda: plgpu.barrier_wait(ds_free))
+      # The last dQ products have read K and dS: K's rows can take dK.
+      for ds_slot in range(config.ds_slots):
+        pl.when(num_steps > ds_slot)(lambda: plgpu.barrier_wait(ds_free.at[ds_slot]))
       plgpu.wait_smem_to_gmem(0)
       k_rows[...] = (dk * st.scale).astype(dtype)
       v_rows[...] = dv.astype(dtype)
@@ -320,7 +372,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
       ring(dtype, (bq, hp), transforms=transforms),  # dO
       ring(jnp.float32, (bq,)),  # lse
       ring(jnp.float32, (bq,)),  # delta
-      plgpu.SMEM((config.keys_per_block, bq), dtype, transforms=swizzled(dtype, min(bq, hp))),  # dS^T
+      plgpu.SMEM((config.ds_slots, config.keys_per_block, bq), dtype,
+                 transforms=swizzled(dtype, min(bq, hp))),  # dS^T
       plgpu.SMEM((NUM_COMPUTE_WGS, bq, hp), jnp.float32,
                  transforms=swizzled(jnp.float32, hp)),  # dQ tiles
       # The staging buffer of the register operands, interpret mode only.
@@ -332,8 +385,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
       plgpu.Barrier(num_barriers=slots),
       plgpu.Barrier(num_barriers=slots),
       released(), released(), released(), released(),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),  # dS^T written
-      plgpu.Barrier(),  # dS^T read by the dQ product
+      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=config.ds_slots),  # dS^T written
+      plgpu.Barrier(num_barriers=config.ds_slots),  # dS^T read by the dQ product
       collective_axes="wg",
   )
 

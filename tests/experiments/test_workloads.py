@@ -33,6 +33,9 @@ def test_mosaic_forward_tiles():
 def test_mosaic_backward_tiles():
   tiles = workloads.mosaic_bwd_tiles("128x64x3x1x240")
   assert (tiles.block_q, tiles.block_k, tiles.compute_registers) == (128, 64, 240)
+  assert (tiles.ds_slots, tiles.pipelined) == (1, False)
+  tiles = workloads.mosaic_bwd_tiles("128x64x3_ds2_pipe")
+  assert (tiles.max_concurrent_steps, tiles.ds_slots, tiles.pipelined) == (3, 2, True)
   with pytest.raises(ValueError, match="Mosaic backward tiles"):
     workloads.mosaic_bwd_tiles("128x64")
 

@@ -57,6 +57,9 @@ _CASES = {
     *((name, _TILES) for name in _CASES),
     # The dQ product in two 64-column slices (H128).
     ("cross_padded_h128_f16", dataclasses.replace(_TILES, dq_column_chunks=2)),
+    # Two dS^T slots: each warpgroup waits only for the steps whose dQ it forms.
+    ("causal_window_lengths_gqa_h64_bf16", dataclasses.replace(_TILES, ds_slots=2)),
+    ("causal_lengths_gqa_h24_bf16", dataclasses.replace(_TILES, ds_slots=2)),
 ])
 def test_gradients_match_reference(name, tiles):
   config = dataclasses.replace(_CONFIG, mosaic_bwd=tiles)
@@ -127,17 +130,28 @@ def test_table_and_config_checks():
     mosaic_backward.check_config(dataclasses.replace(_TILES, dq_column_chunks=2), 64)
   with pytest.raises(ValueError, match="compute_registers"):
     mosaic_backward.MosaicBackwardConfig(compute_registers=256)
+  with pytest.raises(ValueError, match="ds_slots"):
+    mosaic_backward.MosaicBackwardConfig(ds_slots=3)
+  one, two = (mosaic_backward.MosaicBackwardConfig(block_q=128, ds_slots=n) for n in (1, 2))
+  assert two.smem_bytes(32) - one.smem_bytes(32) == 128 * 128 * 2
   registers = mosaic_backward.MosaicBackwardConfig(compute_registers=240)
   assert 2 * registers.compute_registers + registers.memory_registers <= 504
 
 
-@pytest.mark.parametrize("head_dim, is_causal", [(32, False), (64, True), (128, False)])
-def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
+@pytest.mark.parametrize("head_dim, is_causal, options", [
+    (32, False, {}), (64, True, {}), (128, False, {}),
+    # The pipelined step (compiled only), with one and two dS^T slots.
+    (32, True, dict(pipelined=True)), (64, False, dict(pipelined=True, ds_slots=2)),
+])
+def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, options, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (register operands, the transposed dS^T operand, the TMA reduction),
-  without a GPU. The table's tiles for the head size."""
+  without a GPU. The table's tiles for the head size, with `options`."""
   del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
+  if options:
+    tiles = dataclasses.replace(config.mosaic_bwd, block_q=64, **options)
+    config = dataclasses.replace(config, mosaic_bwd=tiles)
   def loss(q, k, v):
     out = pallas.flex_attention_pallas(q, k, v, interpret=False, config=config,
                                        **dict(_options(is_causal=is_causal), scale=0.1))
