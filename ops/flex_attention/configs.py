@@ -101,7 +101,9 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
       None if mosaic_fwd is None else (
           mosaic.MosaicForwardConfig(**mosaic_fwd) if isinstance(mosaic_fwd, dict)
           else mosaic.MosaicForwardConfig(*mosaic_fwd)),
-      None if mosaic_bwd is None else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd),
+      None if mosaic_bwd is None else (
+          mosaic_backward.MosaicBackwardConfig(**mosaic_bwd) if isinstance(mosaic_bwd, dict)
+          else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd)),
       fwd_softmax, refresh)
 
 
@@ -154,6 +156,15 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # and did not help H32 or H64 (-0.6 to +2.5 % on the table's tiles;
 # kernel_attention_h128_regs240_h200.json, kernel_attention_regs240_h200.json),
 # so only H128 takes it.
+# The H32 entry's backward (given as a dict) takes two dS^T slots and the
+# pipelined step (`MosaicBackwardConfig.ds_slots`, `.pipelined`): fwd+bwd 1.548
+# / 0.889 ms (full / causal) against 1.649 / 0.908 on the same tiles without
+# them, and 0.1232 against 0.1304 at T 1024, in two H200 runs
+# (docs/benchmarks/kernel_attention_bwd_pipe_h200.json,
+# kernel_attention_bwd_tiles_h200.json; 128 x 64 x 2 and 64 x 128 x 2-4 with
+# them were no faster). At H64 the pipelined step was slower on the table's
+# tiles (2.42 against 2.07 ms) and two slots do not fit them; H128 has no
+# registers for it.
 # fwd_softmax="first_tile_max" (H32, H64, H128; `pallas.py`, "The first-tile
 # maxima"): forward ms in one H200 run against the same table with the online
 # softmax (docs/benchmarks/kernel_attention_first_tile_max_h200.json; full /
@@ -168,7 +179,9 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # B 2, N 16, T 4096, full / causal).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-                                 (128, 128, 2, True, False), (128, 64, 3),
+                                 (128, 128, 2, True, False),
+                                 dict(block_q=128, block_k=64, max_concurrent_steps=3,
+                                      ds_slots=2, pipelined=True),
                                  fwd_softmax="first_tile_max", refresh="auto"),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
