@@ -47,15 +47,15 @@ _IMPLS = flags.DEFINE_list(
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread), "
-    "flex_mosaic_bwd_<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe][_p16] (the "
-    "backward on the Mosaic GPU kernel with those tiles; _ds2: two dS^T slots; _pipe: the "
-    "pipelined step; _p16: dS^T from the 16-bit P^T) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
+    "flex_mosaic_bwd_<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe] (the backward "
+    "on the Mosaic GPU kernel with those tiles; _ds2: two dS^T slots; _pipe: the pipelined "
+    "step) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
 _CHECK_MOSAIC_BWD = flags.DEFINE_list(
     "check_mosaic_bwd", None, "Also check flex with its backward on the Mosaic GPU "
     "kernel on each of these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>"
-    "[x<registers>]][_ds2][_pipe][_p16] (for the 16-bit cases whose head size they fit).")
+    "[x<registers>]][_ds2][_pipe] (for the 16-bit cases whose head size they fit).")
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
     "kernel on these tiles, <block_q>x<block_k>x<steps>[_free][_wg3][_pipe][_persist[_all]] (for the "

@@ -211,16 +211,15 @@ def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
-  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>[x<compute registers>]][_ds2][_pipe][_p16]'
-  -> the backward's tiles (`_ds2`: two dS^T slots; `_pipe`: the pipelined step;
-  `_p16`: dS^T from the 16-bit P^T)."""
-  match = re.fullmatch(r"(\d+x\d+x\d+(?:x\d+){0,2})(_ds2)?(_pipe)?(_p16)?", spec)
+  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>[x<compute registers>]][_ds2][_pipe]'
+  -> the backward's tiles (`_ds2`: two dS^T slots; `_pipe`: the pipelined step)."""
+  match = re.fullmatch(r"(\d+x\d+x\d+(?:x\d+){0,2})(_ds2)?(_pipe)?", spec)
   if match is None:
-    raise ValueError("Mosaic backward tiles must be <bq>x<bk>x<steps>[x<chunks>"
-                     f"[x<registers>]][_ds2][_pipe][_p16], got {spec!r}")
+    raise ValueError("Mosaic backward tiles must be "
+                     f"<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe], got {spec!r}")
   return flex_mosaic_backward.MosaicBackwardConfig(
       *map(int, match.group(1).split("x")), ds_slots=2 if match.group(2) else 1,
-      pipelined=match.group(3) is not None, ds_from_p16=match.group(4) is not None)
+      pipelined=match.group(3) is not None)
 
 
 def _flex_with(causal, **changes):

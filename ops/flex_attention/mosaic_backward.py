@@ -88,9 +88,6 @@ class MosaicBackwardConfig:
   pipelined: issue S^T and dP^T together and wait for S^T only, so dP^T runs
     under the exponentials; dV's product runs under dS, dK's under the dS^T
     store (compiled only: interpret mode runs the same steps one at a time).
-  ds_from_p16: dS^T from the 16-bit P^T that dV's product takes, not the
-    float32 one, which then dies before dP^T is read (64 registers fewer live
-    there; one more rounding of P, below dS^T's own).
   """
   block_q: int = 64
   block_k: int = 64
@@ -99,7 +96,6 @@ class MosaicBackwardConfig:
   compute_registers: int = 232
   ds_slots: int = 1
   pipelined: bool = False
-  ds_from_p16: bool = False
 
   def __post_init__(self):
     mosaic_tiles.check_tiles(self)
@@ -213,10 +209,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         plgpu.barrier_arrive(free.at[slot])
         return row
 
-      def grad_logits(p_t, p16, dp_t, delta):
+      def grad_logits(p_t, dp_t, delta):
         """dS^T = P^T (dP^T - delta), in the inputs' dtype."""
-        if config.ds_from_p16:
-          p_t = p16.astype(jnp.float32)
         return (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
 
       def store_ds(t, ds16):
@@ -246,11 +240,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
             s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T only
             lse = load_row(lse_ready, lse_free, lse_smem, slot)
             p_t = probabilities(s_t, lse, i, masked)
-            p16 = p_t.astype(dtype)
-            plgpu.wgmma(dv_ref, p16, do_tile)
+            plgpu.wgmma(dv_ref, p_t.astype(dtype), do_tile)
             dp_t = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)  # dV's may run on
             delta = load_row(delta_ready, delta_free, delta_smem, slot)
-            ds16 = grad_logits(p_t, p16, dp_t, delta)
+            ds16 = grad_logits(p_t, dp_t, delta)
             plgpu.wgmma(dk_ref, ds16, q_tile)
             store_ds(t, ds16)
             plgpu.wgmma_wait(0)
@@ -268,15 +261,13 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
           s_t = pl.run_scoped(qk, plgpu.ACC((bk, bq), jnp.float32))  # [bk, bq]
           p_t = probabilities(s_t, load_row(lse_ready, lse_free, lse_smem, slot), i, masked)
           plgpu.barrier_wait(do_ready.at[slot])
-          p16 = p_t.astype(dtype)
-          dv = mosaic._add_product(dv, p16, do_tile, stage)
+          dv = mosaic._add_product(dv, p_t.astype(dtype), do_tile, stage)
           def vdo(acc_ref):
             plgpu.wgmma(acc_ref, v_rows, do_tile.transpose((1, 0)))
             return acc_ref[...]
           dp_t = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))
           plgpu.barrier_arrive(do_free.at[slot])
-          ds16 = grad_logits(p_t, p16, dp_t,
-                             load_row(delta_ready, delta_free, delta_smem, slot))
+          ds16 = grad_logits(p_t, dp_t, load_row(delta_ready, delta_free, delta_smem, slot))
           dk = mosaic._add_product(dk, ds16, q_tile, stage)
           plgpu.barrier_arrive(q_free.at[slot])
           store_ds(t, ds16)

@@ -36,7 +36,6 @@ def test_mosaic_backward_tiles():
   assert (tiles.ds_slots, tiles.pipelined) == (1, False)
   tiles = workloads.mosaic_bwd_tiles("128x64x3_ds2_pipe")
   assert (tiles.max_concurrent_steps, tiles.ds_slots, tiles.pipelined) == (3, 2, True)
-  assert not tiles.ds_from_p16 and workloads.mosaic_bwd_tiles("128x64x2_pipe_p16").ds_from_p16
   with pytest.raises(ValueError, match="Mosaic backward tiles"):
     workloads.mosaic_bwd_tiles("128x64")
 

@@ -60,8 +60,6 @@ _CASES = {
     # Two dS^T slots: each warpgroup waits only for the steps whose dQ it forms.
     ("causal_window_lengths_gqa_h64_bf16", dataclasses.replace(_TILES, ds_slots=2)),
     ("causal_lengths_gqa_h24_bf16", dataclasses.replace(_TILES, ds_slots=2)),
-    # dS^T from the 16-bit P^T.
-    ("window_both_sides_mqa_h80_bf16", dataclasses.replace(_TILES, ds_from_p16=True)),
 ])
 def test_gradients_match_reference(name, tiles):
   config = dataclasses.replace(_CONFIG, mosaic_bwd=tiles)
@@ -144,7 +142,6 @@ def test_table_and_config_checks():
     (32, False, {}), (64, True, {}), (128, False, {}),
     # The pipelined step (compiled only), with one and two dS^T slots.
     (32, True, dict(pipelined=True)), (64, False, dict(pipelined=True, ds_slots=2)),
-    (64, True, dict(pipelined=True, ds_from_p16=True)),
 ])
 def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, options, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
