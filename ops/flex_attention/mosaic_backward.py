@@ -22,10 +22,19 @@ one atomic operation. This kernel follows FlashAttention-3
   global dQ buffer with one TMA bulk reduction (`reduction_op="add"`), so the
   L2 adds whole tiles instead of one word per atomic operation.
 
+- With `ds_slots=2` the dS^T tile has two slots, step t writing slot t % 2,
+  and only the warpgroup that forms step t's dQ waits for both halves; the
+  other runs on into its next step under that product.
+- With `pipelined` a compute warpgroup issues S^T and dP^T together and
+  computes P^T while dP^T runs, issues dV's product before it reads dP^T and
+  dK's before it stores its dS^T rows, and waits for both at the end of the
+  step (FlashAttention-3's overlap inside a warpgroup).
+
 Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): fwd+bwd 0.77 /
 0.71 x cuDNN's time at head size 32 (non-causal / causal; the Triton backward
 gave 0.82 / 0.82), 0.95 / 0.88 x at 64 (from 1.18 / 1.10), 1.04 / 1.00 x at
-128 (from 1.30 / 1.25).
+128 (from 1.30 / 1.25). Two dS^T slots with the pipelined step (the H32
+entry since the thirty-second session) took the H32 fwd+bwd to 0.72 / 0.66 x.
 
 At head size 32 the dS^T tile takes K's 64-byte swizzle rather than its own
 128-byte one: wgmma reads both operands of the dQ product `dS K` with one
