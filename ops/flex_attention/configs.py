@@ -94,16 +94,19 @@ class FlexConfig:
     return self.fwd_softmax == "first_tile_max"
 
 
+def _mosaic_tiles(cls, fields):
+  """A Mosaic config from a tuple or a dict of its fields, or None."""
+  if fields is None:
+    return None
+  return cls(**fields) if isinstance(fields, dict) else cls(*fields)
+
+
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
        refresh="launch") -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
-      None if mosaic_fwd is None else (
-          mosaic.MosaicForwardConfig(**mosaic_fwd) if isinstance(mosaic_fwd, dict)
-          else mosaic.MosaicForwardConfig(*mosaic_fwd)),
-      None if mosaic_bwd is None else (
-          mosaic_backward.MosaicBackwardConfig(**mosaic_bwd) if isinstance(mosaic_bwd, dict)
-          else mosaic_backward.MosaicBackwardConfig(*mosaic_bwd)),
+      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd),
+      _mosaic_tiles(mosaic_backward.MosaicBackwardConfig, mosaic_bwd),
       fwd_softmax, refresh)
 
 

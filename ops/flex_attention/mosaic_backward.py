@@ -198,8 +198,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
       k_rows, v_rows = k_smem.at[rows], v_smem.at[rows]
       stage = None if stage_smem is None else stage_smem.at[wg]
       plgpu.barrier_wait(kv_ready)
-      zeros = lambda: plgpu.layout_cast(jnp.zeros((bk, hp), jnp.float32),
-                                        plgpu.Layout.WGMMA)
+      zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, jnp.float32),
+                                              plgpu.Layout.WGMMA)
       col = plgpu.Layout.WGMMA.reduce(0)
 
       def probabilities(s_t, lse, i, masked):
@@ -222,9 +222,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         """dS^T = P^T (dP^T - delta), in the inputs' dtype."""
         return (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
 
-      def store_ds(t, ds16):
+      def store_ds(t, ds_slot, ds16):
         """This warpgroup's rows of step t's dS^T into its shared slot."""
-        ds_slot = lax.rem(t, config.ds_slots)
         # The slot's last dQ product (step t - ds_slots) has read it.
         pl.when(t >= config.ds_slots)(lambda: plgpu.barrier_wait(ds_free.at[ds_slot]))
         ds_smem.at[ds_slot, rows][...] = ds16
@@ -238,14 +237,17 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         g, i = step_tile(t)
         slot = lax.rem(t, slots)
         q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+        ds_slot = lax.rem(t, config.ds_slots)
+        logits = lambda acc_ref: plgpu.wgmma(acc_ref, k_rows, q_tile.transpose((1, 0)))
+        grad_p = lambda acc_ref: plgpu.wgmma(acc_ref, v_rows, do_tile.transpose((1, 0)))
 
         plgpu.barrier_wait(q_ready.at[slot])
         if config.pipelined and not interpret:
           plgpu.barrier_wait(do_ready.at[slot])
           def overlapped(refs):
             s_ref, dp_ref, dv_ref, dk_ref = refs
-            plgpu.wgmma(s_ref, k_rows, q_tile.transpose((1, 0)))
-            plgpu.wgmma(dp_ref, v_rows, do_tile.transpose((1, 0)))
+            logits(s_ref)
+            grad_p(dp_ref)
             s_t = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S^T only
             lse = load_row(lse_ready, lse_free, lse_smem, slot)
             p_t = probabilities(s_t, lse, i, masked)
@@ -254,38 +256,34 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
             delta = load_row(delta_ready, delta_free, delta_smem, slot)
             ds16 = grad_logits(p_t, dp_t, delta)
             plgpu.wgmma(dk_ref, ds16, q_tile)
-            store_ds(t, ds16)
+            store_ds(t, ds_slot, ds16)
             plgpu.wgmma_wait(0)
-          tile = lambda: plgpu.layout_cast(jnp.zeros((bk, bq), jnp.float32),
-                                           plgpu.Layout.WGMMA)
           _, _, dv, dk = pl.run_state(overlapped)(
-              (plgpu.ACC.init(tile()), plgpu.ACC.init(tile()), plgpu.ACC.init(dv),
-               plgpu.ACC.init(dk)))
+              (plgpu.ACC.init(zeros((bk, bq))), plgpu.ACC.init(zeros((bk, bq))),
+               plgpu.ACC.init(dv), plgpu.ACC.init(dk)))
           plgpu.barrier_arrive(do_free.at[slot])
           plgpu.barrier_arrive(q_free.at[slot])
         else:
-          def qk(acc_ref):
-            plgpu.wgmma(acc_ref, k_rows, q_tile.transpose((1, 0)))
-            return acc_ref[...]
-          s_t = pl.run_scoped(qk, plgpu.ACC((bk, bq), jnp.float32))  # [bk, bq]
+          def product(issue):
+            def run(acc_ref):
+              issue(acc_ref)
+              return acc_ref[...]
+            return pl.run_scoped(run, plgpu.ACC((bk, bq), jnp.float32))
+          s_t = product(logits)  # [bk, bq]
           p_t = probabilities(s_t, load_row(lse_ready, lse_free, lse_smem, slot), i, masked)
           plgpu.barrier_wait(do_ready.at[slot])
           dv = mosaic._add_product(dv, p_t.astype(dtype), do_tile, stage)
-          def vdo(acc_ref):
-            plgpu.wgmma(acc_ref, v_rows, do_tile.transpose((1, 0)))
-            return acc_ref[...]
-          dp_t = pl.run_scoped(vdo, plgpu.ACC((bk, bq), jnp.float32))
+          dp_t = product(grad_p)
           plgpu.barrier_arrive(do_free.at[slot])
           ds16 = grad_logits(p_t, dp_t, load_row(delta_ready, delta_free, delta_smem, slot))
           dk = mosaic._add_product(dk, ds16, q_tile, stage)
           plgpu.barrier_arrive(q_free.at[slot])
-          store_ds(t, ds16)
+          store_ds(t, ds_slot, ds16)
 
         # dQ = dS K over the block's keys, from both halves of the step's
         # dS^T: one warpgroup (alternating) forms and adds the tile.
         @pl.when(lax.rem(t, NUM_COMPUTE_WGS) == wg)
         def _dq():
-          ds_slot = lax.rem(t, config.ds_slots)
           if config.ds_slots > 1:
             plgpu.barrier_wait(ds_ready.at[ds_slot])
           tile = dq_smem.at[wg]
@@ -319,7 +317,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem,
         carry = lax.fori_loop(full_lo, full_hi, step(False), carry)
         return lax.fori_loop(full_hi, hi, step(True), carry)
 
-      dk, dv = lax.fori_loop(0, groups, loops, (zeros(), zeros()))
+      dk, dv = lax.fori_loop(0, groups, loops, (zeros((bk, hp)), zeros((bk, hp))))
       # The last dQ products have read K and dS: K's rows can take dK.
       for ds_slot in range(config.ds_slots):
         pl.when(num_steps > ds_slot)(lambda: plgpu.barrier_wait(ds_free.at[ds_slot]))
