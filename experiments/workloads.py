@@ -171,7 +171,7 @@ MHA_CONFIGS = {
 # flex with its forward on given Mosaic GPU tiles: flex_mosaic_<tiles>, see
 # `mosaic_fwd_tiles`.
 _MOSAIC_FWD_TILES = re.compile(
-    r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist(_all)?)?(_r240)?$")
+    r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist(_all)?)?(_r240)?(_sums)?$")
 # flex with its forward on the Triton kernel, on given tiles or the table's:
 # flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the tuning sweep's
 # `--small` set left 8 warps out at head sizes below 64; the suffix sets
@@ -190,16 +190,17 @@ _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
 def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
-  """'<block_q>x<block_k>x<steps>[_free][_wg<compute warpgroups>][_pipe][_persist[_all]][_r240]'
+  """'<block_q>x<block_k>x<steps>[_free][_wg<compute warpgroups>][_pipe][_persist[_all]][_r240][_sums]'
   -> the Mosaic forward's tiles (`_free`: without ping-pong turns; `_wg3`: three
   compute warpgroups, free-running only; `_pipe`: each warpgroup's next
   `Q K^T` under its softmax; `_persist`: one block per SM
   walking the work items; `_persist_all`: right-bounded calls too; `_r240`:
-  240 registers per compute thread)."""
+  240 registers per compute thread; `_sums`: the row sums on the tensor cores)."""
   match = _MOSAIC_FWD_TILES.match(spec)
   if match is None:
     raise ValueError("Mosaic forward tiles must be "
-                     f"<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240], got {spec!r}")
+                     f"<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240][_sums], "
+                     f"got {spec!r}")
   bq, bk, steps = map(int, match.groups()[:3])
   return flex_mosaic.MosaicForwardConfig(
       block_q=bq, block_k=bk, max_concurrent_steps=steps,
@@ -207,7 +208,8 @@ def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
       compute_warpgroups=int(match.group(5) or flex_mosaic.NUM_COMPUTE_WGS),
       pipelined=match.group(6) is not None, persistent=match.group(7) is not None,
       persistent_right_bounded=match.group(8) is not None,
-      extra_registers=match.group(9) is not None)
+      extra_registers=match.group(9) is not None,
+      tensor_core_sums=match.group(10) is not None)
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:

@@ -84,6 +84,7 @@ from ops.flex_attention.mosaic_tiles import config_limit
 from ops.flex_attention.mosaic_tiles import HEAD_SIZES
 from ops.flex_attention.mosaic_tiles import MosaicForwardConfig
 from ops.flex_attention.mosaic_tiles import NUM_COMPUTE_WGS
+from ops.flex_attention.mosaic_tiles import SUM_COLUMNS
 
 _LOG2E = math.log2(math.e)
 
@@ -140,6 +141,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   # A right-bounded call walked persistently (`prepare` allows it only with
   # `persistent_right_bounded`) has items of unequal work: heaviest first.
   heaviest_first = config.persistent and st.right is not None
+  sums_on_tensor_cores = config.tensor_core_sums
 
   def own_item(position):
     """The item this block walks at `position`: round `position` of
@@ -186,8 +188,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   def item_slot(item, base, j):  # the ring slot that holds the item's key tile j
     return lax.rem(base + j - item.lo, steps)
 
-  def scoped(q_smem2, out_smem2, k_smem, v_smem, lse_smem2, p_smem2, k_ready, v_ready,
-             q_ready, k_free, v_free, turn):
+  def scoped(q_smem2, out_smem2, k_smem, v_smem, lse_smem2, p_smem2, ones_smem2, k_ready,
+             v_ready, q_ready, k_free, v_free, turn):
     wg = lax.axis_index("wg")
 
     # The ping-pong turns; without them (`ping_pong=False`) no-ops.
@@ -220,7 +222,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
       row = plgpu.Layout.WGMMA.reduce(1)
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
-      l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
+      if sums_on_tensor_cores:  # each row's sum SUM_COLUMNS times: P @ ones
+        l = plgpu.layout_cast(jnp.zeros((bq, SUM_COLUMNS), jnp.float32), plgpu.Layout.WGMMA)
+      else:
+        l = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row)
       acc = plgpu.layout_cast(jnp.zeros((bq, hp), jnp.float32), plgpu.Layout.WGMMA)
 
       # The second warpgroup starts half a step behind the first.
@@ -255,7 +260,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         first-tile maxima"): no maxima, no factor (None)."""
         if frozen:
           p = jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
-          return p.astype(dtype), m, l + p.sum(axis=1), None
+          return p.astype(dtype), m, add_row_sums(l, p), None
         if masked:
           layout = plgpu.Layout.WGMMA
           q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=layout)
@@ -269,12 +274,17 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           m_use = m_new
         alpha = jnp.exp2(m - m_use)
         p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        return p.astype(dtype), m_new, l, alpha
+        return p.astype(dtype), m_new, add_row_sums(rescale(l, alpha), p), alpha
+
+      def add_row_sums(l, p):
+        # With `tensor_core_sums` P V's wgmma adds them (`add_pv`).
+        return l if sums_on_tensor_cores else l + p.sum(axis=1)
 
       def rescale(acc, alpha):
         if alpha is None:
           return acc
+        if acc.ndim == 1:
+          return acc * alpha
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
       def logits(slot, turn_inside):
@@ -285,9 +295,12 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           return acc_ref[...]
         return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
 
-      def add_pv(acc, p16, slot):
-        return _add_product(acc, p16, v_smem.at[slot],
-                            None if p_smem2 is None else p_smem2.at[wg])
+      def add_pv(acc, l, p16, slot):
+        """acc + P V and, with `tensor_core_sums`, l + P @ ones."""
+        p_smem = None if p_smem2 is None else p_smem2.at[wg]
+        if not sums_on_tensor_cores:
+          return _add_product(acc, p16, v_smem.at[slot], p_smem), l
+        return _add_products((acc, l), p16, (v_smem.at[slot], ones_smem2.at[wg]), p_smem)
 
       def body(j, carry, masked, frozen=False):
         acc, m, l = carry
@@ -302,7 +315,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         plgpu.barrier_wait(v_ready.at[slot])
         wait_turn()  # the tensor cores are ours again
 
-        acc = add_pv(acc, p16, slot)
+        acc, l = add_pv(acc, l, p16, slot)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m_new, l
 
@@ -344,7 +357,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         if interpret:  # the same order of operations, one at a time
           s = logits(slot, turn_inside=True)
           plgpu.barrier_arrive(k_free.at[slot])
-          acc = add_pv(acc, p16, prev)
+          acc, l = add_pv(acc, l, p16, prev)
           p16, m, l, alpha = softmax(s, j, m, l, masked, frozen)
           arrive_turn()
         else:
@@ -378,7 +391,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l, p16 = carry
         slot = ring_slot(j)
         plgpu.barrier_wait(v_ready.at[slot])
-        acc = add_pv(acc, p16, slot)
+        acc, l = add_pv(acc, l, p16, slot)
         plgpu.barrier_arrive(v_free.at[slot])
         return acc, m, l, p16
 
@@ -408,6 +421,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       def _next_query():  # the walk's matmuls are done with q_smem
         load_q(item_of(own_item(position + 1)))
 
+      if sums_on_tensor_cores:  # (the SUM_COLUMNS copies are equal)
+        l = l.sum(axis=1) * (1 / SUM_COLUMNS)
       empty = l == 0.0
       inv = 1.0 / jnp.where(empty, 1.0, l)
       if config.persistent:  # the last item's stores must be done reading
@@ -429,6 +444,10 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       plgpu.set_max_registers(config.compute_registers, action="increase")
       q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
       out_smem = q_smem if out_smem2 is None else out_smem2.at[wg]
+      if sums_on_tensor_cores:
+        ones_smem2.at[wg][...] = plgpu.layout_cast(
+            jnp.ones((bk, SUM_COLUMNS), dtype), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # before wgmma reads them
 
       def load_q(item):
         plgpu.copy_gmem_to_smem(q_gmem.at[item.batch, pl.ds(item.q0 + wg * bq, bq), item.head],
@@ -475,9 +494,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((wgs, bq), jnp.float32),
-      # P's staging buffer, interpret mode only (see `_add_product`).
+      # P's staging buffer, interpret mode only (see `_add_products`).
       (plgpu.SMEM((wgs, bq, bk), dtype, transforms=swizzled(dtype, bk))
        if interpret else None),
+      (plgpu.SMEM((wgs, bk, SUM_COLUMNS), dtype, transforms=swizzled(dtype, SUM_COLUMNS))
+       if sums_on_tensor_cores else None),
       plgpu.Barrier(num_barriers=steps),
       plgpu.Barrier(num_barriers=steps),
       plgpu.Barrier(num_barriers=wgs),
@@ -488,25 +509,36 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   )
 
 
-def _add_product(acc, lhs, rhs_smem, lhs_smem=None):
-  """acc + lhs @ rhs_smem with wgmma, lhs [M, K] from registers.
+def _add_products(accs, lhs, rhs_smems, lhs_smem=None):
+  """Each acc + lhs @ its rhs_smem with wgmma, lhs [M, K] from registers;
+  the products issued together and waited for once.
 
-  Compiled, the accumulator is the running value itself (`ACC.init`).
+  Compiled, the accumulators are the running values themselves (`ACC.init`).
   Interpret mode (jax 0.11.2) has no rule for `run_state` and its wgmma
   reads both operands from shared memory, so there (`lhs_smem` given) lhs
-  goes through `lhs_smem` and the product into a fresh zero accumulator.
+  goes through `lhs_smem` and each product into a fresh zero accumulator.
   """
   if lhs_smem is not None:
     lhs_smem[...] = lhs
     plgpu.commit_smem()
-    def product(acc_ref):
+    def product(rhs_smem, acc_ref):
       plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
       return acc_ref[...]
-    return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+    return tuple(
+        acc + pl.run_scoped(functools.partial(product, rhs_smem),
+                            plgpu.ACC(acc.shape, jnp.float32))
+        for acc, rhs_smem in zip(accs, rhs_smems))
 
-  def accumulate(acc_ref):
-    plgpu.wgmma(acc_ref, lhs, rhs_smem)
-  return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+  def accumulate(acc_refs):
+    for acc_ref, rhs_smem in zip(acc_refs, rhs_smems):
+      plgpu.wgmma(acc_ref, lhs, rhs_smem)
+  return pl.run_state(accumulate)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _add_product(acc, lhs, rhs_smem, lhs_smem=None):
+  """acc + lhs @ rhs_smem: `_add_products` of one."""
+  (acc,) = _add_products((acc,), lhs, (rhs_smem,), lhs_smem)
+  return acc
 
 
 def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,

@@ -10,6 +10,9 @@ import dataclasses
 from ops._mosaic_gpu import SMEM_BUDGET
 
 NUM_COMPUTE_WGS = 2  # The default; `MosaicForwardConfig.compute_warpgroups`.
+# Columns of the ones that `MosaicForwardConfig.tensor_core_sums` multiplies P
+# by: wgmma's narrowest 16-bit B operand that a 32-byte swizzle tiles.
+SUM_COLUMNS = 16
 HEAD_SIZES = (32, 64, 128, 256)  # Padded head sizes the kernel takes.
 # The memory warpgroup's registers per thread, by compute warpgroups; the
 # compute ones share the rest of the block's pool (`compute_registers`).
@@ -68,6 +71,12 @@ class MosaicForwardConfig:
   extra_registers: with two compute warpgroups, give each 240 registers per
     thread instead of 232 (the memory warpgroup keeps 24 of the block's 504
     instead of 40), as the backward's `compute_registers=240` does.
+  tensor_core_sums: the softmax's row sums as P @ ones on the tensor cores
+    (one more wgmma per key tile, beside P V, into a [block_q, 16]
+    accumulator: `SUM_COLUMNS`), as the Triton forward's first-tile-maxima
+    tiles do, instead of an add per logit and lane shuffles per tile. At
+    small heads the softmax's per-logit instructions, not the tensor cores,
+    hold the kernel. The non-pipelined walk only.
   """
   block_q: int = 64
   block_k: int = 128
@@ -79,6 +88,7 @@ class MosaicForwardConfig:
   persistent: bool = False
   persistent_right_bounded: bool = False
   extra_registers: bool = False
+  tensor_core_sums: bool = False
 
   def __post_init__(self):
     check_tiles(self)
@@ -88,6 +98,9 @@ class MosaicForwardConfig:
     if self.compute_warpgroups != 2 and self.ping_pong:
       raise ValueError("`ping_pong` turns take two compute warpgroups; with "
                        f"`compute_warpgroups={self.compute_warpgroups}` set ping_pong=False")
+    if self.tensor_core_sums and self.pipelined:
+      raise ValueError("`tensor_core_sums` takes the non-pipelined walk; set "
+                       "pipelined=False")
     if self.extra_registers and self.compute_warpgroups != 2:
       raise ValueError("`extra_registers` takes two compute warpgroups, got "
                        f"`compute_warpgroups={self.compute_warpgroups}`")
@@ -111,9 +124,10 @@ class MosaicForwardConfig:
     return (pool - self.memory_registers) // self.compute_warpgroups // 8 * 8
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory for the query/output tiles, the ring and the lse rows,
-    each buffer aligned to 1 KiB (what 128-byte swizzles need), and 2 KiB
-    for the barriers and the rest. (64 x 128 x 3 at H128 counts 232,448
+    """Shared memory for the query/output tiles, the ring, the lse rows and
+    (`tensor_core_sums`) each compute warpgroup's ones, each buffer aligned
+    to 1 KiB (what 128-byte swizzles need), and 2 KiB for the barriers and
+    the rest. (64 x 128 x 3 at H128 counts 232,448
     here, over the budget; Mosaic GPU asked for 232,568 and refused it on an
     H200.)"""
     align = lambda n: -(-n // 1024) * 1024
@@ -121,7 +135,9 @@ class MosaicForwardConfig:
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
     lse = self.compute_warpgroups * self.block_q * 4
     out = align(q) if self.persistent else 0  # else the output reuses q's
-    return align(q) + out + 2 * align(ring) + align(lse) + 2048
+    ones = self.compute_warpgroups * self.block_k * SUM_COLUMNS * itemsize
+    ones = align(ones) if self.tensor_core_sums else 0
+    return align(q) + out + 2 * align(ring) + align(lse) + ones + 2048
 
 
 def check_tiles(config) -> None:

@@ -24,6 +24,9 @@ def test_mosaic_forward_tiles():
   assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
   tiles = workloads.mosaic_fwd_tiles("64x256x2_persist_r240")
   assert tiles.persistent and (tiles.compute_registers, tiles.memory_registers) == (240, 24)
+  assert not tiles.tensor_core_sums
+  tiles = workloads.mosaic_fwd_tiles("128x128x2_free_persist_sums")
+  assert tiles.tensor_core_sums and tiles.persistent and not tiles.ping_pong
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
   with pytest.raises(ValueError, match="ping_pong"):  # three need free-running

@@ -85,8 +85,12 @@ def test_triton_forward_matches_reference(name, frozen):
     # must run online.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, pipelined=True),
      dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
+    # The row sums on the tensor cores: the window's masked tiles after the
+    # kept-maxima ones run online and must rescale the sums' accumulator.
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True),
+     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
 ], ids=["persistent", "free_128_rows_causal", "turns_window_lengths", "pipelined",
-        "pipelined_turns_window_lengths"])
+        "pipelined_turns_window_lengths", "tensor_core_sums_window_lengths"])
 def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   # Without the second pass: no row here passes the sum limit, so the walk's
   # own tiles must be exact (a row whose first tile kept an -inf maximum would

@@ -169,6 +169,22 @@ def test_pipelined_walk_matches_reference(options, steps, ping_pong):
 
 
 @pytest.mark.parametrize("options, extra", [
+    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), dict()),
+    (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True)),
+], ids=["turns_window_lengths_empty_row", "free_128_rows_persistent"])
+def test_tensor_core_sums_match_reference(options, extra):
+  """`tensor_core_sums=True`: the row sums come from P @ ones beside P V (a
+  [block_q, 16] accumulator rescaled with the output's on the online tiles),
+  read back once at the end. Masked tiles on both sides of the open ones with
+  a batch row that sees no key (its sums stay 0: zeros, +inf lse); full
+  attention on the H32 candidate's walk, 128 rows per warpgroup,
+  persistent. GQA 2:1, T and S padded, forward and gradients."""
+  tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, tensor_core_sums=True)
+  _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
+                                 seed=7)
+
+
+@pytest.mark.parametrize("options, extra", [
     (dict(), dict()),
     (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 180])),
      dict(ping_pong=False, pipelined=True, max_concurrent_steps=3)),
@@ -311,6 +327,13 @@ def test_table_and_config_checks():
     mosaic.check_config(_TILES, 16)
   with pytest.raises(ValueError, match="shared memory"):
     mosaic.check_config(mosaic.MosaicForwardConfig(block_k=256, max_concurrent_steps=4), 256)
+  # The row sums on the tensor cores: each compute warpgroup's [block_k, 16]
+  # ones in shared memory; not in the pipelined walk.
+  sums = mosaic.MosaicForwardConfig(block_k=128, tensor_core_sums=True)
+  assert sums.smem_bytes(32) - mosaic.MosaicForwardConfig(block_k=128).smem_bytes(32) == (
+      2 * 128 * 16 * 2)
+  with pytest.raises(ValueError, match="tensor_core_sums.*pipelined"):
+    mosaic.MosaicForwardConfig(tensor_core_sums=True, pipelined=True)
 
 
 # (32, True): the table's H32 entry, causal only and without ping-pong turns.
@@ -333,20 +356,24 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
-@pytest.mark.parametrize("block_q, compute_warpgroups, pipelined, persistent, ping_pong",
-                         [(128, 2, False, False, False), (64, 3, False, False, False),
-                          (64, 2, True, False, False), (64, 3, True, True, False),
-                          (64, 2, True, True, True)])
+@pytest.mark.parametrize(
+    "block_q, compute_warpgroups, pipelined, persistent, ping_pong, tensor_core_sums",
+    [(128, 2, False, False, False, False), (64, 3, False, False, False, False),
+     (64, 2, True, False, False, False), (64, 3, True, True, False, False),
+     (64, 2, True, True, True, False), (128, 2, False, True, False, True),
+     (64, 3, False, False, False, True)])
 def test_walk_variants_lower_for_hopper(block_q, compute_warpgroups, pipelined, persistent,
-                                        ping_pong, hopper_lowering):
+                                        ping_pong, tensor_core_sums, hopper_lowering):
   """The walks no table entry runs at head size 32 (free-running warpgroups,
   two or three of them, pipelined, persistent, the pipelined walk with the
-  turns) on full attention: Mosaic GPU's checks."""
+  turns, the row sums on the tensor cores: a 16-column wgmma from a 32-byte
+  swizzle) on full attention: Mosaic GPU's checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
-      compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent))
+      compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent,
+      tensor_core_sums=tensor_core_sums))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(config, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
