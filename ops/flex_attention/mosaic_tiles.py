@@ -127,9 +127,8 @@ class MosaicForwardConfig:
     """Shared memory for the query/output tiles, the ring, the lse rows and
     (`tensor_core_sums`) each compute warpgroup's ones, each buffer aligned
     to 1 KiB (what 128-byte swizzles need), and 2 KiB for the barriers and
-    the rest. (64 x 128 x 3 at H128 counts 232,448
-    here, over the budget; Mosaic GPU asked for 232,568 and refused it on an
-    H200.)"""
+    the rest. (64 x 128 x 3 at H128 counts 232,448 here, over the budget;
+    Mosaic GPU asked for 232,568 and refused it on an H200.)"""
     align = lambda n: -(-n // 1024) * 1024
     q = self.compute_warpgroups * self.block_q * head_dim * itemsize
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
