@@ -76,7 +76,8 @@ class MosaicForwardConfig:
     accumulator: `SUM_COLUMNS`), as the Triton forward's first-tile-maxima
     tiles do, instead of an add per logit and lane shuffles per tile. At
     small heads the softmax's per-logit instructions, not the tensor cores,
-    hold the kernel. The non-pipelined walk only.
+    hold the kernel. The non-pipelined walk only. Not yet timed on a GPU
+    (BUILD_NOTES.md, flex_attention, "Thirty-third session").
   """
   block_q: int = 64
   block_k: int = 128
