@@ -14,7 +14,6 @@ microseconds are timed on the device rather than as the host's dispatch.
       --output docs/benchmarks/kernel_attention_h200.json
 """
 
-import dataclasses
 import functools
 import json
 import time
@@ -128,6 +127,7 @@ def _check_rows():
       (1, 256, 256, 2, 1, 256, jnp.float32, dict(is_causal=True)),
       (2, 1024, 1024, 8, 4, 64, jnp.bfloat16, {}),  # the Mosaic forward's H64 full case
       (1, 1024, 1024, 4, 2, 256, jnp.bfloat16, {}),  # and its H256 one
+      (2, 1024, 1024, 8, 4, 32, jnp.bfloat16, {}),  # and its H32 one
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
@@ -142,7 +142,7 @@ def _check_rows():
       ("refresh", _CHECK_REFRESH.value, lambda spec: dict(refresh=spec))):
     if spec:  # The table's config with these fields replaced.
       table = flex_configs.get_config
-      patched = lambda *a, changes=changes(spec), **kw: dataclasses.replace(
+      patched = lambda *a, changes=changes(spec), **kw: workloads.with_changes(
           table(*a, **kw), **changes)
       with mock.patch.object(flex_configs, "get_config", patched):
         rows += _check_cases(cases, f"{field}_{spec}")

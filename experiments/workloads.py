@@ -224,13 +224,21 @@ def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
       pipelined=match.group(3) is not None)
 
 
+def with_changes(config: flex_configs.FlexConfig, **changes) -> flex_configs.FlexConfig:
+  """`config` with those fields replaced; a `mosaic_fwd` given here runs every
+  call's forward (right-bounded ones too, whatever the table's
+  `mosaic_fwd_bounded`), so that a timed tile set is the one that runs."""
+  if "mosaic_fwd" in changes:
+    config = config.forward_on(changes.pop("mosaic_fwd"))
+  return dataclasses.replace(config, **changes)
+
+
 def _flex_with(causal, **changes):
   """flex with the table's config for the input, those fields replaced
   (e.g. `mosaic_fwd=None`: the forward on the Triton kernel)."""
   def fn(q, k, v):
     hp = max(16, 1 << (q.shape[-1] - 1).bit_length())
-    config = dataclasses.replace(
-        flex_configs.get_config(hp, q.dtype, interpret=False), **changes)
+    config = with_changes(flex_configs.get_config(hp, q.dtype, interpret=False), **changes)
     return flex_pallas.flex_attention_pallas(
         q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, window=None,
         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,

@@ -58,7 +58,10 @@ class FlexConfig:
 
   `mosaic_fwd`, where set, runs the forward on the Mosaic GPU kernel
   (`mosaic.py`) instead of `fwd`'s Triton one, for the calls it takes
-  (`pallas.prepare` decides: 16-bit, no segments or mods, long enough).
+  (`pallas.prepare` decides: 16-bit, no segments or mods, long enough);
+  `mosaic_fwd_bounded`, where set, takes its place for the calls whose keys
+  are bounded on the right (causal, or a window with a right side), whose
+  items have unequal work and may want other tiles.
   `mosaic_bwd` likewise runs the backward on the one-launch Mosaic GPU kernel
   (`mosaic_backward.py`) instead of the `dkdv` and `dq` Triton launches.
   `fwd_softmax` is how the forward (either kernel) keeps its exponentials
@@ -81,12 +84,18 @@ class FlexConfig:
   mosaic_bwd: mosaic_backward.MosaicBackwardConfig | None = None
   fwd_softmax: str = "online"
   refresh: str = "launch"
+  mosaic_fwd_bounded: mosaic.MosaicForwardConfig | None = None
 
   def __post_init__(self):
     if self.fwd_softmax not in FWD_SOFTMAX:
       raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
     if self.refresh not in REFRESH:
       raise ValueError(f"`refresh` must be one of {REFRESH}, got {self.refresh!r}")
+
+  def forward_on(self, mosaic_fwd) -> "FlexConfig":
+    """This config with every call's forward on the Mosaic tiles `mosaic_fwd`
+    (None: on the Triton kernel), right-bounded calls included."""
+    return dataclasses.replace(self, mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None)
 
   @property
   def keeps_first_tile_max(self) -> bool:
@@ -102,12 +111,13 @@ def _mosaic_tiles(cls, fields):
 
 
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
-       refresh="launch") -> FlexConfig:
+       refresh="launch", mosaic_fwd_bounded=None) -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
       _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd),
       _mosaic_tiles(mosaic_backward.MosaicBackwardConfig, mosaic_bwd),
-      fwd_softmax, refresh)
+      fwd_softmax, refresh,
+      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd_bounded))
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -182,10 +192,15 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # B 2, N 16, T 4096, full / causal).
 _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (32, "bfloat16", "sm90"): _c((128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3),
-                                 (128, 128, 2, True, False),
+                                 dict(block_q=64, block_k=256, max_concurrent_steps=2,
+                                      ping_pong=False, persistent=True,
+                                      tensor_core_sums=True),
                                  dict(block_q=128, block_k=64, max_concurrent_steps=3,
                                       ds_slots=2, pipelined=True),
-                                 fwd_softmax="first_tile_max", refresh="auto"),
+                                 fwd_softmax="first_tile_max", refresh="auto",
+                                 mosaic_fwd_bounded=dict(block_q=128, block_k=128,
+                                                         max_concurrent_steps=2,
+                                                         ping_pong=False)),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
                                       persistent=True), (128, 64, 2),

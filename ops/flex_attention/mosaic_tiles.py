@@ -37,8 +37,9 @@ class MosaicForwardConfig:
   block_k: key rows per tile of the ring.
   max_concurrent_steps: slots of the key/value ring.
   causal_only: take only calls whose keys are bounded on the right (causal,
-    or a window with a right side); at head size 32 the kernel measured
-    faster than the Triton forward there and not on full attention.
+    or a window with a right side), leaving the others to the Triton
+    forward. (`FlexConfig.mosaic_fwd_bounded` instead gives the bounded
+    calls Mosaic tiles of their own.)
   ping_pong: the two compute warpgroups take turns on the tensor cores (one's
     softmax under the other's matmuls). False lets both run freely: where the
     softmax is most of a step (small heads), the two softmaxes can then run
@@ -76,8 +77,9 @@ class MosaicForwardConfig:
     accumulator: `SUM_COLUMNS`), as the Triton forward's first-tile-maxima
     tiles do, instead of an add per logit and lane shuffles per tile. At
     small heads the softmax's per-logit instructions, not the tensor cores,
-    hold the kernel. The non-pipelined walk only. Not yet timed on a GPU
-    (BUILD_NOTES.md, flex_attention, "Thirty-third session").
+    hold the kernel. The non-pipelined walk only. On an H200 it helped the
+    H32 full-attention walk on 256-key tiles, not the 128 x 128 one
+    (BUILD_NOTES.md, flex_attention, "Thirty-fourth session").
   """
   block_q: int = 64
   block_k: int = 128

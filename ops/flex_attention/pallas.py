@@ -624,6 +624,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   unsupported = dict(segments=q_segment_ids is not None,
                      mods=mask_mod is not None or score_mod is not None)
   mosaic_fwd = config.mosaic_fwd
+  if right is not None and config.mosaic_fwd_bounded is not None:
+    mosaic_fwd = config.mosaic_fwd_bounded
   if mosaic_fwd is not None and not mosaic.takes(
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
       **unsupported):
@@ -640,7 +642,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   config = dataclasses.replace(
       config, **{name: _fit(getattr(config, name), seq_q, seq_kv)
                  for name in ("fwd", "dkdv", "dq")},
-      mosaic_fwd=mosaic_fwd, mosaic_bwd=mosaic_bwd,
+      mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None, mosaic_bwd=mosaic_bwd,
       fwd_softmax=_fwd_softmax(config, q.dtype, score_mod),
       refresh=_refresh(config, batch * num_heads * seq_q * seq_kv))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))

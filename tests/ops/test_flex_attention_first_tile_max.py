@@ -265,8 +265,8 @@ def test_config_names_the_softmax():
 def test_triton_forward_lowers_for_hopper(dtype, refresh, extra, hopper_lowering):
   """The frozen walk, the row sums' dot and the second pass (a launch, or a
   branch of the forward kernel) lower for sm90."""
-  config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")],
-                               fwd_softmax="first_tile_max", mosaic_fwd=None, refresh=refresh)
+  config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")].forward_on(None),
+                               fwd_softmax="first_tile_max", refresh=refresh)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
   options = dict(dict(q_segment_ids=None, kv_segment_ids=None), **extra)
   fn = lambda q, k, v: pallas.flex_attention_pallas(

@@ -118,14 +118,19 @@ def test_128_row_tiles_match_reference(ping_pong):
   assert _rel(got, want) < _TOL[jnp.bfloat16]
 
 
-def _check_tiles_against_reference(tiles, options, *, seed):
+def _check_tiles_against_reference(tiles, options, *, seed, seq_q=200, seq_kv=230):
   """The Mosaic forward on `tiles` (the Triton backward after it) against the
-  reference, B 2, T 200, S 230, GQA 2:1, H 32, bf16: output and every
+  reference, B 2, T `seq_q`, S `seq_kv`, GQA 2:1, H 32, bf16: output and every
   gradient; a batch row whose key length is 0 gives zeros."""
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
-  q, k, v, w = _inputs(2, 200, 230, 2, 1, 32, jnp.bfloat16, seed=seed)
+  q, k, v, w = _inputs(2, seq_q, seq_kv, 2, 1, 32, jnp.bfloat16, seed=seed)
+  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
+                         window=options.get("local_window_size"), q_segment_ids=None,
+                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         config=config)
+  assert st.config.mosaic_fwd is not None  # the Mosaic forward takes the call
   out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
   out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
@@ -168,20 +173,25 @@ def test_pipelined_walk_matches_reference(options, steps, ping_pong):
                                  ping_pong=ping_pong, pipelined=True), options, seed=5)
 
 
-@pytest.mark.parametrize("options, extra", [
-    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), dict()),
-    (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True)),
-], ids=["turns_window_lengths_empty_row", "free_128_rows_persistent"])
-def test_tensor_core_sums_match_reference(options, extra):
+@pytest.mark.parametrize("options, extra, shape", [
+    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), dict(), (200, 230)),
+    (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True), (300, 230)),
+    (dict(kv_seq_lengths=np.array([0, 257])),
+     dict(block_k=256, ping_pong=False, persistent=True), (200, 300)),
+], ids=["turns_window_lengths_empty_row", "free_128_rows_persistent",
+        "h32_table_walk_lengths"])
+def test_tensor_core_sums_match_reference(options, extra, shape):
   """`tensor_core_sums=True`: the row sums come from P @ ones beside P V (a
   [block_q, 16] accumulator rescaled with the output's on the online tiles),
   read back once at the end. Masked tiles on both sides of the open ones with
   a batch row that sees no key (its sums stay 0: zeros, +inf lse); full
-  attention on the H32 candidate's walk, 128 rows per warpgroup,
-  persistent. GQA 2:1, T and S padded, forward and gradients."""
+  attention on 128 rows per warpgroup, persistent; and the H32 table's
+  full-attention walk (256-key tiles, free-running, persistent) with key
+  lengths (a batch row with none, one that ends inside the second tile). GQA
+  2:1, T and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, tensor_core_sums=True)
   _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
-                                 seed=7)
+                                 seed=7, seq_q=shape[0], seq_kv=shape[1])
 
 
 @pytest.mark.parametrize("options, extra", [
@@ -298,6 +308,17 @@ def test_prepare_gives_it_only_the_calls_it_takes():
                    ({}, False), (dict(window=(8, None)), False)):
     got = chosen(*shapes, config=causal_only, **kw)[0]
     assert (got is not None) is want, kw
+  # Other tiles for right-bounded calls (`mosaic_fwd_bounded`, the H32
+  # entry's): causal or a window with a right side take them, full attention
+  # and left-only windows take `mosaic_fwd`'s; `forward_on` puts every call
+  # on one set.
+  bounded_tiles = mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False)
+  bounded = dataclasses.replace(_CONFIG, mosaic_fwd_bounded=bounded_tiles)
+  for kw, want in ((dict(is_causal=True), bounded_tiles), (dict(window=(8, 4)), bounded_tiles),
+                   ({}, _TILES), (dict(window=(8, None)), _TILES)):
+    assert chosen(*shapes, config=bounded, **kw)[0] == want, kw
+    assert chosen(*shapes, config=bounded.forward_on(_TILES), **kw)[0] == _TILES, kw
+    assert chosen(*shapes, config=bounded.forward_on(None), **kw)[0] is None, kw
   # Tiles over the shared-memory budget at this head size (256-row key tiles
   # at H128): the Triton forward, not a compile error.
   too_big = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(block_k=256))
@@ -307,8 +328,9 @@ def test_prepare_gives_it_only_the_calls_it_takes():
 
 def test_table_and_config_checks():
   for h in (32, 64, 128, 256):  # measured faster than the Triton forward on an H200
-    tiles = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90").mosaic_fwd
-    assert tiles is not None and tiles.smem_bytes(h) <= SMEM_BUDGET
+    config = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90")
+    for tiles in (config.mosaic_fwd, config.mosaic_fwd_bounded or config.mosaic_fwd):
+      assert tiles is not None and tiles.smem_bytes(h) <= SMEM_BUDGET
   # float32 at H256 has its own, smaller tiles: halving the 16-bit entry's key
   # tiles overflowed the dQ kernel's shared memory on an H200.
   f32, bf16 = (configs.get_config(256, d, interpret=False, generation="sm90")
@@ -336,8 +358,11 @@ def test_table_and_config_checks():
     mosaic.MosaicForwardConfig(tensor_core_sums=True, pipelined=True)
 
 
-# (32, True): the table's H32 entry, causal only and without ping-pong turns.
-@pytest.mark.parametrize("head_dim, is_causal", [(32, True), (64, True), (128, False)])
+# The table's H32 entry: causal on its right-bounded tiles (128 rows per
+# warpgroup, no ping-pong turns), full attention on its other walk (256-key
+# tiles, persistent, the row sums on the tensor cores).
+@pytest.mark.parametrize("head_dim, is_causal",
+                         [(32, True), (32, False), (64, True), (128, False)])
 def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (registers as the P operand, layouts, TMA shapes), without a GPU. The
