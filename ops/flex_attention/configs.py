@@ -132,7 +132,8 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # (`--head_sizes 256 --causal 0`, kernel_attention_tune_h256_h200.json, B 2,
 # N 16, T 4096): dK/dV 11.63 -> 4.58 ms, dQ 2.17 -> 1.60 ms against the 32- and
 # 64-row, 4-warp, 1-stage tiles it had; its Triton forward is not swept.
-# The fourth entry, (block_q, block_k, max_concurrent_steps[, causal_only[, ping_pong]]), puts the forward
+# The fourth entry, (block_q, block_k, max_concurrent_steps[, causal_only[, ping_pong]])
+# or a dict of `MosaicForwardConfig`'s fields, puts the forward
 # on the Mosaic GPU kernel (`mosaic.py`) for the 16-bit calls it takes: the
 # fastest tiles of `benchmark_kernel_attention --impls flex_mosaic_*` on an H200
 # (docs/benchmarks/kernel_attention_mosaic_h200.json; 64 x 128 x 3 and 64 x 64
@@ -141,12 +142,16 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # 64-row tiles measured 1.04-1.16x the Triton forward's time, its 128 x 128 x 2
 # tiles 0.89-0.90x causal and 1.02x on full attention in two runs
 # (kernel_attention_bq128_h200.json, kernel_attention_h32_mosaic_h200.json), so
-# the H32 entry takes causal (right-bounded) calls only (a fourth field, True).
-# Its fifth field (False) drops the ping-pong turns between the two compute
-# warpgroups: on the causal H32 forward that was 3-5 % faster than with them in
-# three runs (kernel_attention_h32_bf16exp_h200.json, kernel_attention_fma_h200.json,
+# the H32 entry's right-bounded calls take 128 x 128 x 2 (`mosaic_fwd_bounded`)
+# without the ping-pong turns between the two compute warpgroups: on the causal
+# H32 forward that was 3-5 % faster than with them in three runs
+# (kernel_attention_h32_bf16exp_h200.json, kernel_attention_fma_h200.json,
 # kernel_attention_before_fma_h200.json: 0.285 / 0.289 / 0.298 ms against
-# 0.298 / 0.304 / 0.308), and no faster on full attention.
+# 0.298 / 0.304 / 0.308). Its full-attention calls take 64 x 256 x 2,
+# free-running, persistent, with the row sums on the tensor cores: 0.448 / 0.442
+# ms against the Triton forward's 0.492 / 0.490, cuDNN 0.618 / 0.601, in two
+# runs (kernel_attention_h32_sums_h200.json, kernel_attention_h32_sums64_h200.json;
+# causal calls were slower on those tiles, 0.348 against 0.264).
 # H64 and H128 walk their items with one block per SM (`persistent`, given as
 # a dict) where the call has no right bound (`pallas.prepare` drops it for
 # causal ones): full attention 0.6338 against 0.6444 ms at H64 and 1.842
