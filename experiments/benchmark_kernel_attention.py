@@ -47,7 +47,7 @@ _IMPLS = flags.DEFINE_list(
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread; "
-    "_sums: the row sums on the tensor cores), "
+    "_sums: the row sums on the tensor cores; a _<fwd_softmax> suffix: that softmax), "
     "flex_mosaic_bwd_<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe] (the backward "
     "on the Mosaic GPU kernel with those tiles; _ds2: two dS^T slots; _pipe: the pipelined "
     "step) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
@@ -79,14 +79,15 @@ _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after t
 SHAPES = {
     "b8_n8_t4096_h32": (8, 8, 4096, 32, (False, True)),
     "b8_n8_t1024_h32": (8, 8, 1024, 32, (False,)),
-    # Where `FlexConfig.refresh='auto'` changes over (configs.py): not in ANCHORS.md.
-    "b8_n8_t512_h32": (8, 8, 512, 32, (False,)),
+    # Where `FlexConfig.refresh='auto'` and the score limits change over
+    # (configs.py): not in ANCHORS.md.
+    "b8_n8_t512_h32": (8, 8, 512, 32, (False, True)),
     "b8_n8_t2048_h32": (8, 8, 2048, 32, (False,)),
     "b32_n8_t1024_h32": (32, 8, 1024, 32, (False,)),
     "b2_n8_t2048_h32": (2, 8, 2048, 32, (False,)),
-    "b8_n8_t256_h32": (8, 8, 256, 32, (False,)),
-    "b16_n8_t512_h32": (16, 8, 512, 32, (False,)),
-    "b4_n8_t1024_h32": (4, 8, 1024, 32, (False,)),
+    "b8_n8_t256_h32": (8, 8, 256, 32, (False, True)),
+    "b16_n8_t512_h32": (16, 8, 512, 32, (False, True)),
+    "b4_n8_t1024_h32": (4, 8, 1024, 32, (False, True)),
     "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
     # Beyond cuDNN's head sizes (not in ANCHORS.md): flex's two forwards.

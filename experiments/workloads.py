@@ -185,6 +185,10 @@ _FLEX_REFRESH = re.compile(r"flex_refresh_(%s)$" % "|".join(flex_configs.REFRESH
 # flex with its backward on the one-launch Mosaic GPU kernel's tiles:
 # flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
 _FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
+# flex with its forward on given Mosaic GPU tiles and, where a suffix names
+# one, that forward softmax: flex_mosaic_<tiles>[_<fwd_softmax>].
+_FLEX_MOSAIC_FWD = re.compile(
+    r"flex_mosaic_(.+?)(?:_(%s))?$" % "|".join(flex_configs.FWD_SOFTMAX))
 # JAX's Mosaic GPU attention (`attention_mgpu`, float16 inputs): mgpu_<block_kv>.
 _MGPU = re.compile(r"mgpu_(\d+)$")
 
@@ -270,7 +274,7 @@ def attention_fn(impl, h, causal):
   `flex_triton_<bq>x<bk>x<warps>x<stages>`; a `_<fwd_softmax>` suffix: that
   softmax; `flex_<fwd_softmax>`: the table's kernels with it; `flex_refresh_<mode>`:
   with that `FlexConfig.refresh`), its Mosaic forward on
-  other tiles `flex_mosaic_*`, its backward on the Mosaic GPU kernel
+  other tiles `flex_mosaic_*` (a `_<fwd_softmax>` suffix: that softmax), its backward on the Mosaic GPU kernel
   `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
   if impl == "flex":
@@ -289,8 +293,11 @@ def attention_fn(impl, h, causal):
     return _flex_with(causal, refresh=match.group(1))
   if match := _FLEX_MOSAIC_BWD.match(impl):
     return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
-  if impl.startswith("flex_mosaic_"):
-    return _flex_with(causal, mosaic_fwd=mosaic_fwd_tiles(impl[len("flex_mosaic_"):]))
+  if match := _FLEX_MOSAIC_FWD.match(impl):
+    changes = dict(mosaic_fwd=mosaic_fwd_tiles(match.group(1)))
+    if match.group(2):
+      changes["fwd_softmax"] = match.group(2)
+    return _flex_with(causal, **changes)
   if match := _MGPU.match(impl):
     return _mgpu_attention(h, causal, int(match.group(1)))
   if impl == "flex_alibi":

@@ -76,6 +76,11 @@ class FlexConfig:
   second launch; the Mosaic forward always launches) or 'auto' ('in_kernel'
   for calls of at most `IN_KERNEL_REFRESH_MAX_SCORES` scores, where the
   second launch is a large share of the call; `pallas.prepare` decides).
+  `mosaic_fwd_min_scores` and `tensor_core_sums_min_scores` leave the calls
+  of fewer scores (B x N x T x S) to the Triton forward, and to the Mosaic
+  forward without its row sums on the tensor cores, where short calls
+  measured faster that way (0: no limit; `forward_on` clears both, so that a
+  tile set given there is the one that runs).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -85,8 +90,13 @@ class FlexConfig:
   fwd_softmax: str = "online"
   refresh: str = "launch"
   mosaic_fwd_bounded: mosaic.MosaicForwardConfig | None = None
+  mosaic_fwd_min_scores: int = 0
+  tensor_core_sums_min_scores: int = 0
 
   def __post_init__(self):
+    for name in ("mosaic_fwd_min_scores", "tensor_core_sums_min_scores"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}")
     if self.fwd_softmax not in FWD_SOFTMAX:
       raise ValueError(f"`fwd_softmax` must be one of {FWD_SOFTMAX}, got {self.fwd_softmax!r}")
     if self.refresh not in REFRESH:
@@ -94,8 +104,9 @@ class FlexConfig:
 
   def forward_on(self, mosaic_fwd) -> "FlexConfig":
     """This config with every call's forward on the Mosaic tiles `mosaic_fwd`
-    (None: on the Triton kernel), right-bounded calls included."""
-    return dataclasses.replace(self, mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None)
+    (None: on the Triton kernel), right-bounded and short calls included."""
+    return dataclasses.replace(self, mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None,
+                               mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0)
 
   @property
   def keeps_first_tile_max(self) -> bool:
@@ -111,13 +122,13 @@ def _mosaic_tiles(cls, fields):
 
 
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
-       refresh="launch", mosaic_fwd_bounded=None) -> FlexConfig:
+       refresh="launch", mosaic_fwd_bounded=None, **limits) -> FlexConfig:
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
       _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd),
       _mosaic_tiles(mosaic_backward.MosaicBackwardConfig, mosaic_bwd),
       fwd_softmax, refresh,
-      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd_bounded))
+      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd_bounded), **limits)
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -151,7 +162,17 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # free-running, persistent, with the row sums on the tensor cores: 0.448 / 0.442
 # ms against the Triton forward's 0.492 / 0.490, cuDNN 0.618 / 0.601, in two
 # runs (kernel_attention_h32_sums_h200.json, kernel_attention_h32_sums64_h200.json;
-# causal calls were slower on those tiles, 0.348 against 0.264).
+# causal calls were slower on those tiles, 0.348 against 0.264). Shorter
+# full-attention calls measured otherwise (thirty-fifth session, B 8, N 8
+# unless named, microseconds; docs/benchmarks/kernel_attention_h32_sums_reach*_h200.json,
+# kernel_attention_h32_short_calls_h200.json): without the sums the walk read
+# 35.8-36.2 against 39.2-40.1 at T 1024 (2^26 scores) in four runs, 35.6-35.9
+# against 38.4-38.6 at B 2, T 2048, and was even at 2^28 (B 8, T 2048 and
+# B 32, T 1024), so the sums start at 2^29 scores (`tensor_core_sums_min_scores`);
+# below 2^26 the Triton forward (which at 2^24 scores and below reruns its
+# frozen rows inside the kernel, `refresh='auto'`) was the faster one: 7.8 / 12.4 / 23.6 / 20.3 against
+# the sum-less walk's 11.4 / 14.8 / 25.5 / 21.5 at T 256, T 512, B 16 T 512,
+# B 4 T 1024 (`mosaic_fwd_min_scores`).
 # H64 and H128 walk their items with one block per SM (`persistent`, given as
 # a dict) where the call has no right bound (`pallas.prepare` drops it for
 # causal ones): full attention 0.6338 against 0.6444 ms at H64 and 1.842
@@ -205,7 +226,9 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
                                  fwd_softmax="first_tile_max", refresh="auto",
                                  mosaic_fwd_bounded=dict(block_q=128, block_k=128,
                                                          max_concurrent_steps=2,
-                                                         ping_pong=False)),
+                                                         ping_pong=False),
+                                 mosaic_fwd_min_scores=2**26,
+                                 tensor_core_sums_min_scores=2**29),
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
                                       persistent=True), (128, 64, 2),

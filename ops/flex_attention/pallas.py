@@ -623,13 +623,17 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     right = 0 if right is None else min(right, 0)
   unsupported = dict(segments=q_segment_ids is not None,
                      mods=mask_mod is not None or score_mod is not None)
+  scores = batch * num_heads * seq_q * seq_kv
   mosaic_fwd = config.mosaic_fwd
   if right is not None and config.mosaic_fwd_bounded is not None:
     mosaic_fwd = config.mosaic_fwd_bounded
-  if mosaic_fwd is not None and not mosaic.takes(
+  if mosaic_fwd is not None and (scores < config.mosaic_fwd_min_scores or not mosaic.takes(
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
-      **unsupported):
+      **unsupported)):
     mosaic_fwd = None  # The Triton forward takes this call.
+  if (mosaic_fwd is not None and mosaic_fwd.tensor_core_sums
+      and scores < config.tensor_core_sums_min_scores):
+    mosaic_fwd = dataclasses.replace(mosaic_fwd, tensor_core_sums=False)
   if (mosaic_fwd is not None and mosaic_fwd.persistent and right is not None
       and not mosaic_fwd.persistent_right_bounded):
     # A right bound gives the items unequal work: the hardware's block
@@ -643,8 +647,9 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       config, **{name: _fit(getattr(config, name), seq_q, seq_kv)
                  for name in ("fwd", "dkdv", "dq")},
       mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None, mosaic_bwd=mosaic_bwd,
+      mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0,
       fwd_softmax=_fwd_softmax(config, q.dtype, score_mod),
-      refresh=_refresh(config, batch * num_heads * seq_q * seq_kv))
+      refresh=_refresh(config, scores))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
   # Least common multiples: a Mosaic forward with three compute warpgroups

@@ -319,6 +319,21 @@ def test_prepare_gives_it_only_the_calls_it_takes():
     assert chosen(*shapes, config=bounded, **kw)[0] == want, kw
     assert chosen(*shapes, config=bounded.forward_on(_TILES), **kw)[0] == _TILES, kw
     assert chosen(*shapes, config=bounded.forward_on(None), **kw)[0] is None, kw
+  # Score limits (B x N x T x S; 2 x 256 x 256 = 131072 here): shorter calls
+  # take the Triton forward, or the Mosaic one without its tensor-core sums;
+  # `forward_on` lifts both.
+  sums_tiles = dataclasses.replace(_TILES, tensor_core_sums=True)
+  scores = 2 * 256 * 256
+  for limits, want in (
+      (dict(mosaic_fwd_min_scores=scores), sums_tiles),
+      (dict(mosaic_fwd_min_scores=scores + 1), None),
+      (dict(tensor_core_sums_min_scores=scores), sums_tiles),
+      (dict(tensor_core_sums_min_scores=scores + 1), _TILES)):
+    limited = dataclasses.replace(_CONFIG, mosaic_fwd=sums_tiles, **limits)
+    assert chosen(*shapes, config=limited)[0] == want, limits
+    assert chosen(*shapes, config=limited.forward_on(sums_tiles))[0] == sums_tiles, limits
+  with pytest.raises(ValueError, match="mosaic_fwd_min_scores"):
+    dataclasses.replace(_CONFIG, mosaic_fwd_min_scores=-1)
   # Tiles over the shared-memory budget at this head size (256-row key tiles
   # at H128): the Triton forward, not a compile error.
   too_big = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(block_k=256))
@@ -372,10 +387,13 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   attention = _kernel(config, is_causal=is_causal, scale=0.1, interpret=False)
   def loss(q, k, v):
     return jnp.sum(attention(q, k, v).astype(jnp.float32))
-  spec_q = jax.ShapeDtypeStruct((2, 512, 4, head_dim), jnp.bfloat16)
-  spec_kv = jax.ShapeDtypeStruct((2, 512, 2, head_dim), jnp.bfloat16)
+  # 2 x 4 x 4096^2 scores: long enough for the H32 entry's Mosaic forward
+  # (`FlexConfig.mosaic_fwd_min_scores`); shorter calls take the Triton one.
+  spec_q = jax.ShapeDtypeStruct((2, 4096, 4, head_dim), jnp.bfloat16)
+  spec_kv = jax.ShapeDtypeStruct((2, 4096, 2, head_dim), jnp.bfloat16)
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
       spec_q, spec_kv, spec_kv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flex_attention_mosaic_fwd" in text
   # The backward: the Triton kernels, or the Mosaic one where the table has it.
   assert "mosaic_gpu" in text and ("flex_attention_dkdv" in text
                                    or "flex_attention_mosaic_bwd" in text)
@@ -395,7 +413,7 @@ def test_walk_variants_lower_for_hopper(block_q, compute_warpgroups, pipelined, 
   swizzle) on full attention: Mosaic GPU's checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
-  config = dataclasses.replace(base, mosaic_fwd=mosaic.MosaicForwardConfig(
+  config = base.forward_on(mosaic.MosaicForwardConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
       compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent,
       tensor_core_sums=tensor_core_sums))
