@@ -332,6 +332,9 @@ def test_prepare_gives_it_only_the_calls_it_takes():
     limited = dataclasses.replace(_CONFIG, mosaic_fwd=sums_tiles, **limits)
     assert chosen(*shapes, config=limited)[0] == want, limits
     assert chosen(*shapes, config=limited.forward_on(sums_tiles))[0] == sums_tiles, limits
+  # Right-bounded calls keep the Mosaic forward under the score limit.
+  limited = dataclasses.replace(_CONFIG, mosaic_fwd=_TILES, mosaic_fwd_min_scores=scores + 1)
+  assert chosen(*shapes, config=limited, is_causal=True)[0] == _TILES
   with pytest.raises(ValueError, match="mosaic_fwd_min_scores"):
     dataclasses.replace(_CONFIG, mosaic_fwd_min_scores=-1)
   # Tiles over the shared-memory budget at this head size (256-row key tiles
