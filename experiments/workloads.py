@@ -273,9 +273,9 @@ def attention_fn(impl, h, causal):
   mask_mod variants, its Triton forward `flex_triton` (on given tiles:
   `flex_triton_<bq>x<bk>x<warps>x<stages>`; a `_<fwd_softmax>` suffix: that
   softmax; `flex_<fwd_softmax>`: the table's kernels with it; `flex_refresh_<mode>`:
-  with that `FlexConfig.refresh`), its Mosaic forward on
-  other tiles `flex_mosaic_*` (a `_<fwd_softmax>` suffix: that softmax), its backward on the Mosaic GPU kernel
-  `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
+  with that `FlexConfig.refresh`), its Mosaic forward on other tiles
+  `flex_mosaic_*` (a `_<fwd_softmax>` suffix: that softmax), its backward on
+  the Mosaic GPU kernel `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
   mha, or JAX's Mosaic GPU attention `mgpu_*`."""
   if impl == "flex":
     return functools.partial(flex_api.flex_attention, is_causal=causal,

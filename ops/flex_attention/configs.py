@@ -171,9 +171,9 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # against 38.4-38.6 at B 2, T 2048, and was even at 2^28 (B 8, T 2048 and
 # B 32, T 1024), so the sums start at 2^29 scores (`tensor_core_sums_min_scores`);
 # below 2^26 the Triton forward (which at 2^24 scores and below reruns its
-# frozen rows inside the kernel, `refresh='auto'`) was the faster one: 7.8 / 12.4 / 23.6 / 20.3 against
-# the sum-less walk's 11.4 / 14.8 / 25.5 / 21.5 at T 256, T 512, B 16 T 512,
-# B 4 T 1024 (`mosaic_fwd_min_scores`; short causal calls were not timed
+# frozen rows inside the kernel, `refresh='auto'`) was the faster one: 7.8 /
+# 12.4 / 23.6 / 20.3 against the sum-less walk's 11.4 / 14.8 / 25.5 / 21.5 at
+# T 256, T 512, B 16 T 512, B 4 T 1024 (`mosaic_fwd_min_scores`; short causal calls were not timed
 # against it, so they keep `mosaic_fwd_bounded`).
 # H64 and H128 walk their items with one block per SM (`persistent`, given as
 # a dict) where the call has no right bound (`pallas.prepare` drops it for
