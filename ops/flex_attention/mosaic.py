@@ -231,11 +231,14 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
-      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None, opened=False):
+      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None, opened=False,
+                     masked_frozen_fn=None):
         """Key tiles [start, hi) of this warpgroup: partly masked ones through
         `masked_fn`, fully open ones through `open_fn`, or with `frozen_fn`
         the first open one through `open_fn` (none if `opened`: the tile
-        before `start` was open) and the others through it."""
+        before `start` was open) and the others through it; with
+        `masked_frozen_fn` the partly masked ones after an open one through
+        that (`MosaicForwardConfig.frozen_masked_tiles`)."""
         open_lo, open_hi = start, hi
         if st.any_mask:
           open_lo = jnp.maximum(start, full_lo)
@@ -250,7 +253,14 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           carry = lax.fori_loop(open_lo, first_hi, open_fn, carry)
           carry = lax.fori_loop(first_hi, open_hi, frozen_fn, carry)
         if st.any_mask:
-          carry = lax.fori_loop(open_hi, hi, masked_fn, carry)
+          online_from = open_hi
+          if masked_frozen_fn is not None:
+            # Maxima are kept once an open tile has run (before `start` if
+            # `opened`); else these tiles are the row's first keys.
+            kept = open_lo < open_hi if opened is False else (open_lo < open_hi) | opened
+            online_from = jnp.where(kept, hi, open_hi)
+            carry = lax.fori_loop(open_hi, online_from, masked_frozen_fn, carry)
+          carry = lax.fori_loop(online_from, hi, masked_fn, carry)
         return carry
 
       def softmax(s, j, m, l, masked, frozen=False):
@@ -258,14 +268,14 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         running max, the new running sum, the factor for the accumulator).
         `frozen`: against the row maxima m as they are (`pallas.py`, "The
         first-tile maxima"): no maxima, no factor (None)."""
-        if frozen:
-          p = jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
-          return p.astype(dtype), m, add_row_sums(l, p), None
         if masked:
           layout = plgpu.Layout.WGMMA
           q_idx = q0 + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0, layout=layout)
           k_idx = j * bk + plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1, layout=layout)
           s = jnp.where(is_open(q_idx, k_idx, kv_len), s, -jnp.inf)
+        if frozen:  # (a masked key: exp2(-inf) = 0)
+          p = jnp.exp2(s * c - lax.broadcast_in_dim(m, s.shape, [0]))
+          return p.astype(dtype), m, add_row_sums(l, p), None
         m_new = jnp.maximum(m, s.max(axis=1) * c)
         if masked:
           # A row with nothing open so far: keep exp2 away from inf - inf.
@@ -396,9 +406,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         return acc, m, l, p16
 
       tile_fn = step if config.pipelined else body
-      frozen_fn = None
+      frozen_fn = masked_frozen_fn = None
       if st.config.keeps_first_tile_max:
         frozen_fn = functools.partial(tile_fn, masked=False, frozen=True)
+        if config.frozen_masked_tiles:
+          masked_frozen_fn = functools.partial(tile_fn, masked=True, frozen=True)
       if config.pipelined:
         p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l, p0))
@@ -407,13 +419,15 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         # (`first` ran tile lo online: if it was open, its maxima hold.)
         carry = over_tiles(lo + 1, functools.partial(step, masked=True),
                            functools.partial(step, masked=False), carry, frozen_fn,
-                           opened=(lo >= full_lo) & (lo < full_hi))
+                           opened=(lo >= full_lo) & (lo < full_hi),
+                           masked_frozen_fn=masked_frozen_fn)
         carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
         acc, m, l, _ = lax.fori_loop(hi, item.hi, skip, carry)
       else:
         carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
         carry = over_tiles(lo, functools.partial(body, masked=True),
-                           functools.partial(body, masked=False), carry, frozen_fn)
+                           functools.partial(body, masked=False), carry, frozen_fn,
+                           masked_frozen_fn=masked_frozen_fn)
         acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 

@@ -80,6 +80,14 @@ class MosaicForwardConfig:
     hold the kernel. The non-pipelined walk only. On an H200 it helped the
     H32 full-attention walk on 256-key tiles, not the 128 x 128 one
     (BUILD_NOTES.md, flex_attention, "Thirty-fourth session").
+  frozen_masked_tiles: with `FlexConfig.fwd_softmax='first_tile_max'`, the
+    partly masked key tiles after a warpgroup's first open one (a causal
+    call's diagonal tiles, a window's right edge, the key lengths' last tile)
+    run against the kept maxima too, their closed keys at p = 0, instead of
+    online: no row maxima and no rescaling there either. Every row's
+    maxima are finite by then (the open tile had a key for each), and a row
+    that a later key passes by far is flagged for the second pass as on the
+    open tiles.
   """
   block_q: int = 64
   block_k: int = 128
@@ -92,6 +100,7 @@ class MosaicForwardConfig:
   persistent_right_bounded: bool = False
   extra_registers: bool = False
   tensor_core_sums: bool = False
+  frozen_masked_tiles: bool = False
 
   def __post_init__(self):
     check_tiles(self)

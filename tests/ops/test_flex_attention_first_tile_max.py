@@ -89,8 +89,21 @@ def test_triton_forward_matches_reference(name, frozen):
     # kept-maxima ones run online and must rescale the sums' accumulator.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True),
      dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+    # `frozen_masked_tiles`: the causal diagonal tiles, a window's right edge
+    # and the key lengths' last tile on the kept maxima, their closed keys
+    # at p = 0; the window's left-edge tiles come first and stay online.
+    (mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False,
+                                frozen_masked_tiles=True), dict(is_causal=True)),
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True,
+                                frozen_masked_tiles=True),
+     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, pipelined=True,
+                                frozen_masked_tiles=True),
+     dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
 ], ids=["persistent", "free_128_rows_causal", "turns_window_lengths", "pipelined",
-        "pipelined_turns_window_lengths", "tensor_core_sums_window_lengths"])
+        "pipelined_turns_window_lengths", "tensor_core_sums_window_lengths",
+        "frozen_masked_causal", "frozen_masked_sums_window_lengths",
+        "frozen_masked_pipelined_window_lengths"])
 def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   # Without the second pass: no row here passes the sum limit, so the walk's
   # own tiles must be exact (a row whose first tile kept an -inf maximum would
@@ -139,6 +152,36 @@ def test_rows_past_their_frozen_maxima_are_recomputed(frozen, monkeypatch):
   # Without the second pass these rows are lost (NaN or inf).
   monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
   assert not np.isfinite(np.asarray(_forward(q, k, v))).all()
+
+
+@pytest.mark.parametrize("frozen_masked_tiles", [False, True])
+def test_far_key_on_the_diagonal_is_recomputed(frozen_masked_tiles, monkeypatch):
+  """A causal Mosaic call whose key 200 (on a diagonal tile) is ~400 base-2
+  units above every other logit of the rows that see it: online there (the
+  default), the walk absorbs it; on the kept maxima (`frozen_masked_tiles`)
+  those rows overflow and the second pass recomputes them."""
+  tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
+                                     frozen_masked_tiles=frozen_masked_tiles)
+  config = dataclasses.replace(mosaic_tests._CONFIG, mosaic_fwd=tiles,
+                               fwd_softmax="first_tile_max")
+  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  q = jax.random.normal(keys[0], (1, 256, 1, 32), jnp.bfloat16).at[..., 0].set(24.0)
+  k = (0.1 * jax.random.normal(keys[1], (1, 256, 1, 32))).at[0, 200, 0, 0].set(100.0)
+  k = k.astype(jnp.bfloat16)
+  v = jax.random.normal(keys[2], (1, 256, 1, 32), jnp.bfloat16)
+  def forward():  # the forward alone, not cached: the second call runs without the pass
+    st, args = pallas.prepare(q, k, v, scale=32 ** -0.5, is_causal=True, window=None,
+                              q_segment_ids=None, kv_segment_ids=None,
+                              kv_seq_lengths=None, interpret=True, config=config)
+    assert st.config.mosaic_fwd == tiles
+    return pallas._forward(st, *args)[0]
+  expected = flex_tests.flex_attention_reference(q, k, v, is_causal=True)
+  assert mosaic_tests._rel(forward(), expected) < mosaic_tests._TOL[jnp.bfloat16]
+  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  out = np.asarray(forward(), np.float32)
+  # Rows 200-255 see the far key; only with it on the kept maxima are they lost.
+  assert np.isfinite(out[:, :200]).all()
+  assert np.isfinite(out[:, 200:]).all() != frozen_masked_tiles
 
 
 @pytest.mark.parametrize("options", [

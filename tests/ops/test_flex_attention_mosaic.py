@@ -402,6 +402,22 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_frozen_masked_tiles_lower_for_hopper(pipelined, hopper_lowering):
+  """Causal calls with the diagonal tiles on the kept maxima
+  (`frozen_masked_tiles`), on the H32 entry's bounded walk and the pipelined
+  one: Mosaic GPU's checks."""
+  del hopper_lowering
+  base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
+  tiles = mosaic.MosaicForwardConfig(
+      block_q=64 if pipelined else 128, block_k=128, ping_pong=False, pipelined=pipelined,
+      max_concurrent_steps=3 if pipelined else 2, frozen_masked_tiles=True)
+  spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
+  fn = _kernel(base.forward_on(tiles), is_causal=True, scale=0.1, interpret=False)
+  text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flex_attention_mosaic_fwd" in text
+
+
 @pytest.mark.parametrize(
     "block_q, compute_warpgroups, pipelined, persistent, ping_pong, tensor_core_sums",
     [(128, 2, False, False, False, False), (64, 3, False, False, False, False),
