@@ -78,7 +78,8 @@ class FlexConfig:
   second launch is a large share of the call; `pallas.prepare` decides).
   `mosaic_fwd_min_scores` and `tensor_core_sums_min_scores` leave the calls
   of fewer scores (B x N x T x S) to the Triton forward (calls without a
-  right bound only: the ones it was measured on), and to the Mosaic forward
+  right bound only: short causal calls measured faster on the Mosaic
+  forward), and to the Mosaic forward
   without its row sums on the tensor cores, where short calls measured faster
   that way (0: no limit; `forward_on` clears both, so that a tile set given
   there is the one that runs).
@@ -173,8 +174,10 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # below 2^26 the Triton forward (which at 2^24 scores and below reruns its
 # frozen rows inside the kernel, `refresh='auto'`) was the faster one: 7.8 /
 # 12.4 / 23.6 / 20.3 against the sum-less walk's 11.4 / 14.8 / 25.5 / 21.5 at
-# T 256, T 512, B 16 T 512, B 4 T 1024 (`mosaic_fwd_min_scores`; short causal calls were not timed
-# against it, so they keep `mosaic_fwd_bounded`).
+# T 256, T 512, B 16 T 512, B 4 T 1024 (`mosaic_fwd_min_scores`). Short causal
+# calls keep `mosaic_fwd_bounded`: timed against the Triton forward in one run
+# (thirty-sixth session, kernel_attention_h32_short_causal_h200.json), 10.6 /
+# 12.2 / 21.6 / 19.8 against 10.3 / 13.8 / 23.8 / 21.1 at the same four shapes.
 # H64 and H128 walk their items with one block per SM (`persistent`, given as
 # a dict) where the call has no right bound (`pallas.prepare` drops it for
 # causal ones): full attention 0.6338 against 0.6444 ms at H64 and 1.842
