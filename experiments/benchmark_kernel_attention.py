@@ -43,12 +43,14 @@ _IMPLS = flags.DEFINE_list(
     "those tiles, with that softmax), flex_<fwd_softmax> (the table's kernels with "
     "that forward softmax, e.g. flex_online), flex_refresh_<mode> (the table's kernels "
     "with that `FlexConfig.refresh`, e.g. flex_refresh_in_kernel), "
-    "flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240][_sums][_fm] (the "
+    "flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240][_sums][_fm]"
+    "[_pq] (the "
     "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
     "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
     "_all: for right-bounded calls too; _r240: 240 registers per compute thread; "
     "_sums: the row sums on the tensor cores; _fm: partly masked tiles after the first "
-    "open one on the kept maxima; a _<fwd_softmax> suffix: that softmax), "
+    "open one on the kept maxima; _pq: with _persist, the next query tile loaded under "
+    "the walk; a _<fwd_softmax> suffix: that softmax), "
     "flex_mosaic_bwd_<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe] (the backward "
     "on the Mosaic GPU kernel with those tiles; _ds2: two dS^T slots; _pipe: the pipelined "
     "step) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
@@ -61,7 +63,7 @@ _CHECK_MOSAIC_BWD = flags.DEFINE_list(
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
     "kernel on these tiles, <block_q>x<block_k>x<steps>[_free][_wg3][_pipe][_persist[_all]]"
-    "[_r240][_sums][_fm] (for the 16-bit cases it takes).")
+    "[_r240][_sums][_fm][_pq] (for the 16-bit cases it takes).")
 _CHECK_FWD_SOFTMAX = flags.DEFINE_string(
     "check_fwd_softmax", None, "Also check flex with its forward on the Triton kernel "
     "with this softmax (`FlexConfig.fwd_softmax`) in every case.")

@@ -205,7 +205,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       arrive_turn()
       wait_turn()
 
-    def compute_item(position, item, base, *, wg, q_smem, lse_smem, out_smem, load_q):
+    def compute_item(position, item, base, *, wg, query_slot, lse_smem, out_smem, load_q):
       q0 = item.q0 + wg * bq
       kv_len = item.kv_len
       lo, full_lo, full_hi, hi = (  # this warpgroup's ranges
@@ -218,7 +218,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       full_lo = jnp.clip(full_lo, lo, hi)
       full_hi = jnp.clip(full_hi, full_lo, hi)
       ring_slot = functools.partial(item_slot, item, base)
-      plgpu.barrier_wait(q_ready.at[wg])
+      q_smem, q_arrived = query_slot(position)
+      plgpu.barrier_wait(q_arrived)
+      has_next = position + 1 < num_own
+      if config.query_slots > 1:  # the next item's query tile, under this walk
+        pl.when(has_next)(functools.partial(load_q, position + 1))
 
       row = plgpu.Layout.WGMMA.reduce(1)
       m = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row)
@@ -431,9 +435,8 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
-      @pl.when(position + 1 < num_own)
-      def _next_query():  # the walk's matmuls are done with q_smem
-        load_q(item_of(own_item(position + 1)))
+      if config.query_slots == 1:  # the walk's matmuls are done with q_smem
+        pl.when(has_next)(functools.partial(load_q, position + 1))
 
       if sums_on_tensor_cores:  # (the SUM_COLUMNS copies are equal)
         l = l.sum(axis=1) * (1 / SUM_COLUMNS)
@@ -456,20 +459,30 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
     @pl.when(wg < wgs)
     def _compute():
       plgpu.set_max_registers(config.compute_registers, action="increase")
-      q_smem, lse_smem = q_smem2.at[wg], lse_smem2.at[wg]
-      out_smem = q_smem if out_smem2 is None else out_smem2.at[wg]
+      lse_smem = lse_smem2.at[wg]
+      out_smem = q_smem2.at[wg] if out_smem2 is None else out_smem2.at[wg]
       if sums_on_tensor_cores:
         ones_smem2.at[wg][...] = plgpu.layout_cast(
             jnp.ones((bk, SUM_COLUMNS), dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()  # before wgmma reads them
 
-      def load_q(item):
-        plgpu.copy_gmem_to_smem(q_gmem.at[item.batch, pl.ds(item.q0 + wg * bq, bq), item.head],
-                                q_smem, q_ready.at[wg])
+      def query_slot(position):
+        """This warpgroup's query buffer for the item at `position`, and
+        the barrier its load arrives on."""
+        index = wg
+        if config.query_slots > 1:
+          index = lax.rem(position, config.query_slots) * wgs + wg
+        return q_smem2.at[index], q_ready.at[index]
 
-      load_q(item_of(sm))  # (a grid never has more blocks than items)
-      over_items(functools.partial(compute_item, wg=wg, q_smem=q_smem, lse_smem=lse_smem,
-                                   out_smem=out_smem, load_q=load_q))
+      def load_q(position):
+        item = item_of(own_item(position))
+        q_smem, q_arrived = query_slot(position)
+        plgpu.copy_gmem_to_smem(q_gmem.at[item.batch, pl.ds(item.q0 + wg * bq, bq), item.head],
+                                q_smem, q_arrived)
+
+      load_q(jnp.int32(0))  # (a grid never has more blocks than items)
+      over_items(functools.partial(compute_item, wg=wg, query_slot=query_slot,
+                                   lse_smem=lse_smem, out_smem=out_smem, load_q=load_q))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == wgs)
@@ -500,11 +513,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         plgpu.barrier_wait(v_free.at[slot])
 
   transforms = swizzled(dtype, hp)
-  q_buffer = plgpu.SMEM((wgs, bq, hp), dtype, transforms=transforms)
   pl.run_scoped(
       scoped,
-      q_buffer,
-      q_buffer if config.persistent else None,  # the output's, else q's
+      plgpu.SMEM((config.query_slots * wgs, bq, hp), dtype, transforms=transforms),
+      # The output's (else q's).
+      plgpu.SMEM((wgs, bq, hp), dtype, transforms=transforms) if config.persistent else None,
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((steps, bk, hp), dtype, transforms=transforms),
       plgpu.SMEM((wgs, bq), jnp.float32),
@@ -515,7 +528,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
        if sums_on_tensor_cores else None),
       plgpu.Barrier(num_barriers=steps),
       plgpu.Barrier(num_barriers=steps),
-      plgpu.Barrier(num_barriers=wgs),
+      plgpu.Barrier(num_barriers=config.query_slots * wgs),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
       plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS),  # the ping-pong turn (two)

@@ -58,8 +58,9 @@ class MosaicForwardConfig:
     (batch, head)) in turn, instead of one block per item. The memory
     warpgroup then streams the next item's key/value tiles while the compute
     warpgroups finish the last one, and each compute warpgroup loads its next
-    query tile under its epilogue, so the per-block start (launch, first
-    loads) and end (output store) are paid once per SM. The output is staged
+    query tile under its epilogue (`prefetch_query`: under its walk), so the
+    per-block start (launch, first loads) and end (output store) are paid
+    once per SM. The output is staged
     in its own buffer (the query buffer is being refilled). Items then go
     to blocks in a fixed order, so `pallas.prepare` keeps it for calls whose
     items have equal work (no right bound; causal calls launch one block per
@@ -88,6 +89,11 @@ class MosaicForwardConfig:
     maxima are finite by then (the open tile had a key for each), and a row
     that a later key passes by far is flagged for the second pass as on the
     open tiles.
+  prefetch_query: with `persistent`, two query buffers per compute
+    warpgroup: each loads its next item's query tile as soon as the current
+    one has arrived, so the load runs under the whole walk instead of under
+    the last item's epilogue (where a short walk may wait for it). No effect
+    with one block per item.
   """
   block_q: int = 64
   block_k: int = 128
@@ -101,6 +107,7 @@ class MosaicForwardConfig:
   extra_registers: bool = False
   tensor_core_sums: bool = False
   frozen_masked_tiles: bool = False
+  prefetch_query: bool = False
 
   def __post_init__(self):
     check_tiles(self)
@@ -122,6 +129,11 @@ class MosaicForwardConfig:
     return self.compute_warpgroups * self.block_q
 
   @property
+  def query_slots(self) -> int:
+    """Query buffers per compute warpgroup (`prefetch_query`)."""
+    return 2 if self.persistent and self.prefetch_query else 1
+
+  @property
   def memory_registers(self) -> int:
     if self.extra_registers:  # what two compute warpgroups of 240 leave: 24
       return register_pool(3) - 2 * _EXTRA_COMPUTE_REGISTERS
@@ -136,8 +148,9 @@ class MosaicForwardConfig:
     return (pool - self.memory_registers) // self.compute_warpgroups // 8 * 8
 
   def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory for the query/output tiles, the ring, the lse rows and
-    (`tensor_core_sums`) each compute warpgroup's ones, each buffer aligned
+    """Shared memory for the query tiles (`query_slots` of them), the
+    output tiles, the ring, the lse rows and (`tensor_core_sums`) each
+    compute warpgroup's ones, each buffer aligned
     to 1 KiB (what 128-byte swizzles need), and 2 KiB for the barriers and
     the rest. (64 x 128 x 3 at H128 counts 232,448 here, over the budget;
     Mosaic GPU asked for 232,568 and refused it on an H200.)"""
@@ -146,6 +159,7 @@ class MosaicForwardConfig:
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize
     lse = self.compute_warpgroups * self.block_q * 4
     out = align(q) if self.persistent else 0  # else the output reuses q's
+    q = q * self.query_slots
     ones = self.compute_warpgroups * self.block_k * SUM_COLUMNS * itemsize
     ones = align(ones) if self.tensor_core_sums else 0
     return align(q) + out + 2 * align(ring) + align(lse) + ones + 2048

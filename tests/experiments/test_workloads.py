@@ -27,6 +27,9 @@ def test_mosaic_forward_tiles():
   assert not tiles.tensor_core_sums
   tiles = workloads.mosaic_fwd_tiles("128x128x2_free_persist_sums")
   assert tiles.tensor_core_sums and tiles.persistent and not tiles.ping_pong
+  assert not tiles.prefetch_query and not tiles.frozen_masked_tiles
+  tiles = workloads.mosaic_fwd_tiles("64x256x2_free_persist_sums_fm_pq")
+  assert tiles.prefetch_query and tiles.frozen_masked_tiles and tiles.query_slots == 2
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
   with pytest.raises(ValueError, match="ping_pong"):  # three need free-running

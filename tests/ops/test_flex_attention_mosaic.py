@@ -199,16 +199,22 @@ def test_tensor_core_sums_match_reference(options, extra, shape):
     (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 180])),
      dict(ping_pong=False, pipelined=True, max_concurrent_steps=3)),
     (dict(is_causal=True), dict(persistent_right_bounded=True)),
-], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined", "causal_heaviest_first"])
+    (dict(kv_seq_lengths=np.array([0, 180])), dict(prefetch_query=True, ping_pong=False)),
+    (dict(local_window_size=(70, None)),
+     dict(prefetch_query=True, pipelined=True, max_concurrent_steps=3)),
+], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined", "causal_heaviest_first",
+        "lengths_empty_row_prefetch_query", "left_window_pipelined_prefetch_query"])
 def test_persistent_blocks_match_reference(options, extra):
   """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 2 x 2
   items in rounds dealt back and forth, so the ring's slots and barrier phases
   run on across items, each warpgroup loads its next query tile under the
-  last item's epilogue, and the output goes through its own buffer. Full
-  attention with the turns; a left-only window with key lengths (batch row 0:
-  no key) on the pipelined walk; causal with the items heaviest first
-  (`persistent_right_bounded`). GQA 2:1, T and S padded, forward and
-  gradients."""
+  last item's epilogue (with `prefetch_query`, into its other query buffer
+  under the walk: a block's items alternate between the two), and the output
+  goes through its own buffer. Full attention with the turns; a left-only
+  window with key lengths (batch row 0: no key) on the pipelined walk; causal
+  with the items heaviest first (`persistent_right_bounded`); the prefetch on
+  the free-running walk with key lengths and on the pipelined one. GQA 2:1, T
+  and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, persistent=True)
   _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
                                  seed=6)
@@ -376,6 +382,20 @@ def test_table_and_config_checks():
     mosaic.MosaicForwardConfig(tensor_core_sums=True, pipelined=True)
 
 
+def test_prefetch_query_buffers():
+  """`prefetch_query` doubles the query buffers of a persistent walk only
+  (one block per item has no next query tile), and counts them in the
+  shared memory that `config_limit` checks."""
+  walk = mosaic.MosaicForwardConfig(block_q=64, block_k=128, persistent=True)
+  prefetch = dataclasses.replace(walk, prefetch_query=True)
+  assert (walk.query_slots, prefetch.query_slots) == (1, 2)
+  assert prefetch.smem_bytes(128) - walk.smem_bytes(128) == 2 * 64 * 128 * 2
+  one_per_item = dataclasses.replace(prefetch, persistent=False)
+  assert one_per_item.query_slots == 1
+  assert (one_per_item.smem_bytes(128)
+          == dataclasses.replace(walk, persistent=False).smem_bytes(128))
+
+
 # The table's H32 entry: causal on its right-bounded tiles (128 rows per
 # warpgroup, no ping-pong turns), full attention on its other walk (256-key
 # tiles, persistent, the row sums on the tensor cores).
@@ -419,22 +439,26 @@ def test_frozen_masked_tiles_lower_for_hopper(pipelined, hopper_lowering):
 
 
 @pytest.mark.parametrize(
-    "block_q, compute_warpgroups, pipelined, persistent, ping_pong, tensor_core_sums",
-    [(128, 2, False, False, False, False), (64, 3, False, False, False, False),
-     (64, 2, True, False, False, False), (64, 3, True, True, False, False),
-     (64, 2, True, True, True, False), (128, 2, False, True, False, True),
-     (64, 3, False, False, False, True)])
+    "block_q, compute_warpgroups, pipelined, persistent, ping_pong, tensor_core_sums, "
+    "prefetch_query",
+    [(128, 2, False, False, False, False, False), (64, 3, False, False, False, False, False),
+     (64, 2, True, False, False, False, False), (64, 3, True, True, False, False, False),
+     (64, 2, True, True, True, False, False), (128, 2, False, True, False, True, False),
+     (64, 3, False, False, False, True, False), (64, 2, False, True, False, True, True)])
 def test_walk_variants_lower_for_hopper(block_q, compute_warpgroups, pipelined, persistent,
-                                        ping_pong, tensor_core_sums, hopper_lowering):
+                                        ping_pong, tensor_core_sums, prefetch_query,
+                                        hopper_lowering):
   """The walks no table entry runs at head size 32 (free-running warpgroups,
   two or three of them, pipelined, persistent, the pipelined walk with the
   turns, the row sums on the tensor cores: a 16-column wgmma from a 32-byte
-  swizzle) on full attention: Mosaic GPU's checks."""
+  swizzle; persistent with the query tiles prefetched) on full attention:
+  Mosaic GPU's checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = base.forward_on(mosaic.MosaicForwardConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
-      compute_warpgroups=compute_warpgroups, pipelined=pipelined, persistent=persistent,
+      compute_warpgroups=compute_warpgroups, pipelined=pipelined,
+      persistent=persistent, prefetch_query=prefetch_query,
       tensor_core_sums=tensor_core_sums))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(config, scale=0.1, interpret=False)
