@@ -124,7 +124,9 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 # their first fully open key tile (every row has a finite one there) and
 # keep them for the other open tiles, where p = 2^(s c - m) may pass 1 but
 # the largest p is >= 1, so nothing underflows that matters. Partly masked
-# tiles keep the online body (from the frozen m: still exact). A row whose
+# tiles keep the online body (from the frozen m: still exact), except on the
+# Mosaic forward with `MosaicForwardConfig.frozen_masked_tiles`, where those
+# after the first open tile run on the kept maxima too. A row whose
 # sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
 # above its first tile's maximum, for up to 2^20 keys; inf or NaN on
 # overflow) gets a NaN lse, and `_refresh_frozen` recomputes its query tile
