@@ -81,8 +81,9 @@ class FlexConfig:
   right bound only: short causal calls measured faster on the Mosaic
   forward), and to the Mosaic forward
   without its row sums on the tensor cores, where short calls measured faster
-  that way (0: no limit; `forward_on` clears both, so that a tile set given
-  there is the one that runs).
+  that way; `frozen_masked_min_scores` likewise runs the calls of fewer scores
+  without `MosaicForwardConfig.frozen_masked_tiles` (0: no limit; `forward_on`
+  clears all three, so that a tile set given there is the one that runs).
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -94,9 +95,11 @@ class FlexConfig:
   mosaic_fwd_bounded: mosaic.MosaicForwardConfig | None = None
   mosaic_fwd_min_scores: int = 0
   tensor_core_sums_min_scores: int = 0
+  frozen_masked_min_scores: int = 0
 
   def __post_init__(self):
-    for name in ("mosaic_fwd_min_scores", "tensor_core_sums_min_scores"):
+    for name in ("mosaic_fwd_min_scores", "tensor_core_sums_min_scores",
+                 "frozen_masked_min_scores"):
       if getattr(self, name) < 0:
         raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}")
     if self.fwd_softmax not in FWD_SOFTMAX:
@@ -108,7 +111,8 @@ class FlexConfig:
     """This config with every call's forward on the Mosaic tiles `mosaic_fwd`
     (None: on the Triton kernel), right-bounded and short calls included."""
     return dataclasses.replace(self, mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None,
-                               mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0)
+                               mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0,
+                               frozen_masked_min_scores=0)
 
   @property
   def keeps_first_tile_max(self) -> bool:
@@ -184,6 +188,13 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # against 1.969 at H128 in one run (kernel_attention_persist2_h200.json);
 # causal calls were 1.3-1.4 x slower that way (items of unequal work, walked
 # in a fixed order), so they keep one block per item.
+# The H64 entry's right-bounded calls take the same tiles with the partly
+# masked tiles on the kept maxima (`frozen_masked_tiles`): causal, B 4, N 16,
+# T 4096, 0.3327 / 0.3350 ms against 0.3419 / 0.3426 without, in two runs
+# (docs/benchmarks/kernel_attention_frozen_masked_h200.json, _rep_h200.json;
+# at H32 on 128 x 128 it was 1.7-2.5 % slower at T 4096 and slower on every
+# short causal call, at H128 even), from 2^30 scores, the size measured
+# (`frozen_masked_min_scores`): shorter H64 calls were not timed with it.
 # The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks[,
 # compute_registers]]),
 # puts the backward on the one-launch Mosaic GPU kernel (`mosaic_backward.py`)
@@ -237,7 +248,11 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
     (64, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3),
                                  dict(block_q=64, block_k=256, max_concurrent_steps=2,
                                       persistent=True), (128, 64, 2),
-                                 fwd_softmax="first_tile_max"),
+                                 fwd_softmax="first_tile_max",
+                                 mosaic_fwd_bounded=dict(block_q=64, block_k=256,
+                                                         max_concurrent_steps=2,
+                                                         frozen_masked_tiles=True),
+                                 frozen_masked_min_scores=2**30),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                                   dict(block_q=64, block_k=128, max_concurrent_steps=2,
                                        persistent=True), (64, 64, 2, 2, 240),

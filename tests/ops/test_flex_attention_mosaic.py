@@ -341,8 +341,18 @@ def test_prepare_gives_it_only_the_calls_it_takes():
   # Right-bounded calls keep the Mosaic forward under the score limit.
   limited = dataclasses.replace(_CONFIG, mosaic_fwd=_TILES, mosaic_fwd_min_scores=scores + 1)
   assert chosen(*shapes, config=limited, is_causal=True)[0] == _TILES
-  with pytest.raises(ValueError, match="mosaic_fwd_min_scores"):
-    dataclasses.replace(_CONFIG, mosaic_fwd_min_scores=-1)
+  # Partly masked tiles on the kept maxima (the H64 entry's causal calls)
+  # from `frozen_masked_min_scores` on; `forward_on` lifts that too.
+  fm_tiles = dataclasses.replace(_TILES, frozen_masked_tiles=True)
+  for limit, want in ((scores, fm_tiles), (scores + 1, _TILES)):
+    limited = dataclasses.replace(_CONFIG, mosaic_fwd_bounded=fm_tiles,
+                                  frozen_masked_min_scores=limit)
+    assert chosen(*shapes, config=limited, is_causal=True)[0] == want, limit
+    assert chosen(*shapes, config=limited.forward_on(fm_tiles),
+                  is_causal=True)[0] == fm_tiles, limit
+  for name in ("mosaic_fwd_min_scores", "frozen_masked_min_scores"):
+    with pytest.raises(ValueError, match=name):
+      dataclasses.replace(_CONFIG, **{name: -1})
   # Tiles over the shared-memory budget at this head size (256-row key tiles
   # at H128): the Triton forward, not a compile error.
   too_big = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(block_k=256))
@@ -434,6 +444,19 @@ def test_frozen_masked_tiles_lower_for_hopper(pipelined, hopper_lowering):
       max_concurrent_steps=3 if pipelined else 2, frozen_masked_tiles=True)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(base.forward_on(tiles), is_causal=True, scale=0.1, interpret=False)
+  text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
+  assert "flex_attention_mosaic_fwd" in text
+
+
+def test_h64_causal_table_walk_lowers_for_hopper(hopper_lowering):
+  """The H64 entry's causal calls of 2^30 scores and more: 256-key tiles with
+  the turns and the partly masked tiles on the kept maxima."""
+  del hopper_lowering
+  config = configs.get_config(64, jnp.bfloat16, interpret=False, generation="sm90")
+  assert config.mosaic_fwd_bounded.frozen_masked_tiles
+  assert config.frozen_masked_min_scores <= 4 * 16 * 4096**2
+  spec = jax.ShapeDtypeStruct((4, 4096, 16, 64), jnp.bfloat16)
+  fn = _kernel(config, is_causal=True, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
   assert "flex_attention_mosaic_fwd" in text
 
