@@ -76,6 +76,10 @@ _CHAIN = flags.DEFINE_integer(
 _MHA_SWEEP = flags.DEFINE_bool("mha_sweep", True, "Sweep JAX mha's block sizes.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _MODES = flags.DEFINE_list("modes", ["fwd", "fwd+bwd"], "Modes to time.")
+_CAUSAL = flags.DEFINE_enum(
+    "causal", None, ["true", "false"],
+    "Time only the causal (true) or only the full (false) calls of each shape "
+    "(default: the shape's own).")
 _BUDGET_S = flags.DEFINE_float("budget_s", 1e9, "Stop starting new cases after this.")
 
 # name: (B, N, T, H, causal values); keys = queries, K = N.
@@ -95,6 +99,7 @@ SHAPES = {
     # not pay (it did not on short H32 causal calls): not in ANCHORS.md.
     "b4_n16_t1024_h64": (4, 16, 1024, 64, (False, True)),
     "b4_n16_t512_h64": (4, 16, 512, 64, (True,)),
+    "b4_n16_t2048_h64": (4, 16, 2048, 64, (True,)),
     "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
     # Beyond cuDNN's head sizes (not in ANCHORS.md): flex's two forwards.
@@ -205,6 +210,8 @@ def main(argv):
       impls.append(impl)
   for name in names:
     b, n, t, h, causals = SHAPES[name]
+    if _CAUSAL.value is not None:
+      causals = [c for c in causals if c == (_CAUSAL.value == "true")]
     for causal in causals:
       for mode in _MODES.value:
         for impl in impls:

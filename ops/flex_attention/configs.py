@@ -81,9 +81,12 @@ class FlexConfig:
   right bound only: short causal calls measured faster on the Mosaic
   forward), and to the Mosaic forward
   without its row sums on the tensor cores, where short calls measured faster
-  that way; `frozen_masked_min_scores` likewise runs the calls of fewer scores
-  without `MosaicForwardConfig.frozen_masked_tiles` (0: no limit; `forward_on`
-  clears all three, so that a tile set given there is the one that runs).
+  that way. `mosaic_fwd_short_bounded`, where set, takes the place of
+  `mosaic_fwd_bounded` for the right-bounded calls of fewer than
+  `mosaic_fwd_bounded_min_scores` scores (short causal calls have few items
+  per SM and measured faster on other tiles). 0: no limit; `forward_on`
+  clears the limits and the other tile sets, so that a tile set given there
+  is the one that runs.
   """
   fwd: KernelConfig
   dkdv: KernelConfig
@@ -95,11 +98,12 @@ class FlexConfig:
   mosaic_fwd_bounded: mosaic.MosaicForwardConfig | None = None
   mosaic_fwd_min_scores: int = 0
   tensor_core_sums_min_scores: int = 0
-  frozen_masked_min_scores: int = 0
+  mosaic_fwd_short_bounded: mosaic.MosaicForwardConfig | None = None
+  mosaic_fwd_bounded_min_scores: int = 0
 
   def __post_init__(self):
     for name in ("mosaic_fwd_min_scores", "tensor_core_sums_min_scores",
-                 "frozen_masked_min_scores"):
+                 "mosaic_fwd_bounded_min_scores"):
       if getattr(self, name) < 0:
         raise ValueError(f"`{name}` must be >= 0, got {getattr(self, name)}")
     if self.fwd_softmax not in FWD_SOFTMAX:
@@ -112,7 +116,8 @@ class FlexConfig:
     (None: on the Triton kernel), right-bounded and short calls included."""
     return dataclasses.replace(self, mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None,
                                mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0,
-                               frozen_masked_min_scores=0)
+                               mosaic_fwd_short_bounded=None,
+                               mosaic_fwd_bounded_min_scores=0)
 
   @property
   def keeps_first_tile_max(self) -> bool:
@@ -128,13 +133,15 @@ def _mosaic_tiles(cls, fields):
 
 
 def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
-       refresh="launch", mosaic_fwd_bounded=None, **limits) -> FlexConfig:
+       refresh="launch", mosaic_fwd_bounded=None, mosaic_fwd_short_bounded=None,
+       **limits) -> FlexConfig:
+  forward_tiles = lambda fields: _mosaic_tiles(mosaic.MosaicForwardConfig, fields)
   return FlexConfig(
       KernelConfig(*fwd), KernelConfig(*dkdv), KernelConfig(*dq),
-      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd),
+      forward_tiles(mosaic_fwd),
       _mosaic_tiles(mosaic_backward.MosaicBackwardConfig, mosaic_bwd),
-      fwd_softmax, refresh,
-      _mosaic_tiles(mosaic.MosaicForwardConfig, mosaic_fwd_bounded), **limits)
+      fwd_softmax, refresh, forward_tiles(mosaic_fwd_bounded),
+      mosaic_fwd_short_bounded=forward_tiles(mosaic_fwd_short_bounded), **limits)
 
 
 # (block_q, block_k, num_warps, num_stages) for fwd, dkdv, dq.
@@ -187,14 +194,21 @@ def _c(fwd, dkdv, dq, mosaic_fwd=None, mosaic_bwd=None, fwd_softmax="online",
 # causal ones): full attention 0.6338 against 0.6444 ms at H64 and 1.842
 # against 1.969 at H128 in one run (kernel_attention_persist2_h200.json);
 # causal calls were 1.3-1.4 x slower that way (items of unequal work, walked
-# in a fixed order), so they keep one block per item.
+# in a fixed order), so they keep one block per item (short H64 causal calls
+# aside, below).
 # The H64 entry's right-bounded calls take the same tiles with the partly
 # masked tiles on the kept maxima (`frozen_masked_tiles`): causal, B 4, N 16,
 # T 4096, 0.3327 / 0.3350 ms against 0.3419 / 0.3426 without, in two runs
 # (docs/benchmarks/kernel_attention_frozen_masked_h200.json, _rep_h200.json;
 # at H32 on 128 x 128 it was 1.7-2.5 % slower at T 4096 and slower on every
 # short causal call, at H128 even), from 2^30 scores, the size measured
-# (`frozen_masked_min_scores`): shorter H64 calls were not timed with it.
+# (`mosaic_fwd_bounded_min_scores`). Shorter H64 causal calls walk persistently,
+# heaviest items first, on 64 x 128 x 2 tiles with the next query tile
+# prefetched and the masked tiles on the kept maxima (`mosaic_fwd_short_bounded`;
+# thirty-seventh session, docs/benchmarks/kernel_attention_h64_short_causal*_h200.json,
+# B 4, N 16, us): T 1024 30.45 / 30.85 / 30.52 against the 256-key walk's
+# 44.7-45.6 and cuDNN's 36.3-36.6, T 512 12.9-18.5 against 19.8-20.9 and
+# 17.0-17.1, in two runs; at T 4096 they read 348.6 against 340.5 (cuDNN 375.3).
 # The fifth entry, (block_q, block_k, max_concurrent_steps[, dq_column_chunks[,
 # compute_registers]]),
 # puts the backward on the one-launch Mosaic GPU kernel (`mosaic_backward.py`)
@@ -252,7 +266,11 @@ _TABLE: dict[tuple[int, str, str], FlexConfig] = {
                                  mosaic_fwd_bounded=dict(block_q=64, block_k=256,
                                                          max_concurrent_steps=2,
                                                          frozen_masked_tiles=True),
-                                 frozen_masked_min_scores=2**30),
+                                 mosaic_fwd_short_bounded=dict(
+                                     block_q=64, block_k=128, max_concurrent_steps=2,
+                                     persistent=True, persistent_right_bounded=True,
+                                     frozen_masked_tiles=True, prefetch_query=True),
+                                 mosaic_fwd_bounded_min_scores=2**30),
     (128, "bfloat16", "sm90"): _c((64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3),
                                   dict(block_q=64, block_k=128, max_concurrent_steps=2,
                                        persistent=True), (64, 64, 2, 2, 240),

@@ -604,14 +604,6 @@ def _refresh(config: configs.FlexConfig, scores: int) -> str:
   return "in_kernel" if scores <= configs.IN_KERNEL_REFRESH_MAX_SCORES else "launch"
 
 
-def _off_below(tiles, field: str, scores: int, min_scores: int):
-  """Mosaic forward `tiles` with the flag `field` off for a call of fewer
-  than `min_scores` scores."""
-  if tiles is not None and getattr(tiles, field) and scores < min_scores:
-    return dataclasses.replace(tiles, **{field: False})
-  return tiles
-
-
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
             q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
             config: configs.FlexConfig | None = None, mask_mod=None,
@@ -637,6 +629,9 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   mosaic_fwd = config.mosaic_fwd
   if right is not None and config.mosaic_fwd_bounded is not None:
     mosaic_fwd = config.mosaic_fwd_bounded
+    if (config.mosaic_fwd_short_bounded is not None
+        and scores < config.mosaic_fwd_bounded_min_scores):
+      mosaic_fwd = config.mosaic_fwd_short_bounded
   # The score limit holds for full attention; right-bounded calls keep their
   # tiles whatever their length (short causal calls measured faster there).
   too_short = right is None and scores < config.mosaic_fwd_min_scores
@@ -644,11 +639,10 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
       **unsupported)):
     mosaic_fwd = None  # The Triton forward takes this call.
-  # Shorter calls run without these two (measured slower there).
-  mosaic_fwd = _off_below(mosaic_fwd, "tensor_core_sums", scores,
-                          config.tensor_core_sums_min_scores)
-  mosaic_fwd = _off_below(mosaic_fwd, "frozen_masked_tiles", scores,
-                          config.frozen_masked_min_scores)
+  # Shorter calls run without the sums (measured slower there).
+  if (mosaic_fwd is not None and mosaic_fwd.tensor_core_sums
+      and scores < config.tensor_core_sums_min_scores):
+    mosaic_fwd = dataclasses.replace(mosaic_fwd, tensor_core_sums=False)
   if (mosaic_fwd is not None and mosaic_fwd.persistent and right is not None
       and not mosaic_fwd.persistent_right_bounded):
     # A right bound gives the items unequal work: the hardware's block
@@ -662,7 +656,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       config, **{name: _fit(getattr(config, name), seq_q, seq_kv)
                  for name in ("fwd", "dkdv", "dq")},
       mosaic_fwd=mosaic_fwd, mosaic_fwd_bounded=None, mosaic_bwd=mosaic_bwd,
-      mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0, frozen_masked_min_scores=0,
+      mosaic_fwd_min_scores=0, tensor_core_sums_min_scores=0,
+      mosaic_fwd_short_bounded=None, mosaic_fwd_bounded_min_scores=0,
       fwd_softmax=_fwd_softmax(config, q.dtype, score_mod),
       refresh=_refresh(config, scores))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))

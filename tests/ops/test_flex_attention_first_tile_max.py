@@ -100,10 +100,15 @@ def test_triton_forward_matches_reference(name, frozen):
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, pipelined=True,
                                 frozen_masked_tiles=True),
      dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
+    # The H64 entry's short causal walk: persistent, heaviest items first,
+    # the next query tile prefetched, with the turns.
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True,
+                                persistent_right_bounded=True, frozen_masked_tiles=True,
+                                prefetch_query=True), dict(is_causal=True)),
 ], ids=["persistent", "free_128_rows_causal", "turns_window_lengths", "pipelined",
         "pipelined_turns_window_lengths", "tensor_core_sums_window_lengths",
         "frozen_masked_causal", "frozen_masked_sums_window_lengths",
-        "frozen_masked_pipelined_window_lengths"])
+        "frozen_masked_pipelined_window_lengths", "frozen_masked_persistent_causal_prefetch"])
 def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   # Without the second pass: no row here passes the sum limit, so the walk's
   # own tiles must be exact (a row whose first tile kept an -inf maximum would

@@ -341,16 +341,20 @@ def test_prepare_gives_it_only_the_calls_it_takes():
   # Right-bounded calls keep the Mosaic forward under the score limit.
   limited = dataclasses.replace(_CONFIG, mosaic_fwd=_TILES, mosaic_fwd_min_scores=scores + 1)
   assert chosen(*shapes, config=limited, is_causal=True)[0] == _TILES
-  # Partly masked tiles on the kept maxima (the H64 entry's causal calls)
-  # from `frozen_masked_min_scores` on; `forward_on` lifts that too.
-  fm_tiles = dataclasses.replace(_TILES, frozen_masked_tiles=True)
-  for limit, want in ((scores, fm_tiles), (scores + 1, _TILES)):
-    limited = dataclasses.replace(_CONFIG, mosaic_fwd_bounded=fm_tiles,
-                                  frozen_masked_min_scores=limit)
-    assert chosen(*shapes, config=limited, is_causal=True)[0] == want, limit
-    assert chosen(*shapes, config=limited.forward_on(fm_tiles),
-                  is_causal=True)[0] == fm_tiles, limit
-  for name in ("mosaic_fwd_min_scores", "frozen_masked_min_scores"):
+  # Short right-bounded calls on their own tiles (the H64 entry's): below
+  # `mosaic_fwd_bounded_min_scores`, causal calls and windows with a right
+  # side take `mosaic_fwd_short_bounded`, full attention keeps `mosaic_fwd`;
+  # `forward_on` lifts that too.
+  short_tiles = dataclasses.replace(_TILES, frozen_masked_tiles=True)
+  for limit, want in ((scores, bounded_tiles), (scores + 1, short_tiles)):
+    limited = dataclasses.replace(_CONFIG, mosaic_fwd_bounded=bounded_tiles,
+                                  mosaic_fwd_short_bounded=short_tiles,
+                                  mosaic_fwd_bounded_min_scores=limit)
+    for kw in (dict(is_causal=True), dict(window=(8, 4))):
+      assert chosen(*shapes, config=limited, **kw)[0] == want, (limit, kw)
+      assert chosen(*shapes, config=limited.forward_on(_TILES), **kw)[0] == _TILES, limit
+    assert chosen(*shapes, config=limited)[0] == _TILES, limit
+  for name in ("mosaic_fwd_min_scores", "mosaic_fwd_bounded_min_scores"):
     with pytest.raises(ValueError, match=name):
       dataclasses.replace(_CONFIG, **{name: -1})
   # Tiles over the shared-memory budget at this head size (256-row key tiles
@@ -363,7 +367,8 @@ def test_prepare_gives_it_only_the_calls_it_takes():
 def test_table_and_config_checks():
   for h in (32, 64, 128, 256):  # measured faster than the Triton forward on an H200
     config = configs.get_config(h, jnp.bfloat16, interpret=False, generation="sm90")
-    for tiles in (config.mosaic_fwd, config.mosaic_fwd_bounded or config.mosaic_fwd):
+    for tiles in (config.mosaic_fwd, config.mosaic_fwd_bounded or config.mosaic_fwd,
+                  config.mosaic_fwd_short_bounded or config.mosaic_fwd):
       assert tiles is not None and tiles.smem_bytes(h) <= SMEM_BUDGET
   # float32 at H256 has its own, smaller tiles: halving the 16-bit entry's key
   # tiles overflowed the dQ kernel's shared memory on an H200.
@@ -448,14 +453,20 @@ def test_frozen_masked_tiles_lower_for_hopper(pipelined, hopper_lowering):
   assert "flex_attention_mosaic_fwd" in text
 
 
-def test_h64_causal_table_walk_lowers_for_hopper(hopper_lowering):
-  """The H64 entry's causal calls of 2^30 scores and more: 256-key tiles with
-  the turns and the partly masked tiles on the kept maxima."""
+@pytest.mark.parametrize("seq_len", [1024, 4096])
+def test_h64_causal_table_walks_lower_for_hopper(seq_len, hopper_lowering):
+  """The H64 entry's causal calls: from 2^30 scores on 256-key tiles with the
+  turns, shorter ones walked persistently on 128-key tiles with the next
+  query tile prefetched; both with the partly masked tiles on the kept
+  maxima."""
   del hopper_lowering
   config = configs.get_config(64, jnp.bfloat16, interpret=False, generation="sm90")
-  assert config.mosaic_fwd_bounded.frozen_masked_tiles
-  assert config.frozen_masked_min_scores <= 4 * 16 * 4096**2
-  spec = jax.ShapeDtypeStruct((4, 4096, 16, 64), jnp.bfloat16)
+  long_call = 4 * 16 * seq_len**2 >= config.mosaic_fwd_bounded_min_scores
+  assert long_call is (seq_len == 4096)
+  tiles = config.mosaic_fwd_bounded if long_call else config.mosaic_fwd_short_bounded
+  assert tiles.frozen_masked_tiles
+  assert long_call or (tiles.persistent_right_bounded and tiles.query_slots == 2)
+  spec = jax.ShapeDtypeStruct((4, seq_len, 16, 64), jnp.bfloat16)
   fn = _kernel(config, is_causal=True, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
   assert "flex_attention_mosaic_fwd" in text
