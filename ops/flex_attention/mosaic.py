@@ -48,7 +48,10 @@ and nothing on causal calls, short of the table's kernels: no entry uses it.
 `persistent=True` took 1.6-3.1 % (H64) and 5.4-6.4 % (H128) off full
 attention in two runs; the table uses it there. Causal calls walked
 persistently, heaviest items first (`persistent_right_bounded`), measured
-within -2.4 to +3.3 % of one block per item: no entry uses that.
+within -2.4 to +3.3 % of one block per item at T 4096; on 64 x 128 tiles
+with the next query tile prefetched (`prefetch_query`) they took 32 % off
+H64 causal calls at T 1024 (thirty-seventh session): the H64 entry's short
+causal calls run that way.
 The first-tile maxima took 14 % off H64 full attention, 2-7 % elsewhere
 (twenty-seventh session); at H256 7 % (full) and 5 % (causal). The
 pipelined walk takes them too (twenty-eighth session), and its best tiles
