@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from experiments import harness
 from ops.flex_attention import configs
 from ops.flex_attention import pallas
+from ops.flex_attention import triton_backward
 
 _HEAD_SIZES = flags.DEFINE_list("head_sizes", ["32", "64", "128"], "Head sizes.")
 _CAUSAL = flags.DEFINE_list("causal", ["0", "1"], "Causal values (0/1).")
@@ -75,8 +76,8 @@ def _time(kernel, head_dim, causal, cand, base):
     if kernel == "fwd":
       return jax.jit(lambda *a: pallas._forward(st, *a)), args
     out, lse = jax.jit(lambda *a: pallas._forward(st, *a))(*args)
-    delta = pallas._delta(out, do)
-    call = pallas._dkdv_call if kernel == "dkdv" else pallas._dq_call
+    delta = triton_backward.compute_delta(out, do)
+    call = triton_backward.dkdv_call if kernel == "dkdv" else triton_backward.dq_call
     return jax.jit(lambda *a: call(st, *a)), (*args[:6], lse, delta, do)
   row = harness.run_case(dict(kernel=kernel, H=head_dim, causal=causal, B=b, N=n, T=t,
                               block_q=cand[0], block_k=cand[1], num_warps=cand[2],

@@ -1,8 +1,9 @@
 """Which (query, key) tiles a flex-attention call's mask opens, and the loops
-that visit them. Shared by the Triton kernels (`pallas.py`) and, through the
-callables `pallas` hands them, the Mosaic GPU ones.
+that visit them. Shared by the Triton kernels (`pallas.py`,
+`triton_backward.py`) and, through the callables `pallas` hands them, the
+Mosaic GPU ones.
 
-`st` is the call's static description (`pallas._Static`): `left`, `right`
+`st` is the call's static description (`triton_common.Static`): `left`, `right`
 (the window; causal is right = 0), `kv_mask` (key lengths), `key_length`, `segments`,
 `mask_mod` and `any_mask` are what these functions read. Tiles are in three
 classes: fully open (no mask arithmetic), partly masked (masked body), and

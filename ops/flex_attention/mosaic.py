@@ -28,7 +28,7 @@ It writes the same outputs as the Triton forward, `out` and the base-2
 log-sum-exp `lse` [B, N, Tp] (+inf for a query that sees no key), so the
 Triton backward kernels run on them unchanged.
 
-Masks are those of `pallas._Static` without segments or mods: causal, a
+Masks are those of `triton_common.Static` without segments or mods: causal, a
 `(left, right)` window and key lengths, on tile indices. Each warpgroup walks
 the block's key tiles in order: tiles outside its own range are waited for
 and released but not computed (both warpgroups must see every slot of the
@@ -576,7 +576,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] 16-bit -> out [B, Tp, N, Hp], lse [B, N, Tp].
 
   Args:
-    st: `pallas._Static` (scale, window, key-length mask, groups); no segments
+    st: `triton_common.Static` (scale, window, key-length mask, groups); no segments
       or mods.
     kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.
     config: the tiles; Tp must be a multiple of 2 x block_q, Sp of block_k.

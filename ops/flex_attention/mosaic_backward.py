@@ -1,6 +1,6 @@
 """Mosaic GPU (Hopper) backward of flex attention: dK, dV and dQ in one launch.
 
-The Triton backward (`pallas.py`) runs two launches, dK/dV per key tile and dQ
+The Triton backward (`triton_backward.py`) runs two launches, dK/dV per key tile and dQ
 per query tile, and the second recomputes the logits, the probabilities and
 dP: seven products per (query tile, key tile) pair where five suffice. Adding
 dQ from the dK/dV kernel with per-element atomic adds measured 1.2-2.3x slower
@@ -403,7 +403,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
   """The gradients of `pallas._flex` on the Mosaic GPU kernel.
 
   Args:
-    st: `pallas._Static` (scale, window, key-length mask, groups); no segments
+    st: `triton_common.Static` (scale, window, key-length mask, groups); no segments
       or mods.
     q, dout: [B, Tp, N, Hp] 16-bit; k, v: [B, Sp, K, Hp].
     kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.

@@ -1,11 +1,12 @@
-"""Flash attention in Pallas (Triton lowering): forward, dK/dV and dQ kernels.
+"""Flash attention in Pallas (Triton lowering): the forward, the custom VJP, `prepare`.
 
 FlashAttention-2, https://arxiv.org/abs/2307.08691: the forward streams key
 tiles through an online softmax and saves the log-sum-exp; the backward
-recomputes the probabilities tile by tile from it, in two kernels: one per key
-tile that loops over query tiles (dK, dV, and over the G query heads that share
-the key/value head, so K/V are never repeated in memory) and one per query tile
-that loops over key tiles (dQ). No atomics: every output tile has one writer.
+recomputes the probabilities tile by tile from it (the Triton dK/dV and dQ
+kernels of `triton_backward.py`, or the Mosaic GPU one of
+`mosaic_backward.py`). `prepare` pads a call to the tiles and fixes its static
+description (`triton_common.Static`, which all the kernels take); the block
+specs and the `exp2` both Triton directions use live in `triton_common.py` too.
 
 Glossary of shapes: B batch, T query tokens (padded: Tp), S key/value tokens
 (padded: Sp), N query heads, K key/value heads, G = N // K, H head size
@@ -32,14 +33,13 @@ Speed notes:
 kernels on tile indices. With a `mask_mod`, the loops follow per-program lists
 of fully open and of partly masked tiles, computed once per call in XLA from
 the dense mask (`masks.tile_lists`); tiles on neither list are never visited.
-`score_mod` rewrites the scaled f32 logits in all three kernels; the backward
-kernels trace its pullback (`jax.vjp`) in place to turn dP into dS.
+`score_mod` rewrites the scaled f32 logits in all three kernels (the backward
+ones trace its pullback: `triton_backward.py`).
 """
 
 import dataclasses
 import functools
 import math
-from typing import Callable
 
 import jax
 from jax import lax
@@ -54,44 +54,15 @@ from ops.flex_attention import masks
 from ops.flex_attention import mosaic
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import reference
-
-_LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  """Everything the kernels specialise on (hashable: custom_vjp nondiff arg)."""
-  scale: float  # logit scale (natural units)
-  left: int | None  # keys s >= t - left are open (None: unbounded)
-  right: int | None  # keys s <= t + right are open (causal: 0)
-  kv_mask: bool  # key lengths vary or Sp > S: mask s >= kv_len
-  key_length: int  # S; every row's key length unless `kv_seq_lengths` is given
-  segments: bool  # segment ids given
-  groups: int  # G query heads per key/value head
-  config: configs.FlexConfig
-  interpret: bool
-  mask_mod: Callable | None = None  # (b, n, t, s) -> bool, on tile indices
-  score_mod: Callable | None = None  # (score, b, n, t, s) -> score
-
-  @property
-  def any_mask(self) -> bool:
-    return (self.left is not None or self.right is not None or self.kv_mask
-            or self.segments or self.mask_mod is not None)
-
-
-def _exp2(st: _Static, x):
-  """2 ** x in f32: one MUFU.EX2 when compiled (flushing denormals to zero).
-
-  `jnp.exp2` lowers to libdevice's `__nv_exp2f`, which adds denormal handling
-  around the same instruction; at small head sizes the kernels are bound by
-  this per-logit work, so the bare PTX instruction is worth having.
-  """
-  if st.interpret:
-    return jnp.exp2(x)
-  [y] = plgpu.elementwise_inline_asm(
-      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
-  return y
+from ops.flex_attention import triton_backward
+from ops.flex_attention.triton_common import compiler_params
+from ops.flex_attention.triton_common import exp2
+from ops.flex_attention.triton_common import key_length_spec
+from ops.flex_attention.triton_common import LOG2E
+from ops.flex_attention.triton_common import row_list_specs
+from ops.flex_attention.triton_common import seg_specs
+from ops.flex_attention.triton_common import Static
+from ops.flex_attention.triton_common import whole_kv_spec
 
 
 def _rows(kv_len):
@@ -99,17 +70,12 @@ def _rows(kv_len):
   return None if kv_len is None else kv_len[:, 0]
 
 
-def _key_length_spec(kv_len, index_map):
-  """The [B, 1] key lengths' block spec (None when the call has none)."""
-  return None if kv_len is None else pl.BlockSpec((None, 1), index_map)
-
-
-def _score(st: _Static, s, b, n, q_idx, k_idx):
+def _score(st: Static, s, b, n, q_idx, k_idx):
   """Logits in base-2 units and their multiplier: (s, c) with p = 2^(s * c - m)."""
   if st.score_mod is None:
-    return s, st.scale * _LOG2E
+    return s, st.scale * LOG2E
   s = st.score_mod(s * st.scale, b, n, q_idx, k_idx).astype(jnp.float32)
-  return s, _LOG2E
+  return s, LOG2E
 
 
 # ----------------------------------------------------------------------------
@@ -138,7 +104,7 @@ def _score(st: _Static, s, b, n, q_idx, k_idx):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
-                o_ref, lse_ref, *, st: _Static, num_q_tiles: int, ids=None,
+                o_ref, lse_ref, *, st: Static, num_q_tiles: int, ids=None,
                 list_row=None):
   # `ids`: the (query tile, batch, head) ids of the tile, given by a caller
   # that runs this under a condition (interpret mode reads them at the top
@@ -178,8 +144,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
       m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     else:
       m_use = m_new
-    alpha = _exp2(st, m - m_use)
-    p = _exp2(st, s * c - m_use[:, None])  # [bq, bk]
+    alpha = exp2(st, m - m_use)
+    p = exp2(st, s * c - m_use[:, None])  # [bq, bk]
     l = l * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v)
     return acc, m_new, l
@@ -194,7 +160,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     """An open tile against the frozen row maxima m: no max, no rescale."""
     acc, l = carry
     s, v, c = logits(j, masked=False)
-    p = _exp2(st, s * c - m[:, None])  # [bq, bk]; > 1 where a logit passes m
+    p = exp2(st, s * c - m[:, None])  # [bq, bk]; > 1 where a logit passes m
     pv = p.astype(v.dtype)
     l = l + (plgpu.dot(pv, ones) if sum_by_mma else jnp.sum(p, axis=1))
     return acc + plgpu.dot(pv, v), l
@@ -228,30 +194,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref, k_seg_ref, lists,
     lse = jnp.where(l < masks.FROZEN_SUM_LIMIT, lse, jnp.nan)
   lse_ref[...] = lse
 
-
-def _whole_kv_spec(st: _Static, seq_kv: int, hp: int):
-  """K or V [B, Sp, K, Hp]: all keys of the head's group, for a (., b, n) grid."""
-  return pl.BlockSpec((None, seq_kv, None, hp), lambda _, b, n: (b, 0, n // st.groups, 0))
-
-
-def _seg_specs(st, q_block, k_block, q_index, k_index):
-  if not st.segments:
-    return [None, None]
-  return [pl.BlockSpec(q_block, q_index), pl.BlockSpec(k_block, k_index)]
-
-
-def _row_list_specs(lists, num_q_tiles: int):
-  """Specs of the fwd/dQ tile lists ([B, N, nq, 1] counts, [B, N, nq, nk])."""
-  if lists is None:
-    return None
-  rev = lambda i: num_q_tiles - 1 - i
-  count = pl.BlockSpec((None, None, None, 1), lambda i, b, n: (b, n, rev(i), 0))
-  index = pl.BlockSpec((None, None, None, lists[1].shape[-1]),
-                       lambda i, b, n: (b, n, rev(i), 0))
-  return (count, index, count, index)
-
-
-def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
+def _forward(st: Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] -> out [B, Tp, N, Hp], lse [B, N, Tp]."""
   if st.config.mosaic_fwd is not None:
     out, lse = mosaic.forward(st, q, k, v, _rows(kv_len), config=st.config.mosaic_fwd,
@@ -266,7 +209,7 @@ def _forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists=None):
   return out, lse
 
 
-def _refreshes_in_kernel(st: _Static) -> bool:
+def _refreshes_in_kernel(st: Static) -> bool:
   """Whether the forward recomputes rows past the first-tile maxima's limit
   inside its kernel (the Triton one, `refresh='in_kernel'`) rather than in
   `_refresh_frozen`'s second launch."""
@@ -281,7 +224,7 @@ def _refreshes_in_kernel(st: _Static) -> bool:
 REFRESH_TILES_PER_PROGRAM = 8
 
 
-def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse):
+def _refresh_frozen(st: Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse):
   """Recomputes, with the online softmax, the query tiles of `_forward`'s
   first-tile-maxima pass that hold a NaN lse; the others keep their rows.
 
@@ -299,13 +242,13 @@ def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
   per = math.gcd(nq, REFRESH_TILES_PER_PROGRAM)  # groups of equal size
   rows = pl.BlockSpec((None, seq_q, None, hp), lambda c, b, n: (b, 0, n, 0))
   lse_rows = pl.BlockSpec((None, None, seq_q), lambda c, b, n: (b, n, 0))
-  kv = _whole_kv_spec(st, seq_kv, hp)
+  kv = whole_kv_spec(st, seq_kv, hp)
   list_specs = None
   if lists is not None:  # every tile's lists of the (batch, head): [nq, .]
     list_specs = tuple(pl.BlockSpec((None, None, nq, x.shape[-1]), lambda c, b, n: (b, n, 0, 0))
                        for x in lists)
-  in_specs = [rows, lse_rows, rows, kv, kv, _key_length_spec(kv_len, lambda c, b, n: (b, 0)),
-              *_seg_specs(st, (None, seq_q), (None, seq_kv),
+  in_specs = [rows, lse_rows, rows, kv, kv, key_length_spec(kv_len, lambda c, b, n: (b, 0)),
+              *seg_specs(st, (None, seq_q), (None, seq_kv),
                           lambda c, b, n: (b, 0), lambda c, b, n: (b, 0)),
               list_specs]
   return _pallas.pallas_call(
@@ -314,12 +257,12 @@ def _refresh_frozen(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse)
       out_specs=[rows, lse_rows],
       out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (out, lse)],
       input_output_aliases={0: 0, 1: 1}, interpret=st.interpret,
-      name="flex_attention_fwd_refresh", compiler_params=_params(st.config.fwd),
+      name="flex_attention_fwd_refresh", compiler_params=compiler_params(st.config.fwd),
   )(out, lse, q, k, v, kv_len, q_seg, k_seg, lists)
 
 
 def _refresh_kernel(out_in_ref, lse_in_ref, q_ref, k_ref, v_ref, kv_len_ref, q_seg_ref,
-                    k_seg_ref, lists, o_ref, lse_ref, *, st: _Static, num_q_tiles: int,
+                    k_seg_ref, lists, o_ref, lse_ref, *, st: Static, num_q_tiles: int,
                     per: int):
   del out_in_ref  # the output's buffer: rows not recomputed keep their values
   c, b, n = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -344,7 +287,7 @@ def _refresh_kernel(out_in_ref, lse_in_ref, q_ref, k_ref, v_ref, kv_len_ref, q_s
   lax.fori_loop(0, per, visit, 0)
 
 
-def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists):
+def _triton_forward(st: Static, q, k, v, kv_len, q_seg, k_seg, lists):
   """The Triton forward: out [B, Tp, N, Hp], lse [B, N, Tp]."""
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
@@ -358,12 +301,12 @@ def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists):
   ]
   in_specs = [
       pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
-      _whole_kv_spec(st, seq_kv, hp),
-      _whole_kv_spec(st, seq_kv, hp),
-      _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
-      *_seg_specs(st, (None, bq), (None, seq_kv),
+      whole_kv_spec(st, seq_kv, hp),
+      whole_kv_spec(st, seq_kv, hp),
+      key_length_spec(kv_len, lambda i, b, n: (b, 0)),
+      *seg_specs(st, (None, bq), (None, seq_kv),
                   lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
-      _row_list_specs(lists, nq),
+      row_list_specs(lists, nq),
   ]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)]
@@ -371,180 +314,19 @@ def _triton_forward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists):
       functools.partial(_fwd_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=st.interpret, name="flex_attention_fwd",
-      compiler_params=_params(cfg),
+      compiler_params=compiler_params(cfg),
   )(q, k, v, kv_len, q_seg, k_seg, lists)
 
 
 # ----------------------------------------------------------------------------
-# Backward: dK/dV per key tile (all G query heads of its group), dQ per query
-# tile. delta = rowsum(dO * O) comes from XLA (one fused elementwise pass).
+# The custom VJP. The backward runs the Mosaic GPU kernel where `prepare` gave
+# it the call (`mosaic_backward.py`), else the Triton dK/dV and dQ launches
+# (`triton_backward.py`).
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
-                 q_seg_ref, k_seg_ref, lists, dk_ref, dv_ref, *, st: _Static):
-  bk, hp = k_ref.shape
-  seq_q = q_ref.shape[0]
-  bq = st.config.dkdv.block_q
-  k0 = pl.program_id(0) * bk
-  c = st.scale * _LOG2E
-  k = k_ref[...]  # [bk, Hp]
-  v = v_ref[...]
-  kv_len = masks.key_length(st, kv_len_ref, 0)
-  k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[:, None]  # [bk, 1]
-  k_seg = k_seg_ref[...][:, None] if st.segments else None
-  ranges = None if lists else masks.query_tiles(st, k0, bq, bk, kv_len, seq_q)
-  b, kv_head = pl.program_id(1), pl.program_id(2)  # (Read outside loops.)
-
-  def body(i, carry, masked, g):
-    dk, dv = carry
-    n = kv_head * st.groups + g
-    q0 = i * bq
-    q = q_ref[pl.ds(q0, bq), g, :]  # [bq, Hp]
-    do = do_ref[pl.ds(q0, bq), g, :]
-    lse = lse_ref[g, pl.ds(q0, bq)]  # [bq]
-    delta = delta_ref[g, pl.ds(q0, bq)]
-    s_t = plgpu.dot(k, q, trans_b=True)  # [bk, bq]: logits, transposed
-    q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[None, :]
-    if st.score_mod is None:
-      p_t = _exp2(st, s_t * c - lse[None, :])
-    else:  # Keep the pullback of score_mod for dS.
-      mod = lambda x: st.score_mod(x, b, n, q_idx, k_idx).astype(jnp.float32)
-      z_t, mod_vjp = jax.vjp(mod, s_t * st.scale)
-      p_t = _exp2(st, z_t * _LOG2E - lse[None, :])
-    if masked:
-      q_seg = q_seg_ref[pl.ds(q0, bq)][None, :] if st.segments else None
-      p_t = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p_t, 0.0)
-    dv = dv + plgpu.dot(p_t.astype(do.dtype), do)
-    dp_t = plgpu.dot(v, do, trans_b=True)  # [bk, bq]
-    ds_t = p_t * (dp_t - delta[None, :])
-    if st.score_mod is not None:
-      ds_t = mod_vjp(ds_t)[0]
-    dk = dk + plgpu.dot(ds_t.astype(q.dtype), q)
-    return dk, dv
-
-  carry = (jnp.zeros((bk, hp), jnp.float32), jnp.zeros((bk, hp), jnp.float32))
-  for g in range(st.groups):  # The query heads sharing this key/value head.
-    carry = masks.tile_loop(st, ranges, lists, functools.partial(body, g=g), carry, group=g)
-  dk, dv = carry
-  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref,
-               q_seg_ref, k_seg_ref, lists, dq_ref, *, st: _Static, num_q_tiles: int):
-  bq, hp = q_ref.shape
-  seq_kv = k_ref.shape[0]
-  bk = st.config.dq.block_k
-  q0 = (num_q_tiles - 1 - pl.program_id(0)) * bq
-  c = st.scale * _LOG2E
-  q = q_ref[...]  # [bq, Hp]
-  do = do_ref[...]
-  lse = lse_ref[...][:, None]  # [bq, 1]
-  delta = delta_ref[...][:, None]
-  kv_len = masks.key_length(st, kv_len_ref, 0)
-  q_idx = q0 + jnp.arange(bq, dtype=jnp.int32)[:, None]
-  q_seg = q_seg_ref[...][:, None] if st.segments else None
-  b, n = pl.program_id(1), pl.program_id(2)
-
-  def body(j, dq, masked):
-    k0 = j * bk
-    k = k_ref[pl.ds(k0, bk), :]  # [bk, Hp]
-    v = v_ref[pl.ds(k0, bk), :]
-    s = plgpu.dot(q, k, trans_b=True)  # [bq, bk]
-    k_idx = k0 + jnp.arange(bk, dtype=jnp.int32)[None, :]
-    if st.score_mod is None:
-      p = _exp2(st, s * c - lse)
-    else:  # Keep the pullback of score_mod for dS.
-      mod = lambda x: st.score_mod(x, b, n, q_idx, k_idx).astype(jnp.float32)
-      z, mod_vjp = jax.vjp(mod, s * st.scale)
-      p = _exp2(st, z * _LOG2E - lse)
-    if masked:
-      k_seg = k_seg_ref[pl.ds(k0, bk)][None, :] if st.segments else None
-      p = jnp.where(masks.is_open(st, q_idx, k_idx, kv_len, q_seg, k_seg, b, n), p, 0.0)
-    dp = plgpu.dot(do, v, trans_b=True)  # [bq, bk]
-    ds = p * (dp - delta)
-    if st.score_mod is not None:
-      ds = mod_vjp(ds)[0]
-    return dq + plgpu.dot(ds.astype(k.dtype), k)
-
-  ranges = None if lists else masks.key_tiles(st, q0, bq, bk, kv_len, seq_kv)
-  dq = masks.tile_loop(st, ranges, lists, body, jnp.zeros((bq, hp), jnp.float32))
-  dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
-
-
-def _params(cfg: configs.KernelConfig):
-  return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-
-
-def _delta(out, dout):
-  """rowsum(dO * O) in f32, [B, Tp, N, Hp] -> [B, N, Tp]."""
-  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
-  return jnp.transpose(delta, (0, 2, 1))
-
-
-def _dkdv_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
-               lists=None):
-  """dK, dV: grid over key tiles; q, dO, lse, delta of the whole head group."""
-  batch, seq_q, _, hp = q.shape
-  seq_kv, num_kv = k.shape[1], k.shape[2]
-  g, cfg = st.groups, st.config.dkdv
-  bk = cfg.block_k
-  grouped = lambda x: x.reshape(batch, seq_q, num_kv, g, hp)  # free reshape
-  per_group = lambda x: x.reshape(batch, num_kv, g, seq_q)
-  kv_spec = pl.BlockSpec((None, bk, None, hp), lambda j, b, h: (b, j, h, 0))
-  group_spec = pl.BlockSpec((None, seq_q, None, g, hp), lambda j, b, h: (b, 0, h, 0, 0))
-  row_spec = pl.BlockSpec((None, None, g, seq_q), lambda j, b, h: (b, h, 0, 0))
-  in_specs = [group_spec, kv_spec, kv_spec, group_spec, row_spec, row_spec,
-              _key_length_spec(kv_len, lambda j, b, h: (b, 0)),
-              *_seg_specs(st, (None, seq_q), (None, bk),
-                          lambda j, b, h: (b, 0), lambda j, b, h: (b, j))]
-  if lists is None:
-    in_specs.append(None)
-  else:  # [B, K, G, nk, 1] counts, [B, K, G, nk, nq] indices.
-    count = pl.BlockSpec((None, None, g, None, 1), lambda j, b, h: (b, h, 0, j, 0))
-    index = pl.BlockSpec((None, None, g, None, lists[1].shape[-1]),
-                         lambda j, b, h: (b, h, 0, j, 0))
-    in_specs.append((count, index, count, index))
-  return _pallas.pallas_call(
-      functools.partial(_dkdv_kernel, st=st),
-      grid=(seq_kv // bk, batch, num_kv), in_specs=in_specs,
-      out_specs=[kv_spec, kv_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      interpret=st.interpret, name="flex_attention_dkdv",
-      compiler_params=_params(cfg),
-  )(grouped(q), k, v, grouped(dout), per_group(lse), per_group(delta), kv_len,
-    q_seg, k_seg, lists)
-
-
-def _dq_call(st: _Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
-             lists=None):
-  """dQ: grid over query tiles, loop over key tiles (the forward's ranges)."""
-  batch, seq_q, num_heads, hp = q.shape
-  seq_kv = k.shape[1]
-  cfg = st.config.dq
-  bq = cfg.block_q
-  nq = seq_q // bq
-  rev = lambda i: nq - 1 - i
-  q_spec = pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i)))
-  kv_full = _whole_kv_spec(st, seq_kv, hp)
-  in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
-              _key_length_spec(kv_len, lambda i, b, n: (b, 0)),
-              *_seg_specs(st, (None, bq), (None, seq_kv),
-                          lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
-              _row_list_specs(lists, nq)]
-  return _pallas.pallas_call(
-      functools.partial(_dq_kernel, st=st, num_q_tiles=nq),
-      grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      interpret=st.interpret, name="flex_attention_dq",
-      compiler_params=_params(cfg),
-  )(q, k, v, dout, lse, delta, kv_len, q_seg, k_seg, lists)
-
-
-def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout):
-  delta = _delta(out, dout)
+def _backward(st: Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout):
+  """dQ [B, Tp, N, Hp], dK, dV [B, Sp, K, Hp] from the forward's out and lse."""
+  delta = triton_backward.compute_delta(out, dout)
   if st.config.mosaic_bwd is not None:
     return mosaic_backward.backward(
         st, q, k, v, _rows(kv_len), lse, delta, dout, config=st.config.mosaic_bwd,
@@ -552,8 +334,8 @@ def _backward(st: _Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse, dout)
         is_open=lambda q_idx, k_idx, kv_len: masks.is_open(st, q_idx, k_idx, kv_len, None, None),
         interpret=st.interpret)
   args = (st, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout)
-  dk, dv = _dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
-  return _dq_call(*args, lists=None if lists is None else lists["dq"]), dk, dv
+  dk, dv = triton_backward.dkdv_call(*args, lists=None if lists is None else lists["dkdv"])
+  return triton_backward.dq_call(*args, lists=None if lists is None else lists["dq"]), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -672,7 +454,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
     k_multiple = math.lcm(k_multiple, mosaic_bwd.keys_per_block)
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
-  st = _Static(scale=float(scale), left=left, right=right,
+  st = Static(scale=float(scale), left=left, right=right,
                kv_mask=kv_seq_lengths is not None or sp != seq_kv, key_length=seq_kv,
                segments=q_segment_ids is not None, groups=num_heads // num_kv,
                config=config, interpret=interpret, mask_mod=mask_mod,

@@ -1,0 +1,89 @@
+"""What the Triton forward (`pallas.py`) and backward (`triton_backward.py`) share.
+
+`Static` is the static description of a call, fixed by `pallas.prepare` (the
+Mosaic GPU kernels and `masks.py` read it too); `exp2` is the kernels'
+exponential; the rest build the block specs and compiler parameters of their
+launches. Shapes as in `pallas.py`'s glossary.
+"""
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+import jax.numpy as jnp
+
+from ops.flex_attention import configs
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """Everything the kernels specialise on (hashable: custom_vjp nondiff arg)."""
+  scale: float  # logit scale (natural units)
+  left: int | None  # keys s >= t - left are open (None: unbounded)
+  right: int | None  # keys s <= t + right are open (causal: 0)
+  kv_mask: bool  # key lengths vary or Sp > S: mask s >= kv_len
+  key_length: int  # S; every row's key length unless `kv_seq_lengths` is given
+  segments: bool  # segment ids given
+  groups: int  # G query heads per key/value head
+  config: configs.FlexConfig
+  interpret: bool
+  mask_mod: Callable | None = None  # (b, n, t, s) -> bool, on tile indices
+  score_mod: Callable | None = None  # (score, b, n, t, s) -> score
+
+  @property
+  def any_mask(self) -> bool:
+    return (self.left is not None or self.right is not None or self.kv_mask
+            or self.segments or self.mask_mod is not None)
+
+
+def exp2(st: Static, x):
+  """2 ** x in f32: one MUFU.EX2 when compiled (flushing denormals to zero).
+
+  `jnp.exp2` lowers to libdevice's `__nv_exp2f`, which adds denormal handling
+  around the same instruction; at small head sizes the kernels are bound by
+  this per-logit work, so the bare PTX instruction is worth having.
+  """
+  if st.interpret:
+    return jnp.exp2(x)
+  [y] = plgpu.elementwise_inline_asm(
+      "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return y
+
+
+def key_length_spec(kv_len, index_map):
+  """The [B, 1] key lengths' block spec (None when the call has none)."""
+  return None if kv_len is None else pl.BlockSpec((None, 1), index_map)
+
+
+def whole_kv_spec(st: Static, seq_kv: int, hp: int):
+  """K or V [B, Sp, K, Hp]: all keys of the head's group, for a (., b, n) grid."""
+  return pl.BlockSpec((None, seq_kv, None, hp), lambda _, b, n: (b, 0, n // st.groups, 0))
+
+
+def seg_specs(st, q_block, k_block, q_index, k_index):
+  """The query and key segment ids' block specs ([None, None] without them)."""
+  if not st.segments:
+    return [None, None]
+  return [pl.BlockSpec(q_block, q_index), pl.BlockSpec(k_block, k_index)]
+
+
+def row_list_specs(lists, num_q_tiles: int):
+  """Specs of the fwd/dQ tile lists ([B, N, nq, 1] counts, [B, N, nq, nk])."""
+  if lists is None:
+    return None
+  rev = lambda i: num_q_tiles - 1 - i
+  count = pl.BlockSpec((None, None, None, 1), lambda i, b, n: (b, n, rev(i), 0))
+  index = pl.BlockSpec((None, None, None, lists[1].shape[-1]),
+                       lambda i, b, n: (b, n, rev(i), 0))
+  return (count, index, count, index)
+
+
+def compiler_params(cfg: configs.KernelConfig):
+  """A Triton launch's warps and pipeline stages."""
+  return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
