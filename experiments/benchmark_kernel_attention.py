@@ -141,6 +141,8 @@ def _check_rows():
       (2, 1024, 1024, 8, 4, 64, jnp.bfloat16, {}),  # the Mosaic forward's H64 full case
       (1, 1024, 1024, 4, 2, 256, jnp.bfloat16, {}),  # and its H256 one
       (2, 1024, 1024, 8, 4, 32, jnp.bfloat16, {}),  # and its H32 one
+      # The H64 entry's short causal walk (persistent, query prefetch), GQA.
+      (4, 1024, 1024, 16, 8, 64, jnp.bfloat16, dict(is_causal=True)),
   ]
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
