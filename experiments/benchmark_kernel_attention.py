@@ -95,8 +95,8 @@ SHAPES = {
     "b8_n8_t256_h32": (8, 8, 256, 32, (False, True)),
     "b16_n8_t512_h32": (16, 8, 512, 32, (False, True)),
     "b4_n8_t1024_h32": (4, 8, 1024, 32, (False, True)),
-    # Short H64 calls, where `MosaicForwardConfig.frozen_masked_tiles` may
-    # not pay (it did not on short H32 causal calls): not in ANCHORS.md.
+    # Short H64 calls, where the H64 entry's causal calls take other tiles
+    # (`FlexConfig.mosaic_fwd_short_bounded`): not in ANCHORS.md.
     "b4_n16_t1024_h64": (4, 16, 1024, 64, (False, True)),
     "b4_n16_t512_h64": (4, 16, 512, 64, (True,)),
     "b4_n16_t2048_h64": (4, 16, 2048, 64, (True,)),

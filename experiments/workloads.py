@@ -198,8 +198,9 @@ def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
   [_persist[_all]][_r240][_sums][_fm][_pq]' -> the Mosaic forward's tiles
   (`_free`: without ping-pong turns; `_wg3`: three compute warpgroups,
   free-running only; `_pipe`: each warpgroup's next `Q K^T` under its
-  softmax; `_persist`: one block per SM walking the work items; `_persist_all`: right-bounded calls too; `_r240`:
-  240 registers per compute thread; `_sums`: the row sums on the tensor cores;
+  softmax; `_persist`: one block per SM walking the work items;
+  `_persist_all`: right-bounded calls too; `_r240`: 240 registers per compute
+  thread; `_sums`: the row sums on the tensor cores;
   `_fm`: partly masked tiles after the first open one on the kept maxima;
   `_pq`: with `_persist`, the next item's query tile loaded under the walk)."""
   match = _MOSAIC_FWD_TILES.match(spec)

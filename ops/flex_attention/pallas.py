@@ -59,7 +59,7 @@ from ops.flex_attention.triton_common import compiler_params
 from ops.flex_attention.triton_common import exp2
 from ops.flex_attention.triton_common import key_length_spec
 from ops.flex_attention.triton_common import LOG2E
-from ops.flex_attention.triton_common import row_list_specs
+from ops.flex_attention.triton_common import query_tile_specs
 from ops.flex_attention.triton_common import seg_specs
 from ops.flex_attention.triton_common import Static
 from ops.flex_attention.triton_common import whole_kv_spec
@@ -292,22 +292,12 @@ def _triton_forward(st: Static, q, k, v, kv_len, q_seg, k_seg, lists):
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   cfg = st.config.fwd
-  bq = cfg.block_q
-  nq = seq_q // bq
-  rev = lambda i: nq - 1 - i
-  out_specs = [
-      pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
-      pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i))),
-  ]
-  in_specs = [
-      pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
-      whole_kv_spec(st, seq_kv, hp),
-      whole_kv_spec(st, seq_kv, hp),
-      key_length_spec(kv_len, lambda i, b, n: (b, 0)),
-      *seg_specs(st, (None, bq), (None, seq_kv),
-                  lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
-      row_list_specs(lists, nq),
-  ]
+  specs = query_tile_specs(st, kv_len, lists, seq_q=seq_q, seq_kv=seq_kv,
+                           block_q=cfg.block_q, hp=hp)
+  nq = specs.num_q_tiles
+  kv_full = whole_kv_spec(st, seq_kv, hp)
+  out_specs = [specs.q, specs.rows]
+  in_specs = [specs.q, kv_full, kv_full, *specs.masks]
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct((batch, num_heads, seq_q), jnp.float32)]
   return _pallas.pallas_call(

@@ -34,7 +34,7 @@ from ops.flex_attention.triton_common import compiler_params
 from ops.flex_attention.triton_common import exp2
 from ops.flex_attention.triton_common import key_length_spec
 from ops.flex_attention.triton_common import LOG2E
-from ops.flex_attention.triton_common import row_list_specs
+from ops.flex_attention.triton_common import query_tile_specs
 from ops.flex_attention.triton_common import seg_specs
 from ops.flex_attention.triton_common import Static
 from ops.flex_attention.triton_common import whole_kv_spec
@@ -179,17 +179,11 @@ def dq_call(st: Static, q, k, v, kv_len, q_seg, k_seg, lse, delta, dout,
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   cfg = st.config.dq
-  bq = cfg.block_q
-  nq = seq_q // bq
-  rev = lambda i: nq - 1 - i
-  q_spec = pl.BlockSpec((None, bq, None, hp), lambda i, b, n: (b, rev(i), n, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda i, b, n: (b, n, rev(i)))
+  specs = query_tile_specs(st, kv_len, lists, seq_q=seq_q, seq_kv=seq_kv,
+                           block_q=cfg.block_q, hp=hp)
+  nq, q_spec = specs.num_q_tiles, specs.q
   kv_full = whole_kv_spec(st, seq_kv, hp)
-  in_specs = [q_spec, kv_full, kv_full, q_spec, row_spec, row_spec,
-              key_length_spec(kv_len, lambda i, b, n: (b, 0)),
-              *seg_specs(st, (None, bq), (None, seq_kv),
-                          lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
-              row_list_specs(lists, nq)]
+  in_specs = [q_spec, kv_full, kv_full, q_spec, specs.rows, specs.rows, *specs.masks]
   return _pallas.pallas_call(
       functools.partial(_dq_kernel, st=st, num_q_tiles=nq),
       grid=(nq, batch, num_heads), in_specs=in_specs, out_specs=q_spec,

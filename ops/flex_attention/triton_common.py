@@ -84,6 +84,31 @@ def row_list_specs(lists, num_q_tiles: int):
   return (count, index, count, index)
 
 
+@dataclasses.dataclass(frozen=True)
+class QueryTileSpecs:
+  """The block specs of a launch over query tiles, grid (i, b, n), the tiles
+  in reverse order (under a causal mask the longest programs start first):
+  the Triton forward's and dQ's."""
+  num_q_tiles: int
+  q: pl.BlockSpec  # a [bq, Hp] tile of q, out, dout
+  rows: pl.BlockSpec  # its [bq] rows of lse, delta
+  masks: tuple  # key lengths, query and key segment ids, the tile lists
+
+
+def query_tile_specs(st: Static, kv_len, lists, *, seq_q: int, seq_kv: int,
+                     block_q: int, hp: int) -> QueryTileSpecs:
+  nq = seq_q // block_q
+  rev = lambda i: nq - 1 - i
+  return QueryTileSpecs(
+      num_q_tiles=nq,
+      q=pl.BlockSpec((None, block_q, None, hp), lambda i, b, n: (b, rev(i), n, 0)),
+      rows=pl.BlockSpec((None, None, block_q), lambda i, b, n: (b, n, rev(i))),
+      masks=(key_length_spec(kv_len, lambda i, b, n: (b, 0)),
+             *seg_specs(st, (None, block_q), (None, seq_kv),
+                        lambda i, b, n: (b, rev(i)), lambda i, b, n: (b, 0)),
+             row_list_specs(lists, nq)))
+
+
 def compiler_params(cfg: configs.KernelConfig):
   """A Triton launch's warps and pipeline stages."""
   return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
