@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
+from ops import _sharding
 from ops.flex_attention import pallas
 from ops.flex_attention import reference
 
@@ -143,7 +144,24 @@ def flex_attention(
         q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
         local_window_size=window, kv_seq_lengths=kv_seq_lengths,
         mask_mod=mask_mod, score_mod=score_mod)
-  return pallas.flex_attention_pallas(
-      q, k, v, scale=scale, is_causal=is_causal, window=window,
-      q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=kv_seq_lengths,
-      interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)
+  def kernel_path(q, k, v, q_ids, kv_ids, kv_seq_lengths):
+    return pallas.flex_attention_pallas(
+        q, k, v, scale=scale, is_causal=is_causal, window=window,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=kv_seq_lengths,
+        interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)
+
+  # Query and key/value heads split together, so GQA groups stay whole.
+  plan = _sharding.plan(_OP, (
+      ("q", q, ("batch", "seq", "heads", None)),
+      ("k", k, ("batch", "seq", "heads", None)),
+      ("v", v, ("batch", "seq", "heads", None)),
+      ("segment_ids", q_ids, ("batch", "seq")),
+      ("segment_ids", kv_ids, ("batch", "seq")),
+      ("kv_seq_lengths", kv_seq_lengths, ("batch",))), split=("batch", "heads"))
+  if plan.splits and (mask_mod is not None or score_mod is not None):
+    raise ValueError(
+        f"{_OP}: `mask_mod` and `score_mod` see global batch and head indices, "
+        f"which a kernel run per shard does not have; this call splits "
+        f"{dict(plan.axes)} over the mesh. Call it outside the mesh, inside your "
+        "own `jax.shard_map`, or with implementation='xla'")
+  return plan.run(kernel_path, ("batch", "seq", "heads", None))

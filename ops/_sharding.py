@@ -1,0 +1,207 @@
+"""Running an op's Pallas path once per shard: the one partitioning mechanism.
+
+XLA's partitioner cannot see inside a Pallas kernel (a custom call): handed a
+sharded operand, it gathers the whole array onto every device and runs the
+kernel on all of it. Each op therefore wraps its kernel path with `run`, which
+calls it under `jax.shard_map` over the mesh axes its inputs are split over,
+so each device runs the kernel on its own shard.
+
+An op describes its arrays with layouts: one label per dimension, e.g.
+`("batch", "seq", "heads", None)` for attention's `q`. Labels in `split` may
+be sharded (every array with that label sharded the same way, so GQA groups
+and head groups stay whole); any other dimension that is sharded is an error
+naming the argument and the axis, never a silent gather. Which mesh axes a
+label gets:
+
+- Explicit mesh axes (`jax.make_mesh(..., axis_types=Explicit)`): read from
+  the arrays' types, exactly as the caller sharded them.
+- Auto mesh axes of the mesh in context (`jax.set_mesh`, or the one `fit()`
+  sets): the types say nothing, so the batch label alone is split, over the
+  longest run of those axes, in mesh order, whose product divides it. That is
+  how data parallelism and FSDP place a batch (over every device).
+- Axes that are already manual (inside the caller's own `shard_map`): left
+  alone; the kernel already sees per-device blocks there.
+
+With no mesh in context and no Explicit types, the op runs as it is: a
+partitioned program must say its mesh (`jax.set_mesh`) for the kernels to
+follow it.
+
+`shard_map` is differentiable, so the custom VJP inside runs per shard too:
+forward and backward kernels alike, with the gradients of replicated inputs
+(a scan's `A`, the experts' weights) summed over the devices by shard_map's
+transpose. Why shard_map and not `jax.custom_partitioning`: BUILD_NOTES.md,
+"Sharding".
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+Layout = tuple[str | None, ...]  # one label (or None: never split) per dimension
+
+_AXIS_NAMES = {"batch": "batch", "seq": "sequence", "heads": "head",
+               "channels": "channel", "rows": "row"}
+
+
+def _describe(label: str | None, dim: int) -> str:
+  name = _AXIS_NAMES.get(label, label) if label else None
+  return f"axis {dim} (the {name} axis)" if name else f"axis {dim}"
+
+
+def _context_mesh(arrays):
+  """The mesh in context, else the one an Explicit-typed array carries."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty:
+    return mesh
+  for x in arrays:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is not None and not sharding.mesh.empty:
+      return sharding.mesh
+  return mesh
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Which mesh axes each layout label is split over, for one call."""
+  mesh: Any
+  axes: dict[str, tuple[str, ...]]
+  args: tuple = ()  # the arrays (or None) the kernel path takes, in order
+  layouts: tuple = ()  # their layouts
+
+  @property
+  def splits(self) -> bool:
+    return any(self.axes.values())
+
+  def size(self, label: str) -> int:
+    """How many shards the `label` dimension is cut into."""
+    return math.prod(self.mesh.shape[a] for a in self.axes.get(label, ()))
+
+  def spec(self, layout: Layout | None) -> P | None:
+    if layout is None:
+      return None
+    return P(*(self.axes.get(label) or None if label else None for label in layout))
+
+  def run(self, fn: Callable, out_layouts) -> Any:
+    """`fn(*args)`, once per shard when the plan splits anything.
+
+    `out_layouts` is a pytree of layouts matching `fn`'s outputs (a layout is
+    a tuple, so give several outputs as a list)."""
+    args, layouts = self.args, self.layouts
+    if not self.splits:
+      return fn(*args)
+    present = [i for i, x in enumerate(args) if x is not None]
+
+    def body(*present_args):
+      full = list(args)
+      for i, x in zip(present, present_args):
+        full[i] = x
+      return fn(*full)
+
+    in_specs = tuple(self.spec(layouts[i]) for i in present)
+    explicit = [a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types)
+                if t == AxisType.Explicit]
+    placed = [args[i] for i in present]
+    if explicit:  # Explicit-typed inputs must arrive as shard_map expects them.
+      placed = [x if jax.typeof(x).sharding.spec == spec else jax.sharding.reshard(x, spec)
+                for x, spec in zip(placed, in_specs)]
+    out_specs = jax.tree.map(self.spec, out_layouts,
+                             is_leaf=lambda l: isinstance(l, tuple))
+    # check_vma=False: Pallas interpret mode mixes varying and invariant values
+    # inside some kernels, which the type check refuses; the types carry no
+    # information here, as every split is stated by the specs.
+    return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
+                         out_specs=out_specs, axis_names=set(self.used_axes),
+                         check_vma=False)(*placed)
+
+  @property
+  def used_axes(self) -> tuple[str, ...]:
+    return tuple(a for axes in self.axes.values() for a in axes)
+
+
+def plan(op: str, named_args: Sequence[tuple[str, Any, Layout | None]], *,
+         split: Sequence[str] = ("batch",)) -> Plan:
+  """Decides how one call of `op` splits over the mesh.
+
+  Args:
+    op: the op's public name, for messages.
+    named_args: (argument name, array or None, layout) for every array the
+      kernel path takes.
+    split: the labels the kernel can compute locally. "batch", when listed, is
+      also the label split over Auto mesh axes.
+
+  Returns:
+    A Plan; `Plan.run` calls the kernel path per shard.
+
+  Raises:
+    ValueError: when an argument is sharded along a dimension the op cannot
+      split, when two arguments shard one label differently, or when a label
+      cannot be cut evenly over the axes another argument uses for it.
+  """
+  args = tuple(x for _, x, _ in named_args)
+  layouts = tuple(l for _, _, l in named_args)
+  present = [(n, x, l) for n, x, l in named_args if x is not None and l is not None]
+  mesh = _context_mesh([x for _, x, _ in present])
+  if mesh.empty:
+    return Plan(mesh, {}, args, layouts)
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  axes: dict[str, tuple[str, ...]] = {}
+  source: dict[str, str] = {}
+  for name, x, layout in present:
+    if len(layout) != x.ndim:
+      raise AssertionError(f"{op}: layout {layout} for `{name}` of shape {x.shape}")
+    spec = getattr(jax.typeof(x), "sharding", None)
+    spec = tuple(spec.spec) if spec is not None and not spec.mesh.empty else ()
+    for dim, (label, entry) in enumerate(zip(layout, spec)):
+      used = tuple(a for a in _spec_axes(entry) if types.get(a) == AxisType.Explicit)
+      if not used:
+        continue
+      if label not in split:
+        raise ValueError(
+            f"{op}: `{name}` is sharded over mesh axis {used} along its "
+            f"{_describe(label, dim)}, which {op} cannot split; shard only its "
+            f"{' / '.join(_AXIS_NAMES.get(s, s) for s in split)} axes")
+      if label in axes and axes[label] != used:
+        raise ValueError(
+            f"{op}: `{name}` is sharded over {used} along its "
+            f"{_describe(label, dim)} but `{source[label]}` over {axes[label]}; "
+            "they must be split alike")
+      axes[label], source[label] = used, name
+  free = [a for a in mesh.axis_names if types[a] == AxisType.Auto and mesh.shape[a] > 1]
+  taken = {a for used in axes.values() for a in used}
+  free = [a for a in free if a not in taken]
+  if "batch" in split and "batch" not in axes and free:
+    sizes = [x.shape[d] for _, x, l in present for d, lab in enumerate(l) if lab == "batch"]
+    chosen, product = [], 1
+    for a in free:
+      if any(s % (product * mesh.shape[a]) for s in sizes):
+        break
+      chosen.append(a)
+      product *= mesh.shape[a]
+    if chosen:
+      axes["batch"] = tuple(chosen)
+  result = Plan(mesh, {k: v for k, v in axes.items() if v}, args, layouts)
+  for name, x, layout in present:
+    for dim, label in enumerate(layout):
+      n = result.size(label) if label in result.axes else 1
+      if x.shape[dim] % n:
+        raise ValueError(
+            f"{op}: `{name}` has {x.shape[dim]} entries along its "
+            f"{_describe(label, dim)}, which cannot be split over mesh axes "
+            f"{result.axes[label]} ({n} shards) as `{source.get(label, name)}` is")
+  return result
+
+
+def run(op: str, fn: Callable, named_args: Sequence[tuple[str, Any, Layout | None]],
+        out_layouts, *, split: Sequence[str] = ("batch",)) -> Any:
+  """`fn(*arrays)` per shard: `plan(op, named_args, split=split).run(...)`."""
+  return plan(op, named_args, split=split).run(fn, out_layouts)
