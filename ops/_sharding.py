@@ -16,15 +16,17 @@ label gets:
 - Explicit mesh axes (`jax.make_mesh(..., axis_types=Explicit)`): read from
   the arrays' types, exactly as the caller sharded them.
 - Auto mesh axes of the mesh in context (`jax.set_mesh`, or the one `fit()`
-  sets): the types say nothing, so the batch label alone is split, over the
-  longest run of those axes, in mesh order, whose product divides it. That is
-  how data parallelism and FSDP place a batch (over every device).
+  sets), or else of the mesh the inputs were placed on (`jax.device_put` with
+  a `NamedSharding`: the arrays' types carry that mesh through the trace):
+  the types do not say how the arrays are split, so the batch label alone is
+  split, over the longest run of those axes, in mesh order, whose product
+  divides it. That is how data parallelism and FSDP place a batch (over
+  every device).
 - Axes that are already manual (inside the caller's own `shard_map`): left
   alone; the kernel already sees per-device blocks there.
 
-With no mesh in context and no Explicit types, the op runs as it is: a
-partitioned program must say its mesh (`jax.set_mesh`) for the kernels to
-follow it.
+With no mesh anywhere (neither in context nor on the inputs) the op runs as
+it is, on one device.
 
 `shard_map` is differentiable, so the custom VJP inside runs per shard too:
 forward and backward kernels alike, with the gradients of replicated inputs
@@ -53,7 +55,7 @@ def _describe(label: str | None, dim: int) -> str:
 
 
 def _context_mesh(arrays):
-  """The mesh in context, else the one an Explicit-typed array carries."""
+  """The mesh in context, else the one the arrays were placed on."""
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty:
     return mesh
@@ -94,8 +96,8 @@ class Plan:
   def run(self, fn: Callable, out_layouts) -> Any:
     """`fn(*args)`, once per shard when the plan splits anything.
 
-    `out_layouts` is a pytree of layouts matching `fn`'s outputs (a layout is
-    a tuple, so give several outputs as a list)."""
+    `out_layouts` is the layout of `fn`'s output, or a list of layouts when
+    `fn` returns a tuple of arrays."""
     args, layouts = self.args, self.layouts
     if not self.splits:
       return fn(*args)
@@ -114,8 +116,10 @@ class Plan:
     if explicit:  # Explicit-typed inputs must arrive as shard_map expects them.
       placed = [x if jax.typeof(x).sharding.spec == spec else jax.sharding.reshard(x, spec)
                 for x, spec in zip(placed, in_specs)]
-    out_specs = jax.tree.map(self.spec, out_layouts,
-                             is_leaf=lambda l: isinstance(l, tuple))
+    if isinstance(out_layouts, list):  # several outputs, returned as a tuple
+      out_specs = tuple(self.spec(l) for l in out_layouts)
+    else:
+      out_specs = self.spec(out_layouts)
     # check_vma=False: Pallas interpret mode mixes varying and invariant values
     # inside some kernels, which the type check refuses; the types carry no
     # information here, as every split is stated by the specs.

@@ -15,6 +15,7 @@ from ops import _shapes
 from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import chunked_kernel_limit
+from ops.ssd.api import run_chunked_per_shard
 from ops.ssd.api import validate
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
@@ -62,7 +63,10 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
   # Measured on an H200 (BUILD_NOTES.md, "SSD and the gated delta rule"): the
   # kernels beat the chunked XLA form at every measured shape.
   backend = _backend.choose("gated_delta_rule", implementation, kernel_limit)
-  fn = (pallas_impl.gated_delta_rule_pallas if backend == "pallas"
-        else gated_delta_rule_xla)
-  return fn(q, k, v, log_decay, beta, scale=scale, initial_state=initial_state,
-            chunk_size=chunk_size)
+  if backend == "xla":
+    return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
+                                initial_state=initial_state, chunk_size=chunk_size)
+  return run_chunked_per_shard(
+      "gated_delta_rule", lambda q, k, v, g, h0, beta: pallas_impl.gated_delta_rule_pallas(
+          q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size),
+      q, k, v, log_decay, initial_state, extra=(("beta", beta),))

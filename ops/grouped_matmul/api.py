@@ -7,12 +7,15 @@ are sorted by expert (MegaBlocks, https://arxiv.org/abs/2211.15841).
 Glossary of shapes: M rows, K contraction, N output columns, G groups.
 """
 
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
 from ops import _shapes
+from ops import _sharding
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 from ops.grouped_matmul import xla
@@ -46,6 +49,36 @@ def kernel_limit(rows: str, num_rows: int, weights: str, num_groups: int
   if num_groups < 1:
     return f"`{weights}` needs G >= 1 groups for the kernel, got G = {num_groups}"
   return None
+
+
+def run_rows_per_shard(op: str, kernel_path, rows: tuple[str, jax.Array],
+                       weights: Sequence[tuple[str, jax.Array]], group_sizes) -> jax.Array:
+  """`kernel_path(rows, *weights, starts, ends)` once per shard of the rows.
+
+  The rows (tokens) split over the batch's mesh axes; each shard gets its
+  groups' bounds cut to its own rows (a group spanning two shards is split
+  between them), and the weights are replicated, their gradients summed over
+  the shards.
+
+  Args:
+    op: the op's public name, for messages.
+    kernel_path: the Pallas path, `(rows [m, K], *weights, starts [G],
+      ends [G]) -> [m, N]` for the m rows of one shard.
+    rows: (name, [M, K] array).
+    weights: (name, array) pairs, each replicated.
+    group_sizes: [G] integers.
+  """
+  name, x = rows
+  named = ((name, x, ("batch", None)), *((n, w, None) for n, w in weights))
+  shards = _sharding.plan(op, named).size("batch")
+  starts, ends = reference.group_bounds(group_sizes, x.shape[0])  # [G] each
+  local = x.shape[0] // shards
+  offsets = jnp.arange(shards, dtype=jnp.int32)[:, None] * local  # [shards, 1]
+  starts, ends = (jnp.clip(b[None] - offsets, 0, local) for b in (starts, ends))
+  return _sharding.run(
+      op, lambda x, *rest: kernel_path(x, *rest[:-2], rest[-2][0], rest[-1][0]),
+      (*named, ("group_sizes", starts, ("batch", None)), ("group_sizes", ends, ("batch", None))),
+      ("batch", None))
 
 
 def _validate(lhs, rhs, group_sizes) -> None:
@@ -91,7 +124,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   _validate(lhs, rhs, group_sizes)
   backend = _backend.choose("grouped_matmul", implementation,
                             lambda: kernel_limit("lhs", lhs.shape[0], "rhs", rhs.shape[0]))
-  starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
   if backend == "pallas":
-    return pallas.grouped_matmul_pallas(lhs, rhs, starts, ends)
+    return run_rows_per_shard("grouped_matmul", pallas.grouped_matmul_pallas,
+                              ("lhs", lhs), (("rhs", rhs),), group_sizes)
+  starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
   return xla.grouped_matmul_xla(lhs, rhs, ends - starts)

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from ops import _backend
 from ops import _shapes
 from ops.grouped_matmul.api import kernel_limit
+from ops.grouped_matmul.api import run_rows_per_shard
 from ops.grouped_matmul.api import validate_group_sizes
-from ops.grouped_matmul.reference import group_bounds
 from ops.grouped_mlp import pallas
 from ops.grouped_mlp import reference
 from ops.grouped_mlp import xla
@@ -88,6 +88,8 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   backend = _backend.choose("grouped_mlp", implementation,
                             lambda: kernel_limit("x", x.shape[0], "w_in", w_in.shape[0]))
   if backend == "pallas":
-    starts, ends = group_bounds(group_sizes, x.shape[0])
-    return pallas.grouped_mlp_pallas(x, w_in, w_out, starts, ends, activation=activation)
+    return run_rows_per_shard(
+        "grouped_mlp", lambda x, w_in, w_out, starts, ends: pallas.grouped_mlp_pallas(
+            x, w_in, w_out, starts, ends, activation=activation),
+        ("x", x), (("w_in", w_in), ("w_out", w_out)), group_sizes)
   return xla.grouped_mlp_xla(x, w_in, w_out, group_sizes, activation=activation)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ops import _backend
 from ops import _shapes
+from ops import _sharding
 from ops.linear_scan import pallas as pallas_impl
 from ops.linear_scan.xla import linear_scan_xla
 
@@ -79,7 +80,12 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
 
   backend = _backend.choose("linear_scan", implementation, kernel_limit,
                             default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
-  if backend == "pallas":
-    return pallas_impl.linear_scan_pallas(a, b, initial_state=initial_state,
-                                          reverse=reverse)
-  return linear_scan_xla(a, b, initial_state=initial_state, reverse=reverse)
+  if backend == "xla":
+    return linear_scan_xla(a, b, initial_state=initial_state, reverse=reverse)
+  token = ("batch", "seq", "channels")
+  plan = _sharding.plan("linear_scan", (
+      ("a", a, token if a.ndim == 3 else ("channels",)), ("b", b, token),
+      ("initial_state", initial_state, ("batch", "channels"))),
+      split=("batch", "channels"))
+  return plan.run(lambda a, b, h0: pallas_impl.linear_scan_pallas(
+      a, b, initial_state=h0, reverse=reverse), [token, ("batch", "channels")])

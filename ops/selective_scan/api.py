@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from ops import _backend
 from ops import _shapes
+from ops import _sharding
 from ops.selective_scan import pallas as pallas_impl
 from ops.selective_scan.xla import selective_scan_xla
 
@@ -100,7 +101,24 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
   # Measured on an H200 (BUILD_NOTES.md, "SSM scans"): the kernel is 1.4-1.7 x
   # faster forward and 4.3 x faster fwd+bwd than the associative XLA path.
   backend = _backend.choose("selective_scan", implementation, kernel_limit)
-  fn = pallas_impl.selective_scan_pallas if backend == "pallas" else selective_scan_xla
-  return fn(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
-            delta_softplus=delta_softplus, initial_state=initial_state,
-            reverse=reverse)
+  if backend == "xla":
+    return selective_scan_xla(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                              delta_softplus=delta_softplus,
+                              initial_state=initial_state, reverse=reverse)
+
+  def kernel_path(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    return pallas_impl.selective_scan_pallas(
+        u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
+        delta_softplus=delta_softplus, initial_state=initial_state, reverse=reverse)
+
+  # Per shard: batch, and channels under Explicit axes (a shared B/C [B, T, S]
+  # is replicated over them; per-group B/C split with their channels).
+  token = ("batch", "seq", "channels")
+  projection = ("batch", "seq", None) if B.ndim == 3 else ("batch", "seq", "channels", None)
+  plan = _sharding.plan("selective_scan", (
+      ("u", u, token), ("delta", delta, token), ("A", A, ("channels", None)),
+      ("B", B, projection), ("C", C, projection), ("D", D, ("channels",)),
+      ("z", z, token), ("delta_bias", delta_bias, ("channels",)),
+      ("initial_state", initial_state, ("batch", "channels", None))),
+      split=("batch", "channels"))
+  return plan.run(kernel_path, [token, ("batch", "channels", None)])

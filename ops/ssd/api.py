@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ops import _backend
 from ops import _shapes
+from ops import _sharding
 from ops.ssd import pallas as pallas_impl
 from ops.ssd.xla import ssd_xla
 
@@ -66,6 +67,21 @@ def chunked_kernel_limit(q, k, v, chunk_size: int | None, max_head_size: int,
   return None
 
 
+def run_chunked_per_shard(op: str, kernel_path, q, k, v, log_decay, initial_state,
+                          extra=()):
+  """`kernel_path(q, k, v, log_decay, initial_state, *extra)` per shard (ssd
+  and gated_delta_rule): batch, and under Explicit axes heads (the query/key
+  groups with them, so each shard keeps whole groups); never time or the
+  key/value sizes."""
+  token = ("batch", "seq", "heads", None)
+  per_head = ("batch", "seq", "heads")
+  plan = _sharding.plan(op, (
+      ("q", q, token), ("k", k, token), ("v", v, token), ("log_decay", log_decay, per_head),
+      ("initial_state", initial_state, ("batch", "heads", None, None)),
+      *((name, x, per_head) for name, x in extra)), split=("batch", "heads"))
+  return plan.run(kernel_path, [token, ("batch", "heads", None, None)])
+
+
 def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         initial_state: jax.Array | None = None, chunk_size: int | None = None,
         implementation: _backend.Implementation = None
@@ -100,5 +116,9 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   # Measured on an H200 (BUILD_NOTES.md, "SSD and the gated delta rule"): the
   # kernels beat the chunked XLA form at every measured shape.
   backend = _backend.choose("ssd", implementation, kernel_limit)
-  fn = pallas_impl.ssd_pallas if backend == "pallas" else ssd_xla
-  return fn(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)
+  if backend == "xla":
+    return ssd_xla(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)
+  return run_chunked_per_shard(
+      "ssd", lambda q, k, v, g, h0: pallas_impl.ssd_pallas(
+          q, k, v, g, initial_state=h0, chunk_size=chunk_size),
+      q, k, v, log_decay, initial_state)

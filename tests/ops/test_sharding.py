@@ -1,0 +1,160 @@
+"""The kernels run per shard on a mesh: no gather in front of any of them.
+
+XLA's partitioner replicates a Pallas kernel (an opaque custom call) unless
+the op runs it per shard (`ops/_sharding.py`). On 8 simulated CPU devices,
+with every kernel forced on (interpret mode), each op and each model of the
+library is differentiated with its batch split over a mesh: the compiled
+program must hold no all-gather, and the values and gradients must equal one
+device's. pytest workers import JAX with one CPU device, so the 8-device run
+is a subprocess (one for the whole file: its compile time is the cost).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r'''
+import functools, json
+import haiku as hk
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import ops
+import probjax_hk as pk
+from tests.ops import test_shard_map
+
+assert jax.device_count() == 8, jax.devices()
+out = {}
+
+def gathers(text):
+  return sum(line.count(" all-gather") for line in text.splitlines())
+
+def max_err(got, want):
+  return max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+             / (1.0 + float(np.max(np.abs(np.asarray(b, np.float32)))))
+             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+def check(name, loss, args, specs, mesh):
+  """Gathers in the compiled fwd+bwd on `mesh`, and the error against one device."""
+  grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
+  want = grad(*args)
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+  with jax.set_mesh(mesh):
+    text = grad.lower(*placed).compile().as_text()
+    got = grad(*placed)
+  out[name] = {"gathers": gathers(text), "err": max_err(got, want)}
+
+def sin_sum(fn):
+  return lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))
+
+auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+# Every op, batch 8 split over 8 devices (Auto axes from jax.set_mesh).
+for name, (fn, args, specs) in test_shard_map._cases().items():
+  batched = [s == test_shard_map._B for s in specs]
+  args = [jnp.concatenate([a] * 4) if b else a for a, b in zip(args, batched)]
+  check(f"op/{name}", sin_sum(fn), args, [P("data") if b else P() for b in batched], auto)
+
+# Not vacuous: the kernel path called directly (not through the op) is
+# gathered by the partitioner; through the op, arrays placed on a mesh are
+# enough (their types carry it through the trace) without jax.set_mesh.
+from ops.ssd import pallas as ssd_pallas
+fn, args, specs = test_shard_map._cases()["ssd"]
+args = [jnp.concatenate([a] * 4) for a in args]
+placed = [jax.device_put(a, NamedSharding(auto, P("data"))) for a in args]
+raw = lambda q, k, v, g: ssd_pallas.ssd_pallas(q, k, v, g, initial_state=None, chunk_size=None)[0]
+out["raw_kernel_gathers"] = gathers(jax.jit(jax.grad(sin_sum(raw), argnums=(0, 1, 2, 3))).lower(
+    *placed).compile().as_text())
+out["placed_without_set_mesh_gathers"] = gathers(jax.jit(jax.grad(
+    sin_sum(fn), argnums=(0, 1, 2, 3))).lower(*placed).compile().as_text())
+
+# Explicit axes: batch over 'data', heads (channels) over 'model', from the types.
+key = jax.random.split(jax.random.PRNGKey(1), 5)
+q = jax.random.normal(key[0], (4, 24, 4, 16))
+kv = jax.random.normal(key[1], (4, 24, 2, 16))
+check("explicit/flex_attention_gqa", sin_sum(lambda q, k, v: ops.flex_attention(
+    q, k, v, is_causal=True, implementation="pallas")),
+      [q, kv, kv], [P("data", None, "model")] * 3, explicit)
+decay = -jax.nn.softplus(jax.random.normal(key[2], (4, 24, 4)))
+check("explicit/ssd_heads", sin_sum(lambda q, k, v, g: ops.ssd(q, k, v, g, implementation="pallas")[0]),
+      [q, q, q, decay], [P("data", None, "model")] * 3 + [P("data", None, "model")], explicit)
+u = jax.random.normal(key[3], (4, 24, 8))
+a_mat = -jnp.exp(jax.random.normal(key[4], (8, 4)))
+bc = jax.random.normal(key[2], (4, 24, 4))
+check("explicit/selective_scan_channels", sin_sum(lambda u, dt, a, b, c: ops.selective_scan(
+    u, dt, a, b, c, delta_softplus=True, implementation="pallas")[0]),
+      [u, u, a_mat, bc, bc], [P("data", None, "model"), P("data", None, "model"),
+                              P("model"), P("data"), P("data")], explicit)
+try:
+  bad = jax.device_put(q, NamedSharding(explicit, P(None, "data")))
+  with jax.set_mesh(explicit):
+    ops.flex_attention(bad, bad, bad, implementation="pallas")
+  out["sequence_error"] = "no error"
+except ValueError as e:
+  out["sequence_error"] = str(e)
+
+# The models of the library with their kernels forced on, batch 8 over 8 devices.
+flex = functools.partial(pk.dot_product_attention, implementation="flex")
+models = {
+    "Transformer": lambda x: pk.Transformer(64, 4, 2, attention_fn=flex)(x),
+    "Transformer_causal": lambda x: pk.Transformer(64, 4, 1, attention_fn=flex, is_causal=True)(x),
+    "Mamba2Cell": lambda x: pk.SSMModel(64, 64, 64, 1, cell=pk.Mamba2Cell, cell_kwargs=dict(
+        head_dim=16, state_dim=16, implementation="pallas"))(x),
+    "MambaCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.MambaCell, cell_kwargs=dict(
+        state_dim=8, implementation="pallas"))(x),
+    "GatedDeltaNetCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.GatedDeltaNetCell,
+        cell_kwargs=dict(num_heads=2, head_dim=16, implementation="pallas"))(x),
+    "LRUCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.LRUCell, cell_kwargs=dict(
+        state_dim=32, implementation="pallas"))(x),
+}
+x = jax.random.normal(jax.random.PRNGKey(2), (8, 16, 64))
+for name, forward in models.items():
+  model = hk.without_apply_rng(hk.transform(forward))
+  params = model.init(jax.random.PRNGKey(3), x)
+  check(f"model/{name}", lambda p, x: jnp.sum(jnp.sin(model.apply(p, x))),
+        [params, x], [P(), P("data")], auto)
+print("RESULT" + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def results():
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root,
+                        capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+  return json.loads(line[len("RESULT"):])
+
+
+_CASES = [f"op/{n}" for n in ("flex_attention", "ssd", "gated_delta_rule", "selective_scan",
+                              "linear_scan", "grouped_matmul", "grouped_mlp")] + [
+    "explicit/flex_attention_gqa", "explicit/ssd_heads", "explicit/selective_scan_channels"] + [
+    f"model/{n}" for n in ("Transformer", "Transformer_causal", "Mamba2Cell", "MambaCell",
+                           "GatedDeltaNetCell", "LRUCell")]
+
+
+@pytest.mark.parametrize("case", _CASES)
+def test_runs_per_shard_and_matches_one_device(results, case):
+  assert results[case]["gathers"] == 0, results[case]
+  assert results[case]["err"] < 2e-5, results[case]
+
+
+def test_the_kernel_called_directly_is_gathered(results):
+  """The check above can fail: the partitioner gathers a kernel's inputs when
+  the kernel is not run per shard."""
+  assert results["raw_kernel_gathers"] > 0, results
+
+
+def test_arrays_placed_on_a_mesh_need_no_mesh_in_context(results):
+  assert results["placed_without_set_mesh_gathers"] == 0, results
+
+
+def test_a_sharded_sequence_axis_is_an_error(results):
+  message = results["sequence_error"]
+  assert "`q`" in message and "sequence axis" in message and "cannot split" in message, message
