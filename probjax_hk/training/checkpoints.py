@@ -4,6 +4,10 @@ A checkpoint is one step directory `<checkpoint_dir>/<step>/` holding two
 items: `state`, the training state (params, optimizer state, Haiku state, step,
 RNG key, non-finite counters) as an orbax `StandardSave` pytree, and `meta`, a
 JSON document (step, loss history, validation history, parameter shapes).
+Sharded arrays are saved as global arrays, each process writing the shards
+its devices hold, and restored into whatever shardings the resuming run asks
+for: a fit resumed on another mesh or device count, or with another
+`parameter_sharding`, continues from the same state.
 
 Crash safety comes from orbax's commit protocol: a step is written into a
 temporary directory (`<step>.orbax-checkpoint-tmp-*`) and renamed into place
@@ -95,14 +99,17 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def restore(self, step: int, template, sharding) -> tuple[Any, dict]:
+  def restore(self, step: int, template, shardings) -> tuple[Any, dict]:
     """Restores the training state saved at `step` into `template`'s structure.
 
     Args:
       step: the checkpoint's step.
       template: a training state of the current model (dict of pytrees); its
         structure, shapes and dtypes are the restore target.
-      sharding: the sharding each restored array gets.
+      shardings: the sharding each restored array gets: a tree matching
+        `template`, or one `jax.sharding.Sharding` for every leaf. orbax reads
+        only the slices each device holds, so a checkpoint written on one
+        mesh (8 devices, FSDP) restores onto another (4 devices, replicated).
 
     Returns:
       (training state, meta dict).
@@ -120,9 +127,11 @@ class Checkpointer:
       raise ValueError(
           f"the checkpoint at {self.directory}/{step} is from a different model"
           f" (pass `resume=False` or another `checkpoint_dir`): {mismatch}")
+    if isinstance(shardings, jax.sharding.Sharding):
+      shardings = jax.tree.map(lambda _: shardings, template)
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        template)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        template, shardings)
     restored = self._manager.restore(
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     logging.info("fit: resumed from %s/%d", self.directory, step)

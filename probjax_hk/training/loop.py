@@ -7,8 +7,9 @@ result = probjax_hk.fit(net.apply, params, (x, y), batch_size=64, epochs=10)
 result.params, result.history["loss"]
 ```
 
-The loop is data parallel over a `jax.sharding.Mesh` (default: every device),
-dispatches each compiled step while the host reads the previous step's
+The loop splits each batch over a `jax.sharding.Mesh` (default: every
+device) and replicates or shards the parameters and optimizer state over it
+(`parameter_sharding`; see `sharding.py`), dispatches each compiled step while the host reads the previous step's
 metrics (a multi-step call's are read when it ends; see `runner.py`), reuses
 its compiled step across calls (see `step.py`), checkpoints with orbax (see
 `checkpoints.py`) and never keeps a non-finite update. This module checks the
@@ -59,7 +60,8 @@ _POSITIVE_ARGUMENTS = (
 _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
     "validation_data", "eval_every", "callbacks", "checkpoint_dir",
-    "checkpoint_every", "keep_checkpoints", "resume", "mesh", "donate",
+    "checkpoint_every", "keep_checkpoints", "resume", "mesh",
+    "parameter_sharding", "donate",
     "progress", "log_every", "last_batch", "on_nonfinite", "steps_per_call")
 
 
@@ -152,24 +154,36 @@ def _accepts_mask(fn: Callable) -> bool:
 _structure_cache: dict = {}
 
 
+def _dtype(x):
+  return x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
 def _signature(tree):
   leaves, treedef = jax.tree.flatten(tree)
-  return treedef, tuple((tuple(np.shape(x)), str(np.dtype(x.dtype)))
+  return treedef, tuple((tuple(np.shape(x)), str(np.dtype(_dtype(x))))
                         for x in leaves)
 
 
-def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
-  """Traces `loss_fn` (no compile; cached); checks the loss.
+def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state, mesh):
+  """Traces `loss_fn` under `jax.set_mesh(mesh)`, as the step will be (no
+  compile; cached); checks the loss.
 
   Returns:
     (has_aux, the step's metric names).
   """
-  key = (loss_fn, has_state, _signature((params, state, rng, batch, mask)))
+  key = (loss_fn, has_state, mesh,
+         _signature((params, state, rng, batch, mask)))
   if key not in _structure_cache:
     if len(_structure_cache) > 64:
       _structure_cache.clear()
-    _structure_cache[key] = _trace_loss_structure(
-        loss_fn, params, state, rng, batch, mask, has_state)
+    # Shapes only: the arrays' own placement (another mesh's) must not
+    # clash with the mesh in context.
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)),
+        (params, state, rng, batch, mask))
+    with jax.set_mesh(mesh):
+      _structure_cache[key] = _trace_loss_structure(
+          loss_fn, *abstract, has_state)
   return _structure_cache[key]
 
 
@@ -191,7 +205,7 @@ def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
 
 
 def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
-                           rng, use_mask, has_state) -> None:
+                           rng, use_mask, has_state, mesh) -> None:
   """Traces the loss (no compile; cached) on a batch like the first
   validation batch, so that a batch the loss cannot take fails now, not at
   the first evaluation after training steps."""
@@ -207,7 +221,8 @@ def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
                                      or np.asarray(x).dtype), first)
   mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if use_mask else None
   try:
-    _loss_structure(loss_fn, params, state, rng, example, mask, has_state)
+    _loss_structure(loss_fn, params, state, rng, example, mask, has_state,
+                    mesh)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"`validation_data` batches do not fit `loss_fn` (the"
                      f" training batches do): {type(e).__name__}: {e}") from e
@@ -228,6 +243,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         keep_checkpoints: int = 3,
         resume: bool = True,
         mesh: jax.sharding.Mesh | None = None,
+        parameter_sharding: str | sharding_lib.ParameterShardingFn = "replicated",
         donate: bool = True,
         progress: bool = True,
         log_every: int | None = None,
@@ -245,7 +261,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       `aux` dict are recorded in the history (as `aux/<key>` where the key is
       'loss', 'grad_norm' or 'finite'). With `last_batch='pad'` it is
       also called with `mask=` ([B] bool, True on real rows).
-    params: the initial parameters (copied, never donated).
+    params: the initial parameters (copied onto the mesh; the caller's arrays
+      are never donated, aliased or deleted).
     data: in-memory data, a pytree of arrays [N, ...] (a dict, tuple or array;
       not a list), or a stream: any iterable of batches (a list, a generator),
       each a pytree of arrays [B, ...] (numpy or JAX).
@@ -270,8 +287,28 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     keep_checkpoints: how many of the newest checkpoints to keep.
     resume: continue from the newest checkpoint in `checkpoint_dir` (its
       state, step and key replace `params`, `state` and `rng`).
-    mesh: the device mesh; the batch is split over all its axes, everything
-      else replicated. Default: one axis over `jax.devices()`.
+    mesh: the device mesh; the batch is split over all its axes (and the
+      compiled steps run under `jax.set_mesh(mesh)`, so that the Pallas
+      kernels run per shard). Default: one axis over `jax.devices()`.
+    parameter_sharding: how the parameters and their optimizer state are
+      placed on the mesh (Haiku state is always replicated; D devices; P, O
+      the bytes of the parameters and optimizer state):
+      'replicated': a full copy on every device (data parallelism; P + O per
+        device; one gradient all-reduce per step).
+      'fsdp' (ZeRO-3): each parameter of at least
+        `sharding.FSDP_MIN_SIZE` (1024) elements is split over all the mesh's
+        devices along its largest dimension divisible by D (the last such on
+        a tie), its optimizer state alike; smaller leaves (and leaves with no
+        such dimension) are replicated. About (P + O) / D per device, plus the
+        parameters of the layers being computed, which XLA gathers where they
+        are used (an all-gather of each sharded parameter in the forward and
+        backward pass and a reduce-scatter of its gradient per step).
+      A callable `(path, leaf) -> jax.sharding.PartitionSpec | None`: the
+        spec of each parameter (None: replicated), for tensor or expert
+        parallelism; `path` is the parameter's keys joined by '/' (Haiku:
+        'module/~/linear/w'); the optimizer state follows. Memory: each
+        leaf's size over the product of the mesh axes its spec names.
+      `FitResult.params` and `opt_state` come back with these shardings.
     donate: donate the training state's buffers to the step (saves memory).
     progress: show a tqdm bar with the loss and steps/s.
     log_every: `absl.logging.info` a line every this many steps.
@@ -305,7 +342,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     A `FitResult`.
 
   Raises:
-    ValueError: a bad argument, before anything is compiled.
+    ValueError: a bad argument, before anything is compiled (among them a
+      `parameter_sharding` that is not a mode or a callable, or a spec it
+      returns naming an axis not in `mesh` or not dividing its dimension:
+      the message names the parameter's path).
     NonFiniteLossError: see `on_nonfinite`.
   """
   _check_unknown(unknown, _FIT_ARGUMENTS, "fit()")
@@ -320,6 +360,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                   keep_checkpoints=keep_checkpoints, log_every=log_every,
                   steps_per_call=steps_per_call)
   _check_types(loss_fn, optimizer, callbacks, mesh)
+  sharding_lib.check_parameter_sharding(parameter_sharding)
   _check_checkpoint_dir(checkpoint_dir)
   if last_batch == "pad" and not _accepts_mask(loss_fn):
     raise ValueError("`last_batch='pad'` passes `mask=` to `loss_fn`, which"
@@ -333,6 +374,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     steps_per_call = _auto_steps_per_call(params, state, optimizer, callbacks,
                                           checkpoint_dir)
   mesh = sharding_lib.default_mesh() if mesh is None else mesh
+  param_specs = sharding_lib.parameter_specs(params, parameter_sharding, mesh)
   rng = _as_raw_key(rng)
 
   in_memory = data_lib.is_in_memory(data)
@@ -372,34 +414,39 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
   mask_example = (jax.ShapeDtypeStruct((source.batch_size,), jnp.bool_)
                   if last_batch == "pad" else None)
   has_aux, names = _loss_structure(loss_fn, params, state, rng, example,
-                                   mask_example, has_state)
+                                   mask_example, has_state, mesh)
   if validation is not None:
     _check_validation_fits(validation_data, source.batch_size, loss_fn, params,
-                           state, rng, last_batch == "pad", has_state)
+                           state, rng, last_batch == "pad", has_state, mesh)
+  initial = {
+      "params": params, "state": state if has_state else {},
+      "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
+      "first_nonfinite": np.int32(-1)}
+  opt_shapes = jax.eval_shape(optimizer.init, params)
+  layout = sharding_lib.train_state_layout(params, param_specs, opt_shapes,
+                                           initial["state"])
   spec = step_lib.StepSpec(
       loss_fn=loss_fn, optimizer=optimizer, has_state=has_state,
       has_aux=has_aux, use_mask=last_batch == "pad",
       on_nonfinite=on_nonfinite, mesh=mesh, donate=donate,
-      metric_names=names)
+      metric_names=names, layout=layout)
+  shardings = layout.shardings(mesh)
 
-  # The training state: copies on the mesh, so donation never hits the caller.
-  ts = sharding_lib.put_replicated({
-      "params": params, "state": state if has_state else {},
-      "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
-      "first_nonfinite": np.int32(-1)}, mesh)
   history: dict[str, list] = {"step": []}
   checkpointer, latest = None, None
   if checkpoint_dir is not None:
     checkpointer = checkpoints_lib.Checkpointer(checkpoint_dir,
                                                 keep=keep_checkpoints)
     latest = checkpointer.latest_step() if resume else None
-  if latest is not None:  # the template's optimizer state is only traced
-    template = dict(ts, opt_state=jax.eval_shape(optimizer.init, params))
-    ts, meta = checkpointer.restore(latest, template,
-                                    sharding_lib.replicated(mesh))
+  if latest is not None:  # restored straight into this run's shardings
+    template = dict(jax.eval_shape(lambda t: t, initial), opt_state=opt_shapes)
+    ts, meta = checkpointer.restore(latest, template, shardings)
     history = {k: [np.nan if v is None else v for v in values]
                for k, values in meta["history"].items()}
   else:
+    # Copies on the mesh, so that donating them never hits the caller.
+    ts = sharding_lib.copy_to(
+        initial, {k: v for k, v in shardings.items() if k != "opt_state"})
     ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
   loop = runner_lib.Runner(spec, ts, history, callbacks, checkpointer, checkpoint_every,
                progress, log_every, total, steps_per_call)
@@ -431,9 +478,13 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
     transformed: `hk.transform(f)` or `hk.transform_with_state(f)` where
       `f(batch)` returns the scalar loss.
     data: as in `fit()`.
-    params, state: initial values (default: `transformed.init`).
+    params, state: initial values (default: `transformed.init`; with a
+      `parameter_sharding` other than 'replicated' it runs compiled, creating
+      each parameter in its sharding, so that no device needs room for all
+      of them).
     rng: as in `fit()`; the initialisation uses `fold_in(rng, 3)`.
-    **fit_kwargs: the keyword arguments of `fit()`.
+    **fit_kwargs: the keyword arguments of `fit()` (`mesh`,
+      `parameter_sharding`, ...).
 
   Returns:
     `fit()`'s `FitResult`.
@@ -449,6 +500,11 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
   _check_positive(**{k: fit_kwargs[k] for k in _POSITIVE_ARGUMENTS
                      if k in fit_kwargs})
   _check_checkpoint_dir(fit_kwargs.get("checkpoint_dir"))
+  parameter_sharding = fit_kwargs.get("parameter_sharding", "replicated")
+  sharding_lib.check_parameter_sharding(parameter_sharding)
+  mesh = fit_kwargs.get("mesh")
+  if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {mesh!r}")
   key = _as_raw_key(rng)
   if params is None or (with_state and state is None):
     if data_lib.is_in_memory(data):
@@ -460,7 +516,13 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
       if example is None:
         raise ValueError("`data` is an empty stream: it yielded no batch")
       data = _chain_first(example, iterator)
-    init_out = transformed.init(jax.random.fold_in(key, 3), example)
+    init_key = jax.random.fold_in(key, 3)
+    if parameter_sharding == "replicated":
+      init_out = transformed.init(init_key, example)
+    else:
+      init_out = _init_sharded(
+          transformed.init, init_key, example, with_state, parameter_sharding,
+          sharding_lib.default_mesh() if mesh is None else mesh)
     if with_state:
       init_params, init_state = init_out
       params = init_params if params is None else params
@@ -469,6 +531,19 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
       params = init_out
   return fit(transformed.apply, params, data, rng=key,
              state=state if with_state else None, **fit_kwargs)
+
+
+def _init_sharded(init, key, example, with_state, parameter_sharding, mesh):
+  """`init(key, example)` compiled, its parameters created straight in
+  their shardings (the Haiku state replicated)."""
+  shapes = jax.eval_shape(init, key, example)
+  specs = sharding_lib.parameter_specs(shapes[0] if with_state else shapes,
+                                       parameter_sharding, mesh)
+  placed = sharding_lib.Layout.of(specs).shardings(mesh)
+  if with_state:
+    placed = (placed, sharding_lib.replicated(mesh))
+  with jax.set_mesh(mesh):
+    return jax.jit(init, out_shardings=placed)(key, example)
 
 
 def _chain_first(first, iterator):

@@ -3,7 +3,7 @@ call's metrics one call behind, and the events between steps (evaluation,
 checkpoints, callbacks, the progress bar, the non-finite guard).
 
 `fit()` (`loop.py`) checks its arguments, builds the data source, the step
-spec and the replicated train state, then hands them to a `Runner`, whose
+spec and the train state on the mesh, then hands them to a `Runner`, whose
 `run_arrays` or `run_stream` drives the steps and whose `result()` is what
 `fit()` returns (or raises, as `NonFiniteLossError`).
 """
@@ -29,8 +29,10 @@ class FitResult:
   """What `fit()` returns.
 
   Attributes:
-    params: the trained parameters (replicated on the mesh).
-    opt_state: the optimizer state.
+    params: the trained parameters, on the mesh as `fit()`'s
+      `parameter_sharding` placed them (replicated, or sharded).
+    opt_state: the optimizer state, each leaf placed like the parameter it
+      mirrors.
     state: the Haiku state (None when `fit()` got none).
     step: batches consumed in total (a resumed fit counts the earlier ones).
     history: numpy arrays: `step`, `loss`, `grad_norm`, `finite` and every

@@ -1,22 +1,47 @@
-"""Data-parallel placement for `fit()`: one mesh axis over every device.
+"""Placement for `fit()`: the batch over every device, parameters as asked.
 
-`fit()` replicates parameters, optimizer state and Haiku state on every device
-of a `jax.sharding.Mesh` and splits each batch along its leading axis over all
-of the mesh's axes (plain data parallelism, SPMD: the gradient all-reduce is
-inserted by XLA). The default mesh holds `jax.devices()`: every local device in
-a single process, every device of every process after
-`jax.distributed.initialize()`.
+`fit()` splits each batch along its leading axis over all of a
+`jax.sharding.Mesh`'s axes (SPMD data parallelism: XLA inserts the gradient
+reduction) and places the parameters by `parameter_sharding`:
+
+- `'replicated'`: a full copy of the parameters and optimizer state on every
+  device (plain data parallelism; the gradients are all-reduced).
+- `'fsdp'` (ZeRO-3): every parameter with at least `FSDP_MIN_SIZE` elements is
+  split along one dimension over the whole mesh (`fsdp_spec` says which), its
+  optimizer state alike; XLA gathers each layer's parameters where they are
+  used and reduce-scatters their gradients. Smaller leaves are replicated.
+- a callable `(path, leaf) -> PartitionSpec | None`: any layout per
+  parameter (tensor or expert parallelism); None replicates the leaf.
+
+Optimizer state leaves take the sharding of the parameter they mirror (matched
+by key path and shape, `optimizer_state_specs`); the rest of the training
+state (Haiku state, step, key, counters) is replicated. The default mesh holds
+`jax.devices()`: every local device in a single process, every device of every
+process after `jax.distributed.initialize()`.
 
 Glossary of shapes: B global batch, P number of processes, D devices in the mesh.
 """
 
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 import numpy as np
 
 BATCH_AXIS = "data"
+PARAMETER_SHARDING_MODES = ("replicated", "fsdp")
+# 'fsdp' replicates leaves of fewer elements (norm scales, most biases): they
+# save at most 4 KiB (f32) per device split, less than a gather's latency costs.
+FSDP_MIN_SIZE = 1024
+
+# (path, leaf) -> PartitionSpec | None: the layout of one parameter.
+ParameterShardingFn = Callable[[str, Any], PartitionSpec | None]
 
 
 def default_mesh() -> Mesh:
@@ -25,7 +50,7 @@ def default_mesh() -> Mesh:
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
-  """The sharding of parameters and optimizer state: a full copy per device."""
+  """A full copy per device (the unsharded parts of the training state)."""
   return NamedSharding(mesh, PartitionSpec())
 
 
@@ -49,14 +74,13 @@ def check_batch_size(batch_size: int, mesh: Mesh) -> None:
 
 
 def put_replicated(tree, mesh: Mesh):
-  """Copies `tree` onto every device (never aliases the caller's buffers).
+  """Places `tree` on every device of `mesh`.
 
-  A copy, so that donating the training state to the compiled step never
-  deletes arrays the caller still holds.
+  The result may share the caller's buffers (`jax.device_put` reuses a
+  buffer already on a mesh device): use it only for arrays that are never
+  donated (the data); the training state goes through `copy_to`.
   """
-  sharding = replicated(mesh)
-  return jax.tree.map(
-      lambda x: jax.device_put(x, sharding, may_alias=False), tree)
+  return jax.device_put(tree, replicated(mesh))
 
 
 def put_batch(batch, mesh: Mesh, *, stacked: bool = False):
@@ -72,3 +96,215 @@ def put_batch(batch, mesh: Mesh, *, stacked: bool = False):
   return jax.tree.map(
       lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
       batch)
+
+
+# --- parameter layouts --------------------------------------------------------
+
+
+def _key_name(key) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_name(path) -> str:
+  """A key path as the string a `parameter_sharding` callable receives:
+  the keys joined by '/', e.g. 'transformer/~/block_0/attention/query/w'
+  for Haiku's params['transformer/~/block_0/attention/query']['w']."""
+  return "/".join(_key_name(k) for k in path)
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, PartitionSpec)
+
+
+def check_parameter_sharding(parameter_sharding) -> None:
+  """Raises a ValueError unless `parameter_sharding` is a mode or a callable."""
+  if callable(parameter_sharding):
+    return
+  if (not isinstance(parameter_sharding, str)
+      or parameter_sharding not in PARAMETER_SHARDING_MODES):
+    raise ValueError(
+        f"`parameter_sharding` must be one of {PARAMETER_SHARDING_MODES} or a"
+        f" callable (path, leaf) -> PartitionSpec | None, got"
+        f" {parameter_sharding=}")
+
+
+def fsdp_spec(shape: tuple[int, ...], mesh: Mesh,
+              min_size: int = FSDP_MIN_SIZE) -> PartitionSpec:
+  """The 'fsdp' layout of one leaf of `shape`.
+
+  The largest dimension divisible by the mesh's device count is split over
+  all mesh axes; on a tie the last of them (so the leading layer axis of a
+  `scan_layers` stack [L, ...] stays whole where a layer's own dimension is as
+  large: the scan slices it one layer at a time). A leaf of fewer than
+  `min_size` elements, or with no such dimension, is replicated (P()).
+  """
+  if mesh.size == 1 or math.prod(shape) < min_size:
+    return PartitionSpec()
+  candidates = [d for d, n in enumerate(shape) if n % mesh.size == 0]
+  if not candidates:
+    return PartitionSpec()
+  dim = max(candidates, key=lambda d: (shape[d], d))
+  entries = [None] * len(shape)
+  entries[dim] = tuple(mesh.axis_names)
+  return PartitionSpec(*entries)
+
+
+def _spec_axes(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _check_spec(name: str, spec, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
+  """`spec` for the parameter `name` of `shape`, checked against `mesh`."""
+  if spec is None:
+    return PartitionSpec()
+  if not _is_spec(spec):
+    raise ValueError(
+        f"`parameter_sharding` must return a jax.sharding.PartitionSpec or"
+        f" None, got {spec!r} for parameter '{name}'")
+  if len(spec) > len(shape):
+    raise ValueError(
+        f"`parameter_sharding` gave parameter '{name}' of shape {shape} the"
+        f" spec {spec}, which has {len(spec)} entries for {len(shape)} dimensions")
+  used = []
+  for dim, entry in enumerate(spec):
+    axes = _spec_axes(entry)
+    for axis in axes:
+      if axis not in mesh.shape:
+        raise ValueError(
+            f"`parameter_sharding` gave parameter '{name}' the spec {spec},"
+            f" which names mesh axis {axis!r}; the mesh has axes"
+            f" {tuple(mesh.axis_names)}")
+    used.extend(axes)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if shape[dim] % shards:
+      raise ValueError(
+          f"`parameter_sharding` gave parameter '{name}' of shape {shape} the"
+          f" spec {spec}: its dimension {dim} ({shape[dim]}) is not divisible"
+          f" by the {shards} shards of mesh axes {axes}")
+  if len(set(used)) != len(used):
+    raise ValueError(
+        f"`parameter_sharding` gave parameter '{name}' the spec {spec}, which"
+        f" uses a mesh axis twice")
+  return spec
+
+
+def parameter_specs(params, parameter_sharding, mesh: Mesh):
+  """One `PartitionSpec` per leaf of `params` (arrays or ShapeDtypeStructs).
+
+  Raises:
+    ValueError: `parameter_sharding` is not a mode or a callable, or a spec
+      it returns is not a PartitionSpec, names an axis not in `mesh`, or
+      does not divide its dimension (the message names the parameter path).
+  """
+  check_parameter_sharding(parameter_sharding)
+
+  def spec(path, leaf):
+    shape = tuple(np.shape(leaf))
+    if parameter_sharding == "replicated":
+      return PartitionSpec()
+    if parameter_sharding == "fsdp":
+      return fsdp_spec(shape, mesh)
+    name = path_name(path)
+    return _check_spec(name, parameter_sharding(name, leaf), shape, mesh)
+
+  return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def optimizer_state_specs(opt_state, params, param_specs):
+  """The specs of an optimizer state (arrays or ShapeDtypeStructs).
+
+  optax states hold trees shaped like the parameters (Adam's `mu`, `nu`),
+  possibly nested in chains, masks or named tuples: a leaf whose key path
+  ends with a parameter's key path and whose shape is that parameter's gets
+  the parameter's spec (the longest such path wins). Every other leaf
+  (counts, factored second moments, scalars) is replicated.
+  """
+  table = {}
+  for (path, leaf), spec in zip(
+      jax.tree_util.tree_flatten_with_path(params)[0],
+      jax.tree.leaves(param_specs, is_leaf=_is_spec)):
+    table[tuple(str(k) for k in path)] = (tuple(np.shape(leaf)), spec)
+
+  def spec(path, leaf):
+    keys = tuple(str(k) for k in path)
+    for start in range(len(keys) + 1):
+      match = table.get(keys[start:])
+      if match is not None and match[0] == tuple(np.shape(leaf)):
+        return match[1]
+    return PartitionSpec()
+
+  return jax.tree_util.tree_map_with_path(spec, opt_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A hashable tree of `PartitionSpec`s (a key of the compiled-step cache).
+
+  Attributes:
+    treedef: the tree's structure.
+    specs: one PartitionSpec per leaf, in flattening order.
+  """
+  treedef: Any
+  specs: tuple[PartitionSpec, ...]
+
+  @classmethod
+  def of(cls, spec_tree) -> "Layout":
+    specs, treedef = jax.tree.flatten(spec_tree, is_leaf=_is_spec)
+    return cls(treedef, tuple(specs))
+
+  def shardings(self, mesh: Mesh):
+    """The tree of `NamedSharding`s on `mesh`."""
+    return jax.tree.unflatten(
+        self.treedef, [NamedSharding(mesh, s) for s in self.specs])
+
+  @property
+  def replicated(self) -> bool:
+    return all(not any(s) for s in self.specs)
+
+
+def train_state_layout(params, param_specs, opt_state, state) -> Layout:
+  """The layout of `fit()`'s training state (see step.py): parameters by
+  `param_specs`, optimizer state by `optimizer_state_specs`, the rest
+  replicated. Arguments may be arrays or ShapeDtypeStructs."""
+  rep = PartitionSpec()
+  return Layout.of({
+      "params": param_specs,
+      "opt_state": optimizer_state_specs(opt_state, params, param_specs),
+      "state": jax.tree.map(lambda _: rep, state),
+      "step": rep, "rng": rep, "nonfinite": rep, "first_nonfinite": rep})
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+@functools.lru_cache(maxsize=32)
+def _copier(shardings_def, shardings_leaves):
+  return jax.jit(_copy, out_shardings=jax.tree.unflatten(
+      shardings_def, shardings_leaves))
+
+
+def copy_to(tree, shardings):
+  """A fresh copy of `tree` placed with `shardings` (a matching tree of
+  `NamedSharding`s): never the caller's buffers, so that the copy can be
+  donated while the caller's arrays stay readable.
+
+  Arrays already on the mesh's devices are copied (and resharded) by one
+  jitted copy, whose outputs never alias its inputs; others (numpy, arrays on
+  other devices) are first sent there shard by shard (`jax.device_put`, which
+  may reuse a buffer, hence the copy after it).
+  """
+  leaves, treedef = jax.tree.flatten(tree)
+  targets = treedef.flatten_up_to(shardings)
+
+  def on_mesh(x, sharding):
+    return (isinstance(x, jax.Array) and x.committed
+            and x.sharding.device_set == sharding.device_set)
+  placed = [x if on_mesh(x, s) else jax.device_put(x, s)
+            for x, s in zip(leaves, targets)]
+  return _copier(treedef, tuple(targets))(jax.tree.unflatten(treedef, placed))
