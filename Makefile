@@ -1,26 +1,51 @@
 # Two commands, each doing its own set-up on a fresh clone:
 #   make demo   train a small model on CPU and print the loss falling
-#   make test   the whole test suite
+#   make test   the whole test suite on JAX_VERSION, then the tests that a JAX
+#               release can break on JAX_NEXT (a second venv; both set below)
 # `.python-version` makes pyenv's python3 a 3.12; python3.12 is tried first.
 BOOT_PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The JAX releases tested (pyproject.toml admits >=0.11.2,<0.13). The first is
+# the GPU machines' and runs every test; the second runs the kernels in
+# interpret mode, the Triton and Mosaic lowering tests, the models and the
+# wheel's install: where a JAX release changes what the library sees.
+JAX_VERSION := 0.11.2
+JAX_NEXT := 0.12.0.1
+# Inside .venv/, which .gitignore covers and `make clean` removes.
+VENV_NEXT := $(VENV)/jax-next
+STAMP_NEXT := $(VENV_NEXT)/.installed
+NEXT_TESTS := tests/ops tests/models tests/test_packaging.py
 
-.PHONY: demo test clean
-
-$(STAMP): setup.py
+# $(call install_venv,DIR,JAX): a venv in DIR with the package (editable), its
+# test extra and that JAX release.
+define install_venv
 	$(BOOT_PYTHON) -c 'import sys; assert sys.version_info >= (3, 12), "probjax_hk needs Python >= 3.12, got " + sys.version'
-	$(BOOT_PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	$(BOOT_PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -e '.[test]' 'jax==$(2)' 'jaxlib==$(2)'
+	touch $(1)/.installed
+endef
+
+.PHONY: demo test test-suite test-jax-next clean
+
+$(STAMP): pyproject.toml
+	$(call install_venv,$(VENV),$(JAX_VERSION))
+
+$(STAMP_NEXT): pyproject.toml
+	$(call install_venv,$(VENV_NEXT),$(JAX_NEXT))
 
 demo: $(STAMP)
 	d=$$(mktemp -d) && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=200 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=300 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --model=unet --steps=300 --output_dir=$$d/unet
 
-test: $(STAMP)
+test: test-suite test-jax-next
+
+test-suite: $(STAMP)
 	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 -q tests
+
+test-jax-next: $(STAMP_NEXT)
+	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 -q $(NEXT_TESTS)
 
 clean:
 	rm -rf $(VENV) *.egg-info
