@@ -536,13 +536,13 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
 def _init_sharded(init, key, example, with_state, parameter_sharding, mesh):
   """`init(key, example)` compiled, its parameters created straight in
   their shardings (the Haiku state replicated)."""
-  shapes = jax.eval_shape(init, key, example)
-  specs = sharding_lib.parameter_specs(shapes[0] if with_state else shapes,
-                                       parameter_sharding, mesh)
-  placed = sharding_lib.Layout.of(specs).shardings(mesh)
-  if with_state:
-    placed = (placed, sharding_lib.replicated(mesh))
   with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(init, key, example)
+    specs = sharding_lib.parameter_specs(shapes[0] if with_state else shapes,
+                                         parameter_sharding, mesh)
+    placed = sharding_lib.Layout.of(specs).shardings(mesh)
+    if with_state:
+      placed = (placed, sharding_lib.replicated(mesh))
     return jax.jit(init, out_shardings=placed)(key, example)
 
 

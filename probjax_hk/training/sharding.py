@@ -148,7 +148,8 @@ def fsdp_spec(shape: tuple[int, ...], mesh: Mesh,
     return PartitionSpec()
   dim = max(candidates, key=lambda d: (shape[d], d))
   entries = [None] * len(shape)
-  entries[dim] = tuple(mesh.axis_names)
+  names = tuple(mesh.axis_names)
+  entries[dim] = names[0] if len(names) == 1 else names
   return PartitionSpec(*entries)
 
 

@@ -1,0 +1,295 @@
+"""fit() with `parameter_sharding` on 8 simulated CPU devices.
+
+A small Transformer whose attention is the Pallas flex kernel (interpret mode
+on the CPU) trains under 'replicated', 'fsdp' and a tensor-parallel callable;
+the checks read the compiled step's HLO (which all-gathers it holds), the
+arrays' addressable shards, a resume from 8 devices onto 4, and the caller's
+arrays after repeated fits. All 8-device checks run in one subprocess (pytest
+workers have already imported JAX with one device; see test_sharding.py).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from jax.sharding import PartitionSpec as P
+import pytest
+
+import probjax_hk
+from tests.training import common
+
+_SCRIPT = r'''
+import functools
+import json
+import re
+import sys
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+import numpy as np
+import optax
+
+import probjax_hk as pk
+from probjax_hk.training import checkpoints
+from probjax_hk.training import data as data_lib
+from probjax_hk.training import sharding
+from probjax_hk.training import step as step_lib
+
+assert jax.device_count() == 8, jax.devices()
+out = {}
+traced_meshes = []  # the context mesh each trace of the loss saw
+
+
+def _loss(batch):
+  traced_meshes.append(dict(jax.sharding.get_abstract_mesh().shape))
+  attention = functools.partial(pk.dot_product_attention, implementation="flex")
+  y = pk.Transformer(32, 2, 1, attention_fn=attention)(batch["x"])  # [B, T, D]
+  return jnp.mean((y - batch["y"]) ** 2)
+
+
+NET = hk.transform(_loss)
+OPT = optax.adam(1e-2)
+rs = np.random.RandomState(0)
+data = {"x": rs.randn(32, 8, 32).astype(np.float32),
+        "y": rs.randn(32, 8, 32).astype(np.float32)}
+params = NET.init(jax.random.PRNGKey(0), {k: v[:2] for k, v in data.items()})
+kw = dict(batch_size=16, optimizer=OPT, progress=False, rng=1, steps_per_call=1)
+
+
+def host(tree):
+  return jax.tree.map(np.array, tree)
+
+
+def spec_entries(x):
+  return [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+
+
+def equal(a, b):
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def max_diff(a, b):
+  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def largest_shard_fraction(tree, min_size):
+  """Per leaf of at least min_size elements: max shard size / leaf size."""
+  return {jax.tree_util.keystr(p): max(s.data.size for s in x.addressable_shards) / x.size
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if x.size >= min_size}
+
+
+# Two fits per mode from the same parameter tree, then one from the first
+# fit's own (sharded) result: the caller's arrays stay readable and unchanged.
+before = host(params)
+traced_meshes.clear()
+results = {}
+for mode in ("replicated", "fsdp"):
+  first = pk.fit(NET.apply, params, data, num_steps=4, parameter_sharding=mode, **kw)
+  second = pk.fit(NET.apply, params, data, num_steps=4, parameter_sharding=mode, **kw)
+  trained = host(first.params)
+  pk.fit(NET.apply, first.params, data, num_steps=1, parameter_sharding=mode, **kw)
+  out[mode + "_caller_unchanged"] = equal(params, before)
+  out[mode + "_result_reused_unchanged"] = equal(first.params, trained)
+  out[mode + "_repeat_equal"] = equal(first.params, second.params)
+  results[mode] = first
+out["traced_meshes"] = list(traced_meshes)
+out["fsdp_vs_replicated"] = max_diff(results["fsdp"].params, results["replicated"].params)
+
+fsdp = results["fsdp"]
+out["min_size"] = sharding.FSDP_MIN_SIZE
+out["param_fraction"] = largest_shard_fraction(fsdp.params, sharding.FSDP_MIN_SIZE)
+out["opt_fraction"] = largest_shard_fraction(fsdp.opt_state, sharding.FSDP_MIN_SIZE)
+out["small_replicated"] = all(x.sharding.is_fully_replicated for x in jax.tree.leaves(
+    (fsdp.params, fsdp.opt_state)) if x.size < sharding.FSDP_MIN_SIZE)
+out["replicated_mode_replicated"] = all(x.sharding.is_fully_replicated for x in jax.tree.leaves(
+    (results["replicated"].params, results["replicated"].opt_state)))
+
+# The compiled step fit ran (the step cache's entry): its all-gathers.
+mesh = sharding.default_mesh()
+source = data_lib.ArrayData(data, batch_size=16, last_batch="drop", mesh=mesh)
+for mode in ("replicated", "fsdp"):
+  result = results[mode]
+  specs = sharding.parameter_specs(params, mode, mesh)
+  layout = sharding.train_state_layout(params, specs, jax.eval_shape(OPT.init, params), {})
+  spec = step_lib.StepSpec(NET.apply, OPT, False, False, False, "raise", mesh, True,
+                           metric_names=step_lib.BASE_METRICS, layout=layout)
+  out[mode + "_step_is_fits"] = ("array", (spec, 1, False)) in step_lib._cache
+  ts = sharding.copy_to(dict(params=result.params, opt_state=result.opt_state, state={},
+                             step=np.int32(0), rng=jax.random.PRNGKey(1),
+                             nonfinite=np.int32(0), first_nonfinite=np.int32(-1)),
+                        layout.shardings(mesh))
+  hlo = step_lib.array_step(spec).lower(
+      ts, source.arrays, source.permutation(jax.random.PRNGKey(1), 0), 16,
+      source.steps_per_epoch, 32).compile().as_text()
+  out[mode + "_gathers"] = [
+      [m.group(1), int(m.group(2))] for m in re.finditer(
+          r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(.*?dimensions=\{(\d+)\}", hlo)]
+  out[mode + "_gather_ops"] = len(re.findall(r" all-gather(?:-start)?\(", hlo))
+  out[mode + "_sharded_params"] = sorted(
+      [",".join(map(str, x.shape)), [i for i, e in enumerate(x.sharding.spec) if e][0]]
+      for x in jax.tree.leaves(result.params) if not x.sharding.is_fully_replicated)
+
+# fit_model: the parameters are created sharded and train like fit()'s.
+init_params = NET.init(jax.random.fold_in(jax.random.PRNGKey(1), 3),
+                       {k: v[:16] for k, v in data.items()})
+via_model = pk.fit_model(NET, data, num_steps=2, parameter_sharding="fsdp", **kw)
+via_fit = pk.fit(NET.apply, init_params, data, num_steps=2, parameter_sharding="fsdp", **kw)
+out["fit_model_diff"] = max_diff(via_model.params, via_fit.params)
+out["fit_model_specs"] = [spec_entries(x) for x in jax.tree.leaves(via_model.params)]
+
+# A callable: tensor parallelism over 'model', the batch over every device.
+mesh2 = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "model"))
+
+
+def tensor_parallel(path, leaf):
+  if path.endswith(("query/w", "key/w", "value/w", "w_in/w")):
+    return P(None, "model")
+  if path.endswith(("output/w", "w_out/w")):
+    return P("model", None)
+  return None
+
+
+tp = pk.fit(NET.apply, params, data, num_steps=4, parameter_sharding=tensor_parallel,
+            mesh=mesh2, **kw)
+out["tp_vs_replicated"] = max_diff(tp.params, results["replicated"].params)
+query = tp.params["transformer/block_0/attention/query"]["w"]
+out["tp_query"] = [spec_entries(query), list(query.addressable_shards[0].data.shape)]
+mu = tp.opt_state[0].mu["transformer/block_0/attention/query"]["w"]
+out["tp_query_mu"] = [spec_entries(mu), list(mu.addressable_shards[0].data.shape)]
+errors = {}
+for name, fn, m in [
+    ("unknown_axis", lambda path, leaf: P("model"), mesh),
+    ("indivisible", lambda path, leaf: P("data"), Mesh(np.asarray(jax.devices()[:3]), ("data",))),
+    ("not_a_spec", lambda path, leaf: "data", mesh)]:
+  try:
+    pk.fit(NET.apply, params, data, num_steps=1, parameter_sharding=fn, mesh=m, **kw)
+    errors[name] = "no error"
+  except ValueError as e:
+    errors[name] = str(e)
+out["errors"] = errors
+
+# Resume: N steps on 8 devices (checkpointed), then on 4 devices up to 2N,
+# against the uninterrupted 2N-step run on 8 (results['fsdp']).
+directory = sys.argv[1]
+half = pk.fit(NET.apply, params, data, num_steps=2, parameter_sharding="fsdp",
+              checkpoint_dir=directory, **kw)
+mesh4 = Mesh(np.asarray(jax.devices()[:4]), ("data",))
+specs4 = sharding.parameter_specs(params, "fsdp", mesh4)
+layout4 = sharding.train_state_layout(params, specs4, jax.eval_shape(OPT.init, params), {})
+target = jax.eval_shape(lambda p: dict(
+    params=p, opt_state=OPT.init(p), state={}, step=jnp.int32(0),
+    rng=jax.random.PRNGKey(0), nonfinite=jnp.int32(0), first_nonfinite=jnp.int32(0)), params)
+checkpointer = checkpoints.Checkpointer(directory, keep=3)
+restored, _ = checkpointer.restore(2, target, layout4.shardings(mesh4))
+checkpointer.close()
+wanted = jax.tree.leaves(layout4.shardings(mesh4))
+out["restored_placed"] = all(
+    x.sharding.is_equivalent_to(s, x.ndim) for x, s in zip(jax.tree.leaves(restored), wanted))
+out["restored_equal"] = equal(restored["params"], half.params)
+resumed = pk.fit(NET.apply, params, data, num_steps=4, parameter_sharding="fsdp",
+                 checkpoint_dir=directory, mesh=mesh4, **kw)
+out["resumed_step"] = resumed.step
+out["resumed_vs_whole"] = max_diff(resumed.params, results["fsdp"].params)
+out["resumed_devices"] = sorted({len(x.sharding.device_set) for x in jax.tree.leaves(resumed.params)})
+out["resumed_param_fraction"] = largest_shard_fraction(resumed.params, sharding.FSDP_MIN_SIZE)
+print("RESULT" + json.dumps(out))
+'''
+
+
+@pytest.fixture(scope="module")
+def eight_devices(tmp_path_factory):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+  directory = str(tmp_path_factory.mktemp("resume"))
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT, directory], env=env,
+                        cwd=root, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
+  return json.loads(line[len("RESULT"):])
+
+
+def test_caller_arrays_survive_repeated_fits(eight_devices):
+  out = eight_devices
+  for mode in ("replicated", "fsdp"):
+    assert out[mode + "_caller_unchanged"], mode
+    assert out[mode + "_result_reused_unchanged"], mode
+    assert out[mode + "_repeat_equal"], mode
+
+
+def test_steps_are_traced_under_the_mesh(eight_devices):
+  meshes = eight_devices["traced_meshes"]
+  assert meshes and all(m == {"data": 8} for m in meshes), meshes
+
+
+def test_replicated_step_gathers_nothing(eight_devices):
+  out = eight_devices
+  assert out["replicated_step_is_fits"], out
+  assert out["replicated_gather_ops"] == 0, out["replicated_gathers"]
+  assert out["replicated_mode_replicated"]
+
+
+def test_fsdp_gathers_only_parameters_and_shards_them(eight_devices):
+  out = eight_devices
+  assert out["fsdp_step_is_fits"], out
+  sharded = {tuple(x) for x in out["fsdp_sharded_params"]}
+  gathered = {tuple(x) for x in out["fsdp_gathers"]}
+  # Every all-gather's result is a whole parameter, gathered along the
+  # dimension 'fsdp' split it on; every sharded parameter is gathered.
+  assert out["fsdp_gather_ops"] == len(out["fsdp_gathers"]), out
+  assert gathered == sharded, (gathered, sharded)
+  # The model's 6 matrices (>= FSDP_MIN_SIZE elements) are split 8 ways, and
+  # so are their Adam moments (mu, nu); norms and biases are replicated.
+  assert len(out["param_fraction"]) == 6, out["param_fraction"]
+  assert len(out["opt_fraction"]) == 12, out["opt_fraction"]
+  for fraction in (*out["param_fraction"].values(), *out["opt_fraction"].values()):
+    assert fraction <= 1 / 8
+  assert out["small_replicated"]
+
+
+def test_fsdp_and_tensor_parallel_train_like_replicated(eight_devices):
+  out = eight_devices
+  # Different reduction orders move the last bits only.
+  assert out["fsdp_vs_replicated"] < 1e-5, out
+  assert out["tp_vs_replicated"] < 1e-5, out
+  assert out["tp_query"] == [[None, "model"], [32, 16]], out
+  assert out["tp_query_mu"] == out["tp_query"], out
+  assert out["fit_model_diff"] < 1e-5, out
+  assert [None, "data"] in out["fit_model_specs"], out
+
+
+def test_bad_parameter_spec_names_the_parameter(eight_devices):
+  errors = eight_devices["errors"]
+  for name in ("unknown_axis", "indivisible", "not_a_spec"):
+    assert "parameter_sharding" in errors[name], errors
+    assert "transformer/block_0/attention/key/w" in errors[name], errors
+  assert "'model'" in errors["unknown_axis"], errors
+  assert "not divisible" in errors["indivisible"], errors
+
+
+def test_resume_on_four_devices_equals_uninterrupted(eight_devices):
+  out = eight_devices
+  assert out["restored_placed"] and out["restored_equal"], out
+  assert out["resumed_step"] == 4
+  assert out["resumed_vs_whole"] < 1e-5, out
+  assert out["resumed_devices"] == [4], out
+  assert out["resumed_param_fraction"] and all(
+      f <= 1 / 4 for f in out["resumed_param_fraction"].values()), out
+
+
+@pytest.mark.parametrize("value", ["zero3", 3, None, P("data")])
+def test_bad_parameter_sharding_names_the_argument(value):
+  with pytest.raises(ValueError, match="`parameter_sharding` must be one of"):
+    probjax_hk.fit(common.loss_fn, common.init_params(), common.make_data(),
+                   num_steps=1, parameter_sharding=value, progress=False)
+  calls = []
+  net = common.NET
+  transformed = type(net)(lambda *a, **k: calls.append(1) or net.init(*a, **k), net.apply)
+  with pytest.raises(ValueError, match="`parameter_sharding` must be one of"):
+    probjax_hk.fit_model(transformed, common.make_data(), num_steps=1,
+                         parameter_sharding=value, progress=False)
+  assert not calls  # checked before transformed.init
