@@ -1,141 +1,1120 @@
-"""Rebuilds docs/benchmarks/README.md and its figures from the JSON files alone.
+r"""Renders the performance pages (docs/performance/*.md) from the curated benchmark JSON.
 
-    python -m experiments.benchmark_figures [--directory docs/benchmarks]
+    python -m experiments.benchmark_figures [--benchmarks docs/benchmarks] \
+        [--pages docs/performance]
 
-Every `*.json` there is a harness file (`{"environment": ..., "rows": [...]}`).
-For each one the page gets the environment it was measured in, a table of
-its rows (the columns that vary, then the measurements) and, where rows carry
-`median_ms`, a bar chart `<name>.png`. Where rows differ by an implementation
-(`attention`, `implementation` or `impl`) and a peer implementation ('cudnn',
-'xla') was timed in the same file, each row gets its time over the peer's at
-the same configuration (`<axis>_vs_<peer>`), computed here from the medians.
-No number is typed by hand: rerun this after any benchmark and commit the
-result.
+`docs/benchmarks/manifest.json` names one JSON file per suite, the pages it
+feeds and the benchmark program and command that write it; this program reads
+those files and no others. A suite file is either what a benchmark program
+writes, one run (`{"environment": ..., "rows": [...]}`), or a merge of several
+runs (`{"sources": {run id: {"environment", "commit", "blob"}}, "rows": [...]}`,
+every row naming its run in `source`; `commit` and `blob` find the original
+file in git). Where several runs measured one configuration, its table row
+comes from the newest of them, and every ratio is taken between rows of one
+run. No number is typed here: rerun this after a benchmark and commit the pages
+with the JSON (tests/experiments/test_benchmark_figures.py fails when they
+differ).
 """
 
-import glob
+import dataclasses
+import inspect
 import json
 import os
+import re
+from typing import Callable, Iterable
 
 from absl import app
 from absl import flags
 
-_DIRECTORY = flags.DEFINE_string("directory", "docs/benchmarks", "Where the JSON files are.")
+from experiments import harness
 
-MEASUREMENTS = ["status", "median_ms", "min_ms", "compile_s", "planned_peak_mb", "peak_mb",
-                "tflops", "ratio_vs_cudnn", "steps_per_s"]
-HIDDEN = {"message", "traceback", "stage", "iters", "wall_s", "kernels"}
+_BENCHMARKS = flags.DEFINE_string("benchmarks", "docs/benchmarks",
+                                  "Directory of manifest.json and the suite files.")
+_PAGES = flags.DEFINE_string("pages", "docs/performance", "Where the pages are written.")
+
+MANIFEST = "manifest.json"
+PAGES = ("index", "setup", "attention", "kernels", "models")
+_MODE_ORDER = {"fwd": 0, "forward": 0, "fwd+bwd": 1, "train_step": 2}
 
 
-def _label_columns(rows: list[dict]) -> list[str]:
-  """Configuration columns (not floats) whose value differs between rows."""
-  columns = []
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """One suite file: its runs (newest first) and its rows, each with `source`."""
+  name: str
+  file: str
+  sources: dict[str, dict]
+  rows: list[dict]
+
+  def environment(self, source: str) -> dict:
+    return self.sources[source].get("environment", {})
+
+
+def load_manifest(directory: str) -> dict:
+  """The manifest: `{"suites": {name: {"file", "pages", "program", "command", ...}}}`."""
+  with open(os.path.join(directory, MANIFEST)) as f:
+    return json.load(f)
+
+
+def load_suite(directory: str, name: str, file: str) -> Suite:
+  """Reads a suite file of either form (one run, or merged runs with `sources`).
+
+  Raises:
+    ValueError: if a row names a run the file does not describe.
+  """
+  with open(os.path.join(directory, file)) as f:
+    data = json.load(f)
+  if "sources" in data:
+    sources, rows = data["sources"], data["rows"]
+  else:
+    # A program's own output: one run, named by the time it was written.
+    environment = data.get("environment")
+    if not isinstance(environment, dict):
+      environment = {"note": str(environment)}
+    run_id = environment.get("time", "run")
+    sources = {run_id: {"environment": environment}}
+    rows = [dict(r, source=run_id) for r in data["rows"]]
+  unknown = {r.get("source") for r in rows} - set(sources)
+  if unknown:
+    raise ValueError(f"{file}: rows name runs {sorted(map(str, unknown))} that `sources` "
+                     f"does not describe")
+  ordered = dict(sorted(sources.items(), reverse=True))
+  return Suite(name=name, file=file, sources=ordered, rows=rows)
+
+
+def load_suites(directory: str) -> tuple[dict, dict[str, Suite]]:
+  manifest = load_manifest(directory)
+  suites = {name: load_suite(directory, name, entry["file"])
+            for name, entry in manifest["suites"].items()}
+  return manifest, suites
+
+
+# ---------------------------------------------------------------------------
+# Comparisons: rows of one configuration, per implementation, within one run.
+
+
+@dataclasses.dataclass
+class Record:
+  """One configuration of one run: `cells[label]` is the chosen row or None."""
+  config: dict
+  source: str
+  cells: dict[str, dict | None]
+
+  def ms(self, label: str, value: str = "median_ms") -> float | None:
+    row = self.cells.get(label)
+    if row is None or row.get("status", "ok") != "ok":
+      return None
+    return row.get(value)
+
+  def ratio(self, label: str, peer: str, value: str = "median_ms") -> float | None:
+    """`label`'s value over `peer`'s, both of this run (None if either is missing)."""
+    a, b = self.ms(label, value), self.ms(peer, value)
+    return a / b if a is not None and b else None
+
+
+def compare(rows: Iterable[dict], *, config: tuple[str, ...],
+            label: Callable[[dict], str | None], ours: str,
+            needs: tuple[str, ...] = (), value: str = "median_ms") -> list[Record]:
+  """Groups rows by configuration and run, one row per implementation label.
+
+  Args:
+    rows: suite rows (each with `source`).
+    config: the keys that name a configuration (not the implementation).
+    label: maps a row to its column label, or None to leave it out. Several
+      rows of one label in one configuration (e.g. a peer's block sizes) keep
+      the fastest: the peer at its best.
+    ours: the label of this library's default path.
+    needs: labels of which a run must also have one, to be chosen.
+    value: the measurement compared.
+
+  Returns:
+    One Record per configuration, from the newest run that measured `ours`
+    (and one of `needs`) there, in the order the configurations first appear.
+  """
+  groups: dict[tuple, dict[str, dict[str, dict]]] = {}
   for row in rows:
-    for key in row:
-      if (key not in columns and key not in HIDDEN and key not in MEASUREMENTS
-          and not isinstance(row[key], float)):
-        columns.append(key)
-  return [c for c in columns if len({json.dumps(r.get(c)) for r in rows}) > 1]
-
-
-def _measurement_columns(rows: list[dict]) -> list[str]:
-  present = [m for m in MEASUREMENTS if any(m in r for r in rows)]
-  extra = sorted({k for r in rows for k, v in r.items()
-                  if isinstance(v, float) and k not in MEASUREMENTS and k not in HIDDEN})
-  return present + extra
-
-
-IMPLEMENTATION_AXES = ("attention", "implementation", "impl")
-PEERS = ("cudnn", "xla")
-# Configuration columns that name or tune one implementation, so they differ
-# between a row and its peer at the same configuration.
-_PER_IMPLEMENTATION = {"blocks", "default_blocks", "name", "chunk_size"}
-
-
-def peer_ratios(rows: list[dict]) -> list[dict]:
-  """Copies of `rows` with `<axis>_vs_<peer>`: median over the peer's median."""
-  labels = _label_columns(rows)
-  out = [dict(r) for r in rows]
-  for axis in IMPLEMENTATION_AXES:
-    if axis not in labels:
+    name = label(row)
+    if name is None:
       continue
-    group = [c for c in labels if c != axis and c not in _PER_IMPLEMENTATION]
-    key = lambda r: tuple(json.dumps(r.get(c)) for c in group)
-    for peer in PEERS:
-      medians = {key(r): r["median_ms"] for r in rows
-                 if r.get(axis) == peer and r.get("median_ms")}
-      for r in out:
-        peer_ms = medians.get(key(r))
-        if peer_ms and r.get("median_ms") and r.get(axis) != peer:
-          r[f"{axis}_vs_{peer}"] = r["median_ms"] / peer_ms
-  return out
+    key = tuple(json.dumps(row.get(k), sort_keys=True) for k in config)
+    cells = groups.setdefault(key, {}).setdefault(row["source"], {})
+    best = cells.get(name)
+    if best is None or _faster(row, best, value):
+      cells[name] = row
+  records = []
+  for key, by_source in groups.items():
+    measured = [s for s, cells in by_source.items()
+                if ours in cells and (not needs or any(n in cells for n in needs))]
+    if not measured:
+      continue
+    source = max(measured)
+    cells = by_source[source]
+    some = cells[ours]
+    records.append(Record({k: some.get(k) for k in config}, source, dict(cells)))
+  return records
 
 
-def _cell(value) -> str:
-  if isinstance(value, float):
-    return f"{value:.4g}"
-  if isinstance(value, (list, tuple)):
-    return "x".join(map(str, value))
-  return "" if value is None else str(value)
+def _faster(row: dict, than: dict, value: str) -> bool:
+  mine, theirs = row.get(value), than.get(value)
+  if row.get("status", "ok") != "ok" or mine is None:
+    return False
+  return than.get("status", "ok") != "ok" or theirs is None or mine < theirs
 
 
-def table(rows: list[dict]) -> str:
-  columns = _label_columns(rows) + _measurement_columns(rows)
-  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-  lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+# ---------------------------------------------------------------------------
+# Formatting.
+
+
+def number(value, digits: int = 4) -> str:
+  """A measurement: `digits` significant figures, thousands separated."""
+  if value is None:
+    return ""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return str(value)
+  if abs(value) >= 1000:
+    return f"{value:,.0f}"
+  return f"{value:#.{digits}g}".rstrip(".")
+
+
+def ratio_text(value: float | None) -> str:
+  """Three significant figures, trailing zeros kept (0.790, 11.0)."""
+  return "" if value is None else f"{value:#.3g}".rstrip(".")
+
+
+def cell(record: Record, label: str, value: str = "median_ms") -> str:
+  """A record's value for `label`, or the row's status where it did not run."""
+  row = record.cells.get(label)
+  if row is None:
+    return "—"
+  if row.get("status", "ok") != "ok":
+    return row["status"]
+  return number(row.get(value))
+
+
+def table(header: list[str], body: list[list[str]]) -> str:
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(row) + " |" for row in body]
   return "\n".join(lines)
 
 
-def bar_chart(rows: list[dict], path: str, title: str) -> bool:
-  """Horizontal bars of median_ms per ok row; False if there are none."""
-  timed = [r for r in rows if r.get("status") == "ok" and "median_ms" in r]
-  if not timed:
-    return False
-  import matplotlib  # Imported here: the page's tables need no plotting library.
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-  labels = _label_columns(timed)
-  names = [", ".join(f"{c}={_cell(r.get(c))}" for c in labels) or str(i)
-           for i, r in enumerate(timed)]
-  times = [r["median_ms"] for r in timed]
-  fig, ax = plt.subplots(figsize=(9, 0.25 * len(timed) + 1.2))
-  ax.barh(range(len(timed)), times, color="tab:blue")
-  ax.set_yticks(range(len(timed)), names, fontsize=7)
-  ax.invert_yaxis()
-  wide = max(times) > 20 * min(times)  # Log scale only where linear would hide bars.
-  if wide:
-    ax.set_xscale("log")
-  ax.set_xlabel("median ms" + (" (log scale)" if wide else ""))
-  ax.set_title(title, fontsize=9)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+def run_label(source: str) -> str:
+  """`2026-12-05T07:02:15` -> `2026-12-05 07:02`."""
+  return source.replace("T", " ")[:16]
+
+
+def run_letters(sources: Iterable[str], start: int = 0) -> dict[str, str]:
+  """Short names for a table's runs, newest first: A, B, ..."""
+  return {s: chr(ord("A") + start + i) for i, s in enumerate(sorted(set(sources), reverse=True))}
+
+
+def runs_line(suite: Suite, sources: Iterable[str], letters: dict[str, str] | None = None) -> str:
+  """Which runs a table's rows come from (with their letters), device and JAX."""
+  parts = []
+  for source in sorted(set(sources), reverse=True):
+    env = suite.environment(source)
+    device = env.get("device_kind", "device not recorded")
+    name = f"{letters[source]}: " if letters else ""
+    parts.append(f"{name}{run_label(source)} ({device}, JAX {env.get('jax', '?')})")
+  if not parts:
+    return ""
+  which = "run" if len(parts) == 1 else "runs"
+  return f"From `{suite.file}`, {which} " + "; ".join(parts) + "."
+
+
+def run_column(suite: Suite, records: list["Record"]) -> tuple[dict[str, str] | None, str]:
+  """Letters for a `run` column (None when the rows share one run) and its legend."""
+  sources = {r.source for r in records}
+  letters = run_letters(sources) if len(sources) > 1 else None
+  return letters, runs_line(suite, sources, letters)
+
+
+def span(values: Iterable[float | None]) -> str:
+  """`0.674-0.694`, or one value, from the values that exist."""
+  present = sorted(v for v in values if v is not None)
+  if not present:
+    return "not measured"
+  low, high = ratio_text(present[0]), ratio_text(present[-1])
+  return low if low == high else f"{low}-{high}"
+
+
+def _mode_key(mode) -> int:
+  return _MODE_ORDER.get(mode, 9)
+
+
+def not_measured(title: str) -> str:
+  return f"{title}: not measured in the committed runs."
+
+
+# ---------------------------------------------------------------------------
+# Attention.
+
+
+def _attention_label(row: dict) -> str | None:
+  if row.get("kind") != "time":
+    return None
+  impl = row.get("impl", "")
+  if impl in ("flex", "cudnn", "xla", "flex_alibi", "flex_documents"):
+    return impl
+  if impl.startswith("mha_"):
+    return "mha"
+  return None  # Tile and variant experiments are not the default path.
+
+
+def attention_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("B", "N", "T", "H", "causal", "mode", "chain"),
+                    label=_attention_label, ours="flex")
+  records.sort(key=lambda r: (r.config["H"], -r.config["T"], r.config["causal"],
+                              _mode_key(r.config["mode"])))
+  return records
+
+
+def _shape_text(config: dict) -> str:
+  text = f"{config['B']}, {config['N']}, {config['T']}, {config['H']}"
+  if (config.get("chain") or 1) > 1:
+    text += f" (chain {config['chain']})"
+  return text
+
+
+_ATTENTION_PEERS = (("cudnn", "cuDNN"), ("mha", "Pallas `mha` best"), ("xla", "XLA"))
+
+
+def attention_headlines(records: list[Record]) -> list[str]:
+  lines = []
+  for head in sorted({r.config["H"] for r in records}):
+    at_head = [r for r in records if r.config["H"] == head]
+    longest = max(r.config["T"] for r in at_head)
+    anchor = [r for r in at_head if r.config["T"] == longest]
+    b, n = anchor[0].config["B"], anchor[0].config["N"]
+    parts = []
+    for mode, name in (("fwd+bwd", "fwd+bwd"), ("fwd", "forward")):
+      of_mode = [r for r in anchor if r.config["mode"] == mode]
+      cudnn = span(r.ratio("flex", "cudnn") for r in of_mode)
+      mha = span(r.ratio("flex", "mha") for r in of_mode)
+      parts.append(f"{name} {cudnn} x cuDNN's time ({mha} x Pallas `mha` at its best blocks)")
+    lines.append(f"- Head size {head} (B {b}, N {n}, T {longest}, full and causal): "
+                 + "; ".join(parts) + ".")
+  return lines
+
+
+def attention_table(suite: Suite, records: list[Record]) -> str:
+  peers = [(key, name) for key, name in _ATTENTION_PEERS
+           if any(key in r.cells for r in records)]
+  header = (["B, N, T, H", "causal", "mode", "flex ms"] + [f"{name} ms" for _, name in peers]
+            + [f"flex / {name}" for _, name in peers])
+  letters, legend = run_column(suite, records)
+  if letters:
+    header.append("run")
+  body = []
+  for r in records:
+    line = ([_shape_text(r.config), "yes" if r.config["causal"] else "no", r.config["mode"],
+             cell(r, "flex")] + [cell(r, key) for key, _ in peers]
+            + [ratio_text(r.ratio("flex", key)) for key, _ in peers])
+    if letters:
+      line.append(letters[r.source])
+    body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def mods_table(suite: Suite) -> str | None:
+  records = compare(suite.rows, config=("B", "N", "T", "H", "causal", "mode", "chain"),
+                    label=_attention_label, ours="flex", needs=("flex_alibi", "flex_documents"))
+  if not records:
+    return None
+  records.sort(key=lambda r: (r.config["H"], -r.config["T"], r.config["causal"],
+                              _mode_key(r.config["mode"])))
+  header = ["B, N, T, H", "causal", "mode", "flex ms", "+ ALiBi `score_mod` ms",
+            "+ documents `mask_mod` ms", "cuDNN ms (plain)", "ALiBi / flex",
+            "documents / flex"]
+  body = [[_shape_text(r.config), "yes" if r.config["causal"] else "no", r.config["mode"],
+           cell(r, "flex"), cell(r, "flex_alibi"), cell(r, "flex_documents"), cell(r, "cudnn"),
+           ratio_text(r.ratio("flex_alibi", "flex")),
+           ratio_text(r.ratio("flex_documents", "flex"))] for r in records]
+  return table(header, body) + "\n\n" + runs_line(suite, (r.source for r in records))
+
+
+def newest_rows(suite: Suite, keep: Callable[[dict], bool]) -> tuple[str | None, list[dict]]:
+  """The rows that `keep` accepts, from the newest run that has any."""
+  for source in suite.sources:
+    rows = [r for r in suite.rows if r["source"] == source and keep(r)]
+    if rows:
+      return source, rows
+  return None, []
+
+
+def attention_checks(suite: Suite) -> str | None:
+  source, rows = newest_rows(suite, lambda r: r.get("kind") == "check")
+  if not rows:
+    return None
+  header = ["B, T, S, N, K, H", "dtype", "options", "status", "forward", "dq", "dk", "dv"]
+  body = [[", ".join(map(str, r.get("shape", []))), r.get("dtype", ""),
+           ", ".join(r.get("options") or []) or "none", r.get("status", ""),
+           number(r.get("fwd_rel"), 2), number(r.get("dq_rel"), 2), number(r.get("dk_rel"), 2),
+           number(r.get("dv_rel"), 2)] for r in rows]
+  return table(header, body) + "\n\n" + runs_line(suite, [source])
+
+
+def attention_page(suites: dict[str, Suite]) -> str:
+  suite = suites["attention"]
+  records = attention_records(suite)
+  out = ["# Attention", "",
+         "`ops.flex_attention` (`flex`, the path `dot_product_attention` takes on an NVIDIA "
+         "GPU where it fits) against cuDNN (`jax.nn.dot_product_attention(..., "
+         "implementation='cudnn')`), JAX's Pallas `mha` (the fastest of its block sizes "
+         "in the same run) and XLA, bf16, on the shapes of `benchmark_kernel_attention`. "
+         "Ratios are flex's time over the peer's, in the same run: below 1 flex is faster. "
+         "fwd+bwd is the gradient of a scalar sum with respect to q, k and v; `chain N` "
+         "marks shapes timed N calls to an executable, per call ([setup](setup.md)).", ""]
+  out += ["## Headlines", ""]
+  out += attention_headlines(records) if records else [not_measured("Attention")]
+  out += ["", "## flex against its peers", ""]
+  if records:
+    out += [attention_table(suite, records), ""]
+  else:
+    out += [not_measured("The attention table"), ""]
+  out += ["## Masks and score modifications", "",
+          "Calls cuDNN cannot express: an ALiBi bias as a `score_mod` and 512-token "
+          "documents as a `mask_mod`, against plain flex on the same shapes (cuDNN's time "
+          "is for plain attention).", ""]
+  mods = mods_table(suite)
+  out += [mods if mods else not_measured("`mask_mod` and `score_mod` calls"), ""]
+  out += ["## Numerics on the GPU", "",
+          "Relative L2 error of flex against the float32 reference on the GPU, forward "
+          "and gradients.", ""]
+  checks = attention_checks(suite)
+  out += [checks if checks else not_measured("The GPU check"), ""]
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Kernels: SSM scans, chunked ops, grouped matmul.
+
+
+def _scan_label(row: dict) -> str | None:
+  if row.get("kind") != "time" or not row.get("default_blocks", True):
+    return None
+  return {"pallas": "pallas", "xla": "xla"}.get(row.get("impl"))
+
+
+def _shape_join(shape) -> str:
+  return ", ".join(map(str, shape)) if isinstance(shape, (list, tuple)) else str(shape)
+
+
+def scan_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("op", "shape", "mode"), label=_scan_label,
+                    ours="pallas")
+  order = {"selective_scan": 0, "linear_scan": 1, "linear_scan_lru": 2}
+  records.sort(key=lambda r: (order.get(r.config["op"], 9), r.config["shape"],
+                              _mode_key(r.config["mode"])))
+  return records
+
+
+_SCAN_CASES = {
+    "selective_scan": ("`ops.selective_scan`", "B, T, D, S"),
+    "linear_scan": ("`ops.linear_scan` (a decay per step, complex64)", "B, T, D"),
+    "linear_scan_lru": ("`ops.linear_scan` as `LRUCell` calls it (one decay [D], real planes)",
+                        "B, T, D"),
+}
+
+
+def scan_headlines(records: list[Record]) -> list[str]:
+  """One line per selective-scan shape, one span per linear-scan form (fwd+bwd)."""
+  lines = []
+  for op, (name, dims) in _SCAN_CASES.items():
+    of_op = [r for r in records if r.config["op"] == op and r.config["mode"] == "fwd+bwd"
+             and r.ratio("pallas", "xla") is not None]
+    if not of_op:
+      continue
+    if op == "selective_scan":
+      for r in of_op:
+        value = r.ratio("pallas", "xla")
+        lines.append(f"- {name} at {dims} = {_shape_join(r.config['shape'])}, fwd+bwd: "
+                     f"{ratio_text(value)} x `lax.associative_scan`'s time "
+                     f"({ratio_text(1 / value)} x faster).")
+    else:
+      shapes = ", ".join(f"({_shape_join(r.config['shape'])})" for r in of_op)
+      lines.append(f"- {name}, fwd+bwd: {span(r.ratio('pallas', 'xla') for r in of_op)} x "
+                   f"`lax.associative_scan`'s time at {dims} = {shapes}.")
+  return lines
+
+
+def scan_table(suite: Suite, records: list[Record]) -> str:
+  letters, legend = run_column(suite, records)
+  header = ["op", "B, T, D[, S]", "mode", "Pallas ms", "XLA (associative scan) ms",
+            "Pallas / XLA"] + (["run"] if letters else [])
+  body = []
+  for r in records:
+    line = [r.config["op"], _shape_join(r.config["shape"]), r.config["mode"], cell(r, "pallas"),
+            cell(r, "xla"), ratio_text(r.ratio("pallas", "xla"))]
+    if letters:
+      line.append(letters[r.source])
+    body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def scan_memory(suite: Suite) -> str | None:
+  records = compare(suite.rows, config=("op", "shape", "mode"),
+                    label=lambda r: r.get("impl") if r.get("kind") == "memory" else None,
+                    ours="pallas")
+  if not records:
+    return None
+  header = ["op", "B, T, D, S", "mode", "Pallas temp MB", "XLA temp MB", "Pallas / XLA memory",
+            "Pallas ms", "XLA ms"]
+  body = [[r.config["op"], _shape_join(r.config["shape"]), r.config["mode"],
+           cell(r, "pallas", "temp_mb"), cell(r, "xla", "temp_mb"),
+           ratio_text(r.ratio("pallas", "xla", "temp_mb")), cell(r, "pallas"), cell(r, "xla")]
+          for r in records]
+  return table(header, body) + "\n\n" + runs_line(suite, (r.source for r in records))
+
+
+def _chunked_label(row: dict) -> str | None:
+  if row.get("kind") != "op":
+    return None
+  if row.get("implementation") == "xla":
+    return "xla"
+  if row.get("implementation") == "pallas":
+    return "pallas" if row.get("chunk_size") is None else "pallas_other_chunk"
+  return None
+
+
+def chunked_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("op", "B", "T", "N", "K", "V", "dtype", "mode"),
+                    label=_chunked_label, ours="pallas")
+  records.sort(key=lambda r: (r.config["N"] * r.config["K"], r.config["op"],
+                              _mode_key(r.config["mode"])))
+  return records
+
+
+def _chunked_shape(config: dict) -> str:
+  return ", ".join(str(config[k]) for k in ("B", "T", "N", "K", "V"))
+
+
+def chunked_headlines(records: list[Record]) -> list[str]:
+  lines = []
+  for op in sorted({r.config["op"] for r in records}):
+    of_op = [r for r in records if r.config["op"] == op]
+    fwd = span(r.ratio("pallas", "xla") for r in of_op if r.config["mode"] == "fwd")
+    both = span(r.ratio("pallas", "xla") for r in of_op if r.config["mode"] == "fwd+bwd")
+    shapes = ", ".join(dict.fromkeys(f"({_chunked_shape(r.config)})" for r in of_op))
+    lines.append(f"- `ops.{op}`: forward {fwd} x the chunked XLA path's time, fwd+bwd "
+                 f"{both} x, at B, T, N, K, V = {shapes}.")
+  return lines
+
+
+def chunked_table(suite: Suite, records: list[Record]) -> str:
+  header = ["op", "B, T, N, K, V", "mode", "Pallas ms (default chunk)",
+            "Pallas ms (other chunk)", "other chunk", "XLA chunked ms", "Pallas / XLA"]
+  body = []
+  for r in records:
+    other = r.cells.get("pallas_other_chunk")
+    body.append([r.config["op"], _chunked_shape(r.config), r.config["mode"], cell(r, "pallas"),
+                 cell(r, "pallas_other_chunk"), str(other.get("chunk_size")) if other else "",
+                 cell(r, "xla"), ratio_text(r.ratio("pallas", "xla"))])
+  return table(header, body) + "\n\n" + runs_line(suite, (r.source for r in records))
+
+
+def _error_table(suite: Suite, keep: Callable[[dict], bool], columns: list[tuple[str, str]],
+                 errors: list[tuple[str, str]]) -> str | None:
+  source, rows = newest_rows(suite, keep)
+  if not rows:
+    return None
+  header = [name for _, name in columns] + [name for _, name in errors]
+  body = [[_column_text(r.get(key)) for key, _ in columns]
+          + [number(r.get(key), 2) for key, _ in errors] for r in rows]
+  return table(header, body) + "\n\n" + runs_line(suite, [source])
+
+
+def _column_text(value) -> str:
+  if isinstance(value, bool):
+    return "yes" if value else "no"
+  if isinstance(value, (list, tuple)):
+    return _shape_join(value)
+  return "" if value is None else str(value)
+
+
+def _gmm_label(row: dict) -> str | None:
+  return row.get("impl") if row.get("section") == "op" else None
+
+
+_GMM_NAMES = {
+    "pallas": "`ops.grouped_matmul` (default: Mosaic GPU kernels)",
+    "pallas_triton": "`ops.grouped_matmul`, Triton kernels",
+    "ragged_dot": "`jax.lax.ragged_dot`",
+    "every_expert_einsum": "every expert on every row (einsum, G x the work)",
+    "dense_matmul_same_flops": "one dense `jnp.matmul` of the same work",
+}
+
+
+def gmm_section(suite: Suite) -> tuple[list[str], str | None]:
+  """Headlines and the table of the grouped matmul against its peers."""
+  records = compare(suite.rows, config=("rows", "mode"), label=_gmm_label, ours="pallas")
+  if not records:
+    return [], None
+  by_mode = {r.config["mode"]: r for r in records}
+  modes = sorted(by_mode, key=_mode_key)
+  impls = [i for i in _GMM_NAMES if any(i in r.cells for r in records)]
+  header = ["implementation"]
+  for mode in modes:
+    header += [f"{mode} ms", f"{mode} TFLOP/s", f"{mode}: dense time / this"]
+  body = []
+  for impl in impls:
+    line = [_GMM_NAMES[impl]]
+    for mode in modes:
+      r = by_mode[mode]
+      dense = r.ratio("dense_matmul_same_flops", impl)
+      line += [cell(r, impl), cell(r, impl, "tflops"), ratio_text(dense)]
+    body.append(line)
+  headlines = []
+  for mode in modes:
+    r = by_mode[mode]
+    fraction = r.ratio("dense_matmul_same_flops", "pallas")
+    versus = r.ratio("pallas", "ragged_dot")
+    headlines.append(f"- `ops.grouped_matmul` {mode} at M {r.config['rows']}: "
+                     f"{ratio_text(fraction)} of one dense matmul's rate on the same work; "
+                     f"{ratio_text(versus)} x `jax.lax.ragged_dot`'s time.")
+  return headlines, table(header, body) + "\n\n" + runs_line(suite, (r.source for r in records))
+
+
+def kernels_page(suites: dict[str, Suite]) -> str:
+  ssm, chunked, moe = suites["ssm_scans"], suites["chunked_ops"], suites["moe"]
+  scans = scan_records(ssm)
+  chunks = chunked_records(chunked)
+  gmm_headlines, gmm_table = gmm_section(moe)
+  out = ["# Kernels", "",
+         "The Pallas kernels of `ops` against the XLA path of the same op (and, for the "
+         "grouped matmul, `jax.lax.ragged_dot` and a dense matmul), timed in the same run. "
+         "Ratios are this library's time over the peer's: below 1 the kernel is faster. "
+         "fwd+bwd is the gradient of a scalar sum of the outputs with respect to every "
+         "input.", "", "## Headlines", ""]
+  headlines = scan_headlines(scans) + chunked_headlines(chunks) + gmm_headlines
+  out += headlines if headlines else [not_measured("The kernels")]
+  out += ["", "## SSM scans", "",
+          "`ops.selective_scan` (Mamba) and `ops.linear_scan` (LRU), float32 (complex64 "
+          "for the linear scan), against `lax.associative_scan`, the XLA tier of the same "
+          "op.", ""]
+  out += [scan_table(ssm, scans) if scans else not_measured("The scans"), ""]
+  out += ["### Memory", "",
+          "XLA's temporary buffers of the compiled fwd+bwd at the longest shape.", ""]
+  memory = scan_memory(ssm)
+  out += [memory if memory else not_measured("Scan memory"), ""]
+  out += ["### Numerics on the GPU", "",
+          "Largest error of each tier against the `lax.scan` reference on the GPU "
+          "(relative to the largest reference value).", ""]
+  checks = _error_table(ssm, lambda r: r.get("kind") == "check" and "err_y" in r,
+                        [("op", "op"), ("impl", "impl"), ("shape", "B, T, D, S"),
+                         ("reverse", "reverse")],
+                        [("err_y", "y"), ("err_final", "final state"),
+                         ("err_grads", "gradients")])
+  out += [checks if checks else not_measured("The scan check"), ""]
+  out += ["## Chunked ops: SSD and the gated delta rule", "",
+          "`ops.ssd` and `ops.gated_delta_rule`, bf16, against their chunked XLA forms "
+          "(`implementation='xla'`) in the same run; the Pallas kernel at its default "
+          "chunk and at one other.", ""]
+  out += [chunked_table(chunked, chunks) if chunks else not_measured("The chunked ops"), ""]
+  out += ["### Numerics on the GPU", "",
+          "Largest error against the step-by-step reference on the GPU (relative to the "
+          "largest reference value).", ""]
+  checks = _error_table(chunked, lambda r: r.get("kind") == "check",
+                        [("op", "op"), ("implementation", "implementation"),
+                         ("dtype", "dtype"), ("shape", "B, T, N, K, V")],
+                        [("y_err", "y"), ("final_err", "final state"),
+                         ("grad_err", "gradients")])
+  out += [checks if checks else not_measured("The chunked-op check"), ""]
+  out += ["## Grouped matmul", "",
+          "`ops.grouped_matmul(lhs [M, K], rhs [G, K, N], group_sizes)` at the MoE layer's "
+          "widths (K 512, N 1024, G 8), bf16. TFLOP/s count the grouped work (fwd+bwd: "
+          "three times the forward's).", ""]
+  out += [gmm_table if gmm_table else not_measured("The grouped matmul"), ""]
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Models.
+
+
+def _attention_model_label(row: dict) -> str | None:
+  return row.get("attention")
+
+
+_MODEL_NAMES = {"transformer": "Transformer", "dit": "DiffusionTransformer"}
+_MODEL_SHORT = {"transformer": "Transformer", "dit": "DiT"}
+_MODEL_PEERS = (("cudnn", "cuDNN"), ("xla", "XLA"))
+
+
+def model_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("model", "dtype", "tokens", "batch", "mode"),
+                    label=_attention_model_label, ours="default")
+  models = list(_MODEL_NAMES)
+  records.sort(key=lambda r: (models.index(r.config["model"]) if r.config["model"] in models
+                              else 9, r.config["dtype"] != "bfloat16", -r.config["tokens"],
+                              _mode_key(r.config["mode"])))
+  return records
+
+
+def model_table(suite: Suite, records: list[Record]) -> str:
+  peers = [(k, n) for k, n in _MODEL_PEERS if any(k in r.cells for r in records)]
+  letters, legend = run_column(suite, records)
+  header = (["model", "dtype", "tokens", "mode", "default ms"] + [f"{n} ms" for _, n in peers]
+            + [f"default / {n}" for _, n in peers] + (["run"] if letters else []))
+  body = []
+  for r in records:
+    c = r.config
+    line = ([_MODEL_SHORT.get(c["model"], c["model"]), c["dtype"], str(c["tokens"]),
+             c["mode"].replace("_", " "), cell(r, "default")] + [cell(r, k) for k, _ in peers]
+            + [ratio_text(r.ratio("default", k)) for k, _ in peers])
+    if letters:
+      line.append(letters[r.source])
+    body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def missing_combinations(rows: list[dict], axes: tuple[str, ...],
+                         names: dict[str, dict] | None = None) -> list[str]:
+  """Combinations of the values seen on `axes` that no row has."""
+  names = names or {}
+  values = [sorted({json.dumps(r.get(a)) for r in rows if a in r}) for a in axes]
+  seen = {tuple(json.dumps(r.get(a)) for a in axes) for r in rows}
+  combos = [()]
+  for options in values:
+    combos = [c + (v,) for c in combos for v in options]
+  out = []
+  for combo in combos:
+    if combo not in seen:
+      shown = [str(names.get(a, {}).get(json.loads(v), json.loads(v)))
+               for a, v in zip(axes, combo)]
+      out.append(" ".join(shown))
+  return out
+
+
+def scan_remat_section(suite: Suite) -> list[str]:
+  rows = [r for r in suite.rows if r.get("section", "scan_remat") == "scan_remat"
+          and "remat_policy" in r]
+  source, rows = newest_rows(suite, lambda r: r in rows)
+  if not rows:
+    return [not_measured("scan_layers x remat_policy")]
+  ok = [r for r in rows if r.get("status") == "ok"]
+  unrolled = {r["attention"]: r for r in ok if r["remat_policy"] is None
+              and not r["scan_layers"]}
+  base = unrolled.get("default")
+
+  def over(r, key, against):
+    return (r[key] / against[key] if against and r.get(key) and against.get(key) else None)
+
+  header = ["attention", "remat", "scan", "lower s", "compile s", "compile: unrolled / this",
+            "step ms", "step / base", "peak MB", "peak / base", "planned MB"]
+  body = []
+  for r in rows:
+    if r.get("status") != "ok":
+      body.append([r["attention"], str(r["remat_policy"]), str(r["scan_layers"]),
+                   r.get("status", "")] + [""] * 7)
+      continue
+    own = unrolled.get(r["attention"])
+    compile_ratio = own["compile_s"] / r["compile_s"] if own else None
+    body.append([r["attention"], str(r["remat_policy"]), "yes" if r["scan_layers"] else "no",
+                 number(r.get("lower_s"), 3), number(r.get("compile_s"), 3),
+                 ratio_text(compile_ratio), number(r.get("median_ms")),
+                 ratio_text(over(r, "median_ms", base)), number(r.get("peak_mb")),
+                 ratio_text(over(r, "peak_mb", base)), number(r.get("planned_peak_mb"))])
+  first = rows[0]
+  out = [f"A {first.get('num_layers')}-layer Transformer of width {first.get('model_dim')}, "
+         f"batch {first.get('batch')}, {first.get('tokens')} tokens, {first.get('dtype')}, "
+         "causal, Adam, donated train step; every case in a fresh process so that `peak MB` "
+         "(the device's `peak_bytes_in_use`) is its own; `planned MB` is XLA's buffer plan. "
+         "`default` attention is the library's dispatch; `cudnn` and `xla` (einsum) are the "
+         "peers. `base` is the unrolled stack without remat and with the default attention; "
+         "the compile ratio is against the unrolled, no-remat row of the same attention.", ""]
+  lines = []
+  full_scan = next((r for r in ok if r["attention"] == "default" and r["remat_policy"] == "full"
+                    and r["scan_layers"]), None)
+  if full_scan and base:
+    peaks = sorted((r["peak_mb"], r["remat_policy"], r["scan_layers"]) for r in ok
+                   if r["attention"] == "default" and r.get("peak_mb"))
+    lowest = peaks[0][0] if peaks else None
+    lines.append(f"- `scan_layers=True, remat_policy='full'`: compiles "
+                 f"{ratio_text(base['compile_s'] / full_scan['compile_s'])} x faster than "
+                 f"the unrolled stack, steps in {ratio_text(over(full_scan, 'median_ms', base))} "
+                 f"x its time, peaks at {ratio_text(over(full_scan, 'peak_mb', base))} x its "
+                 f"memory" + (" (the lowest peak of the default rows)."
+                             if lowest is not None and full_scan["peak_mb"] <= lowest else "."))
+  cudnn_scan = next((r for r in ok if r["attention"] == "cudnn" and r["scan_layers"]), None)
+  if cudnn_scan and "cudnn" in unrolled:
+    lines.append(f"- With cuDNN's attention (no Pallas kernel to lower) the scanned "
+                 f"'{cudnn_scan['remat_policy']}' stack compiles "
+                 f"{ratio_text(unrolled['cudnn']['compile_s'] / cudnn_scan['compile_s'])} x "
+                 f"faster than its unrolled one.")
+  out += lines + ([""] if lines else [])
+  out += [table(header, body), "", runs_line(suite, [source])]
+  return out
+
+
+def ssm_model_section(suites: dict[str, Suite]) -> list[str]:
+  body = []
+  ssm = suites["ssm_scans"]
+  scans = compare(ssm.rows, config=("model", "cell", "dtype", "batch", "time", "mode"),
+                  label=lambda r: r.get("impl") if r.get("kind") == "model" else None,
+                  ours="pallas")
+  scan_letters = run_letters(r.source for r in scans)
+  cells = {"lru": "LRUCell", "mamba": "MambaCell"}
+  for r in sorted(scans, key=lambda r: (r.config["cell"], _mode_key(r.config["mode"]))):
+    mode = "forward" if r.config["mode"] == "fwd" else "train step (Adam)"
+    body.append([cells.get(r.config["cell"], r.config["cell"]), str(r.config["time"]), mode,
+                 cell(r, "pallas"), cell(r, "xla"), ratio_text(r.ratio("pallas", "xla")),
+                 scan_letters[r.source]])
+  chunked = suites["chunked_ops"]
+  chunks = compare(chunked.rows, config=("cell", "B", "T", "dtype", "step"),
+                   label=lambda r: (("default" if r.get("implementation") in (None, "None")
+                                     else r.get("implementation"))
+                                    if r.get("kind") == "model" else None),
+                   ours="default")
+  chunk_letters = run_letters((r.source for r in chunks), start=len(scan_letters))
+  for r in chunks:
+    body.append([r.config["cell"], str(r.config["T"]),
+                 f"train step ({str(r.config['step']).upper()})", cell(r, "default"),
+                 cell(r, "xla"), ratio_text(r.ratio("default", "xla")), chunk_letters[r.source]])
+  if not body:
+    return [not_measured("SSMModel")]
+  out = ["`SSMModel(16, 128, 16, 4)` (input 16, width 128, output 16, 4 layers), batch 8, "
+         "bf16, with each cell on its default kernels against `implementation='xla'` in the "
+         "same run. The LRU and Mamba cells come from `benchmark_kernel_ssm --models` "
+         "(forward and an Adam step), the SSD, Mamba-2 and gated DeltaNet cells from "
+         "`benchmark_kernel_ssd` (an SGD step).", "",
+         table(["cell", "T", "mode", "default ms", "XLA ms", "default / XLA", "run"], body), ""]
+  for suite, letters in ((ssm, scan_letters), (chunked, chunk_letters)):
+    if letters:
+      out += [runs_line(suite, letters, letters), ""]
+  return out
+
+
+def unet_section(suite: Suite) -> list[str]:
+  rows = [r for r in suite.rows if "resolution" in r]
+  if not rows:
+    return [not_measured("UNet")]
+  first = rows[0]
+  out = [f"`UNet({first.get('in_channels')}, {tuple(first.get('channels', ()))})`, batch "
+         f"{first.get('batch')}, Adam train step; every case in a fresh process "
+         "(`peak MB` is the device's counter for the whole process, `planned MB` XLA's plan "
+         "for the step). `attention` is what the dispatch chose at the lowest level. No peer "
+         "library was timed: the second table compares the step's variants with the plain "
+         "step.", ""]
+  grid = [r for r in rows if r.get("variant") == "plain"]
+  keys = sorted({(r["resolution"], r["dtype"]) for r in grid},
+                key=lambda k: (k[0], k[1] != "float32"))
+  body = []
+  for resolution, dtype in keys:
+    by_mode = {r["mode"]: r for r in grid if (r["resolution"], r["dtype"]) == (resolution, dtype)}
+    fwd, step = by_mode.get("forward", {}), by_mode.get("train_step", {})
+
+    def value(row, key):
+      if not row:
+        return "—"
+      return number(row.get(key)) if row.get("status") == "ok" else row.get("status", "")
+    body.append([str(resolution), dtype, value(fwd, "median_ms"), value(step, "median_ms"),
+                 value(step, "peak_mb"), value(step, "planned_peak_mb"),
+                 value(step, "compile_s"), str((step or fwd).get("attention", ""))])
+  out += [table(["resolution", "dtype", "forward ms", "train step ms", "train peak MB",
+                 "train planned MB", "train compile s", "attention"], body), ""]
+  variants = [r for r in rows if r.get("mode") == "train_step" and r.get("variant")
+              and r.get("dtype") == "bfloat16"
+              and any(v.get("variant") != "plain" for v in rows
+                      if v.get("resolution") == r.get("resolution"))]
+  plain = next((r for r in variants if r["variant"] == "plain" and r.get("status") == "ok"),
+               None)
+  if variants and plain:
+    body = []
+    for r in variants:
+      def rel(key):
+        return (ratio_text(r[key] / plain[key])
+                if r.get("status") == "ok" and r.get(key) and plain.get(key) else "")
+      label = {"remat": f"`remat_policy='{r.get('remat_policy')}'`",
+               "donated": "parameters and Adam state donated"}.get(r["variant"], r["variant"])
+      body.append([label, number(r.get("median_ms")), rel("median_ms"),
+                   number(r.get("peak_mb")), rel("peak_mb"), number(r.get("planned_peak_mb")),
+                   rel("planned_peak_mb")])
+    out += [f"bf16 train step at resolution {plain['resolution']}, remat and donation:", "",
+            table(["variant", "step ms", "/ plain", "peak MB", "/ plain", "planned MB",
+                   "/ plain"], body), ""]
+  else:
+    out += [not_measured("The UNet's remat and donation variants"), ""]
+  out.append(runs_line(suite, {r["source"] for r in rows}))
+  return out
+
+
+_MOE_ORDER = ("auto", "gmm", "gmm_mosaic", "gmm_triton", "gmm_triton_tgmm", "sort", "dense",
+              "ragged_dot")
+
+
+def moe_section(suite: Suite) -> list[str]:
+  records = compare(suite.rows, config=("tokens", "mode"),
+                    label=lambda r: r.get("impl") if r.get("section") == "moe" else None,
+                    ours="auto")
+  if not records:
+    return [not_measured("MoELayer per `dropless_impl`")]
+  out = ["`MoELayer`, 8 experts, top-2, d_model 512, d_hidden 1024, GELU, bf16, per "
+         "`dropless_impl` ('auto' is the default and picks 'gmm' on an NVIDIA GPU; the "
+         "`gmm_*` rows force the grouped matmuls onto one kernel family). fwd+bwd is one "
+         "`jax.vjp` with a random cotangent. Ratios are times over 'dense' (every token "
+         "through a dense expert loop) and 'ragged_dot' (`jax.lax.ragged_dot`) in the same "
+         "run.", ""]
+  headlines = []
+  body = []
+  for tokens in sorted({r.config["tokens"] for r in records}):
+    of = {r.config["mode"]: r for r in records if r.config["tokens"] == tokens}
+    impls = [i for i in _MOE_ORDER if any(i in r.cells for r in of.values())]
+    impls += sorted({i for r in of.values() for i in r.cells} - set(impls))
+    for impl in impls:
+      line = [str(tokens), f"'{impl}'"]
+      for mode in ("forward", "fwd+bwd"):
+        r = of.get(mode)
+        line.append(cell(r, impl) if r else "—")
+      r = of.get("fwd+bwd")
+      line += [ratio_text(r.ratio(impl, "dense")) if r else "",
+               ratio_text(r.ratio(impl, "ragged_dot")) if r else ""]
+      body.append(line)
+    r = of.get("fwd+bwd")
+    if r:
+      headlines.append(f"- {tokens} tokens, fwd+bwd, default ('auto'): "
+                       f"{ratio_text(r.ratio('auto', 'dense'))} x 'dense', "
+                       f"{ratio_text(r.ratio('auto', 'ragged_dot'))} x 'ragged_dot'.")
+  out += headlines + [""]
+  out += [table(["tokens", "dropless_impl", "forward ms", "fwd+bwd ms", "fwd+bwd / dense",
+                 "fwd+bwd / ragged_dot"], body), "",
+          runs_line(suite, (r.source for r in records))]
+  return out
+
+
+_FIT_CASES = (
+    ("bare_loop", "bare loop: a jitted, donated optax step in a Python loop, one sync"),
+    ("fit_memory", "`fit()` on in-memory arrays, default arguments"),
+    ("fit_stream", "`fit()` on a stream of host numpy batches, default arguments"),
+    ("fit_memory_calls", "`fit(steps_per_call=K)`, in memory"),
+    ("fit_stream_calls", "`fit(steps_per_call=K)`, stream"),
+    ("fit_memory_one_step", "`fit(steps_per_call=1)`, in memory"),
+    ("fit_stream_one_step", "`fit(steps_per_call=1)`, stream"),
+    ("bare_loop_calls", "bare loop of K steps per jitted call (`lax.scan`)"),
+)
+
+
+def fit_section(suite: Suite) -> list[str]:
+  source, rows = newest_rows(suite, lambda r: "case" in r)
+  if not rows:
+    return [not_measured("Training-loop overhead")]
+  by_case = {r["case"]: r for r in rows}
+  first = rows[0]
+  what = (f"a {first.get('num_layers')}-layer Transformer of width {first.get('model_dim')}, "
+          f"batch {first.get('batch')} x {first.get('seq_len')} tokens"
+          if first.get("model") == "transformer" else
+          f"the 3-hidden-layer MLP of width {first.get('model_dim')} on "
+          f"{first.get('seq_len')} features, batch {first.get('batch')}")
+  out = [f"`fit()` against a hand-written loop, on {what}, {first.get('dtype')}, Adam, "
+         f"{first.get('steps')} steps per loop; the loops run interleaved in "
+         f"{first.get('repeats')} rounds, and `time / bare loop` is the median of the "
+         "per-round ratios (min-max beside it), so lower is better and 1 is no overhead. "
+         "With default arguments `fit()` runs several steps per compiled call when the state "
+         "is small, where the bare loop runs one; the bare loop of K steps per call is the "
+         "like-for-like baseline of the K rows.", ""]
+  memory, stream = by_case.get("fit_memory"), by_case.get("fit_stream")
+  second = by_case.get("fit_second")
+  if memory and stream:
+    out.append(f"- Default arguments: in memory {ratio_text(memory.get('bare_loop_time_ratio'))}"
+               f" x the bare loop's time, stream {ratio_text(stream.get('bare_loop_time_ratio'))}"
+               " x.")
+  if second and second.get("second_over_first_wall") is not None:
+    out.append(f"- A second `fit()` call takes {ratio_text(second['second_over_first_wall'])} "
+               "x the first call's wall time (it compiles nothing).")
+  out.append("")
+  body = []
+  for case, name in _FIT_CASES:
+    r = by_case.get(case)
+    if r is None:
+      continue
+    spread = (f"{ratio_text(r['ratio_min'])}-{ratio_text(r['ratio_max'])}"
+              if r.get("ratio_min") != r.get("ratio_max") else "")
+    k = r.get("steps_per_call")
+    body.append([name + (f" (K = {k})" if k else ""), number(r.get("steps_per_s")),
+                 ratio_text(r.get("bare_loop_time_ratio")), spread])
+  out += [table(["case", "steps/s", "time / bare loop", "min-max"], body), "",
+          runs_line(suite, [source])]
+  return out
+
+
+def reproduce_section(manifest: dict) -> list[str]:
+  out = ["Each suite's file is written by one program; on a CUDA machine with this "
+         "repository installed (`pip install -e .` and JAX for CUDA), from the repository "
+         "root:", "", "```"]
+  for name, entry in manifest["suites"].items():
+    out.append(f"{entry['command']}    # {entry['file']}")
+  out += ["python -m experiments.benchmark_figures    # these pages", "```", "",
+          "Each program writes `docs/benchmarks/<suite>.json` unless `--output` names another "
+          "path (use one for trial runs). The programs rewrite their file after every row, so "
+          "a run cut short keeps what it measured."]
+  return out
+
+
+def models_page(manifest: dict, suites: dict[str, Suite]) -> str:
+  records = model_records(suites["models"])
+  out = ["# Models", "",
+         "Whole models on one GPU: forward passes and train steps of the library's models "
+         "with their default kernels beside the same model on a peer implementation, in the "
+         "same run. Ratios are the default's time over the peer's: below 1 the default is "
+         "faster.", "", "## Headlines", ""]
+  headline = [r for r in records if r.config["mode"] == "train_step"
+              and r.ratio("default", "cudnn") is not None]
+  if headline:
+    newest = max(r.source for r in headline)
+    for r in headline:
+      if r.source != newest:
+        continue
+      c = r.config
+      out.append(f"- {_MODEL_NAMES.get(c['model'], c['model'])} train step, {c['dtype']}, "
+                 f"{c['tokens']} tokens: {ratio_text(r.ratio('default', 'cudnn'))} x the "
+                 "same model with cuDNN attention.")
+  else:
+    out.append(not_measured("The model train steps"))
+  out += ["", "## Transformer and DiffusionTransformer", ""]
+  if records:
+    first = next(r for r in records)
+    row = first.cells["default"]
+    out += [f"Batch {row.get('batch')}, width 256, 8 heads of 32, 4 layers "
+            "(`benchmark_gpu_nn`'s profile); the train step is the gradient of a mean-square "
+            "loss plus an Adam update with donated buffers. `default` is "
+            "`attention_fn=dot_product_attention` with the library's dispatch; cuDNN and XLA "
+            "are the same model with `implementation='cudnn'` / `'xla'`. DiT is the "
+            "DiffusionTransformer.", "",
+            model_table(suites["models"], records), ""]
+    missing = missing_combinations(
+        [r for r in suites["models"].rows if r.get("attention") == "default"],
+        ("model", "dtype", "tokens", "mode"), {"model": _MODEL_NAMES})
+    if missing:
+      out += ["Not measured: " + "; ".join(m.replace("_", " ") for m in missing) + ".", ""]
+  else:
+    out += [not_measured("The Transformer and DiffusionTransformer"), ""]
+  out += ["## scan_layers x remat_policy", ""] + scan_remat_section(suites["scan_remat"])
+  out += ["", "## SSMModel per cell", ""] + ssm_model_section(suites)
+  out += ["", "## UNet", ""] + unet_section(suites["unet"])
+  out += ["", "## MoELayer per dropless_impl", ""] + moe_section(suites["moe"])
+  out += ["", "## Training-loop overhead", ""] + fit_section(suites["fit"])
+  out += ["", "## How to reproduce", ""] + reproduce_section(manifest)
+  return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Setup and index.
+
+
+def _range(values: list) -> str:
+  values = sorted(set(values))
+  if not values:
+    return ""
+  return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def setup_page(manifest: dict, suites: dict[str, Suite]) -> str:
+  warmup = inspect.signature(harness.run_case).parameters["warmup"].default
+  out = ["# Setup", "",
+         "Where and how the numbers on these pages were measured, from what the benchmark "
+         "JSON records and how `experiments/harness.py` times.", "", "## Machines", "",
+         "Every run records its device, JAX and Python versions and when it was written. "
+         "The GPU driver and CUDA versions are not recorded in the JSON.", ""]
+  body = []
+  for name, suite in suites.items():
+    for source in suite.sources:
+      env = suite.environment(source)
+      rows = [r for r in suite.rows if r["source"] == source]
+      iters = [r["iters"] for r in rows if isinstance(r.get("iters"), int)]
+      calls = [r["calls_per_sample"] for r in rows if isinstance(r.get("calls_per_sample"), int)]
+      commit = suite.sources[source].get("commit", "")
+      body.append([f"`{suite.file}`", run_label(source), str(env.get("device_kind", "")),
+                   str(env.get("device_count", "")), str(env.get("jax", "")),
+                   str(env.get("python", "")), str(len(rows)), _range(iters), _range(calls),
+                   commit[:7]])
+  out += [table(["file", "run", "device", "devices", "JAX", "Python", "rows", "samples",
+                 "calls per sample", "commit"], body), "",
+          "`samples` is how many samples each row's median is taken over and `calls per "
+          "sample` how many calls a sample held (below); a blank means the run recorded "
+          "none and timed one call per sample, host dispatch and sync included. The "
+          "sample's length is the harness's at the time of the run and is not recorded. "
+          "`commit` is the last commit of the run's original file; the `blob` beside it in "
+          "the JSON reads that file back with `git cat-file -p`.", ""]
+  out += ["## How a case is timed", "",
+          f"`harness.run_case` builds a case, compiles it with `jax.jit(...).lower(...)"
+          ".compile()` (`compile_s`: tracing, lowering, which runs the Pallas kernels' "
+          "Python lowering, and XLA's compile; `lower_s`: the first two) and records XLA's "
+          "buffer plan (`planned_peak_mb`: arguments + outputs + temporaries - aliased "
+          f"buffers). It then runs {warmup} warm-up calls and one call to size the samples, "
+          "and times `iters` samples (the `samples` column above). Each sample dispatches "
+          f"calls back to back for about {harness.SAMPLE_MS:g} ms (at least "
+          f"{harness.MIN_CALLS_PER_SAMPLE}, at most 50; one when a call takes over 50 ms) and "
+          "blocks once with `jax.block_until_ready`, so a call of tens of microseconds is "
+          "timed on the device rather than as host dispatch plus a sync. `median_ms` is the "
+          "median over samples of the time per call, `min_ms` the fastest sample.", "",
+          "- Train steps donate their parameter and optimizer buffers and feed each call's "
+          "outputs to the next, as in training.",
+          "- Peers (cuDNN, XLA, JAX's Pallas `mha`, `lax.associative_scan`, "
+          "`jax.lax.ragged_dot`, a dense matmul) run in the same process as this library's "
+          "kernels, on the same inputs; every ratio on these pages is between rows of one "
+          "run. Runs on different machines of the same kind differ by a few percent, so "
+          "compare ratios, not times, across runs.",
+          "- Attention calls of up to `CHAINED_MAX_SCORES` scores run several calls in one "
+          "executable (the rows' `chain`), each on the previous call's inputs through an "
+          "optimization barrier; the time is per call.",
+          "- `peak_mb` is the device's `peak_bytes_in_use` in a fresh process per case "
+          "(scan x remat, UNet), so that each peak is its own.",
+          "- The training-loop suite times whole loops of `fit()` and of a bare jitted "
+          "loop, interleaved in rounds, and reports the median of the per-round ratios.", ""]
+  out += ["## Suites", "", "Which file feeds which page, and the program that writes it:", ""]
+  body = [[name, f"`{entry['file']}`", ", ".join(f"[{p}]({p}.md)" for p in entry["pages"]),
+           f"`{entry['command']}`"] for name, entry in manifest["suites"].items()]
+  out += [table(["suite", "file", "pages", "command"], body), ""]
+  return "\n".join(out)
+
+
+def index_page(manifest: dict, suites: dict[str, Suite]) -> str:
+  out = ["# Performance", "",
+         "Measured on one GPU, this library beside the peers timed in the same run. "
+         "These pages are generated from the JSON in `docs/benchmarks/` by "
+         "`python -m experiments.benchmark_figures`; ratios are this library's time over "
+         "the peer's (below 1 is faster).", "", "## Headlines", ""]
+  attention = attention_records(suites["attention"])
+  headlines = attention_headlines(attention)
+  models = [r for r in model_records(suites["models"]) if r.config["mode"] == "train_step"
+            and r.ratio("default", "cudnn") is not None]
+  if models:
+    newest = max(r.source for r in models)
+    for r in models:
+      if r.source == newest:
+        headlines.append(f"- {_MODEL_NAMES.get(r.config['model'], r.config['model'])} train "
+                         f"step ({r.config['dtype']}, {r.config['tokens']} tokens): "
+                         f"{ratio_text(r.ratio('default', 'cudnn'))} x cuDNN attention's.")
+  headlines += scan_headlines(scan_records(suites["ssm_scans"]))
+  headlines += chunked_headlines(chunked_records(suites["chunked_ops"]))
+  headlines += gmm_section(suites["moe"])[0]
+  out += headlines if headlines else [not_measured("The benchmarks")]
+  out += ["", "Machines, timing and the files behind each page are on the setup page.", "",
+          "```{toctree}", ":maxdepth: 1", ""] + [p for p in PAGES if p != "index"] + ["```", ""]
+  return "\n".join(out)
+
+
+def render_pages(directory: str) -> dict[str, str]:
+  """Every performance page's Markdown, from the manifest's files in `directory`."""
+  manifest, suites = load_suites(directory)
+  pages = {
+      "index": index_page(manifest, suites),
+      "setup": setup_page(manifest, suites),
+      "attention": attention_page(suites),
+      "kernels": kernels_page(suites),
+      "models": models_page(manifest, suites),
+  }
+  # Sections that end in a blank line meet the next one's: one blank line between blocks.
+  return {f"{name}.md": re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
+          for name, text in pages.items()}
 
 
 def main(argv):
   del argv
-  directory = _DIRECTORY.value
-  sections = ["# Benchmarks", "",
-              "Rebuilt by `python -m experiments.benchmark_figures` from the JSON files "
-              "beside this page; each section names the program that wrote its file (see "
-              "BUILD_NOTES.md) and the machine it ran on. Times are medians of timed calls "
-              "after warm-up, blocked with `jax.block_until_ready`; peers were timed in the "
-              "same process. Compare ratios within one file, not across files.", ""]
-  for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-    with open(path) as f:
-      data = json.load(f)
-    name = os.path.splitext(os.path.basename(path))[0]
-    env = data.get("environment", {})
-    rows = data.get("rows", [])
-    sections += [f"## {name}", "",
-                 "Measured on " + ", ".join(f"{k} {v}" for k, v in env.items()) + ".", ""]
-    if bar_chart(rows, os.path.join(directory, f"{name}.png"), name):
-      sections += [f"![{name}]({name}.png)", ""]
-    sections += [table(peer_ratios(rows)), ""]
-  with open(os.path.join(directory, "README.md"), "w") as f:
-    f.write("\n".join(sections))
-  print(f"wrote {os.path.join(directory, 'README.md')}")
+  os.makedirs(_PAGES.value, exist_ok=True)
+  for name, text in render_pages(_BENCHMARKS.value).items():
+    path = os.path.join(_PAGES.value, name)
+    with open(path, "w") as f:
+      f.write(text)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

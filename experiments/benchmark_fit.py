@@ -1,6 +1,6 @@
 r"""fit()'s training-loop overhead against a hand-written jitted optax loop.
 
-    python -m experiments.benchmark_fit --output=/tmp/fit.json
+    python -m experiments.benchmark_fit    # docs/benchmarks/fit.json
 
 One process, one model: a Transformer (D 256, 8 heads of 32, 4 layers) on
 batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
@@ -86,7 +86,9 @@ from probjax_hk.training import loop as fit_loop
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
 
-_OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSON rows.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/fit.json",
+                              "Where to write the JSON rows (the curated suite file; another "
+                              "for trial runs).")
 _STEPS = flags.DEFINE_integer("steps", 300, "Steps per timed loop.")
 _CALLS_STEPS = flags.DEFINE_integer("calls_steps", 20,
                                     "Steps of the first/second-call rows.")

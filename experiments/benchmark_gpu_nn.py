@@ -1,6 +1,6 @@
 """The model grid: forward and train step of every model, per attention and dtype.
 
-    python -m experiments.benchmark_gpu_nn --output docs/benchmarks/gpu_nn.json
+    python -m experiments.benchmark_gpu_nn    # docs/benchmarks/models.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_gpu_nn --tokens 128 \
         --output /tmp/gpu_nn_cpu.json
 
@@ -13,7 +13,7 @@ Adam update, with the parameter and optimizer buffers donated.
 `unet` and `moe` in `--models` run their own programs in a child process
 (`benchmark_unet`: one fresh process per case for the memory peak;
 `benchmark_kernel_moe --sections moe`: MoELayer per `dropless_impl`), writing
-`<output stem>_unet.json` / `_moe.json` beside `--output`.
+their suites' files, `unet.json` / `moe.json`, beside `--output`.
 """
 
 import os
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from experiments import harness
 from experiments import model_steps
 
-_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gpu_nn.json", "JSON output path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/models.json",
+                              "JSON output path (the curated suite file; another for trial runs).")
 _MODELS = flags.DEFINE_list("models", ["transformer", "dit"],
                             "Models to run: transformer, dit, ssm_lru, ssm_mamba, "
                             "ssm_ssd, ssm_mamba2, ssm_gated_delta_net, unet, moe.")
@@ -53,7 +54,8 @@ PROGRAMS = {
 def _run_program(model_name: str) -> None:
   module, extra, cpu_extra = PROGRAMS[model_name]
   program_flags = extra() + (cpu_extra if jax.default_backend() == "cpu" else [])
-  harness.run_program(module, f"{os.path.splitext(_OUTPUT.value)[0]}_{model_name}.json",
+  # The model's name is its suite's: unet.json, moe.json.
+  harness.run_program(module, os.path.join(os.path.dirname(_OUTPUT.value), f"{model_name}.json"),
                       program_flags)
 
 

@@ -10,8 +10,7 @@ of at most `CHAINED_MAX_SCORES` scores (T 1024 at B 8, N 8) run ten calls per
 executable (`workloads.chained`, `--chain` to set), so that calls of tens of
 microseconds are timed on the device rather than as the host's dispatch.
 
-  python3 -m experiments.benchmark_kernel_attention --check \
-      --output docs/benchmarks/kernel_attention_h200.json
+  python3 -m experiments.benchmark_kernel_attention --check    # docs/benchmarks/attention.json
 """
 
 import functools
@@ -32,7 +31,8 @@ from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
 from ops.flex_attention import reference
 
-_OUTPUT = flags.DEFINE_string("output", "/tmp/kernel_attention.json", "JSON path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/attention.json",
+                              "JSON path (the curated suite file; another for trial runs).")
 _SHAPES = flags.DEFINE_list("shapes", None, "Shape names (default: DEFAULT_SHAPES, "
                             "the ANCHORS.md shapes).")
 _IMPLS = flags.DEFINE_list(

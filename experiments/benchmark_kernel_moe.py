@@ -1,11 +1,11 @@
 """Grouped matmul and dropless MoE on one GPU: correctness, kernel tiles, timings.
 
-    python -m experiments.benchmark_kernel_moe --output docs/benchmarks/kernel_moe.json
+    python -m experiments.benchmark_kernel_moe    # docs/benchmarks/moe.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --tokens 256 \
         --gmm_rows 1024 --iters 2 --output /tmp/kernel_moe_cpu.json
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python -m experiments.benchmark_kernel_moe \
         --sections capacity --capacity_budget_s 270 --capacity_iters 3 \
-        --output docs/benchmarks/kernel_moe_capacity.json
+        --output /tmp/moe_capacity.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --sections capacity \
         --capacity_start 64 --capacity_max 256 --output /tmp/kernel_moe_capacity_cpu.json
 
@@ -76,7 +76,8 @@ from ops.grouped_matmul import reference as gmm_reference
 from ops.grouped_mlp import pallas as mlp_pallas
 from probjax_hk import moe
 
-_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_moe.json", "JSON output.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/moe.json",
+                              "JSON output (the curated suite file; another for trial runs).")
 _TOKENS = flags.DEFINE_list("tokens", ["8192", "65536"], "MoE token counts.")
 _GMM_ROWS = flags.DEFINE_integer("gmm_rows", 131072, "M of the grouped-matmul op cases.")
 _MLP_ROWS = flags.DEFINE_list("mlp_rows", ["16384", "131072"],

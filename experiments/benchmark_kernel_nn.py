@@ -1,9 +1,8 @@
 """Stack-level benchmarks: scan_layers x remat_policy (compile, step, peak memory).
 
-    python -m experiments.benchmark_kernel_nn --device gpu --peak \
-        --output docs/benchmarks/kernel_nn_gpu.json
+    python -m experiments.benchmark_kernel_nn --device gpu --peak  # docs/benchmarks/scan_remat.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_nn --device cpu \
-        --output docs/benchmarks/kernel_nn_cpu.json
+        --output /tmp/scan_remat_cpu.json
 
 A 24-layer, width-512 Transformer (8 heads of 64), batch 2, Adam, at 4096
 tokens in bf16 on the GPU and 512 tokens in float32 on the CPU. Rows: remat_policy in None /
@@ -17,11 +16,11 @@ runs in its own process so that its device memory peak
 (`memory_stats()['peak_bytes_in_use']`) is its own.
 
 `--sections` adds the other benchmark programs, each run in its own process
-and writing `<output stem>_<section>.json`: unet (plain / remat / donated
-train steps), training_loop (fit() against a bare jitted step; `--part` is an
-alias of `--sections`), attention, ssm, ssd and moe (the
-kernel benchmarks of their issues). On `--device cpu` they get their small
-smoke-test flags.
+and writing its suite's file beside `--output` (`SECTION_PROGRAMS`): unet
+(plain / remat / donated train steps), training_loop (fit() against a bare
+jitted step; `--part` is an alias of `--sections`), attention, ssm, ssd and
+moe (the kernel benchmarks of their issues). On `--device cpu` they get their
+small smoke-test flags.
 """
 
 import functools
@@ -40,7 +39,8 @@ from experiments import harness
 import probjax_hk as pk
 
 _DEVICE = flags.DEFINE_enum("device", "gpu", ["gpu", "cpu"], "Which profile to run.")
-_OUTPUT = flags.DEFINE_string("output", None, "JSON output path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/scan_remat.json",
+                              "JSON output path (the curated suite file; another for trial runs).")
 _PEAK = flags.DEFINE_bool("peak", False, "Run each case in a fresh process and record its peak.")
 _ITERS = flags.DEFINE_integer("iters", 10, "Timed steps per case.")
 _SINGLE_CASE = flags.DEFINE_string("single_case", None, "Internal: run one JSON config, print its row.")
@@ -50,15 +50,19 @@ _SECTIONS = flags.DEFINE_list("sections", ["scan_remat"],
                                    "moe"]))
 flags.DEFINE_alias("part", "sections")
 
-# section -> (program, extra flags per device).
+# section -> (program, its suite's file, extra flags per device).
 SECTION_PROGRAMS = {
-    "unet": ("experiments.benchmark_unet", {"cpu": ["--quick"]}),
-    "training_loop": ("experiments.benchmark_fit", {"cpu": ["--steps=20", "--calls_steps=5",
-                                                   "--seq_len=64", "--model_dim=64"]}),
-    "attention": ("experiments.benchmark_kernel_attention", {"gpu": ["--check"]}),
-    "ssm": ("experiments.benchmark_kernel_ssm", {"cpu": ["--small"], "gpu": ["--models"]}),
-    "ssd": ("experiments.benchmark_kernel_ssd", {"cpu": ["--quick"]}),
-    "moe": ("experiments.benchmark_kernel_moe", {"cpu": ["--tokens=256", "--gmm_rows=512"]}),
+    "unet": ("experiments.benchmark_unet", "unet.json", {"cpu": ["--quick"]}),
+    "training_loop": ("experiments.benchmark_fit", "fit.json",
+                      {"cpu": ["--steps=20", "--calls_steps=5", "--seq_len=64",
+                               "--model_dim=64"]}),
+    "attention": ("experiments.benchmark_kernel_attention", "attention.json",
+                  {"gpu": ["--check"]}),
+    "ssm": ("experiments.benchmark_kernel_ssm", "ssm_scans.json",
+            {"cpu": ["--small"], "gpu": ["--models"]}),
+    "ssd": ("experiments.benchmark_kernel_ssd", "chunked_ops.json", {"cpu": ["--quick"]}),
+    "moe": ("experiments.benchmark_kernel_moe", "moe.json",
+            {"cpu": ["--tokens=256", "--gmm_rows=512"]}),
 }
 
 NUM_LAYERS, MODEL_DIM, NUM_HEADS, BATCH = 24, 512, 8, 2
@@ -128,10 +132,10 @@ def main(argv):
 
 def _run_section_program(section: str) -> None:
   """Runs another benchmark program in its own process, next to --output."""
-  program, extra = SECTION_PROGRAMS[section]
-  stem = os.path.splitext(_OUTPUT.value or f"/tmp/kernel_nn_{_DEVICE.value}.json")[0]
-  os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-  harness.run_program(program, f"{stem}_{section}.json", extra.get(_DEVICE.value, []))
+  program, file, extra = SECTION_PROGRAMS[section]
+  directory = os.path.dirname(os.path.abspath(_OUTPUT.value))
+  os.makedirs(directory, exist_ok=True)
+  harness.run_program(program, os.path.join(directory, file), extra.get(_DEVICE.value, []))
 
 
 def _run_scan_remat() -> None:

@@ -1,6 +1,6 @@
 """SSD and the gated delta rule on a GPU: Pallas kernels vs the chunked XLA tier.
 
-    python -m experiments.benchmark_kernel_ssd --output docs/benchmarks/kernel_ssd.json
+    python -m experiments.benchmark_kernel_ssd    # docs/benchmarks/chunked_ops.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \
         --output /tmp/kernel_ssd_cpu.json
 
@@ -32,7 +32,8 @@ from experiments import workloads
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.ssd import ssd_reference
 
-_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssd.json", "JSON output path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/chunked_ops.json",
+                              "JSON output path (the curated suite file; another for trial runs).")
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny shapes, few calls (CPU smoke test).")
 _MODELS = flags.DEFINE_bool("models", True, "Also time SSMModel train steps per cell.")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")

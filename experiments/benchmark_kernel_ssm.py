@@ -1,6 +1,6 @@
 """SSM scan kernels (and SSMModel) on a GPU: Pallas vs `lax.associative_scan`.
 
-    python -m experiments.benchmark_kernel_ssm --output docs/benchmarks/kernel_ssm.json
+    python -m experiments.benchmark_kernel_ssm --models    # docs/benchmarks/ssm_scans.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \
         --output /tmp/kernel_ssm_cpu.json
 
@@ -16,7 +16,7 @@ times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
 `--ops` also takes `ssd` and `gated_delta_rule`, the chunked ops: they run as
 experiments/benchmark_kernel_ssd.py (their shapes, their chunked XLA peer and
 their cells' train steps with `--models`) in a process of their own, writing
-`<output stem>_chunked.json`.
+their suite's file, `chunked_ops.json`, beside `--output`.
 """
 
 import functools
@@ -40,7 +40,8 @@ from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import selective_scan_xla
 from ops.selective_scan import SelectiveScanBlocks
 
-_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/kernel_ssm.json", "JSON output path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/ssm_scans.json",
+                              "JSON output path (the curated suite file; another for trial runs).")
 _SMALL = flags.DEFINE_bool("small", False, "Tiny shapes (CPU smoke test).")
 _SWEEP = flags.DEFINE_bool("sweep", False, "Also time block-size variants.")
 _KERNELS = flags.DEFINE_bool("kernels", True, "Time the scan ops.")
@@ -289,7 +290,7 @@ def main(argv):
   if any(op in _OPS.value for op in _CHUNKED_OPS):
     harness.run_program(
         "experiments.benchmark_kernel_ssd",
-        f"{os.path.splitext(_OUTPUT.value)[0]}_chunked.json",
+        os.path.join(os.path.dirname(_OUTPUT.value), "chunked_ops.json"),
         [f"--iters={_ITERS.value}", "--quick" if small else "--noquick",
          "--models" if _MODELS.value else "--nomodels"])
 

@@ -1,6 +1,6 @@
 """UNet benchmark: forward and train step, time and device memory, one process per case.
 
-    python -m experiments.benchmark_unet --output docs/benchmarks/unet.json
+    python -m experiments.benchmark_unet    # docs/benchmarks/unet.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_unet --quick \
         --output /tmp/unet_cpu.json
 
@@ -52,7 +52,8 @@ from experiments import harness
 import probjax_hk as pk
 from probjax_hk import unet as unet_lib
 
-_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/unet.json", "JSON output path.")
+_OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/unet.json",
+                              "JSON output path (the curated suite file; another for trial runs).")
 _RESOLUTIONS = flags.DEFINE_list("resolutions", ["32", "64", "128"], "Image sizes (square).")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Input dtypes.")
 _MODES = flags.DEFINE_list("modes", ["forward", "train_step"], "What to time.")
