@@ -42,8 +42,7 @@ def choose(op: str, implementation: Implementation,
       a sentence naming the argument and the limit it breaks. Only called when
       the answer matters.
     default_on_gpu: False keeps `None` on XLA even on NVIDIA GPUs, for a
-      kernel that has not yet been compiled and measured on one (BUILD_NOTES.md
-      says which); 'pallas' still selects it.
+      kernel not measured faster than XLA there; 'pallas' still selects it.
 
   Returns:
     'pallas' or 'xla'. None picks the kernel on NVIDIA GPUs when it fits and

@@ -1,4 +1,4 @@
-"""Test-session setup shared by every test module."""
+"""Setup shared by every test module: environment, compilation cache, fixtures."""
 
 import os
 import shutil

@@ -36,28 +36,9 @@ ring), partly masked tiles run a masked body, fully open ones a body without
 mask arithmetic (`masks.key_tiles` gives the ranges, `masks.is_open` the
 mask; the caller passes both).
 
-Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): 0.98-1.01x
-cuDNN's forward time at head sizes 64 and 128, 0.59-0.60x the Triton
-forward's at 256; at 32, with 128-row tiles, 0.89-0.90x the Triton forward's
-on causal calls and 1.02x on full attention, so the table (`configs.py`)
-gives it only the causal ones there, with the warpgroups running freely
-(`ping_pong=False`: 3-5 % faster than with the turns at that size).
-`pipelined=True` (each warpgroup's next `Q K^T` and last `P V` in flight
-under its softmax) took 2-4 % off the same 64-row tiles on full attention
-and nothing on causal calls, short of the table's kernels: no entry uses it.
-`persistent=True` took 1.6-3.1 % (H64) and 5.4-6.4 % (H128) off full
-attention in two runs; the table uses it there. Causal calls walked
-persistently, heaviest items first (`persistent_right_bounded`), measured
-within -2.4 to +3.3 % of one block per item at T 4096; on 64 x 128 tiles
-with the next query tile prefetched (`prefetch_query`) they took 32 % off
-H64 causal calls at T 1024 (thirty-seventh session): the H64 entry's short
-causal calls run that way.
-The first-tile maxima took 14 % off H64 full attention, 2-7 % elsewhere
-(twenty-seventh session); at H256 7 % (full) and 5 % (causal). The
-pipelined walk takes them too (twenty-eighth session), and its best tiles
-measured slower than the table's kernels on full attention in one run:
-0.494 against 0.486 ms at H32, 0.584 against 0.559 at H64, 2.04 against
-1.79 at H128 (BUILD_NOTES.md).
+Which calls take which walk (`configs.py`, `pallas.prepare`), what each
+option measured on an H200 and the variants that lost: BUILD_NOTES.md,
+"flex_attention".
 
 The tiles (`MosaicForwardConfig`) and the limits both Mosaic kernels share
 live in `mosaic_tiles.py`.

@@ -3,10 +3,9 @@
 The Triton backward (`triton_backward.py`) runs two launches, dK/dV per key tile and dQ
 per query tile, and the second recomputes the logits, the probabilities and
 dP: seven products per (query tile, key tile) pair where five suffice. Adding
-dQ from the dK/dV kernel with per-element atomic adds measured 1.2-2.3x slower
-than the two launches on an H200 (BUILD_NOTES.md), because each element is
-one atomic operation. This kernel follows FlashAttention-3
-(https://arxiv.org/abs/2407.08608) instead:
+dQ from the dK/dV kernel with per-element atomic adds is slower than the two
+launches (one atomic operation per element; BUILD_NOTES.md, "flex_attention").
+This kernel follows FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
 
 - A CUDA block owns 2 x `block_k` key rows of one (batch, key/value head) and
   has three warpgroups. One (the memory warpgroup) streams the query-side
@@ -30,11 +29,8 @@ one atomic operation. This kernel follows FlashAttention-3
   dK's before it stores its dS^T rows, and waits for both at the end of the
   step (FlashAttention-3's overlap inside a warpgroup).
 
-Measured on an H200 (BUILD_NOTES.md, "## flex_attention"): fwd+bwd 0.77 /
-0.71 x cuDNN's time at head size 32 (non-causal / causal; the Triton backward
-gave 0.82 / 0.82), 0.95 / 0.88 x at 64 (from 1.18 / 1.10), 1.04 / 1.00 x at
-128 (from 1.30 / 1.25). Two dS^T slots with the pipelined step (the H32
-entry since the thirty-second session) took the H32 fwd+bwd to 0.72 / 0.66 x.
+Its tiles per head size and what it measured against the Triton backward and
+cuDNN on an H200: BUILD_NOTES.md, "flex_attention".
 
 At head size 32 the dS^T tile takes K's 64-byte swizzle rather than its own
 128-byte one: wgmma reads both operands of the dQ product `dS K` with one

@@ -78,9 +78,8 @@ class MosaicForwardConfig:
     accumulator: `SUM_COLUMNS`), as the Triton forward's first-tile-maxima
     tiles do, instead of an add per logit and lane shuffles per tile. At
     small heads the softmax's per-logit instructions, not the tensor cores,
-    hold the kernel. The non-pipelined walk only. On an H200 it helped the
-    H32 full-attention walk on 256-key tiles, not the 128 x 128 one
-    (BUILD_NOTES.md, flex_attention, "Thirty-fourth session").
+    hold the kernel. The non-pipelined walk only. It pays on long walks over
+    256-key tiles (BUILD_NOTES.md, "flex_attention").
   frozen_masked_tiles: with `FlexConfig.fwd_softmax='first_tile_max'`, the
     partly masked key tiles after a warpgroup's first open one (a causal
     call's diagonal tiles, a window's right edge, the key lengths' last tile)
@@ -153,7 +152,7 @@ class MosaicForwardConfig:
     compute warpgroup's ones, each buffer aligned
     to 1 KiB (what 128-byte swizzles need), and 2 KiB for the barriers and
     the rest. (64 x 128 x 3 at H128 counts 232,448 here, over the budget;
-    Mosaic GPU asked for 232,568 and refused it on an H200.)"""
+    Mosaic GPU asks 232,568 for it and refuses it.)"""
     align = lambda n: -(-n // 1024) * 1024
     q = self.compute_warpgroups * self.block_q * head_dim * itemsize
     ring = self.max_concurrent_steps * self.block_k * head_dim * itemsize

@@ -216,11 +216,10 @@ def _refreshes_in_kernel(st: Static) -> bool:
   return st.config.refresh == "in_kernel" and st.config.mosaic_fwd is None
 
 
-# Query tiles one program of `_refresh_frozen` checks. One program per tile
-# cost 4.6 us where nothing is recomputed (H32, B 8, N 8, T 4096 on an H200:
-# 2,048 short programs), a group of eight read with one load 2.1 us (a load
-# per tile in the loop: 6.1); the (rare) flagged tiles of a group are
-# recomputed one after another (thirty-first session).
+# Query tiles one program of `_refresh_frozen` checks: their lse in one load,
+# so a call with nothing to recompute runs few short programs (one per tile
+# cost twice the time; BUILD_NOTES.md, "flex_attention"); the (rare) flagged
+# tiles of a group are recomputed one after another.
 REFRESH_TILES_PER_PROGRAM = 8
 
 
@@ -362,8 +361,8 @@ def _fwd_softmax(config: configs.FlexConfig, dtype, score_mod) -> str:
   do not suit: float16's P overflows at 65504 (logits 16 base-2 units above
   the frozen maximum), and a `score_mod` may move logits with the key's
   position (ALiBi: a query's first key tile sits hundreds of units below its
-  nearest keys), which sent nearly every query tile to the second pass: the
-  ALiBi forward took 1.72 x the online one's time (thirty-first session)."""
+  nearest keys), which sent nearly every query tile to the second pass
+  (1.72 x the online forward's time with ALiBi)."""
   if jnp.dtype(dtype) == jnp.float16 or score_mod is not None:
     return "online"
   return config.fwd_softmax

@@ -41,13 +41,10 @@ one V half, then warpgroup 1 forms Y and hands it over while warpgroup 0
 forms X, Z2 and A5, and each runs the state products and `A5 [K; Q]` for one
 half of dQ's and dK's columns (M0's and dM1's rows).
 
-On the H200 at (8, 4096, 16, 128), bf16 (BUILD_NOTES.md, "Twenty-sixth
-session"): 670 us against 887 for the two kernels it replaces; with a row
-ring of one chunk, 787 us. Slower variants timed there: A5 formed in two
-halves, one per warpgroup (828 us), and warpgroup 0's reductions moved into
-the state products' wgmma window (1,130 us). With heads sharing keys (float32
-dQ, dK; a one-chunk row ring) it is slower than the two kernels (934 against
-583 + 303 us), so the op does not pick it there.
+With heads sharing keys its dQ and dK go out in float32 and only a one-chunk
+row ring fits, which makes it slower than the two kernels it replaces, so the
+op picks it only where every head has its own keys (timings and the variants
+that lost: BUILD_NOTES.md, "SSD and the gated delta rule").
 
 Glossary: B batch, T time (a multiple of the chunk), N heads, G key groups,
 K key size, V value size, C chunks, L tokens per chunk (32 here), WG warpgroup.

@@ -102,9 +102,8 @@ class GatedDeltaBlocks:
                                     # where the walks run, it takes the chunk,
                                     # every head has its own keys and
                                     # mosaic_key_grads is not asked for
-                                    # (32 tokens; fwd+bwd 9 % faster than value +
-                                    # key gradients on the H200, BUILD_NOTES.md,
-                                    # "Twenty-sixth session")
+                                    # (32 tokens; faster than the value + key
+                                    # gradient kernels there)
   mosaic_key_grads: bool | None = None  # the key gradients alone on a Mosaic GPU
                                         # kernel (mosaic_key_grads.py); None:
                                         # where the walks run and mosaic_grads not
@@ -133,11 +132,10 @@ class GatedDeltaBlocks:
     if chunk is None:
       chunk = min(32, max(16, _next_pow2(time)))
     big = key * value > 64 * 64
-    # The gradient kernels' warps, key tile and stages, and the walks' tiles:
-    # the best of sweeps on the H200 (BUILD_NOTES.md, "Eighteenth session" and
-    # "Nineteenth session"); num_warps is then the output kernel's alone. At
-    # K * V > 64 * 64 each walk program carries the whole [K, V] state. The
-    # prepare kernel on 2 warps ("Twenty-second session").
+    # The gradient kernels' warps, key tile and stages, the walks' tiles and
+    # the prepare kernel's warps: the best of sweeps on an H200 (BUILD_NOTES.md,
+    # "SSD and the gated delta rule"); num_warps is then the output kernel's
+    # alone. At K * V > 64 * 64 each walk program carries the whole [K, V] state.
     return cls(chunk=chunk, block_v=min(64 if big else 32, value),
                num_warps=4, state_num_warps=8 if big else 4, prepare_num_warps=2,
                state_block_v=value if big else None,
@@ -171,10 +169,9 @@ def _unit_lower_inverse(a, chunk, block=None):
   rows. Then pairs of blocks merge, doubling in size, by
   `T <- T - T C T` with C the lower off-diagonal block of each pair (exact:
   `C T C = 0` inside a pair), two [L, L] tile products per merge on the tensor
-  cores in three-pass TF32 (about float32's precision). On the H200, 16-row
-  blocks took the forward at K = V = 128 from 1.200 to 1.096 ms against the
-  substitution over all 32 rows, with the same errors (merges run as float32
-  products on the FMA units had been slower; BUILD_NOTES.md).
+  cores in three-pass TF32 (about float32's precision): fewer serial steps
+  than the substitution over all L rows, with the same errors (BUILD_NOTES.md,
+  "SSD and the gated delta rule").
   """
   block = chunk if block is None else block
   row, col = _masks(chunk)

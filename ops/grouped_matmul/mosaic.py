@@ -21,10 +21,8 @@ group boundary is visited once per group (see `metadata.group_metadata`, which
     tile_m) go through a plain buffer as power-of-two runs, at most
     log2(tile_m) + 1 stores.
 
-Measured on an H200 (BUILD_NOTES.md, "## MoE", seventh session):
-- 5-16 % faster than the Triton kernel at 131,072 rows;
-- about equal at 16,384 rows, where it is still about 1.4x JAX's dense Mosaic
-  matmul of the same work.
+What it measures against the Triton kernel and a dense matmul of the same
+work, and the tile variants that lost: BUILD_NOTES.md, "MoE".
 
 The same code runs on the CPU in Mosaic GPU interpret mode
 (`plgpu.InterpretGPUParams`), which is how the tests check it.
@@ -170,7 +168,6 @@ def _step_of(segments, step: jax.Array):
 
   This replaces four per-step loads from global memory at the start of every
   tile, which the memory warpgroup would wait on before its first TMA load.
-  (On an H200 the two measured the same; BUILD_NOTES.md.)
   """
   zero = jnp.int32(0)
   group = tile = row_start = row_end = zero
@@ -362,25 +359,19 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-# Tile shapes in order of preference (measured on an H200, BUILD_NOTES.md
-# "## MoE", eighth session); `choose_config` takes the first that fits in shared
-# memory, cutting the store buffers (to 1) before the pipeline's stages (to 2).
-# In one run (device us at M 16384 K 512 N 1024 / M 16384 K 1024 N 512 / M
-# 131072 K 512 N 1024): 128 x 128 split along M, 4 stages, chained: 38.4 /
-# 38.3 / 240.3; 128 x 256 split along N, 3 stages (unchained): 44.7 / 39.9 /
-# 258.7; cuBLAS on the same work 26.4 / 27.1 / 179.7.
+# Tile shapes in order of preference, the fastest of an H200 sweep at the MoE
+# sizes (BUILD_NOTES.md, "MoE"); `choose_config` takes the first that fits in
+# shared memory, cutting the store buffers (to 1) before the pipeline's stages
+# (to 2).
 _PREFERRED = (
     MosaicConfig(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
     MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
 )
 
 # 64-row tiles for a plain grouped matmul whose 128 x 128 tiles leave a mostly
-# empty last wave (ninth session, BUILD_NOTES.md "## MoE"). At equal work a wave
-# of them took 1.20-1.29x as long on an H200 (M 131072, K 512, N 1024: 303.9
-# against 242.8 us), so they are taken only when they need at least 20 % fewer
-# waves: at M 16384, N 512 (4 against 5 waves) they ran 36.6 against 38.0 us and
-# the MoE layer's fwd+bwd 338.5 against 344.5 us; at N 1024 (8 against 9) they
-# ran 43.7 against 38.2.
+# empty last wave. A wave of them takes 1.2-1.3x as long at equal work, so they
+# are taken only where they need at least 20 % fewer waves (BUILD_NOTES.md,
+# "MoE").
 _FEW_WAVES = MosaicConfig(block_m=64, block_n=256, split="n", max_concurrent_steps=4)
 _FEW_WAVES_MAX_RATIO = 0.8
 

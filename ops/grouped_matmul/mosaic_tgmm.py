@@ -19,9 +19,8 @@ shared memory, in the two tiles at a group's ends only.
 An empty group still runs one (masked) step, so that its output tile is
 written as zeros.
 
-Measured on an H200 (BUILD_NOTES.md, "## MoE", ninth session; float32
-results): 30.9 us against the Triton kernel's 37.6 at M 16384, K 512, N 1024
-(cuBLAS on the same work 26.8), 276.6 against 349.4 at M 131072.
+Faster than the Triton `tgmm` at the MoE sizes on an H200 (BUILD_NOTES.md,
+"MoE").
 
 Glossary: M rows, K lhs columns (output rows), N dout columns, G groups, WG
 warpgroup.

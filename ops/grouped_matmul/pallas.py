@@ -51,8 +51,7 @@ class BlockSizes:
   """Tile sizes of the three kernels (powers of two, >= 16)."""
   # Defaults: the fastest of the configurations timed on an H200 at the MoE
   # sizes, M = 16384 and 131072 rows by (K, N) = (512, 1024) and (1024, 512)
-  # (BUILD_NOTES.md, "## MoE"): block_n 128 beat 256 in every gmm and
-  # transposed-gmm cell but one (within 2 %); tgmm keeps 256.
+  # (BUILD_NOTES.md, "MoE").
   block_m: int = 128      # gmm: rows per tile
   block_k: int = 64       # gmm: contraction step
   block_n: int = 128      # gmm: output columns per program
@@ -368,6 +367,6 @@ def mosaic_tgmm_default(dtype) -> bool:
   """Whether the weight gradients of `grouped_matmul_pallas` and of the grouped
   MLP run the Mosaic GPU kernel (`mosaic_tgmm.py`) by default: where the
   forward does (`mosaic.preferred`, 16-bit inputs on Hopper), measured faster
-  than Triton's `tgmm` there (BUILD_NOTES.md, "## MoE", ninth session). One
-  place, so that a benchmark can compare both kernels."""
+  than Triton's `tgmm` there (BUILD_NOTES.md, "MoE"). One place, so that a
+  benchmark can compare both kernels."""
   return mosaic_gmm.preferred(dtype)

@@ -8,8 +8,8 @@ as a grouped matmul. Here the activation runs on the first matmul's float32
 accumulator before it is stored, and its derivative runs on the accumulator of
 the hidden gradient `dy @ w_out[g]^T` before that is stored. The activation is
 applied to a tile's *output*, never to an input tile: a tile changed in
-registers cannot feed the tensor cores from shared memory (applying GELU to
-the second matmul's input tiles, tried first, ran that matmul 2x slower).
+registers cannot feed the tensor cores from shared memory (GELU applied to
+the second matmul's input tiles ran that matmul 2x slower).
 
 Two kernels of this file and four of `ops.grouped_matmul`, under one
 `jax.custom_vjp`:
@@ -279,12 +279,9 @@ _grouped_mlp_shared = _pallas.shared_lowering(_grouped_mlp, static_argnums=(5,))
 def mosaic_default(dtype) -> bool:
   """Whether `grouped_mlp_pallas` runs the Mosaic GPU kernels by default: no.
 
-  Timed against the Triton kernels in one process on an H200 (MoELayer, 8
-  experts, top-2, d_model 512, d_hidden 1024, bf16, fwd+bwd, device time from
-  traces; BUILD_NOTES.md "## MoE"), the Mosaic path was 7 % slower at 8,192
-  tokens (389 against 361 us) and within 1 % at 65,536 (2,156 against 2,181 us): its
-  fused epilogues (two stored outputs; a tile of h read back) cost more than
-  its faster main loop saves. The plain grouped matmul is another matter
+  Its fused epilogues (two stored outputs; a tile of h read back) cost more
+  than its faster main loop saves: the MoE layer ran slower with them on an
+  H200 (BUILD_NOTES.md, "MoE"). The plain grouped matmuls are another matter
   (`ops.grouped_matmul`, `mosaic_gmm.preferred`), see `mosaic_plain_default`.
   """
   del dtype
@@ -345,10 +342,9 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   grad_bs = block_sizes
   if block_sizes is None:
     block_sizes = BlockSizes.get_default(x.shape[0], x.shape[1], hidden)
-    # 64-row tiles and 4 warps ran the hidden gradient (matmul, then the
-    # derivative's epilogue with a tile load) faster on an H200: GELU 59 against
-    # 61 us, SwiGLU 79 against 95 us at M 16384 (BUILD_NOTES.md); the other
-    # kernels keep the grouped matmul's tiles.
+    # 64-row tiles and 4 warps run the hidden gradient (matmul, then the
+    # derivative's epilogue with a tile load) faster, SwiGLU most
+    # (BUILD_NOTES.md, "MoE"); the other kernels keep the grouped matmul's tiles.
     grad_bs = dataclasses.replace(block_sizes, block_m=min(64, block_sizes.block_m),
                                   num_warps=4)
   statics = _Statics(activation=activation, hidden=hidden,

@@ -3,11 +3,10 @@
 Each program owns `block_d` channels of one batch row and one chunk of
 `chunk` time steps, and walks through the chunk `unroll` steps per loop
 iteration: the iteration's rows are loaded first, then the recurrence runs
-row by row, elementwise on [1, block_d] rows (an earlier version scanned
-each tile with Triton's associative scan, whose operands crossed threads
-through shared memory at every step; a loop that loaded, multiplied and
-stored one step at a time waited on memory at every step). Two launches
-make the chunks independent:
+row by row, elementwise on [1, block_d] rows (a tile-wide associative scan
+moves its operands between threads through shared memory at every step, and
+a load per step waits on memory at every step: BUILD_NOTES.md, "SSM scans").
+Two launches make the chunks independent:
 
 1. summary: every chunk runs from a zero state and writes its end state and
    the product of its `a`s (`[B, C, D]` each);

@@ -7,10 +7,9 @@ a time, `unroll` steps per loop iteration (a *tile*): the tile's rows are
 loaded first, then `h <- exp(delta A) h + delta u B` runs row by row,
 elementwise on the [block_d, S] state, so the serial chain is one
 multiply-add per step and only the reductions over S or over channels cross
-threads. (An earlier version scanned each tile with a tile-wide associative
-scan; on the H200 its operands went through shared memory several times per
-step and every kernel was bound by that traffic: BUILD_NOTES.md, "SSM
-scans".) Positions are counted in *processing order* (descending time when
+threads. (A tile-wide associative scan moves its operands through shared
+memory several times per step and was bound by that traffic: BUILD_NOTES.md,
+"SSM scans".) Positions are counted in *processing order* (descending time when
 `reverse`), so the same kernels serve both directions.
 
 Forward, two launches:

@@ -97,8 +97,8 @@ class SSDBlocks:
   def get_default(cls, time: int, key: int, value: int,
                   chunk: int | None = None) -> "SSDBlocks":
     """Chunk 64 (shorter for short sequences), 32 x 32 state tiles, 64-wide
-    chunk-gradient tiles, 4 warps everywhere (fastest on the H200 at both
-    benchmark shapes once the chunk gradients were split: BUILD_NOTES.md)."""
+    chunk-gradient tiles, 4 warps everywhere (the fastest on an H200 at both
+    benchmark shapes: BUILD_NOTES.md, "SSD and the gated delta rule")."""
     key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
     if chunk is None:
       chunk = min(64, max(16, _next_pow2(time)))
