@@ -7,8 +7,10 @@ experts as grouped matmuls over tokens sorted by expert (`ops.grouped_mlp`).
 
 Glossary of shapes: T tokens (every leading axis of the input, flattened),
 D d_model, F d_hidden, E experts, k top_k, A = T * k token-expert assignments,
-R rows handed to the experts, n devices on `expert_axis`, El = E / n local
-experts, C expert capacity.
+R rows handed to the experts, N shards of the tokens over the mesh, T_s = T / N
+tokens of one shard (A_s = T_s * k assignments), n devices on `expert_axis`,
+El = E / n local experts, C expert capacity. How the layer splits over a
+mesh: `MoELayer`'s docstring.
 
 Every `dropless_impl` computes the same function:
 - 'dense': every expert on every token, then a masked combine (the reference;
@@ -21,24 +23,32 @@ Every `dropless_impl` computes the same function:
 - 'auto': `choose_dropless_impl` (the rule is in BUILD_NOTES.md, "## MoE").
 """
 
+import dataclasses
 import functools
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import ops
 from ops import _backend
 from ops import _shapes
+from ops import _sharding
 from ops.grouped_mlp.reference import Activation
 from ops.grouped_mlp.reference import activate
 from probjax_hk import arguments
 
 DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
 DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
+
+_OP = "MoELayer"  # in sharding messages
+_TOKENS = ("batch", None)  # [T, D] and [T, k]: tokens split like a batch
+_EXPERTS = ("experts", None, None)  # [E, D, F']: split over `expert_axis` only
+_EXPERT_WEIGHTS = ("w_in", "w_out")  # the parameters `expert_parameter_sharding` splits
 
 
 def choose_dropless_impl(num_assignments: int, num_experts: int) -> str:
@@ -357,60 +367,170 @@ def _capacity_local(x, expert_ids, gates, slot, keep, w_in, w_out, *, capacity,
   return jnp.einsum("tk,tkd->td", (gates * keep).astype(x.dtype), y)
 
 
-def _expert_parallel(x, expert_ids, gates, w_in, w_out, *, expert_axis, activation,
-                     impl, gmm_implementation):
-  """Dropless experts sharded over mesh axis `expert_axis` (all-to-all).
+def _expert_parallel_local(x, expert_ids, gates, w_in, w_out, *, expert_axis,
+                           num_experts, activation, impl, gmm_implementation):
+  """One device's part of the expert-parallel layer (inside `jax.shard_map`).
 
-  Tokens and experts are both split over the axis. Each device sorts its
-  assignments by expert, sends each destination device its rows in a
-  [n, A_local, D] buffer (sized for the worst case, every local assignment to
-  one device, so no token is ever dropped), runs its El experts on what it
-  received, and sends the results back.
+  Each device sorts its assignments by expert, sends each device on
+  `expert_axis` its rows in a [n, A_s, D] buffer (sized for the worst case,
+  every local assignment bound for one device, so no token is ever dropped),
+  runs its El experts on what it received, and sends the results back.
+
+  Args:
+    x: [T_s, D] this device's tokens; expert_ids, gates: [T_s, k] (global
+      expert ids).
+    w_in: [El, D, F'] and w_out: [El, F, D], the experts this device holds:
+      device i on `expert_axis` holds experts [i * El, (i + 1) * El).
+    num_experts: E.
+
+  Returns:
+    [T_s, D].
   """
-  mesh = jax.sharding.get_abstract_mesh()
+  num_tokens, d = x.shape
+  top_k = expert_ids.shape[1]
+  num_assign = num_tokens * top_k
+  local_experts = w_in.shape[0]
+  num_devices = num_experts // local_experts
+  order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
+                                                            num_experts)
+  xs = _gather_tokens(x, order, inverse, top_k)  # [A_s, D] in expert order
+  device = sorted_ids // local_experts  # [A_s] destination of each row
+  per_device = group_sizes.reshape(num_devices, local_experts).sum(axis=1)  # [n]
+  slot = jnp.arange(num_assign) - (jnp.cumsum(per_device) - per_device)[device]
+  send = jnp.zeros((num_devices, num_assign, d), x.dtype).at[device, slot].set(xs)
+  send_ids = jnp.full((num_devices, num_assign), local_experts, jnp.int32).at[
+      device, slot].set(sorted_ids % local_experts)
+  recv = jax.lax.all_to_all(send, expert_axis, 0, 0)  # [n, A_s, D] by source
+  recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0)
+  y_rows = _experts_on_rows(recv.reshape(-1, d), recv_ids.reshape(-1), w_in, w_out,
+                            activation=activation, impl=impl,
+                            gmm_implementation=gmm_implementation)
+  back = jax.lax.all_to_all(y_rows.reshape(num_devices, num_assign, d), expert_axis, 0, 0)
+  ys = back[device, slot]  # [A_s, D] in expert order
+  y = _unsort(ys, order, inverse).reshape(num_tokens, top_k, d)
+  return jnp.einsum("tk,tkd->td", gates.astype(x.dtype), y)
+
+
+def _experts_per_shard(x, expert_ids, gates, w_in, w_out, *, num_experts, capacity,
+                       expert_axis, activation, impl, gmm_implementation):
+  """The experts on one shard's tokens (on all of them when nothing is split).
+
+  Args:
+    x: [T_s, D]; expert_ids, gates: [T_s, k]; w_in: [E or El, D, F'];
+      w_out: [E or El, F, D].
+    capacity: None (dropless) or C, the slots per expert in this shard.
+
+  Returns:
+    [T_s, D] when dropless; else ([T_s, D], keep [T_s, k] bool).
+  """
+  common = dict(activation=activation, impl=impl, gmm_implementation=gmm_implementation)
+  if expert_axis is not None:
+    return _expert_parallel_local(x, expert_ids, gates, w_in, w_out,
+                                  expert_axis=expert_axis, num_experts=num_experts,
+                                  **common)
+  if capacity is None:
+    return _dropless_local(x, expert_ids, gates, w_in, w_out, **common)
+  slot, keep = capacity_positions(expert_ids, num_experts, capacity)
+  if impl == "dense":
+    y = _dropless_local(x, expert_ids, gates * keep, w_in, w_out, **common)
+  else:
+    y = _capacity_local(x, expert_ids, gates, slot, keep, w_in, w_out,
+                        capacity=capacity, activation=activation)
+  return y, keep
+
+
+def _dispatch_plan(x, expert_ids, gates, w_in, w_out, expert_axis) -> _sharding.Plan:
+  """How the dispatch splits over the mesh (`ops/_sharding.plan`).
+
+  Tokens split like a batch: over the axes their Explicit types name, else
+  over the context mesh's Auto axes (`_sharding`'s rule). Without
+  `expert_axis` the expert weights are replicated; with it they split over
+  `expert_axis` alone, and the tokens over their batch axes plus
+  `expert_axis` (or over `expert_axis` alone when the token count does not
+  divide that product), so each group of devices along `expert_axis`
+  exchanges its own tokens.
+
+  Raises:
+    ValueError: when `expert_axis` is not an Auto or Explicit axis of the
+      mesh in context, or when the experts or tokens do not divide over it.
+  """
+  weights = _EXPERTS if expert_axis is not None else (None,) * 3
+  plan = _sharding.plan(_OP, (
+      ("x", x, _TOKENS), ("expert_ids", expert_ids, _TOKENS), ("gates", gates, _TOKENS),
+      ("w_in", w_in, weights), ("w_out", w_out, weights)),
+      split=("batch", "experts") if expert_axis is not None else ("batch",))
+  if expert_axis is None:
+    return plan
+  mesh = plan.mesh
   if mesh.empty or expert_axis not in mesh.axis_names:
     raise ValueError(f"`expert_axis`={expert_axis!r} is not an axis of the current mesh "
                      f"({mesh.axis_names if not mesh.empty else 'no mesh set'}); call "
                      "the layer under `jax.set_mesh(mesh)`")
+  if dict(zip(mesh.axis_names, mesh.axis_types))[expert_axis] == AxisType.Manual:
+    raise ValueError(f"`expert_axis`={expert_axis!r} is already manual (inside a "
+                     "`shard_map` over it); call the layer outside that shard_map")
   num_devices = mesh.shape[expert_axis]
-  num_experts = w_in.shape[0]
-  if num_experts % num_devices or x.shape[0] % num_devices:
-    raise ValueError(f"`num_experts`={num_experts} and the token count {x.shape[0]} must "
-                     f"be multiples of the {num_devices} devices on {expert_axis!r}")
-  local_experts = num_experts // num_devices
+  num_experts, num_tokens = w_in.shape[0], x.shape[0]
+  if num_experts % num_devices:
+    raise ValueError(f"`num_experts`={num_experts} must be a multiple of the "
+                     f"{num_devices} devices on mesh axis {expert_axis!r}")
+  batch = plan.axes.get("batch", ())
+  if expert_axis not in batch:
+    wider = tuple(a for a in batch if a != expert_axis) + (expert_axis,)
+    batch = wider if num_tokens % math.prod(mesh.shape[a] for a in wider) == 0 else (
+        expert_axis,)
+  if num_tokens % math.prod(mesh.shape[a] for a in batch):
+    raise ValueError(f"the token count {num_tokens} (every leading axis of `x`) must be "
+                     f"a multiple of the {num_devices} devices on mesh axis "
+                     f"{expert_axis!r}")
+  return dataclasses.replace(plan, axes={**plan.axes, "batch": batch,
+                                         "experts": (expert_axis,)})
 
-  def local(x, expert_ids, gates, w_in, w_out):
-    num_tokens, d = x.shape
-    top_k = expert_ids.shape[1]
-    num_assign = num_tokens * top_k
-    order, inverse, group_sizes, sorted_ids = _sort_by_expert(expert_ids.reshape(-1),
-                                                              num_experts)
-    xs = _gather_tokens(x, order, inverse, top_k)  # [A_l, D] in expert order
-    device = sorted_ids // local_experts  # [A_l] destination of each row
-    per_device = group_sizes.reshape(num_devices, local_experts).sum(axis=1)  # [n]
-    slot = jnp.arange(num_assign) - (jnp.cumsum(per_device) - per_device)[device]
-    send = jnp.zeros((num_devices, num_assign, d), x.dtype).at[device, slot].set(xs)
-    send_ids = jnp.full((num_devices, num_assign), local_experts, jnp.int32).at[
-        device, slot].set(sorted_ids % local_experts)
-    recv = jax.lax.all_to_all(send, expert_axis, 0, 0)  # [n, A_l, D] by source
-    recv_ids = jax.lax.all_to_all(send_ids, expert_axis, 0, 0)
-    y_rows = _experts_on_rows(recv.reshape(-1, d), recv_ids.reshape(-1), w_in, w_out,
-                              activation=activation, impl=impl,
-                              gmm_implementation=gmm_implementation)
-    back = jax.lax.all_to_all(y_rows.reshape(num_devices, num_assign, d), expert_axis, 0, 0)
-    ys = back[device, slot]  # [A_l, D] in expert order
-    y = _unsort(ys, order, inverse).reshape(num_tokens, top_k, d)
-    return jnp.einsum("tk,tkd->td", gates.astype(x.dtype), y)
 
-  spec = P(expert_axis)
-  args = (x, expert_ids, gates, w_in, w_out)
-  explicit = jax.sharding.AxisType.Explicit in mesh.axis_types
-  if explicit:  # Explicit-sharding meshes want the inputs laid out as in_specs.
-    x_spec = jax.typeof(x).sharding.spec
-    args = [jax.reshard(a, spec) for a in args]
-  y = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=spec,
-                    check_vma=False)(*args)
-  return jax.reshard(y, x_spec) if explicit else y
+def _path_leaf_name(path) -> str:
+  """The last name in a parameter path: a key path, a tuple or 'a/b/c'."""
+  if isinstance(path, str):
+    return path.rsplit("/", 1)[-1]
+  last = path[-1] if len(path) else ""
+  for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+    if hasattr(last, attr):
+      return str(getattr(last, attr))
+  return str(last)
+
+
+def expert_parameter_sharding(expert_axis: str) -> Callable[[Any, Any], P | None]:
+  """A `fit(..., parameter_sharding=...)` rule placing MoE experts over a mesh axis.
+
+  Each device then holds `num_experts / n` experts' weights and their
+  optimizer state (n the size of `expert_axis`), which is what
+  `MoELayer(expert_axis=...)`'s shard_map takes without a gather. Every other
+  parameter is replicated. Compose it with another rule for the rest:
+  `lambda path, leaf: expert_rule(path, leaf) or other_rule(path, leaf)`.
+
+  Args:
+    expert_axis: the mesh axis given to the layers as `MoELayer(expert_axis=...)`.
+
+  Returns:
+    `rule(path, leaf) -> PartitionSpec | None`: for a leaf named `w_in` or
+    `w_out` (MoELayer's [E, D, F'] and [E, F, D] expert weights; with more
+    dimensions, as under `hk.layer_stack`, the leading ones are stacked
+    layers) the spec splitting its expert dimension over `expert_axis`, e.g.
+    `P('expert')` or `P(None, 'expert')`; None (replicated) otherwise.
+    `path` is a key path (`jax.tree_util.tree_map_with_path`), a tuple of
+    names or a '/'-joined string.
+
+  Raises:
+    ValueError: when `expert_axis` is not a non-empty string.
+  """
+  if not isinstance(expert_axis, str) or not expert_axis:
+    raise ValueError(f"`expert_axis` must be a mesh axis name, got {expert_axis!r}")
+
+  def rule(path, leaf) -> P | None:
+    ndim = len(getattr(leaf, "shape", ()))
+    if _path_leaf_name(path) in _EXPERT_WEIGHTS and ndim >= 3:
+      return P(*([None] * (ndim - 3)), expert_axis)
+    return None
+  return rule
 
 
 class MoELayer(hk.Module):
@@ -429,6 +549,38 @@ class MoELayer(hk.Module):
     tokens_per_expert:   [E] f32 assignments routed to each expert (before drops)
     dropped_tokens:      scalar int32 assignments dropped for capacity (0 when
                          dropless)
+
+  Sharding. Under a mesh (`jax.set_mesh(mesh)`, or inputs with Explicit-axis
+  types) the experts run once per shard of the tokens, through
+  `ops/_sharding` (one `jax.shard_map`); with no mesh the layer runs whole.
+  Routing is per token, so every split computes the same function, and the
+  aux losses and `tokens_per_expert` are reduced over all T tokens (equal to
+  one device's).
+  - Data parallel (no `expert_axis`): the tokens split like the batch, over
+    the mesh axes `x` is sharded over (Explicit types) or, for Auto axes, over
+    the longest run of the mesh's axes whose product divides T. Each device
+    routes, sorts and runs the experts on its own T/N tokens: no token leaves
+    its device, only the loss, the aux losses and the weight gradients are
+    all-reduced. Each device holds every expert: 2 E D F floats (3 E D F for
+    SwiGLU), plus their gradients and optimizer state.
+  - Capacity (`capacity_factor`) is per shard, as in GShard and Switch: each
+    device gives each expert C = ceil(capacity_factor * (T/N) * k / E) slots
+    for its own tokens, with choice-major priority among them. So which
+    tokens drop depends on N: on N devices the layer equals the unsharded
+    layer applied to each device's tokens separately (N = 1: the global rule).
+  - Expert parallel (`expert_axis` of size n): device i on `expert_axis` holds
+    experts [i E/n, (i+1) E/n) (`w_in` [E/n, D, F'], `w_out` [E/n, F, D]: the
+    shard_map takes them split along E, so weights placed that way, e.g. by
+    `fit(..., parameter_sharding=expert_parameter_sharding(expert_axis))`,
+    are never gathered; replicated ones are sliced). The tokens split over
+    their batch axes and `expert_axis` (on a ('data', 'expert') mesh: over
+    both, each 'data' group exchanging its own tokens along 'expert'), and
+    move by all-to-all in [n, T_s k, D] buffers (T_s tokens a device), sized
+    for the worst case so that nothing drops: per device E/n experts'
+    weights and state, plus about 2 n T_s k D activations in flight. With
+    Explicit types and `x` split over fewer axes than that, `y` returns in
+    `x`'s layout (an all-gather of [T_s, D] rows along `expert_axis`); split
+    the batch over both axes to avoid it.
   """
 
   def __init__(self, num_experts: int, top_k: int, d_hidden: int, *,
@@ -450,10 +602,12 @@ class MoELayer(hk.Module):
         docstring). With `capacity_factor`, 'dense' applies the drops to the
         dense reference and every other value uses [E, C, D] buffers.
       capacity_factor: None for dropless; else each expert takes
-        C = ceil(capacity_factor * T * k / E) assignments and drops the rest.
+        C = ceil(capacity_factor * T * k / E) assignments and drops the rest
+        (T the tokens of one shard when the tokens are split: class docstring).
       router_z_loss_weight, load_balance_loss_weight: weights in `aux_loss`.
-      expert_axis: mesh axis to shard experts (and tokens) over with
-        `shard_map` and all-to-all; call under `jax.set_mesh(mesh)`.
+      expert_axis: mesh axis to shard the experts (E / n each, n its size)
+        and the tokens over, exchanging tokens with all-to-all; call under
+        `jax.set_mesh(mesh)`. E and T must be multiples of n.
       grouped_matmul_implementation: `implementation` of `ops.grouped_mlp`
         on the 'gmm' path (None: Pallas on NVIDIA GPUs, XLA elsewhere).
       name: module name.
@@ -487,10 +641,15 @@ class MoELayer(hk.Module):
     """Routes each token to its top-k experts and mixes their outputs.
 
     Args:
-      x: [..., D] float32 or bfloat16.
+      x: [..., D] float32 or bfloat16; the leading axes (T tokens in all)
+        may be sharded like a batch (class docstring).
 
     Returns:
       [..., D] in `x.dtype`.
+
+    Raises:
+      ValueError: for a bad `x` shape; with `expert_axis`, when it is not an
+        axis of the mesh in context or E or T is not a multiple of its size.
     """
     if x.ndim < 1 or x.shape[-1] < 1:
       raise ValueError(f"`x` must be [..., D] with D >= 1, got shape {x.shape}")
@@ -513,23 +672,26 @@ class MoELayer(hk.Module):
     if impl == "dense" or self.capacity_factor is not None:
       w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
     # else the sorted paths cast in `_grouped_experts` ('gmm' inside its op).
-    common = dict(activation=self.activation, impl=impl,
-                  gmm_implementation=self.grouped_matmul_implementation)
-    dropped = jnp.zeros((), jnp.int32)
-    if self.capacity_factor is not None:
-      capacity = max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / e))
-      slot, keep = capacity_positions(routing.expert_ids, e, capacity)
-      dropped = jnp.sum(~keep).astype(jnp.int32)
-      if impl == "dense":
-        y = _dropless_local(x2, routing.expert_ids, gates * keep, w_in, w_out, **common)
-      else:
-        y = _capacity_local(x2, routing.expert_ids, gates, slot, keep, w_in, w_out,
-                            capacity=capacity, activation=self.activation)
-    elif self.expert_axis is not None:
-      y = _expert_parallel(x2, routing.expert_ids, gates, w_in, w_out,
-                           expert_axis=self.expert_axis, **common)
+    plan = _dispatch_plan(x2, routing.expert_ids, gates, w_in, w_out, self.expert_axis)
+    capacity = None
+    if self.capacity_factor is not None:  # per shard: the formula on its own tokens
+      shard_tokens = num_tokens // plan.size("batch")
+      capacity = max(1, math.ceil(self.capacity_factor * shard_tokens * self.top_k / e))
+    experts = functools.partial(
+        _experts_per_shard, num_experts=e, capacity=capacity, expert_axis=self.expert_axis,
+        activation=self.activation, impl=impl,
+        gmm_implementation=self.grouped_matmul_implementation)
+    if capacity is None:
+      y = plan.run(experts, _TOKENS)  # [T, D]
+      dropped = jnp.zeros((), jnp.int32)
     else:
-      y = _dropless_local(x2, routing.expert_ids, gates, w_in, w_out, **common)
+      y, keep = plan.run(experts, [_TOKENS, _TOKENS])
+      dropped = jnp.sum(~keep).astype(jnp.int32)
+    if plan.splits and AxisType.Explicit in plan.mesh.axis_types:
+      # Explicit types: give y x's layout (expert parallelism may split finer).
+      spec = jax.typeof(x2).sharding.spec
+      if jax.typeof(y).sharding.spec != spec:
+        y = jax.sharding.reshard(y, spec)
 
     balance = load_balance_loss(routing, e)
     z_loss = router_z_loss(routing)
