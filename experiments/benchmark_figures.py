@@ -352,7 +352,8 @@ def attention_checks(suite: Suite) -> str | None:
   return table(header, body) + "\n\n" + runs_line(suite, [source])
 
 
-def attention_page(suites: dict[str, Suite]) -> str:
+def attention_page(suites: dict[str, Suite], figure: "Figure | None",
+                   figure_file: str | None) -> str:
   suite = suites["attention"]
   records = attention_records(suite)
   out = ["# Attention", "",
@@ -365,7 +366,8 @@ def attention_page(suites: dict[str, Suite]) -> str:
          "marks shapes timed N calls to an executable, per call ([setup](setup.md)).", ""]
   out += ["## Headlines", ""]
   out += attention_headlines(records) if records else [not_measured("Attention")]
-  out += ["", "## flex against its peers", ""]
+  out += [""] + figure_link(figure, figure_file)
+  out += ["## flex against its peers", ""]
   if records:
     out += [attention_table(suite, records), ""]
   else:
@@ -573,7 +575,8 @@ def gmm_section(suite: Suite) -> tuple[list[str], str | None]:
   return headlines, table(header, body) + "\n\n" + runs_line(suite, (r.source for r in records))
 
 
-def kernels_page(suites: dict[str, Suite]) -> str:
+def kernels_page(suites: dict[str, Suite], figure: "Figure | None",
+                 figure_file: str | None) -> str:
   ssm, chunked, moe = suites["ssm_scans"], suites["chunked_ops"], suites["moe"]
   scans = scan_records(ssm)
   chunks = chunked_records(chunked)
@@ -586,7 +589,8 @@ def kernels_page(suites: dict[str, Suite]) -> str:
          "input.", "", "## Headlines", ""]
   headlines = scan_headlines(scans) + chunked_headlines(chunks) + gmm_headlines
   out += headlines if headlines else [not_measured("The kernels")]
-  out += ["", "## SSM scans", "",
+  out += [""] + figure_link(figure, figure_file)
+  out += ["## SSM scans", "",
           "`ops.selective_scan` (Mamba) and `ops.linear_scan` (LRU), float32 (complex64 "
           "for the linear scan), against `lax.associative_scan`, the XLA tier of the same "
           "op.", ""]
@@ -636,6 +640,7 @@ def _attention_model_label(row: dict) -> str | None:
 
 _MODEL_NAMES = {"transformer": "Transformer", "dit": "DiffusionTransformer"}
 _MODEL_SHORT = {"transformer": "Transformer", "dit": "DiT"}
+_SSM_CELLS = {"lru": "LRUCell", "mamba": "MambaCell"}
 _MODEL_PEERS = (("cudnn", "cuDNN"), ("xla", "XLA"))
 
 
@@ -647,6 +652,14 @@ def model_records(suite: Suite) -> list[Record]:
                               else 9, r.config["dtype"] != "bfloat16", -r.config["tokens"],
                               _mode_key(r.config["mode"])))
   return records
+
+
+def newest_train_steps(suite: Suite) -> list[Record]:
+  """The train steps of the newest run that timed cuDNN beside the default."""
+  steps = [r for r in model_records(suite) if r.config["mode"] == "train_step"
+           and r.ratio("default", "cudnn") is not None]
+  newest = max((r.source for r in steps), default=None)
+  return [r for r in steps if r.source == newest]
 
 
 def model_table(suite: Suite, records: list[Record]) -> str:
@@ -752,10 +765,9 @@ def ssm_model_section(suites: dict[str, Suite]) -> list[str]:
                   label=lambda r: r.get("impl") if r.get("kind") == "model" else None,
                   ours="pallas")
   scan_letters = run_letters(r.source for r in scans)
-  cells = {"lru": "LRUCell", "mamba": "MambaCell"}
   for r in sorted(scans, key=lambda r: (r.config["cell"], _mode_key(r.config["mode"]))):
     mode = "forward" if r.config["mode"] == "fwd" else "train step (Adam)"
-    body.append([cells.get(r.config["cell"], r.config["cell"]), str(r.config["time"]), mode,
+    body.append([_SSM_CELLS.get(r.config["cell"], r.config["cell"]), str(r.config["time"]), mode,
                  cell(r, "pallas"), cell(r, "xla"), ratio_text(r.ratio("pallas", "xla")),
                  scan_letters[r.source]])
   chunked = suites["chunked_ops"]
@@ -948,27 +960,25 @@ def reproduce_section(manifest: dict) -> list[str]:
   return out
 
 
-def models_page(manifest: dict, suites: dict[str, Suite]) -> str:
+def models_page(manifest: dict, suites: dict[str, Suite], figure: "Figure | None",
+                figure_file: str | None) -> str:
   records = model_records(suites["models"])
   out = ["# Models", "",
          "Whole models on one GPU: forward passes and train steps of the library's models "
          "with their default kernels beside the same model on a peer implementation, in the "
          "same run. Ratios are the default's time over the peer's: below 1 the default is "
          "faster.", "", "## Headlines", ""]
-  headline = [r for r in records if r.config["mode"] == "train_step"
-              and r.ratio("default", "cudnn") is not None]
+  headline = newest_train_steps(suites["models"])
   if headline:
-    newest = max(r.source for r in headline)
     for r in headline:
-      if r.source != newest:
-        continue
       c = r.config
       out.append(f"- {_MODEL_NAMES.get(c['model'], c['model'])} train step, {c['dtype']}, "
                  f"{c['tokens']} tokens: {ratio_text(r.ratio('default', 'cudnn'))} x the "
                  "same model with cuDNN attention.")
   else:
     out.append(not_measured("The model train steps"))
-  out += ["", "## Transformer and DiffusionTransformer", ""]
+  out += [""] + figure_link(figure, figure_file)
+  out += ["## Transformer and DiffusionTransformer", ""]
   if records:
     first = next(r for r in records)
     row = first.cells["default"]
@@ -1074,15 +1084,10 @@ def index_page(manifest: dict, suites: dict[str, Suite]) -> str:
          "the peer's (below 1 is faster).", "", "## Headlines", ""]
   attention = attention_records(suites["attention"])
   headlines = attention_headlines(attention)
-  models = [r for r in model_records(suites["models"]) if r.config["mode"] == "train_step"
-            and r.ratio("default", "cudnn") is not None]
-  if models:
-    newest = max(r.source for r in models)
-    for r in models:
-      if r.source == newest:
-        headlines.append(f"- {_MODEL_NAMES.get(r.config['model'], r.config['model'])} train "
-                         f"step ({r.config['dtype']}, {r.config['tokens']} tokens): "
-                         f"{ratio_text(r.ratio('default', 'cudnn'))} x cuDNN attention's.")
+  for r in newest_train_steps(suites["models"]):
+    headlines.append(f"- {_MODEL_NAMES.get(r.config['model'], r.config['model'])} train "
+                     f"step ({r.config['dtype']}, {r.config['tokens']} tokens): "
+                     f"{ratio_text(r.ratio('default', 'cudnn'))} x cuDNN attention's.")
   headlines += scan_headlines(scan_records(suites["ssm_scans"]))
   headlines += chunked_headlines(chunked_records(suites["chunked_ops"]))
   headlines += gmm_section(suites["moe"])[0]
@@ -1092,15 +1097,142 @@ def index_page(manifest: dict, suites: dict[str, Suite]) -> str:
   return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------
+# Figures: one bar chart per page, of the ratios in its first table.
+
+_AXIS = "time / the peer's time in the same run (log scale; left of 1: faster)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  """Horizontal bars: `bars` are (label, series, ratio to the peer)."""
+  title: str
+  axis: str
+  bars: list[tuple[str, str, float]]
+
+
+def _mode_word(mode: str) -> str:
+  return {"fwd": "forward", "train_step": "train step"}.get(mode, mode)
+
+
+def figures(suites: dict[str, Suite]) -> dict[str, Figure]:
+  """The figure of each page that has one, from the same records as its tables."""
+  out = {}
+  bars = []
+  for r in attention_records(suites["attention"]):
+    c = r.config
+    label = (f"H {c['H']}, T {c['T']}, {'causal' if c['causal'] else 'full'}, "
+             f"{_mode_word(c['mode'])}")
+    for peer, name in (("cudnn", "flex / cuDNN"), ("mha", "flex / Pallas mha best")):
+      value = r.ratio("flex", peer)
+      if value is not None:
+        bars.append((label, name, value))
+  if bars:
+    out["attention"] = Figure("ops.flex_attention, bf16", _AXIS, bars)
+  bars = []
+  for r in scan_records(suites["ssm_scans"]):
+    value = r.ratio("pallas", "xla")
+    if value is not None:
+      bars.append((f"{r.config['op']} ({_shape_join(r.config['shape'])}), "
+                   f"{_mode_word(r.config['mode'])}", "scan / lax.associative_scan", value))
+  for r in chunked_records(suites["chunked_ops"]):
+    value = r.ratio("pallas", "xla")
+    if value is not None:
+      bars.append((f"{r.config['op']} ({_chunked_shape(r.config)}), "
+                   f"{_mode_word(r.config['mode'])}", "chunked op / its XLA form", value))
+  if bars:
+    out["kernels"] = Figure("Pallas kernels against the XLA tier of the same op", _AXIS, bars)
+  bars = [(f"{_MODEL_NAMES.get(r.config['model'], r.config['model'])}, {r.config['dtype']}, "
+           f"{r.config['tokens']} tokens, train step", "default / cuDNN attention",
+           r.ratio("default", "cudnn")) for r in newest_train_steps(suites["models"])]
+  for r in compare(suites["ssm_scans"].rows, config=("cell", "mode"),
+                   label=lambda r: r.get("impl") if r.get("kind") == "model" else None,
+                   ours="pallas"):
+    value = r.ratio("pallas", "xla")
+    if value is not None and r.config["mode"] == "train_step":
+      bars.append((f"SSMModel, {_SSM_CELLS.get(r.config['cell'], r.config['cell'])}, "
+                   "train step", "default / XLA", value))
+  for r in compare(suites["chunked_ops"].rows, config=("cell", "step"),
+                   label=lambda r: (("default" if r.get("implementation") in (None, "None")
+                                     else r.get("implementation"))
+                                    if r.get("kind") == "model" else None),
+                   ours="default"):
+    value = r.ratio("default", "xla")
+    if value is not None:
+      bars.append((f"SSMModel, {r.config['cell']}, train step", "default / XLA", value))
+  for r in compare(suites["moe"].rows, config=("tokens", "mode"),
+                   label=lambda r: r.get("impl") if r.get("section") == "moe" else None,
+                   ours="auto"):
+    if r.config["mode"] != "fwd+bwd":
+      continue
+    for peer in ("dense", "ragged_dot"):
+      value = r.ratio("auto", peer)
+      if value is not None:
+        bars.append((f"MoELayer, {r.config['tokens']} tokens, fwd+bwd", f"default / '{peer}'",
+                     value))
+  if bars:
+    out["models"] = Figure("Models with their default kernels against a peer", _AXIS, bars)
+  return out
+
+
+def draw(figure: Figure, path: str) -> None:
+  """Writes `figure` as a PNG (no timestamp or version in it: reruns give the same file).
+
+  Each bar runs from 1 (parity with the peer) to the ratio, on a log axis, so that
+  twice as fast and twice as slow are bars of one length.
+  """
+  import matplotlib  # Imported here: the pages' Markdown needs no plotting library.
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  labels = list(dict.fromkeys(label for label, _, _ in figure.bars))
+  series = list(dict.fromkeys(name for _, name, _ in figure.bars))
+  colors = dict(zip(series, plt.get_cmap("tab10").colors))
+  fig, ax = plt.subplots(figsize=(9, 0.36 * len(labels) + 1.6))
+  drawn = set()
+  for y, label in enumerate(labels):
+    at_label = [(name, value) for l, name, value in figure.bars if l == label]
+    height = 0.8 / len(at_label)
+    for i, (name, value) in enumerate(at_label):
+      ax.barh(y + (i - (len(at_label) - 1) / 2) * height, value - 1.0, left=1.0, height=height,
+              color=colors[name], label=None if name in drawn else name)
+      drawn.add(name)
+  values = [value for _, _, value in figure.bars]
+  low, high = min(values + [1.0]) / 1.25, max(values + [1.0]) * 1.25
+  ax.set_xscale("log")
+  ax.set_xlim(low, high)
+  ticks = [t for t in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5) if low <= t <= high]
+  ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+  ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+  ax.axvline(1.0, color="black", linewidth=0.8)
+  ax.set_yticks(range(len(labels)), labels, fontsize=8)
+  ax.set_ylim(len(labels) - 0.5, -0.5)
+  ax.set_xlabel(figure.axis, fontsize=9)
+  columns = min(len(series), 2)
+  ax.set_title(figure.title, fontsize=10, pad=12 + 12 * -(-len(series) // columns))
+  ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=columns,
+            frameon=False)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100, metadata={"Software": None})
+  plt.close(fig)
+
+
+def figure_link(figure: Figure | None, file: str | None) -> list[str]:
+  """The Markdown that shows a page's figure, drawn into docs/benchmarks/`file`."""
+  if figure is None or file is None:
+    return []
+  return [f"![{figure.title}](../benchmarks/{file})", ""]
+
+
 def render_pages(directory: str) -> dict[str, str]:
   """Every performance page's Markdown, from the manifest's files in `directory`."""
   manifest, suites = load_suites(directory)
+  drawn, files = figures(suites), manifest.get("figures", {})
   pages = {
       "index": index_page(manifest, suites),
       "setup": setup_page(manifest, suites),
-      "attention": attention_page(suites),
-      "kernels": kernels_page(suites),
-      "models": models_page(manifest, suites),
+      "attention": attention_page(suites, drawn.get("attention"), files.get("attention")),
+      "kernels": kernels_page(suites, drawn.get("kernels"), files.get("kernels")),
+      "models": models_page(manifest, suites, drawn.get("models"), files.get("models")),
   }
   # Sections that end in a blank line meet the next one's: one blank line between blocks.
   return {f"{name}.md": re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
@@ -1115,6 +1247,13 @@ def main(argv):
     with open(path, "w") as f:
       f.write(text)
     print(f"wrote {path}")
+  manifest, suites = load_suites(_BENCHMARKS.value)
+  drawn = figures(suites)
+  for page, file in manifest.get("figures", {}).items():
+    if page in drawn:
+      path = os.path.join(_BENCHMARKS.value, file)
+      draw(drawn[page], path)
+      print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,27 @@ def test_manifest_files_exist_and_name_their_runs():
       environment = suite.environment(source)
       assert environment.get("device_kind") and environment.get("jax"), (name, source)
   # Nothing but the manifest, its files and the figures the pages show.
-  kept = {"manifest.json"} | files
-  assert {n for n in os.listdir(BENCHMARKS) if n.endswith(".json")} == kept
+  figures = set(manifest["figures"].values())
+  assert set(os.listdir(BENCHMARKS)) == {"manifest.json"} | files | figures
+
+
+def test_every_figure_is_drawn_and_shown(rendered):
+  manifest, suites = benchmark_figures.load_suites(BENCHMARKS)
+  assert set(benchmark_figures.figures(suites)) == set(manifest["figures"])
+  for page, file in manifest["figures"].items():
+    assert f"](../benchmarks/{file})" in rendered[f"{page}.md"], page
+  linked = {line.split("](../benchmarks/")[1].rstrip(")") for text in rendered.values()
+            for line in text.splitlines() if line.startswith("![")}
+  assert linked == set(manifest["figures"].values())
+
+
+def test_a_figure_is_the_same_file_when_drawn_again(tmp_path):
+  figure = benchmark_figures.Figure("t", "ratio", [("a", "x", 0.5), ("a", "y", 2.0),
+                                                   ("b", "x", 1.0)])
+  benchmark_figures.draw(figure, str(tmp_path / "1.png"))
+  benchmark_figures.draw(figure, str(tmp_path / "2.png"))
+  first = (tmp_path / "1.png").read_bytes()
+  assert first.startswith(b"\x89PNG") and first == (tmp_path / "2.png").read_bytes()
 
 
 def test_programs_write_their_suite_file_by_default():
