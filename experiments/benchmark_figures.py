@@ -282,11 +282,11 @@ def attention_headlines(records: list[Record]) -> list[str]:
   for head in sorted({r.config["H"] for r in records}):
     at_head = [r for r in records if r.config["H"] == head]
     longest = max(r.config["T"] for r in at_head)
-    anchor = [r for r in at_head if r.config["T"] == longest]
-    b, n = anchor[0].config["B"], anchor[0].config["N"]
+    at_longest = [r for r in at_head if r.config["T"] == longest]
+    b, n = at_longest[0].config["B"], at_longest[0].config["N"]
     parts = []
     for mode, name in (("fwd+bwd", "fwd+bwd"), ("fwd", "forward")):
-      of_mode = [r for r in anchor if r.config["mode"] == mode]
+      of_mode = [r for r in at_longest if r.config["mode"] == mode]
       cudnn = span(r.ratio("flex", "cudnn") for r in of_mode)
       mha = span(r.ratio("flex", "mha") for r in of_mode)
       parts.append(f"{name} {cudnn} x cuDNN's time ({mha} x Pallas `mha` at its best blocks)")
@@ -708,9 +708,6 @@ def scan_remat_section(suite: Suite) -> list[str]:
               and not r["scan_layers"]}
   base = unrolled.get("default")
 
-  def over(r, key, against):
-    return (r[key] / against[key] if against and r.get(key) and against.get(key) else None)
-
   header = ["attention", "remat", "scan", "lower s", "compile s", "compile: unrolled / this",
             "step ms", "step / base", "peak MB", "peak / base", "planned MB"]
   body = []
@@ -724,8 +721,8 @@ def scan_remat_section(suite: Suite) -> list[str]:
     body.append([r["attention"], str(r["remat_policy"]), "yes" if r["scan_layers"] else "no",
                  number(r.get("lower_s"), 3), number(r.get("compile_s"), 3),
                  ratio_text(compile_ratio), number(r.get("median_ms")),
-                 ratio_text(over(r, "median_ms", base)), number(r.get("peak_mb")),
-                 ratio_text(over(r, "peak_mb", base)), number(r.get("planned_peak_mb"))])
+                 ratio_text(_over(r, base, "median_ms")), number(r.get("peak_mb")),
+                 ratio_text(_over(r, base, "peak_mb")), number(r.get("planned_peak_mb"))])
   first = rows[0]
   out = [f"A {first.get('num_layers')}-layer Transformer of width {first.get('model_dim')}, "
          f"batch {first.get('batch')}, {first.get('tokens')} tokens, {first.get('dtype')}, "
@@ -743,8 +740,8 @@ def scan_remat_section(suite: Suite) -> list[str]:
     lowest = peaks[0][0] if peaks else None
     lines.append(f"- `scan_layers=True, remat_policy='full'`: compiles "
                  f"{ratio_text(base['compile_s'] / full_scan['compile_s'])} x faster than "
-                 f"the unrolled stack, steps in {ratio_text(over(full_scan, 'median_ms', base))} "
-                 f"x its time, peaks at {ratio_text(over(full_scan, 'peak_mb', base))} x its "
+                 f"the unrolled stack, steps in {ratio_text(_over(full_scan, base, 'median_ms'))} "
+                 f"x its time, peaks at {ratio_text(_over(full_scan, base, 'peak_mb'))} x its "
                  f"memory" + (" (the lowest peak of the default rows)."
                              if lowest is not None and full_scan["peak_mb"] <= lowest else "."))
   cudnn_scan = next((r for r in ok if r["attention"] == "cudnn" and r["scan_layers"]), None)
@@ -795,6 +792,21 @@ def ssm_model_section(suites: dict[str, Suite]) -> list[str]:
   return out
 
 
+def _over(row: dict, base: dict | None, key: str) -> float | None:
+  """`row[key] / base[key]` for two measured rows (None where either is missing)."""
+  if (base is None or row.get("status", "ok") != "ok" or base.get("status", "ok") != "ok"
+      or not row.get(key) or not base.get(key)):
+    return None
+  return row[key] / base[key]
+
+
+def _row_value(row: dict, key: str) -> str:
+  """A row's measurement, its status where it did not run, a dash where it is absent."""
+  if not row:
+    return "—"
+  return number(row.get(key)) if row.get("status") == "ok" else row.get("status", "")
+
+
 def unet_section(suite: Suite) -> list[str]:
   rows = [r for r in suite.rows if "resolution" in r]
   if not rows:
@@ -813,14 +825,10 @@ def unet_section(suite: Suite) -> list[str]:
   for resolution, dtype in keys:
     by_mode = {r["mode"]: r for r in grid if (r["resolution"], r["dtype"]) == (resolution, dtype)}
     fwd, step = by_mode.get("forward", {}), by_mode.get("train_step", {})
-
-    def value(row, key):
-      if not row:
-        return "—"
-      return number(row.get(key)) if row.get("status") == "ok" else row.get("status", "")
-    body.append([str(resolution), dtype, value(fwd, "median_ms"), value(step, "median_ms"),
-                 value(step, "peak_mb"), value(step, "planned_peak_mb"),
-                 value(step, "compile_s"), str((step or fwd).get("attention", ""))])
+    body.append([str(resolution), dtype, _row_value(fwd, "median_ms"),
+                 _row_value(step, "median_ms"), _row_value(step, "peak_mb"),
+                 _row_value(step, "planned_peak_mb"), _row_value(step, "compile_s"),
+                 str((step or fwd).get("attention", ""))])
   out += [table(["resolution", "dtype", "forward ms", "train step ms", "train peak MB",
                  "train planned MB", "train compile s", "attention"], body), ""]
   variants = [r for r in rows if r.get("mode") == "train_step" and r.get("variant")
@@ -832,14 +840,12 @@ def unet_section(suite: Suite) -> list[str]:
   if variants and plain:
     body = []
     for r in variants:
-      def rel(key):
-        return (ratio_text(r[key] / plain[key])
-                if r.get("status") == "ok" and r.get(key) and plain.get(key) else "")
       label = {"remat": f"`remat_policy='{r.get('remat_policy')}'`",
                "donated": "parameters and Adam state donated"}.get(r["variant"], r["variant"])
-      body.append([label, number(r.get("median_ms")), rel("median_ms"),
-                   number(r.get("peak_mb")), rel("peak_mb"), number(r.get("planned_peak_mb")),
-                   rel("planned_peak_mb")])
+      line = [label]
+      for key in ("median_ms", "peak_mb", "planned_peak_mb"):
+        line += [_row_value(r, key), ratio_text(_over(r, plain, key))]
+      body.append(line)
     out += [f"bf16 train step at resolution {plain['resolution']}, remat and donation:", "",
             table(["variant", "step ms", "/ plain", "peak MB", "/ plain", "planned MB",
                    "/ plain"], body), ""]
