@@ -7,11 +7,15 @@ from probjax_hk.training.loop import fit_model
 from probjax_hk.training.runner import FitResult
 from probjax_hk.training.runner import NonFiniteLossError
 from probjax_hk.training.sharding import default_mesh
+from probjax_hk.training.sharding import FSDP_MIN_SIZE
+from probjax_hk.training.sharding import fsdp_spec
 
 __all__ = (
     "Callback",
     "default_mesh",
     "EarlyStopping",
+    "FSDP_MIN_SIZE",
+    "fsdp_spec",
     "fit",
     "fit_model",
     "FitResult",

@@ -36,8 +36,8 @@ import numpy as np
 
 BATCH_AXIS = "data"
 PARAMETER_SHARDING_MODES = ("replicated", "fsdp")
-# 'fsdp' replicates leaves of fewer elements (norm scales, most biases): they
-# save at most 4 KiB (f32) per device split, less than a gather's latency costs.
+# 'fsdp' replicates leaves of fewer elements (norm scales, most biases):
+# splitting one saves under 4 KiB (f32) per device, not worth a gather.
 FSDP_MIN_SIZE = 1024
 
 # (path, leaf) -> PartitionSpec | None: the layout of one parameter.
@@ -110,8 +110,8 @@ def _key_name(key) -> str:
 
 def path_name(path) -> str:
   """A key path as the string a `parameter_sharding` callable receives:
-  the keys joined by '/', e.g. 'transformer/~/block_0/attention/query/w'
-  for Haiku's params['transformer/~/block_0/attention/query']['w']."""
+  the keys joined by '/', e.g. 'transformer/block_0/attention/query/w'
+  for Haiku's params['transformer/block_0/attention/query']['w']."""
   return "/".join(_key_name(k) for k in path)
 
 
@@ -263,10 +263,6 @@ class Layout:
     return jax.tree.unflatten(
         self.treedef, [NamedSharding(mesh, s) for s in self.specs])
 
-  @property
-  def replicated(self) -> bool:
-    return all(not any(s) for s in self.specs)
-
 
 def train_state_layout(params, param_specs, opt_state, state) -> Layout:
   """The layout of `fit()`'s training state (see step.py): parameters by
@@ -292,8 +288,8 @@ def _copier(shardings_def, shardings_leaves):
 
 def copy_to(tree, shardings):
   """A fresh copy of `tree` placed with `shardings` (a matching tree of
-  `NamedSharding`s): never the caller's buffers, so that the copy can be
-  donated while the caller's arrays stay readable.
+  `NamedSharding`s, or one for every leaf): never the caller's buffers, so
+  that the copy can be donated while the caller's arrays stay readable.
 
   Arrays already on the mesh's devices are copied (and resharded) by one
   jitted copy, whose outputs never alias its inputs; others (numpy, arrays on
@@ -301,7 +297,10 @@ def copy_to(tree, shardings):
   may reuse a buffer, hence the copy after it).
   """
   leaves, treedef = jax.tree.flatten(tree)
-  targets = treedef.flatten_up_to(shardings)
+  if isinstance(shardings, jax.sharding.Sharding):
+    targets = [shardings] * len(leaves)
+  else:
+    targets = treedef.flatten_up_to(shardings)
 
   def on_mesh(x, sharding):
     return (isinstance(x, jax.Array) and x.committed

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 from jax.sharding import PartitionSpec as P
+import numpy as np
 import pytest
 
 import probjax_hk
@@ -43,14 +44,16 @@ out = {}
 traced_meshes = []  # the context mesh each trace of the loss saw
 
 
-def _loss(batch):
+def _loss(batch, num_layers=1, scan_layers=False):
   traced_meshes.append(dict(jax.sharding.get_abstract_mesh().shape))
   attention = functools.partial(pk.dot_product_attention, implementation="flex")
-  y = pk.Transformer(32, 2, 1, attention_fn=attention)(batch["x"])  # [B, T, D]
+  y = pk.Transformer(32, 2, num_layers, attention_fn=attention,
+                     scan_layers=scan_layers)(batch["x"])  # [B, T, D]
   return jnp.mean((y - batch["y"]) ** 2)
 
 
 NET = hk.transform(_loss)
+SCANNED = hk.transform(functools.partial(_loss, num_layers=2, scan_layers=True))
 OPT = optax.adam(1e-2)
 rs = np.random.RandomState(0)
 data = {"x": rs.randn(32, 8, 32).astype(np.float32),
@@ -111,27 +114,53 @@ out["replicated_mode_replicated"] = all(x.sharding.is_fully_replicated for x in 
 # The compiled step fit ran (the step cache's entry): its all-gathers.
 mesh = sharding.default_mesh()
 source = data_lib.ArrayData(data, batch_size=16, last_batch="drop", mesh=mesh)
-for mode in ("replicated", "fsdp"):
-  result = results[mode]
+
+
+def compiled_step(net, mode, params, opt_state=None):
+  """(fit's StepSpec for `net`, the HLO of its compiled one-step call)."""
   specs = sharding.parameter_specs(params, mode, mesh)
   layout = sharding.train_state_layout(params, specs, jax.eval_shape(OPT.init, params), {})
-  spec = step_lib.StepSpec(NET.apply, OPT, False, False, False, "raise", mesh, True,
+  spec = step_lib.StepSpec(net.apply, OPT, False, False, False, "raise", mesh, True,
                            metric_names=step_lib.BASE_METRICS, layout=layout)
-  out[mode + "_step_is_fits"] = ("array", (spec, 1, False)) in step_lib._cache
-  ts = sharding.copy_to(dict(params=result.params, opt_state=result.opt_state, state={},
-                             step=np.int32(0), rng=jax.random.PRNGKey(1),
-                             nonfinite=np.int32(0), first_nonfinite=np.int32(-1)),
-                        layout.shardings(mesh))
+  placed = layout.shardings(mesh)
+  ts = sharding.copy_to(dict(params=params, state={}, step=np.int32(0),
+                             rng=jax.random.PRNGKey(1), nonfinite=np.int32(0),
+                             first_nonfinite=np.int32(-1)),
+                        {k: v for k, v in placed.items() if k != "opt_state"})
+  ts["opt_state"] = (step_lib.init_optimizer(spec)(ts["params"]) if opt_state is None
+                     else sharding.copy_to(opt_state, placed["opt_state"]))
   hlo = step_lib.array_step(spec).lower(
       ts, source.arrays, source.permutation(jax.random.PRNGKey(1), 0), 16,
       source.steps_per_epoch, 32).compile().as_text()
-  out[mode + "_gathers"] = [
-      [m.group(1), int(m.group(2))] for m in re.finditer(
-          r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(.*?dimensions=\{(\d+)\}", hlo)]
-  out[mode + "_gather_ops"] = len(re.findall(r" all-gather(?:-start)?\(", hlo))
-  out[mode + "_sharded_params"] = sorted(
-      [",".join(map(str, x.shape)), [i for i, e in enumerate(x.sharding.spec) if e][0]]
-      for x in jax.tree.leaves(result.params) if not x.sharding.is_fully_replicated)
+  return spec, ts, hlo
+
+
+def gathers(hlo):
+  """[shape, dimension] of every all-gather, and the number of all-gathers."""
+  found = [[m.group(1), int(m.group(2))] for m in re.finditer(
+      r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(.*?dimensions=\{(\d+)\}", hlo)]
+  return found, len(re.findall(r" all-gather(?:-start)?\(", hlo))
+
+
+def sharded_params(tree, drop_leading=False):
+  """[shape, split dimension] of every sharded leaf (without a stack's layer axis)."""
+  k = int(drop_leading)
+  return sorted([",".join(map(str, x.shape[k:])), [i for i, e in enumerate(x.sharding.spec) if e][0] - k]
+                for x in jax.tree.leaves(tree) if not x.sharding.is_fully_replicated)
+
+
+for mode in ("replicated", "fsdp"):
+  result = results[mode]
+  spec, _, hlo = compiled_step(NET, mode, result.params, result.opt_state)
+  out[mode + "_step_is_fits"] = ("array", (spec, 1, False)) in step_lib._cache
+  out[mode + "_gathers"], out[mode + "_gather_ops"] = gathers(hlo)
+  out[mode + "_sharded_params"] = sharded_params(result.params)
+
+# scan_layers: each layer's slice is gathered inside the scan, never a stack.
+scanned = SCANNED.init(jax.random.PRNGKey(0), {k: v[:2] for k, v in data.items()})
+_, ts, hlo = compiled_step(SCANNED, "fsdp", scanned)
+out["scan_gathers"], out["scan_gather_ops"] = gathers(hlo)
+out["scan_sharded_layers"] = sharded_params(ts["params"], drop_leading=True)
 
 # fit_model: the parameters are created sharded and train like fit()'s.
 init_params = NET.init(jax.random.fold_in(jax.random.PRNGKey(1), 3),
@@ -154,7 +183,9 @@ def tensor_parallel(path, leaf):
 
 
 tp = pk.fit(NET.apply, params, data, num_steps=4, parameter_sharding=tensor_parallel,
-            mesh=mesh2, **kw)
+            mesh=mesh2, validation_data=data, **kw)
+out["tp_val_loss"] = [float(tp.history["val_loss"][-1]),
+                      float(NET.apply(host(tp.params), None, data))]
 out["tp_vs_replicated"] = max_diff(tp.params, results["replicated"].params)
 query = tp.params["transformer/block_0/attention/query"]["w"]
 out["tp_query"] = [spec_entries(query), list(query.addressable_shards[0].data.shape)]
@@ -242,6 +273,10 @@ def test_fsdp_gathers_only_parameters_and_shards_them(eight_devices):
   # dimension 'fsdp' split it on; every sharded parameter is gathered.
   assert out["fsdp_gather_ops"] == len(out["fsdp_gathers"]), out
   assert gathered == sharded, (gathered, sharded)
+  scan_gathered = {tuple(x) for x in out["scan_gathers"]}
+  scan_sharded = {tuple(x) for x in out["scan_sharded_layers"]}
+  assert out["scan_gather_ops"] == len(out["scan_gathers"]), out
+  assert scan_sharded and scan_gathered == scan_sharded, (scan_gathered, scan_sharded)
   # The model's 6 matrices (>= FSDP_MIN_SIZE elements) are split 8 ways, and
   # so are their Adam moments (mu, nu); norms and biases are replicated.
   assert len(out["param_fraction"]) == 6, out["param_fraction"]
@@ -258,6 +293,7 @@ def test_fsdp_and_tensor_parallel_train_like_replicated(eight_devices):
   assert out["tp_vs_replicated"] < 1e-5, out
   assert out["tp_query"] == [[None, "model"], [32, 16]], out
   assert out["tp_query_mu"] == out["tp_query"], out
+  np.testing.assert_allclose(*out["tp_val_loss"], rtol=1e-5)
   assert out["fit_model_diff"] < 1e-5, out
   assert [None, "data"] in out["fit_model_specs"], out
 

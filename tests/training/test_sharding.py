@@ -51,10 +51,10 @@ out["stream_max_param_diff"] = max(float(np.max(np.abs(np.asarray(a) - np.asarra
 # The compiled in-memory step reduces gradients across devices.
 spec = step_lib.StepSpec(common.loss_fn, common.OPTIMIZER, False, False,
                          False, "raise", mesh, True)
-ts = sharding.put_replicated(dict(
+ts = sharding.copy_to(dict(
     params=common.init_params(), state={}, step=np.int32(0),
     rng=jax.random.PRNGKey(0), nonfinite=np.int32(0),
-    first_nonfinite=np.int32(-1)), mesh)
+    first_nonfinite=np.int32(-1)), sharding.replicated(mesh))
 ts["opt_state"] = step_lib.init_optimizer(spec)(ts["params"])
 hlo = step_lib.array_step(spec).lower(
     ts, sharding.put_replicated(data, mesh),
