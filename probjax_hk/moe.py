@@ -474,6 +474,10 @@ def _dispatch_plan(x, expert_ids, gates, w_in, w_out, expert_axis) -> _sharding.
   if num_experts % num_devices:
     raise ValueError(f"`num_experts`={num_experts} must be a multiple of the "
                      f"{num_devices} devices on mesh axis {expert_axis!r}")
+  if plan.axes.get("experts", (expert_axis,)) != (expert_axis,):
+    raise ValueError(f"`w_in` and `w_out` are sharded over {plan.axes['experts']} along "
+                     f"their expert axis (axis 0), but `expert_axis` is {expert_axis!r}; "
+                     "place them with `expert_parameter_sharding(expert_axis)`")
   batch = plan.axes.get("batch", ())
   if expert_axis not in batch:
     wider = tuple(a for a in batch if a != expert_axis) + (expert_axis,)

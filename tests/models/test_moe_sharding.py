@@ -145,6 +145,15 @@ with jax.set_mesh(jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,)))
       errors[name] = "no error"
     except ValueError as e:
       errors[name] = str(e)
+mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Explicit,) * 2)
+with jax.set_mesh(mesh):  # experts placed over the wrong axis: no silent regather
+  misplaced = jax.tree.map(lambda leaf: jax.device_put(
+      leaf, P("data") if leaf.ndim == 3 else P()), params8)
+  try:
+    jax.eval_shape(make(8, expert_axis="expert").apply, misplaced, {}, None, x)
+    errors["misplaced"] = "no error"
+  except ValueError as e:
+    errors["misplaced"] = str(e)
 out["errors"] = errors
 print("RESULT" + json.dumps(out))
 '''
@@ -187,6 +196,8 @@ def test_moe_sharding_on_8_cpu_devices():
   errors = out.pop("errors")
   assert "`num_experts`=4" in errors["experts"] and "8 devices" in errors["experts"], errors
   assert "token count 6" in errors["tokens"] and "8 devices" in errors["tokens"], errors
+  assert "('data',)" in errors["misplaced"] and "expert_parameter_sharding" in errors[
+      "misplaced"], errors
 
   expert_cases = [n for n in out if n.startswith("expert/")]
   assert len(expert_cases) == 3, out.keys()
