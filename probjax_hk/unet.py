@@ -261,7 +261,7 @@ class UNet(hk.Module):
 
   @property
   def size_multiple(self) -> int:
-    """Heights and widths must be multiples of this: `2 ** (len(channels) - 1)`."""
+    """Heights and widths must be multiples of this number, `2 ** (len(channels) - 1)`."""
     return 2 ** (len(self.channels) - 1)
 
   def _check_inputs(self, x, t, context):

@@ -55,7 +55,8 @@ class LRUCell(hk.Module):
       state_dim: N, the complex state size; defaults to `model_dim`.
       model_dim: H, the input/output width (SSMModel passes it; inferred from
         the input otherwise, but `initial_state` needs it).
-      r_min, r_max: the ring of |lambda| at initialization, 0 <= r_min < r_max <= 1.
+      r_min, r_max: the ring of `|lambda|` at initialization,
+        `0 <= r_min < r_max <= 1`.
       max_phase: the largest initial phase of lambda.
       implementation: `ops.linear_scan`'s backend for the sequence path.
       name: module name.
