@@ -47,5 +47,16 @@ test-suite: $(STAMP)
 test-jax-next: $(STAMP_NEXT)
 	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 -q $(NEXT_TESTS)
 
+# make docs: the documentation site into docs/_build/html, warnings as errors.
+DOCS_STAMP := $(VENV)/.docs-installed
+.PHONY: docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
+	JAX_PLATFORMS=cpu $(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+
 clean:
 	rm -rf $(VENV) *.egg-info
