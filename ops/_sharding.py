@@ -88,9 +88,10 @@ class Plan:
     """How many shards the `label` dimension is cut into."""
     return math.prod(self.mesh.shape[a] for a in self.axes.get(label, ()))
 
-  def spec(self, layout: Layout | None) -> P | None:
+  def spec(self, layout: Layout | None) -> P:
+    """The PartitionSpec of an array with `layout` (None: replicated)."""
     if layout is None:
-      return None
+      return P()
     return P(*(self.axes.get(label) or None if label else None for label in layout))
 
   def run(self, fn: Callable, out_layouts) -> Any:

@@ -17,6 +17,7 @@ from probjax_hk.layers import RMSNorm
 from probjax_hk.layers import rotary_embedding
 from probjax_hk.layers import sinusoidal_embedding
 from probjax_hk.layers import TimestepEmbedding
+from probjax_hk.moe import expert_parameter_sharding
 from probjax_hk.moe import MoELayer
 from probjax_hk.ssm import GatedDeltaNetCell
 from probjax_hk.ssm import LRUCell
@@ -51,6 +52,7 @@ __all__ = (
     "Mamba2Cell",
     "MLP",
     "modulate",
+    "expert_parameter_sharding",
     "MoELayer",
     "MultiHeadAttention",
     "remat_policy_names",
