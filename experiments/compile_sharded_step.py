@@ -1,0 +1,189 @@
+r"""Compiles data-parallel and FSDP train steps for N GPUs and checks the kernels.
+
+A check, not a timing: every Pallas kernel of a sharded train step must run on
+the per-device batch (B / N) with no all-gather in front of it. The step (the
+standard Transformer or the Mamba-2 SSMModel, bf16, Adam) is compiled for a
+mesh of N devices and again for one device at batch B / N; the kernels (every
+custom call that is not a cuBLAS or cuDNN call) must be the same calls with
+the same operand shapes in both programs. The all-gathers of the N-device
+program are listed: none under 'replicated', parameters only under 'fsdp'.
+
+With fewer GPUs than N, JAX's mock GPU topology (`jax_mock_gpu_topology`,
+compile only: nothing runs) stands in for the N-GPU machine:
+
+  python -m experiments.compile_sharded_step --num_devices=8 \
+      --output=/tmp/compile_sharded_step.json
+
+On a CPU (8 simulated devices, kernels in interpret mode, so no custom calls
+to compare) it checks the all-gathers only:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+      python -m experiments.compile_sharded_step --seq_len=256 --batch=16
+"""
+
+import collections
+import json
+import os
+import re
+import time
+
+from absl import app
+from absl import flags
+import jax
+
+_NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the mesh.", lower_bound=2)
+_BATCH = flags.DEFINE_integer("batch", 64, "Global batch (sequences).", lower_bound=1)
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.", lower_bound=1)
+_MODELS = flags.DEFINE_list("models", ["transformer", "mamba2"], "Models to compile.")
+_SHARDINGS = flags.DEFINE_list("parameter_sharding", ["replicated", "fsdp"],
+                               "fit()'s parameter_sharding modes to compile.")
+_OUTPUT = flags.DEFINE_string("output", None, "Where to write the JSON result.")
+
+# The kernels are custom calls; the library calls of XLA's own GPU code are not.
+_LIBRARY_CALLS = ("__cublas", "__cudnn", "cu_threefry", "xla.gpu.ext")
+
+
+def _set_up_devices(num_devices: int) -> str:
+  """Mocks an N-GPU host when this one has fewer GPUs; returns what it uses."""
+  if jax.config.jax_platforms in (None, "", "cuda", "gpu"):
+    import jax._src.xla_bridge as xb  # the backend is not yet initialized here
+    if not xb.backends_are_initialized():
+      jax.config.update("jax_mock_gpu_topology", f"1x{num_devices}x1")
+      # Autotuning runs kernels, which mocked devices cannot: the compile
+      # waits for ever. The check reads the program, not its speed.
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                 + " --xla_gpu_autotune_level=0").strip()
+  devices = jax.devices()
+  if len(devices) < num_devices:
+    raise ValueError(f"--num_devices={num_devices} but only {len(devices)} devices")
+  return f"{len(devices)} x {devices[0].device_kind}"
+
+
+def _models():
+  import haiku as hk
+  import jax.numpy as jnp
+  import probjax_hk as pk
+
+  def transformer(batch):
+    y = pk.Transformer(256, 8, 4, is_causal=True)(batch["x"])
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"].astype(jnp.float32)))
+
+  def mamba2(batch):
+    y = pk.SSMModel(16, 128, 16, 4, cell=pk.Mamba2Cell)(batch["x"])
+    return jnp.mean(jnp.square(y.astype(jnp.float32) - batch["y"].astype(jnp.float32)))
+
+  return {"transformer": (hk.without_apply_rng(hk.transform(transformer)), 256),
+          "mamba2": (hk.without_apply_rng(hk.transform(mamba2)), 16)}
+
+
+def _kernels(text: str) -> collections.Counter:
+  """(target, operand shapes) of every kernel custom call in the HLO text."""
+  found = collections.Counter()
+  for line in text.splitlines():
+    if " custom-call(" not in line:
+      continue
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if target is None or target.group(1).startswith(_LIBRARY_CALLS):
+      continue
+    operands = line.split(" custom-call(", 1)[1].split(")", 1)[0]
+    shapes = tuple(re.findall(r"[a-z0-9]+\[[0-9,]*\]", operands))
+    found[(target.group(1), shapes)] += 1
+  return found
+
+
+def _all_gathers(text: str) -> list[tuple[str, ...]]:
+  """The result dimensions ("[a,b]", one per gathered array) of each
+  all-gather in the HLO text (a combined or asynchronous one returns a tuple;
+  an asynchronous start's tuple also holds its operands)."""
+  found = []
+  for line in text.splitlines():
+    match = re.search(r"= (.*?) all-gather(?:-start)?\(", line)
+    if match:
+      found.append(tuple(re.findall(r"\[[0-9,]*\]", match.group(1))))
+  return found
+
+
+def _compile(loss, width: int, mode: str, mesh, batch: int, seq_len: int) -> str:
+  """The compiled text of one Adam train step on `mesh` at global `batch`."""
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  from probjax_hk.training import sharding
+
+  tokens = jax.ShapeDtypeStruct((batch, seq_len, width), jnp.bfloat16)
+  example = {"x": tokens, "y": tokens}
+  params = jax.eval_shape(loss.init, jax.random.key(0), example)
+  optimizer = optax.adam(1e-3)
+  opt_state = jax.eval_shape(optimizer.init, params)
+  param_specs = sharding.parameter_specs(params, mode, mesh)
+  opt_specs = sharding.optimizer_state_specs(opt_state, params, param_specs)
+  named = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                     is_leaf=lambda s: isinstance(s, P))
+  state_shardings = (named(param_specs), named(opt_specs))
+  data_sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+  def step(params, opt_state, batch):
+    grads = jax.grad(loss.apply)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  start = time.perf_counter()
+  with jax.set_mesh(mesh):
+    jitted = jax.jit(step, in_shardings=(*state_shardings, data_sharding),
+                     out_shardings=state_shardings)
+    lowered = jitted.lower(params, opt_state, example)
+    lowered_at = time.perf_counter()
+    text = lowered.compile().as_text()
+  print(f"  {mesh.size} device(s), batch {batch}: lowered in {lowered_at - start:.1f} s, "
+        f"compiled in {time.perf_counter() - lowered_at:.1f} s", flush=True)
+  return text
+
+
+def main(argv):
+  del argv
+  n = _NUM_DEVICES.value
+  machine = _set_up_devices(n)
+  print(f"devices: {machine}", flush=True)
+  import numpy as np
+  from jax.sharding import Mesh
+  if _BATCH.value % n:
+    raise app.UsageError(f"--batch={_BATCH.value} must be a multiple of --num_devices={n}")
+  meshes = {k: Mesh(np.asarray(jax.devices()[:k]), ("data",)) for k in (n, 1)}
+  rows = []
+  for name in _MODELS.value:
+    loss, width = _models()[name]
+    for mode in _SHARDINGS.value:
+      print(f"{name}, {mode}:", flush=True)
+      text = _compile(loss, width, mode, meshes[n], _BATCH.value, _SEQ_LEN.value)
+      one = _compile(loss, width, mode, meshes[1], _BATCH.value // n, _SEQ_LEN.value)
+      kernels, per_device = _kernels(text), _kernels(one)
+      params = jax.eval_shape(loss.init, jax.random.key(0), {
+          k: jax.ShapeDtypeStruct((1, _SEQ_LEN.value, width), "bfloat16") for k in "xy"})
+      param_shapes = set()
+      for p in jax.tree.leaves(params):  # whole, and as one of n shards
+        param_shapes.add(f"[{','.join(map(str, p.shape))}]")
+        for d, size in enumerate(p.shape):
+          if size % n == 0:
+            param_shapes.add(f"[{','.join(str(s // n if i == d else s) for i, s in enumerate(p.shape))}]")
+      gathers = _all_gathers(text)
+      row = {
+          "model": name, "parameter_sharding": mode, "num_devices": n,
+          "batch": _BATCH.value, "seq_len": _SEQ_LEN.value,
+          "kernel_calls": sum(kernels.values()),
+          "kernels_match_per_device_batch": kernels == per_device,
+          "kernel_shapes": sorted({s for (_, shapes) in kernels for s in shapes}),
+          "per_device_kernel_shapes": sorted({s for (_, shapes) in per_device for s in shapes}),
+          "all_gathers": len(gathers),
+          "all_gathered_shapes": sorted({d for g in gathers for d in g}),
+          "all_gathers_not_of_parameters": sorted({d for g in gathers for d in g} - param_shapes),
+      }
+      rows.append(row)
+      print(json.dumps({k: v for k, v in row.items() if not k.endswith("shapes")}), flush=True)
+      if _OUTPUT.value:  # after every row, so a long run keeps what it has
+        with open(_OUTPUT.value, "w") as f:
+          json.dump({"machine": machine, "jax": jax.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
