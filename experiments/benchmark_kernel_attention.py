@@ -29,7 +29,6 @@ from experiments import harness
 from experiments import workloads
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
-from ops.flex_attention import reference
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/attention.json",
                               "JSON path (the curated suite file; another for trial runs).")
@@ -130,7 +129,7 @@ def _check_rows():
   cases = [
       # B, T, S, N, K, H, dtype, options
       (2, 300, 300, 4, 2, 80, jnp.bfloat16, dict(is_causal=True, local_window_size=(64, 0),
-                                                  kv_seq_lengths=np.array([300, 211]))),
+                                                  key_value_seq_lengths=np.array([300, 211]))),
       (1, 1, 33, 4, 1, 32, jnp.float32, {}),
       (2, 256, 256, 8, 2, 64, jnp.bfloat16, dict(segment_ids=np.repeat(
           np.array([[0] * 100 + [1] * 156]), 2, 0))),
@@ -177,8 +176,9 @@ def _check_cases(cases, variant):
     def loss(fn, q, k, v):
       return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
     flex = lambda q, k, v: flex_api.flex_attention(q, k, v, implementation="pallas", **opts)
-    ref = lambda q, k, v: reference.flex_attention_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **opts)
+    ref = lambda q, k, v: flex_api.flex_attention(  # the dense reference
+        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+        implementation="xla", **opts)
     row = dict(kind="check", variant=variant, shape=[b, t, s, n, kh, h],
                dtype=jnp.dtype(dtype).name, options=sorted(opts))
     try:

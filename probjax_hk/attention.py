@@ -179,7 +179,7 @@ def dot_product_attention(
         query, key, value, is_causal=bool(is_causal),
         scale=None if scale is None else float(scale),
         local_window_size=_normalize_window(local_window_size),
-        kv_seq_lengths=as_int32(key_value_seq_lengths), implementation="pallas")
+        key_value_seq_lengths=as_int32(key_value_seq_lengths), implementation="pallas")
   return jax.nn.dot_product_attention(
       query, key, value, bias, mask, scale=scale, is_causal=is_causal,
       query_seq_lengths=as_int32(query_seq_lengths),

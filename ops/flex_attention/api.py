@@ -25,7 +25,7 @@ def _is_concrete(x) -> bool:
 
 
 def _validate(q, k, v, is_causal, scale, segment_ids, local_window_size,
-              kv_seq_lengths):
+              key_value_seq_lengths):
   """Raises ValueError naming the argument; returns the normalized options."""
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 4:
@@ -74,17 +74,19 @@ def _validate(q, k, v, is_causal, scale, segment_ids, local_window_size,
                          f"got {getattr(ids, 'shape', None)}")
       if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"`segment_ids` must be integers, got {ids.dtype}")
-  if kv_seq_lengths is not None:
-    if getattr(kv_seq_lengths, "shape", None) != (batch,):
-      raise ValueError(f"`kv_seq_lengths` must have shape ({batch},), "
-                       f"got {getattr(kv_seq_lengths, 'shape', None)}")
-    if not jnp.issubdtype(kv_seq_lengths.dtype, jnp.integer):
-      raise ValueError(f"`kv_seq_lengths` must be integers, got {kv_seq_lengths.dtype}")
-    if _is_concrete(kv_seq_lengths):
-      values = np.asarray(kv_seq_lengths)
+  lengths = key_value_seq_lengths
+  if lengths is not None:
+    if getattr(lengths, "shape", None) != (batch,):
+      raise ValueError(f"`key_value_seq_lengths` must have shape ({batch},), "
+                       f"got {getattr(lengths, 'shape', None)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise ValueError(f"`key_value_seq_lengths` must be integers, got {lengths.dtype}")
+    if _is_concrete(lengths):
+      values = np.asarray(lengths)
       lo, hi = int(values.min()), int(values.max())
       if lo < 0 or hi > seq_kv:
-        raise ValueError(f"`kv_seq_lengths` must lie in [0, S={seq_kv}], got values in [{lo}, {hi}]")
+        raise ValueError(f"`key_value_seq_lengths` must lie in [0, S={seq_kv}], "
+                         f"got values in [{lo}, {hi}]")
   return window, q_ids, kv_ids
 
 
@@ -100,7 +102,7 @@ def flex_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
     scale: float | None = None, segment_ids=None,
     local_window_size: int | tuple[int | None, int | None] | None = None,
-    kv_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
     mask_mod: reference.MaskMod | None = None,
     score_mod: reference.ScoreMod | None = None,
     implementation: _backend.Implementation = None) -> jax.Array:
@@ -115,7 +117,7 @@ def flex_attention(
       keys of its own segment only (packed sequences).
     local_window_size: `w` or `(left, right)`: t sees s in [t - left, t + right]
       (a None side is unbounded).
-    kv_seq_lengths: [B] ints in [0, S]: keys s >= length are padding.
+    key_value_seq_lengths: [B] ints in [0, S]: keys s >= length are padding.
     mask_mod: `mask_mod(b, n, t, s) -> bool` on broadcastable int32 index
       arrays (b batch, n query head, t query, s key): False masks out. It is
       evaluated densely once per call to list, per tile, the open and the
@@ -133,7 +135,7 @@ def flex_attention(
     [B, T, N, H] in q's dtype. A query that sees no key returns zeros.
   """
   window, q_ids, kv_ids = _validate(q, k, v, is_causal, scale, segment_ids,
-                                    local_window_size, kv_seq_lengths)
+                                    local_window_size, key_value_seq_lengths)
   for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
     if fn is not None and not callable(fn):
       raise ValueError(f"`{name}` must be callable or None, got {type(fn).__name__}")
@@ -142,12 +144,12 @@ def flex_attention(
   if chosen == "xla":
     return reference.flex_attention_reference(
         q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
-        local_window_size=window, kv_seq_lengths=kv_seq_lengths,
+        local_window_size=window, kv_seq_lengths=key_value_seq_lengths,
         mask_mod=mask_mod, score_mod=score_mod)
-  def kernel_path(q, k, v, q_ids, kv_ids, kv_seq_lengths):
+  def kernel_path(q, k, v, q_ids, kv_ids, lengths):
     return pallas.flex_attention_pallas(
         q, k, v, scale=scale, is_causal=is_causal, window=window,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=kv_seq_lengths,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=lengths,
         interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)
 
   # Query and key/value heads split together, so GQA groups stay whole.
@@ -157,7 +159,8 @@ def flex_attention(
       ("v", v, ("batch", "seq", "heads", None)),
       ("segment_ids", q_ids, ("batch", "seq")),
       ("segment_ids", kv_ids, ("batch", "seq")),
-      ("kv_seq_lengths", kv_seq_lengths, ("batch",))), split=("batch", "heads"))
+      ("key_value_seq_lengths", key_value_seq_lengths, ("batch",))),
+      split=("batch", "heads"))
   if plan.splits and (mask_mod is not None or score_mod is not None):
     raise ValueError(
         f"{_OP}: `mask_mod` and `score_mod` see global batch and head indices, "

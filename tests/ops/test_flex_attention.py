@@ -1,4 +1,5 @@
-"""ops.flex_attention: the Pallas kernel (interpret mode on CPU) vs reference.py.
+"""ops.flex_attention: the Pallas kernel (interpret mode on CPU) vs reference.py
+(its dense XLA path).
 
 Each case runs forward and backward in one jitted `jax.vjp`, so one compile
 checks the three kernels (forward, dK/dV, dQ) against the f32 reference.
@@ -41,8 +42,9 @@ def _vjp(fn, q, k, v, w):
 def _check(b, t, s, n, kh, h, dtype, **options):
   q, k, v, w = _inputs((b, t, n, h), (b, s, kh, h), dtype)
   kernel = lambda q, k, v: flex_attention(q, k, v, implementation="pallas", **options)
-  ref = lambda q, k, v: flex_attention_reference(
-      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
+  ref = lambda q, k, v: flex_attention(
+      q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+      implementation="xla", **options)
   out, grads = jax.jit(lambda *a: _vjp(kernel, *a))(q, k, v, w)
   out_r, grads_r = jax.jit(lambda *a: _vjp(ref, *a))(q, k, v, w)
   assert out.dtype == dtype and out.shape == (b, t, n, h)
@@ -63,12 +65,12 @@ _CASES = {
     "causal_t17_h32_f32": (1, 17, 17, 2, 2, 32, jnp.float32, dict(is_causal=True)),
     "gqa8to2_cross_h64_bf16": (1, 40, 72, 8, 2, 64, jnp.bfloat16, {}),
     "mqa4to1_t1_h80_lengths_f32": (2, 1, 50, 4, 1, 80, jnp.float32,
-                                   dict(kv_seq_lengths=np.array([50, 9]))),
+                                   dict(key_value_seq_lengths=np.array([50, 9]))),
     "window_causal_t128_h128_bf16": (1, 128, 128, 2, 1, 128, jnp.bfloat16,
                                      dict(is_causal=True, local_window_size=(40, 0))),
     "window_both_sides_lengths_f32": (2, 64, 64, 4, 2, 32, jnp.float32,
                                       dict(local_window_size=(9, 5),
-                                           kv_seq_lengths=np.array([64, 23]))),
+                                           key_value_seq_lengths=np.array([64, 23]))),
     "segments_causal_t300_f32": (1, 300, 300, 1, 1, 32, jnp.float32,
                                  dict(is_causal=True, segment_ids=np.repeat(
                                      np.arange(3), [120, 101, 79])[None])),
@@ -100,7 +102,7 @@ def test_empty_rows_give_zeros_and_finite_gradients():
   kv_ids = jnp.zeros((b, t), jnp.int32)
   lengths = jnp.array([0, 32])
   out, grads = _check(b, t, t, 2, 2, h, jnp.float32, segment_ids=(q_ids, kv_ids),
-                      kv_seq_lengths=lengths)
+                      key_value_seq_lengths=lengths)
   out = np.asarray(out)
   assert (out[0] == 0).all() and (out[1, 20:] == 0).all()
   assert np.abs(out[1, :20]).sum() > 0
@@ -131,8 +133,8 @@ def test_default_implementation_on_cpu_is_xla_and_matches_reference():
     (dict(k=(2, 8, 3, 32), v=(2, 8, 3, 32)), "multiple of `k` heads"),
     (dict(k=(2, 8, 2, 16), v=(2, 8, 2, 16)), "`k` head size"),
     (dict(v=(2, 9, 2, 32)), "`k` and `v` must have the same shape"),
-    (dict(kv_seq_lengths=np.array([3, 9])), "`kv_seq_lengths` must lie in"),
-    (dict(kv_seq_lengths=np.array([3])), "`kv_seq_lengths` must have shape"),
+    (dict(key_value_seq_lengths=np.array([3, 9])), "`key_value_seq_lengths` must lie in"),
+    (dict(key_value_seq_lengths=np.array([3])), "`key_value_seq_lengths` must have shape"),
     (dict(local_window_size=(-1, 2)), "`local_window_size`"),
     (dict(segment_ids=np.zeros((2, 7), np.int32)), "`segment_ids`"),
     (dict(is_causal=1), "`is_causal`"),
@@ -182,7 +184,7 @@ _MOD_CASES = {
     "prefix_lm_bf16": (1, 40, 40, _HEADS, 1, 32, jnp.bfloat16, dict(mask_mod=_prefix_lm)),
     "documents_softcap_lengths": (1, 70, 70, _HEADS, 2, 16, jnp.float32,
                                   dict(mask_mod=_documents, score_mod=_softcap,
-                                       kv_seq_lengths=np.array([60]))),
+                                       key_value_seq_lengths=np.array([60]))),
 }
 
 
@@ -237,12 +239,12 @@ def _pallas_int_operands(jaxpr):
 
 @pytest.mark.parametrize("lengths", [False, True])
 def test_key_lengths_are_an_operand_only_when_given(lengths):
-  """Without `kv_seq_lengths` the kernels take the static S: no [B, 1] array
+  """Without `key_value_seq_lengths` the kernels take the static S: no [B, 1] array
   is built (an XLA broadcast kernel per call on the GPU) or read; with them,
   forward and both gradient kernels read it. (S = 200 pads the keys, so the
   kernels still mask s >= S.)"""
   q, k, v, _ = _inputs((2, 100, 2, 32), (2, 200, 2, 32), jnp.float32)
-  kw = dict(kv_seq_lengths=jnp.array([200, 150])) if lengths else {}
+  kw = dict(key_value_seq_lengths=jnp.array([200, 150])) if lengths else {}
   fn = lambda q, k, v: jnp.sum(flex_attention(q, k, v, implementation="pallas", **kw))
   jaxpr = jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v).jaxpr
   assert _pallas_int_operands(jaxpr) == ([(2, 1)] * 3 if lengths else [])
