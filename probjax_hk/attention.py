@@ -26,6 +26,7 @@ from typing import Callable, Literal
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ops import _backend
 from ops.flex_attention import api as flex_api
@@ -94,6 +95,15 @@ def choose_attention_implementation(
   backend) is 'xla'; on an NVIDIA GPU it is 'flex' when the kernel takes the
   inputs and H <= FLEX_PREFERRED_MAX_HEAD_DIM (or cuDNN cannot take them),
   else 'cudnn' when cuDNN does, else 'xla'.
+
+  Args:
+    query: [B, T, N, H].
+    key, value: [B, S, K, H].
+    bias: optional, broadcastable to [B, N, T, S].
+    mask: optional boolean, broadcastable to [B, N, T, S].
+    is_causal, local_window_size, query_seq_lengths, scale: as for
+      `dot_product_attention`.
+    implementation: None, 'xla', 'cudnn' or 'flex'.
 
   Returns:
     'xla', 'cudnn' or 'flex'. Raises a ValueError when an explicit
@@ -191,6 +201,21 @@ def dot_product_attention(
 AttentionFn = Callable[..., jax.Array]
 
 
+def _check_logits_operand(name, x, logits_shape):
+  """`x` (a bias or a mask) must broadcast to the logits' [B, N, T, S]."""
+  if x is None:
+    return
+  shape = getattr(x, "shape", None)
+  try:
+    fits = shape is not None and len(shape) <= 4 and (
+        np.broadcast_shapes(shape, logits_shape) == logits_shape)
+  except ValueError:
+    fits = False
+  if not fits:
+    raise ValueError(f"`{name}` must be broadcastable to [B, N, T, S] = {logits_shape}, "
+                     f"got shape {shape}")
+
+
 class MultiHeadAttention(hk.Module):
   """Multi-head (or grouped-query) attention with projections.
 
@@ -203,6 +228,28 @@ class MultiHeadAttention(hk.Module):
                rope_base: float = 10_000.0, qk_norm: bool = False,
                attention_fn: AttentionFn = dot_product_attention,
                with_bias: bool = False, name: str | None = None):
+    """Constructs the module.
+
+    Args:
+      num_heads: N, the query heads.
+      num_kv_heads: K, the key/value heads (GQA; 1 is MQA); must divide N.
+        Default N.
+      head_dim: H; default `D // num_heads` for inputs of width D.
+      use_rope: rotary position embedding on queries (positions 0..T-1) and
+        keys (0..S-1).
+      rope_base: the rotary embedding's base wavelength.
+      qk_norm: RMSNorm over each head of the queries and keys before the dot
+        product.
+      attention_fn: `fn(q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], *,
+        is_causal, key_value_seq_lengths) -> [B, T, N, H]`, also given `bias`
+        and `mask` when the call has them; default `dot_product_attention`.
+      with_bias: biases in the four projections.
+      name: module name.
+
+    Raises:
+      ValueError: for a head count that is not a positive int, or
+        `num_kv_heads` that does not divide `num_heads`.
+    """
     super().__init__(name=name)
     arguments.check_positive_ints(num_heads=num_heads)
     arguments.check_positive_ints_or_none(num_kv_heads=num_kv_heads, head_dim=head_dim)
@@ -219,6 +266,7 @@ class MultiHeadAttention(hk.Module):
     self.with_bias = with_bias
 
   def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
+               bias: jax.Array | None = None, mask: jax.Array | None = None,
                is_causal: bool = False,
                key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
     """Self-attention over `x`, or cross-attention from `x` to `context`.
@@ -226,16 +274,30 @@ class MultiHeadAttention(hk.Module):
     Args:
       x: [B, T, D] queries' source.
       context: optional [B, S, D_c] keys' and values' source (default `x`).
+      bias: optional, broadcastable to [B, N, T, S], added to the logits
+        (`jax.nn.dot_product_attention`'s `bias`).
+      mask: optional boolean, broadcastable to [B, N, T, S]; False masks out
+        (`jax.nn.dot_product_attention`'s `mask`).
       is_causal: causal mask (self-attention).
       key_value_seq_lengths: optional [B] valid key/value lengths.
 
     Returns:
       [B, T, D].
+
+    Raises:
+      ValueError: for `context`, `bias` or `mask` of the wrong shape, or a
+        `mask` that is not boolean.
     """
     layers.check_tokens(x)
     if context is not None and (context.ndim != 3 or context.shape[0] != x.shape[0]):
       raise ValueError(f"`context` must be [B, S, D_c] with B={x.shape[0]}, "
                        f"got shape {context.shape}")
+    logits_shape = (x.shape[0], self.num_heads, x.shape[1],
+                    (x if context is None else context).shape[1])  # [B, N, T, S]
+    _check_logits_operand("bias", bias, logits_shape)
+    _check_logits_operand("mask", mask, logits_shape)
+    if mask is not None and mask.dtype != jnp.bool_:
+      raise ValueError(f"`mask` must be boolean (True attends), got {mask.dtype}")
     model_dim = x.shape[-1]
     if self.head_dim is None and model_dim % self.num_heads:
       raise ValueError(f"`num_heads` must divide the model width `x.shape[-1]` when "
@@ -256,7 +318,9 @@ class MultiHeadAttention(hk.Module):
     if self.use_rope:
       q = layers.rotary_embedding(q, jnp.arange(seq_len), base=self.rope_base)
       k = layers.rotary_embedding(k, jnp.arange(kv_len), base=self.rope_base)
+    # bias and mask only when given: an attention_fn need not take them.
+    dense = {n: a for n, a in (("bias", bias), ("mask", mask)) if a is not None}
     out = self.attention_fn(q, k, v, is_causal=is_causal,
-                            key_value_seq_lengths=key_value_seq_lengths)
+                            key_value_seq_lengths=key_value_seq_lengths, **dense)
     out = out.reshape(batch, seq_len, self.num_heads * head_dim)
     return layers.Linear(model_dim, with_bias=self.with_bias, name="output")(out)
