@@ -32,12 +32,14 @@ import optax
 from probjax_hk.training import callbacks as callbacks_lib
 from probjax_hk.training import checkpoints as checkpoints_lib
 from probjax_hk.training import data as data_lib
+from probjax_hk.training import programs
 from probjax_hk.training import runner as runner_lib
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
 from probjax_hk.training.runner import FitResult
 
-# One object, so that the default optimizer is the same cache key every call.
+# One object, so that the default optimizer finds its compiled step without
+# tracing it (see step.py).
 DEFAULT_OPTIMIZER = optax.adam(1e-3)
 # steps_per_call=None: states up to this size (parameters, optimizer and Haiku
 # state) run AUTO_STEPS_PER_CALL steps per compiled call. Their steps are
@@ -474,8 +476,8 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
   `transformed.apply(params, [state,] rng, batch)` must return the loss (or
   `(loss, aux)`); `hk.transform_with_state` functions also return the state.
   Missing `params` (and `state`) are initialised with `transformed.init` on the
-  first batch. `transformed.apply` is the loss function, so repeated calls on
-  the same transformed function reuse the compiled step.
+  first batch. `transformed.apply` is the loss function; repeated calls reuse
+  the compiled step, also for a new `hk.transform` of the same model.
 
   Args:
     transformed: `hk.transform(f)` or `hk.transform_with_state(f)` where
@@ -546,7 +548,8 @@ def _init_sharded(init, key, example, with_state, parameter_sharding, mesh):
     placed = sharding_lib.Layout.of(specs).shardings(mesh)
     if with_state:
       placed = (placed, sharding_lib.replicated(mesh))
-    return jax.jit(init, out_shardings=placed)(key, example)
+  # A Program: a new hk.transform of the same model compiles nothing.
+  return programs.Program(init, mesh, out_shardings=placed)(key, example)
 
 
 def _chain_first(first, iterator):

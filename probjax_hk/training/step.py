@@ -1,18 +1,24 @@
 """The compiled training step of `fit()` and the cache that keeps it.
 
-`fit()` asks this module for its jitted functions by a `StepSpec`: the loss
+`fit()` asks this module for its compiled functions by a `StepSpec`: the loss
 function, the optimizer and the static options (Haiku state or not, aux or not,
 row mask or not, non-finite policy, mesh, the training state's layout,
-donation). The spec keys a
-process-wide cache of `jax.jit` objects, and `jax.jit` itself keys the compiled
-executables on shapes, dtypes and shardings, so a second `fit()` with the same
-loss function, optimizer and data reuses everything and compiles nothing. A new
-function object (a lambda written inside a loop, a fresh `optax.adam(...)`)
-is a new key: define them once.
+donation). Two caches keep them:
 
-Every function here is traced, compiled and run under `jax.set_mesh(mesh)`
-(`OnMesh`), so that the ops inside see the mesh and run their Pallas kernels
-per shard (ops/_sharding.py) instead of gathering the batch in front of them.
+- the spec keys a process-wide cache of `programs.Program`s, so a second
+  `fit()` with the same loss function and optimizer objects finds its
+  functions and their executables at once (no tracing);
+- a new spec (an optimizer written inline again, a loss function defined
+  again, a new `hk.transform` of the same model) makes new Programs, which
+  trace once and take the executable another Program compiled when the
+  traced program is the same (`programs.program_key`): same equations,
+  literals (an optimizer's hyperparameters), closed-over values, shapes,
+  shardings and static options. Anything that changes the program (another
+  learning rate, width or optimizer) compiles.
+
+Every function here is traced and compiled under `jax.set_mesh(mesh)`, so
+that the ops inside see the mesh and run their Pallas kernels per shard
+(ops/_sharding.py) instead of gathering the batch in front of them.
 
 The training state is a dict of pytrees, placed on the mesh by
 `StepSpec.layout` (parameters and their optimizer state as `fit()`'s
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from probjax_hk.training import programs
 from probjax_hk.training import sharding as sharding_lib
 
 NONFINITE_MODES = ("raise", "skip")
@@ -85,23 +92,6 @@ def metric_names(aux) -> tuple[str, ...]:
 
 
 _cache: collections.OrderedDict = collections.OrderedDict()
-
-
-class OnMesh:
-  """A jitted function that traces, compiles and runs under
-  `jax.set_mesh(mesh)` (about 5 us a call on the CPU)."""
-
-  def __init__(self, jitted, mesh: jax.sharding.Mesh):
-    self.jitted = jitted
-    self.mesh = mesh
-
-  def __call__(self, *args):
-    with jax.set_mesh(self.mesh):
-      return self.jitted(*args)
-
-  def lower(self, *args):
-    with jax.set_mesh(self.mesh):
-      return self.jitted.lower(*args)
 
 
 def state_shardings(spec: StepSpec):
@@ -249,11 +239,11 @@ def _jit_steps(spec: StepSpec, steps, optimistic: bool, **kwargs):
   rep = sharding_lib.replicated(spec.mesh)
   placed = state_shardings(spec)
   if optimistic:  # the caller keeps the input state to roll back to
-    jitted = jax.jit(steps, out_shardings=(placed, rep, rep), **kwargs)
-  else:
-    jitted = jax.jit(steps, donate_argnums=(0,) if spec.donate else (),
-                     out_shardings=(placed, rep), **kwargs)
-  return OnMesh(jitted, spec.mesh)
+    return programs.Program(steps, spec.mesh,
+                            out_shardings=(placed, rep, rep), **kwargs)
+  return programs.Program(steps, spec.mesh,
+                          donate_argnums=(0,) if spec.donate else (),
+                          out_shardings=(placed, rep), **kwargs)
 
 
 def _optimistic(one_step, ts, length, xs=None):
@@ -340,8 +330,7 @@ def eval_step(spec: StepSpec):
     if spec.use_mask:
       mask = jnp.ones((jax.tree.leaves(batch)[0].shape[0],), bool)
     return call_loss(spec, params, state, eval_key(rng), batch, mask)[0]
-  return _cached("eval", spec,
-                 lambda: OnMesh(jax.jit(evaluate), spec.mesh))
+  return _cached("eval", spec, lambda: programs.Program(evaluate, spec.mesh))
 
 
 def init_optimizer(spec: StepSpec):
@@ -350,5 +339,5 @@ def init_optimizer(spec: StepSpec):
   def build():
     placed = state_shardings(spec)
     out = placed if spec.layout is None else placed["opt_state"]
-    return OnMesh(jax.jit(spec.optimizer.init, out_shardings=out), spec.mesh)
+    return programs.Program(spec.optimizer.init, spec.mesh, out_shardings=out)
   return _cached("init", (spec.optimizer, spec.mesh, spec.layout), build)
