@@ -171,7 +171,7 @@ MHA_CONFIGS = {
 # flex with its forward on given Mosaic GPU tiles: flex_mosaic_<tiles>, see
 # `mosaic_fwd_tiles`.
 _MOSAIC_FWD_TILES = re.compile(
-    r"(\d+)x(\d+)x(\d+)(_free)?(?:_wg(\d))?(_pipe)?(_persist(_all)?)?(_r240)?(_sums)?(_fm)?(_pq)?$")
+    r"(\d+)x(\d+)x(\d+)(_free)?(_persist(_all)?)?(_sums)?(_fm)?(_pq)?$")
 # flex with its forward on the Triton kernel, on given tiles or the table's:
 # flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the tuning sweep's
 # `--small` set left 8 warps out at head sizes below 64; the suffix sets
@@ -194,31 +194,25 @@ _MGPU = re.compile(r"mgpu_(\d+)$")
 
 
 def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
-  """'<block_q>x<block_k>x<steps>[_free][_wg<compute warpgroups>][_pipe]
-  [_persist[_all]][_r240][_sums][_fm][_pq]' -> the Mosaic forward's tiles
-  (`_free`: without ping-pong turns; `_wg3`: three compute warpgroups,
-  free-running only; `_pipe`: each warpgroup's next `Q K^T` under its
-  softmax; `_persist`: one block per SM walking the work items;
-  `_persist_all`: right-bounded calls too; `_r240`: 240 registers per compute
-  thread; `_sums`: the row sums on the tensor cores;
+  """'<block_q>x<block_k>x<steps>[_free][_persist[_all]][_sums][_fm][_pq]'
+  -> the Mosaic forward's tiles (`_free`: without ping-pong turns;
+  `_persist`: one block per SM walking the work items; `_persist_all`:
+  right-bounded calls too; `_sums`: the row sums on the tensor cores;
   `_fm`: partly masked tiles after the first open one on the kept maxima;
   `_pq`: with `_persist`, the next item's query tile loaded under the walk)."""
   match = _MOSAIC_FWD_TILES.match(spec)
   if match is None:
     raise ValueError("Mosaic forward tiles must be "
-                     "<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240]"
-                     f"[_sums][_fm][_pq], got {spec!r}")
+                     "<bq>x<bk>x<steps>[_free][_persist[_all]][_sums][_fm][_pq], "
+                     f"got {spec!r}")
   bq, bk, steps = map(int, match.groups()[:3])
   return flex_mosaic.MosaicForwardConfig(
       block_q=bq, block_k=bk, max_concurrent_steps=steps,
-      ping_pong=match.group(4) is None,
-      compute_warpgroups=int(match.group(5) or flex_mosaic.NUM_COMPUTE_WGS),
-      pipelined=match.group(6) is not None, persistent=match.group(7) is not None,
-      persistent_right_bounded=match.group(8) is not None,
-      extra_registers=match.group(9) is not None,
-      tensor_core_sums=match.group(10) is not None,
-      frozen_masked_tiles=match.group(11) is not None,
-      prefetch_query=match.group(12) is not None)
+      ping_pong=match.group(4) is None, persistent=match.group(5) is not None,
+      persistent_right_bounded=match.group(6) is not None,
+      tensor_core_sums=match.group(7) is not None,
+      frozen_masked_tiles=match.group(8) is not None,
+      prefetch_query=match.group(9) is not None)
 
 
 def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:

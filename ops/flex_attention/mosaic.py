@@ -64,8 +64,10 @@ from ops._mosaic_gpu import swizzled
 from ops.flex_attention import masks
 from ops.flex_attention.masks import FROZEN_SUM_LIMIT
 from ops.flex_attention.masks import i32
+from ops.flex_attention.mosaic_tiles import COMPUTE_REGISTERS
 from ops.flex_attention.mosaic_tiles import config_limit
 from ops.flex_attention.mosaic_tiles import HEAD_SIZES
+from ops.flex_attention.mosaic_tiles import MEMORY_REGISTERS
 from ops.flex_attention.mosaic_tiles import MosaicForwardConfig
 from ops.flex_attention.mosaic_tiles import NUM_COMPUTE_WGS
 from ops.flex_attention.mosaic_tiles import SUM_COLUMNS
@@ -73,17 +75,14 @@ from ops.flex_attention.mosaic_tiles import SUM_COLUMNS
 _LOG2E = math.log2(math.e)
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
-          config: MosaicForwardConfig, *, segments: bool, mods: bool,
-          right_bounded: bool) -> bool:
+          config: MosaicForwardConfig, *, segments: bool, mods: bool) -> bool:
   """Whether this kernel runs a forward call (else the Triton kernel does).
 
   16-bit inputs at a padded head size it has, no segment ids or mods (not
   written here), and sequences that fill a block's query rows and a key tile
-  (shorter ones would be mostly padding; Triton's tiles shrink to fit); with
-  `config.causal_only`, keys bounded on the right (`right_bounded`).
+  (shorter ones would be mostly padding; Triton's tiles shrink to fit).
   """
   return (jnp.dtype(dtype) in DTYPES and not segments and not mods
-          and (right_bounded or not config.causal_only)
           and seq_q >= config.rows_per_block and seq_kv >= config.block_k
           and _config_limit(config, head_dim) is None)
 
@@ -117,7 +116,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
   batch_size, seq_q, num_heads, hp = q_gmem.shape
   dtype = q_gmem.dtype
   seq_kv = k_gmem.shape[1]
-  wgs = config.compute_warpgroups
+  wgs = NUM_COMPUTE_WGS
   num_q_tiles = seq_q // config.rows_per_block
   num_items = num_heads * num_q_tiles * batch_size
   sm, num_blocks = lax.axis_index("sm"), lax.axis_size("sm")
@@ -219,12 +218,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # The second warpgroup starts half a step behind the first.
       pl.when(wg == 1)(take_turn)
 
-      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None, opened=False,
+      def over_tiles(start, masked_fn, open_fn, carry, frozen_fn=None,
                      masked_frozen_fn=None):
         """Key tiles [start, hi) of this warpgroup: partly masked ones through
         `masked_fn`, fully open ones through `open_fn`, or with `frozen_fn`
-        the first open one through `open_fn` (none if `opened`: the tile
-        before `start` was open) and the others through it; with
+        the first open one through `open_fn` and the others through it; with
         `masked_frozen_fn` the partly masked ones after an open one through
         that (`MosaicForwardConfig.frozen_masked_tiles`)."""
         open_lo, open_hi = start, hi
@@ -236,17 +234,14 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           carry = lax.fori_loop(open_lo, open_hi, open_fn, carry)
         else:
           first_hi = jnp.minimum(open_lo + 1, open_hi)
-          if opened is not False:
-            first_hi = jnp.where(opened, open_lo, first_hi)
           carry = lax.fori_loop(open_lo, first_hi, open_fn, carry)
           carry = lax.fori_loop(first_hi, open_hi, frozen_fn, carry)
         if st.any_mask:
           online_from = open_hi
           if masked_frozen_fn is not None:
-            # Maxima are kept once an open tile has run (before `start` if
-            # `opened`); else these tiles are the row's first keys.
-            kept = open_lo < open_hi if opened is False else (open_lo < open_hi) | opened
-            online_from = jnp.where(kept, hi, open_hi)
+            # Maxima are kept once an open tile has run; else these tiles
+            # are the row's first keys.
+            online_from = jnp.where(open_lo < open_hi, hi, open_hi)
             carry = lax.fori_loop(open_hi, online_from, masked_frozen_fn, carry)
           carry = lax.fori_loop(online_from, hi, masked_fn, carry)
         return carry
@@ -285,11 +280,11 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
           return acc * alpha
         return acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-      def logits(slot, turn_inside):
+      def logits(slot):
+        """Q K^T of the key tile in `slot`; the turn passes while it runs."""
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          if turn_inside:
-            take_turn()
+          take_turn()
           return acc_ref[...]
         return pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
 
@@ -304,7 +299,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         acc, m, l = carry
         slot = ring_slot(j)
         plgpu.barrier_wait(k_ready.at[slot])
-        s = logits(slot, turn_inside=True)
+        s = logits(slot)
         plgpu.barrier_arrive(k_free.at[slot])
         p16, m_new, l, alpha = softmax(s, j, m, l, masked, frozen)
         acc = rescale(acc, alpha)
@@ -328,95 +323,16 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         take_turn()
         return carry
 
-      # The pipelined walk (`config.pipelined`): the carry holds the P of the
-      # tile before, whose P V is issued together with this tile's Q K^T.
-      def first(j, carry):
-        # The warpgroup's first tile: its logits and softmax (acc is zero).
-        acc, m, l, _ = carry
-        slot = ring_slot(j)
-        plgpu.barrier_wait(k_ready.at[slot])
-        s = logits(slot, turn_inside=True)
-        plgpu.barrier_arrive(k_free.at[slot])
-        p16, m, l, _ = softmax(s, j, m, l, st.any_mask)
-        take_turn()  # softmax done; then the tensor cores are ours again
-        return acc, m, l, p16
-
-      def step(j, carry, masked, frozen=False):
-        # Tile j's Q K^T and tile j - 1's P V on the tensor cores, tile j's
-        # softmax under the second; then the accumulator's rescale (none
-        # when `frozen`).
-        acc, m, l, p16 = carry
-        slot = ring_slot(j)
-        prev = ring_slot(j - 1)
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[prev])
-        # With `ping_pong`, the other warpgroup issues its matmuls while this
-        # one computes its softmax and rescale (the turns around them).
-        if interpret:  # the same order of operations, one at a time
-          s = logits(slot, turn_inside=True)
-          plgpu.barrier_arrive(k_free.at[slot])
-          acc, l = add_pv(acc, l, p16, prev)
-          p16, m, l, alpha = softmax(s, j, m, l, masked, frozen)
-          arrive_turn()
-        else:
-          def overlapped(refs):
-            acc_ref, s_ref, m_ref, l_ref, p_ref, alpha_ref = refs
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            plgpu.wgmma(acc_ref, p_ref[...], v_smem.at[prev])
-            take_turn()
-            s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # Q K^T only
-            plgpu.barrier_arrive(k_free.at[slot])
-            p_new, m_ref[...], l_ref[...], alpha = softmax(
-                s, j, m_ref[...], l_ref[...], masked, frozen)
-            if alpha is not None:
-              alpha_ref[...] = alpha
-            arrive_turn()  # softmax done
-            plgpu.wgmma_wait(0)  # P V has read the old P
-            p_ref[...] = p_new
-          s0 = plgpu.layout_cast(jnp.zeros((bq, bk), jnp.float32), plgpu.Layout.WGMMA)
-          # (`m` only gives alpha's slot its row layout; the step overwrites it.)
-          acc, _, m, l, p16, alpha = pl.run_state(overlapped)(
-              (plgpu.ACC.init(acc), plgpu.ACC.init(s0), m, l, p16, m))
-          alpha = None if frozen else alpha
-        plgpu.barrier_arrive(v_free.at[prev])
-        acc = rescale(acc, alpha)
-        wait_turn()  # the tensor cores are ours again
-        return acc, m, l, p16
-
-      def last(j, carry):
-        # The P V of the warpgroup's last tile (no turns: each tile of the
-        # block takes two, in `first`, `step` or `skip`).
-        acc, m, l, p16 = carry
-        slot = ring_slot(j)
-        plgpu.barrier_wait(v_ready.at[slot])
-        acc, l = add_pv(acc, l, p16, slot)
-        plgpu.barrier_arrive(v_free.at[slot])
-        return acc, m, l, p16
-
-      tile_fn = step if config.pipelined else body
       frozen_fn = masked_frozen_fn = None
       if st.config.keeps_first_tile_max:
-        frozen_fn = functools.partial(tile_fn, masked=False, frozen=True)
+        frozen_fn = functools.partial(body, masked=False, frozen=True)
         if config.frozen_masked_tiles:
-          masked_frozen_fn = functools.partial(tile_fn, masked=True, frozen=True)
-      if config.pipelined:
-        p0 = plgpu.layout_cast(jnp.zeros((bq, bk), dtype), plgpu.Layout.WGMMA)
-        carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l, p0))
-        carry = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, carry)
-        # From lo + 1, past hi when the warpgroup has no tile: no steps then.
-        # (`first` ran tile lo online: if it was open, its maxima hold.)
-        carry = over_tiles(lo + 1, functools.partial(step, masked=True),
-                           functools.partial(step, masked=False), carry, frozen_fn,
-                           opened=(lo >= full_lo) & (lo < full_hi),
-                           masked_frozen_fn=masked_frozen_fn)
-        carry = lax.fori_loop(jnp.maximum(lo, hi - 1), hi, last, carry)
-        acc, m, l, _ = lax.fori_loop(hi, item.hi, skip, carry)
-      else:
-        carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
-        carry = over_tiles(lo, functools.partial(body, masked=True),
-                           functools.partial(body, masked=False), carry, frozen_fn,
-                           masked_frozen_fn=masked_frozen_fn)
-        acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
+          masked_frozen_fn = functools.partial(body, masked=True, frozen=True)
+      carry = lax.fori_loop(item.lo, lo, skip, (acc, m, l))
+      carry = over_tiles(lo, functools.partial(body, masked=True),
+                         functools.partial(body, masked=False), carry, frozen_fn,
+                         masked_frozen_fn=masked_frozen_fn)
+      acc, m, l = lax.fori_loop(hi, item.hi, skip, carry)
       pl.when(wg == 0)(take_turn)
 
       if config.query_slots == 1:  # the walk's matmuls are done with q_smem
@@ -442,7 +358,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
     @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(config.compute_registers, action="increase")
+      plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
       lse_smem = lse_smem2.at[wg]
       out_smem = q_smem2.at[wg] if out_smem2 is None else out_smem2.at[wg]
       if sums_on_tensor_cores:
@@ -471,7 +387,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
 
     @pl.when(wg == wgs)
     def _memory():
-      plgpu.set_max_registers(config.memory_registers, action="decrease")
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
       def memory_item(position, item, base):
         del position
@@ -586,7 +502,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
     num_blocks = num_items
   return _pallas.mosaic_kernel(
       kernel, out_type=out_type, grid=(num_blocks,), grid_names=("sm",),
-      num_threads=config.compute_warpgroups + 1, thread_name="wg",
+      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg",
       kernel_name="flex_attention_mosaic_fwd",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -407,8 +407,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   # tiles whatever their length (short causal calls measured faster there).
   too_short = right is None and scores < config.mosaic_fwd_min_scores
   if mosaic_fwd is not None and (too_short or not mosaic.takes(
-      q.dtype, hp, seq_q, seq_kv, mosaic_fwd, right_bounded=right is not None,
-      **unsupported)):
+      q.dtype, hp, seq_q, seq_kv, mosaic_fwd, **unsupported)):
     mosaic_fwd = None  # The Triton forward takes this call.
   # Shorter calls run without the sums (measured slower there).
   if (mosaic_fwd is not None and mosaic_fwd.tensor_core_sums
@@ -433,8 +432,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
       refresh=_refresh(config, scores))
   q_multiple = max(c.block_q for c in (config.fwd, config.dkdv, config.dq))
   k_multiple = max(c.block_k for c in (config.fwd, config.dkdv, config.dq))
-  # Least common multiples: a Mosaic forward with three compute warpgroups
-  # takes 3 x block_q query rows per block.
+  # Least common multiples: the Mosaic tiles are multiples of 64, not always
+  # powers of two.
   if mosaic_fwd is not None:
     q_multiple = math.lcm(q_multiple, mosaic_fwd.rows_per_block)
     k_multiple = math.lcm(k_multiple, mosaic_fwd.block_k)

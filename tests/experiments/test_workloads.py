@@ -8,23 +8,18 @@ import numpy as np
 import pytest
 
 from experiments import workloads
-from ops.flex_attention import mosaic
 
 
 def test_mosaic_forward_tiles():
-  tiles = workloads.mosaic_fwd_tiles("64x128x2_free_wg3")
+  tiles = workloads.mosaic_fwd_tiles("64x128x2_free")
   assert (tiles.block_q, tiles.block_k, tiles.max_concurrent_steps) == (64, 128, 2)
-  assert not tiles.ping_pong and tiles.compute_warpgroups == 3
+  assert not tiles.ping_pong
   tiles = workloads.mosaic_fwd_tiles("128x128x2")
-  assert tiles.ping_pong and tiles.compute_warpgroups == mosaic.NUM_COMPUTE_WGS
-  assert not tiles.persistent and not tiles.pipelined
-  tiles = workloads.mosaic_fwd_tiles("64x128x3_free_wg3_pipe_persist")
-  assert tiles.pipelined and tiles.persistent and tiles.compute_warpgroups == 3
-  assert not tiles.persistent_right_bounded
-  assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
-  tiles = workloads.mosaic_fwd_tiles("64x256x2_persist_r240")
-  assert tiles.persistent and (tiles.compute_registers, tiles.memory_registers) == (240, 24)
+  assert tiles.ping_pong and not tiles.persistent
+  tiles = workloads.mosaic_fwd_tiles("64x128x3_free_persist")
+  assert tiles.persistent and not tiles.persistent_right_bounded
   assert not tiles.tensor_core_sums
+  assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
   tiles = workloads.mosaic_fwd_tiles("128x128x2_free_persist_sums")
   assert tiles.tensor_core_sums and tiles.persistent and not tiles.ping_pong
   assert not tiles.prefetch_query and not tiles.frozen_masked_tiles
@@ -32,8 +27,6 @@ def test_mosaic_forward_tiles():
   assert tiles.prefetch_query and tiles.frozen_masked_tiles and tiles.query_slots == 2
   with pytest.raises(ValueError, match="Mosaic forward tiles"):
     workloads.mosaic_fwd_tiles("128x128")
-  with pytest.raises(ValueError, match="ping_pong"):  # three need free-running
-    workloads.mosaic_fwd_tiles("64x128x2_wg3")
 
 
 def test_mosaic_backward_tiles():
@@ -47,7 +40,7 @@ def test_mosaic_backward_tiles():
 
 
 @pytest.mark.parametrize("impl", ["flex", "flex_triton", "flex_triton_128x128x8x3",
-                                  "flex_mosaic_64x128x2_free_wg3",
+                                  "flex_mosaic_64x128x2_free",
                                   "flex_mosaic_bwd_128x64x3", "flex_online",
                                   "flex_refresh_in_kernel", "cudnn", "mha_128x64"])
 def test_attention_names_resolve(impl):

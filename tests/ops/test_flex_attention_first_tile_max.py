@@ -38,7 +38,7 @@ _CASES = {
     # An empty batch row (key length 0), a window on both sides, GQA 4:2.
     "window_lengths_gqa_bf16": (2, 128, 128, 4, 2, 32, jnp.bfloat16,
                                 dict(local_window_size=(80, 40),
-                                     kv_seq_lengths=np.array([128, 0]))),
+                                     key_value_seq_lengths=np.array([128, 0]))),
     "causal_cross_f32": (1, 100, 120, 2, 1, 64, jnp.float32, dict(is_causal=True)),
     "segments_bf16": (1, 100, 100, 2, 2, 32, jnp.bfloat16, dict(segment_ids=np.repeat(
         np.arange(2), [30, 70])[None])),
@@ -76,15 +76,6 @@ def test_triton_forward_matches_reference(name, frozen):
     # Ping-pong turns, a window on both sides and key lengths.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64),
      dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
-    # The pipelined walk: its first tile (open here) runs before the others'
-    # loop, which then starts on kept maxima.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False, pipelined=True,
-                                max_concurrent_steps=3), {}),
-    # The pipelined walk with a masked tile first, where rows 255 and up see
-    # no key (their window starts at key 64), and an open one next: that one
-    # must run online.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, pipelined=True),
-     dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
     # The row sums on the tensor cores: the window's masked tiles after the
     # kept-maxima ones run online and must rescale the sums' accumulator.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True),
@@ -97,18 +88,19 @@ def test_triton_forward_matches_reference(name, frozen):
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True,
                                 frozen_masked_tiles=True),
      dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, pipelined=True,
-                                frozen_masked_tiles=True),
+    # A masked tile first, where rows 255 and up see no key (their window
+    # starts at key 64), and an open one next: that one must run online.
+    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, frozen_masked_tiles=True),
      dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
     # The H64 entry's short causal walk: persistent, heaviest items first,
     # the next query tile prefetched, with the turns.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True,
                                 persistent_right_bounded=True, frozen_masked_tiles=True,
                                 prefetch_query=True), dict(is_causal=True)),
-], ids=["persistent", "free_128_rows_causal", "turns_window_lengths", "pipelined",
-        "pipelined_turns_window_lengths", "tensor_core_sums_window_lengths",
-        "frozen_masked_causal", "frozen_masked_sums_window_lengths",
-        "frozen_masked_pipelined_window_lengths", "frozen_masked_persistent_causal_prefetch"])
+], ids=["persistent", "free_128_rows_causal", "turns_window_lengths",
+        "tensor_core_sums_window_lengths", "frozen_masked_causal",
+        "frozen_masked_sums_window_lengths", "frozen_masked_masked_tile_first",
+        "frozen_masked_persistent_causal_prefetch"])
 def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   # Without the second pass: no row here passes the sum limit, so the walk's
   # own tiles must be exact (a row whose first tile kept an -inf maximum would
@@ -243,8 +235,8 @@ def test_in_kernel_refresh_leaves_other_calls_alone(name, in_kernel):
     (jnp.float32, None, {}, "first_tile_max"),
     (jnp.float16, None, {}, "online"),  # P in float16 overflows at 2^16
     (jnp.bfloat16, mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
-                                              pipelined=True, max_concurrent_steps=3),
-     {}, "first_tile_max"),  # the pipelined walk too
+                                              max_concurrent_steps=3),
+     {}, "first_tile_max"),  # the Mosaic forward too
     # A score_mod may lift later keys far above the first tile (ALiBi).
     (jnp.bfloat16, None, dict(score_mod=flex_tests._alibi), "online"),
     (jnp.bfloat16, None, dict(mask_mod=lambda b, n, t, s: s <= t), "first_tile_max"),

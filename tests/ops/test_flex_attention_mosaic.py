@@ -21,6 +21,7 @@ from ops import flex_attention_reference
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops.flex_attention import configs
 from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_tiles
 from ops.flex_attention import pallas
 from tests.ops.test_flex_attention import _vjp
 
@@ -139,40 +140,6 @@ def _check_tiles_against_reference(tiles, options, *, seed, seq_q=200, seq_kv=23
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("options", [
-    dict(is_causal=True),
-    dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])),
-], ids=["causal", "window_lengths_empty_row"])
-def test_three_compute_warpgroups_match_reference(options):
-  """`compute_warpgroups=3` (free-running): a block owns 3 x 64 query rows, so
-  T pads to a multiple of 192 (and of the backward's tiles); each warpgroup
-  picks its own key-tile ranges among three. GQA 2:1, forward and gradients."""
-  _check_tiles_against_reference(
-      mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2,
-                                 ping_pong=False, compute_warpgroups=3), options, seed=4)
-
-
-@pytest.mark.parametrize("options, steps, ping_pong", [
-    (dict(), 3, False),
-    (dict(is_causal=True), 2, False),
-    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), 3, False),
-    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), 3, True),
-], ids=["full", "causal", "window_lengths_empty_row", "window_lengths_empty_row_turns"])
-def test_pipelined_walk_matches_reference(options, steps, ping_pong):
-  """`pipelined=True`: each warpgroup's walk issues a tile's Q K^T with the
-  tile before's P V, so a value slot is released one step late and the
-  first and last tiles of a warpgroup's range are a prologue and an
-  epilogue. Full attention (every tile open), causal (ranges that differ
-  between the two warpgroups, skipped tiles), and a window with key lengths
-  (masked tiles on both sides of the open ones; batch row 0 has no tile at
-  all). GQA 2:1, T and S padded, forward and gradients (through the lse);
-  rings of two and three slots; with the ping-pong turns, which each tile of
-  the block (first, step or skipped) takes twice in both warpgroups."""
-  _check_tiles_against_reference(
-      mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=steps,
-                                 ping_pong=ping_pong, pipelined=True), options, seed=5)
-
-
 @pytest.mark.parametrize("options, extra, shape", [
     (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), dict(), (200, 230)),
     (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True), (300, 230)),
@@ -197,13 +164,11 @@ def test_tensor_core_sums_match_reference(options, extra, shape):
 @pytest.mark.parametrize("options, extra", [
     (dict(), dict()),
     (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 180])),
-     dict(ping_pong=False, pipelined=True, max_concurrent_steps=3)),
+     dict(ping_pong=False, max_concurrent_steps=3)),
     (dict(is_causal=True), dict(persistent_right_bounded=True)),
     (dict(kv_seq_lengths=np.array([0, 180])), dict(prefetch_query=True, ping_pong=False)),
-    (dict(local_window_size=(70, None)),
-     dict(prefetch_query=True, pipelined=True, max_concurrent_steps=3)),
-], ids=["full_ping_pong", "left_window_lengths_empty_row_pipelined", "causal_heaviest_first",
-        "lengths_empty_row_prefetch_query", "left_window_pipelined_prefetch_query"])
+], ids=["full_ping_pong", "left_window_lengths_empty_row_free", "causal_heaviest_first",
+        "lengths_empty_row_prefetch_query"])
 def test_persistent_blocks_match_reference(options, extra):
   """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 2 x 2
   items in rounds dealt back and forth, so the ring's slots and barrier phases
@@ -211,10 +176,10 @@ def test_persistent_blocks_match_reference(options, extra):
   last item's epilogue (with `prefetch_query`, into its other query buffer
   under the walk: a block's items alternate between the two), and the output
   goes through its own buffer. Full attention with the turns; a left-only
-  window with key lengths (batch row 0: no key) on the pipelined walk; causal
-  with the items heaviest first (`persistent_right_bounded`); the prefetch on
-  the free-running walk with key lengths and on the pipelined one. GQA 2:1, T
-  and S padded, forward and gradients."""
+  window with key lengths (batch row 0: no key) on the free-running walk
+  with a ring of three slots; causal with the items heaviest first
+  (`persistent_right_bounded`); the prefetch on the free-running walk with
+  key lengths. GQA 2:1, T and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, persistent=True)
   _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
                                  seed=6)
@@ -238,20 +203,13 @@ def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_
   assert st.config.mosaic_fwd == dataclasses.replace(tiles, persistent=persistent)
 
 
-def test_three_compute_warpgroups_config():
-  tiles = mosaic.MosaicForwardConfig(block_q=64, ping_pong=False, compute_warpgroups=3)
-  assert tiles.rows_per_block == 192
-  # The block's register pool (512 per thread for four warpgroups) is shared out.
-  assert 3 * tiles.compute_registers + tiles.memory_registers <= 512
-  assert mosaic.MosaicForwardConfig().compute_registers == 232  # two: as before
-  extra = mosaic.MosaicForwardConfig(extra_registers=True)
-  assert 2 * extra.compute_registers + extra.memory_registers == 504
-  with pytest.raises(ValueError, match="ping_pong"):
-    mosaic.MosaicForwardConfig(compute_warpgroups=3)
-  with pytest.raises(ValueError, match="extra_registers"):
-    mosaic.MosaicForwardConfig(ping_pong=False, compute_warpgroups=3, extra_registers=True)
-  with pytest.raises(ValueError, match="compute_warpgroups"):
-    mosaic.MosaicForwardConfig(compute_warpgroups=4, ping_pong=False)
+def test_register_split():
+  """The memory warpgroup's 40 registers per thread and the two compute
+  warpgroups' share fit the block's pool of three warpgroups (504)."""
+  assert mosaic_tiles.COMPUTE_REGISTERS == 232
+  pool = mosaic_tiles.register_pool(mosaic.NUM_COMPUTE_WGS + 1)
+  assert pool == 504
+  assert 2 * mosaic_tiles.COMPUTE_REGISTERS + mosaic_tiles.MEMORY_REGISTERS <= pool
 
 
 def test_log_sum_exp_is_the_triton_forwards():
@@ -305,15 +263,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
       (((1, 256, 2, 64), (1, 256, 2, 64)), dict(score_mod=lambda x, b, n, t, s: x)),
   ]:
     assert chosen(*shapes, **kw)[0] is None, (shapes, kw)
-  # Tiles for right-bounded calls only (the H32 entry): causal or a window
-  # with a right side take them, full attention and left-only windows do not.
-  causal_only = dataclasses.replace(_CONFIG, mosaic_fwd=dataclasses.replace(
-      _TILES, causal_only=True))
   shapes = ((1, 256, 2, 32), (1, 256, 2, 32))
-  for kw, want in ((dict(is_causal=True), True), (dict(window=(8, 4)), True),
-                   ({}, False), (dict(window=(8, None)), False)):
-    got = chosen(*shapes, config=causal_only, **kw)[0]
-    assert (got is not None) is want, kw
   # Other tiles for right-bounded calls (`mosaic_fwd_bounded`, the H32
   # entry's): causal or a window with a right side take them, full attention
   # and left-only windows take `mosaic_fwd`'s; `forward_on` puts every call
@@ -389,12 +339,10 @@ def test_table_and_config_checks():
   with pytest.raises(ValueError, match="shared memory"):
     mosaic.check_config(mosaic.MosaicForwardConfig(block_k=256, max_concurrent_steps=4), 256)
   # The row sums on the tensor cores: each compute warpgroup's [block_k, 16]
-  # ones in shared memory; not in the pipelined walk.
+  # ones in shared memory.
   sums = mosaic.MosaicForwardConfig(block_k=128, tensor_core_sums=True)
   assert sums.smem_bytes(32) - mosaic.MosaicForwardConfig(block_k=128).smem_bytes(32) == (
       2 * 128 * 16 * 2)
-  with pytest.raises(ValueError, match="tensor_core_sums.*pipelined"):
-    mosaic.MosaicForwardConfig(tensor_core_sums=True, pipelined=True)
 
 
 def test_prefetch_query_buffers():
@@ -437,16 +385,14 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
                                    or "flex_attention_mosaic_bwd" in text)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_frozen_masked_tiles_lower_for_hopper(pipelined, hopper_lowering):
+def test_frozen_masked_tiles_lower_for_hopper(hopper_lowering):
   """Causal calls with the diagonal tiles on the kept maxima
-  (`frozen_masked_tiles`), on the H32 entry's bounded walk and the pipelined
-  one: Mosaic GPU's checks."""
+  (`frozen_masked_tiles`), on the H32 entry's bounded walk: Mosaic GPU's
+  checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
-  tiles = mosaic.MosaicForwardConfig(
-      block_q=64 if pipelined else 128, block_k=128, ping_pong=False, pipelined=pipelined,
-      max_concurrent_steps=3 if pipelined else 2, frozen_masked_tiles=True)
+  tiles = mosaic.MosaicForwardConfig(block_q=128, block_k=128, ping_pong=False,
+                                     frozen_masked_tiles=True)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(base.forward_on(tiles), is_causal=True, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
@@ -473,25 +419,20 @@ def test_h64_causal_table_walks_lower_for_hopper(seq_len, hopper_lowering):
 
 
 @pytest.mark.parametrize(
-    "block_q, compute_warpgroups, pipelined, persistent, ping_pong, tensor_core_sums, "
-    "prefetch_query",
-    [(128, 2, False, False, False, False, False), (64, 3, False, False, False, False, False),
-     (64, 2, True, False, False, False, False), (64, 3, True, True, False, False, False),
-     (64, 2, True, True, True, False, False), (128, 2, False, True, False, True, False),
-     (64, 3, False, False, False, True, False), (64, 2, False, True, False, True, True)])
-def test_walk_variants_lower_for_hopper(block_q, compute_warpgroups, pipelined, persistent,
-                                        ping_pong, tensor_core_sums, prefetch_query,
-                                        hopper_lowering):
-  """The walks no table entry runs at head size 32 (free-running warpgroups,
-  two or three of them, pipelined, persistent, the pipelined walk with the
-  turns, the row sums on the tensor cores: a 16-column wgmma from a 32-byte
-  swizzle; persistent with the query tiles prefetched) on full attention:
-  Mosaic GPU's checks."""
+    "block_q, persistent, ping_pong, tensor_core_sums, prefetch_query",
+    [(128, False, False, False, False), (64, True, True, False, False),
+     (128, True, False, True, False), (64, True, False, True, True)])
+def test_walk_variants_lower_for_hopper(block_q, persistent, ping_pong, tensor_core_sums,
+                                        prefetch_query, hopper_lowering):
+  """Walks the table runs at other head sizes or tiles, at head size 32 on
+  full attention (free-running with 128 rows per warpgroup, persistent with
+  the turns, the row sums on the tensor cores: a 16-column wgmma from a
+  32-byte swizzle, persistent with the query tiles prefetched): Mosaic GPU's
+  checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
   config = base.forward_on(mosaic.MosaicForwardConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
-      compute_warpgroups=compute_warpgroups, pipelined=pipelined,
       persistent=persistent, prefetch_query=prefetch_query,
       tensor_core_sums=tensor_core_sums))
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
