@@ -19,6 +19,7 @@ The cell interface (every cell in this package, and the ones to come):
 Glossary of shapes: B batch, T time, I input width, H model width, O output width.
 """
 
+import inspect
 from typing import Any, Callable
 
 import haiku as hk
@@ -33,6 +34,37 @@ from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.lru import LRUCell
 
 _MLP_RATIO = 2  # swiglu hidden width / model width
+_PASSED_BY_MODEL = ("model_dim", "name")
+
+
+def _check_cell_kwargs(cell: Callable[..., hk.Module], cell_kwargs: dict[str, Any]) -> None:
+  """ValueError naming `cell_kwargs` for an argument that the cell's
+  constructor requires and `cell_kwargs` lacks, or one it does not take."""
+  try:
+    params = inspect.signature(cell).parameters
+  except (TypeError, ValueError):  # no readable signature: the cell's own errors stand
+    return
+  cell_name = getattr(cell, "__name__", repr(cell))
+  if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+    named = None  # takes any keyword
+  else:
+    named = [n for n, p in params.items() if p.kind != p.POSITIONAL_ONLY]
+    for needed in _PASSED_BY_MODEL:
+      if needed not in named:
+        raise ValueError(f"`cell` must take `{needed}` (the cell interface in "
+                         f"probjax_hk/ssm/model.py); {cell_name} does not")
+  missing = [n for n, p in params.items()
+             if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+             and n not in cell_kwargs and n not in _PASSED_BY_MODEL]
+  if missing:
+    example = ", ".join(f"{n!r}: ..." for n in missing)
+    raise ValueError(f"`cell_kwargs` must give {cell_name}'s required argument(s) "
+                     f"{', '.join(f'`{n}`' for n in missing)}: for example "
+                     f"cell_kwargs={{{example}}}; got cell_kwargs={cell_kwargs}")
+  unknown = [] if named is None else [n for n in cell_kwargs if n not in named]
+  if unknown:
+    raise ValueError(f"`cell_kwargs` holds {unknown}, which {cell_name} does not take; "
+                     f"it takes {[n for n in named if n not in _PASSED_BY_MODEL]}")
 
 
 class SSMBlock(hk.Module):
@@ -105,12 +137,19 @@ class SSMModel(hk.Module):
       num_layers: number of blocks.
       cell: the cell class (LRUCell, MambaCell, ...; see the module docstring).
       cell_kwargs: keyword arguments of the cell (e.g. `state_dim`,
-        `implementation`); `model_dim` is passed by the model.
+        `implementation`); `model_dim` and `name` are passed by the model.
+        They must include the cell's required arguments: `num_heads` for
+        SSDCell and GatedDeltaNetCell.
       bidirectional: each block adds a second cell run in reverse (no decoding).
       dropout_rate: dropout on each residual branch when `is_training`.
       remat_policy: as for the Transformer (see probjax_hk/stacking.py).
       scan_layers: build the blocks with `hk.layer_stack`.
       name: module name.
+
+    Raises:
+      ValueError: for a width, depth or dropout rate out of range, and for
+        `cell_kwargs` that lack an argument the cell requires, name one it
+        does not take, or that the cell itself refuses.
     """
     super().__init__(name=name)
     check_positive_ints(input_dim=input_dim, model_dim=model_dim,
@@ -118,8 +157,10 @@ class SSMModel(hk.Module):
     if not 0.0 <= dropout_rate < 1.0:
       raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
     cell_kwargs = dict(cell_kwargs or {})
-    if "model_dim" in cell_kwargs:
-      raise ValueError("`cell_kwargs` must not set `model_dim`; the model passes it")
+    for passed in _PASSED_BY_MODEL:
+      if passed in cell_kwargs:
+        raise ValueError(f"`cell_kwargs` must not set `{passed}`; the model passes it")
+    _check_cell_kwargs(cell, cell_kwargs)
     stacking.validate_remat_policy(remat_policy)
     self.input_dim, self.model_dim, self.output_dim = input_dim, model_dim, output_dim
     self.num_layers = num_layers
@@ -163,8 +204,15 @@ class SSMModel(hk.Module):
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
-    """Per-layer cell states (a list, or a pytree stacked on axis 0 when
-    `scan_layers`)."""
+    """The decoding state before the first step.
+
+    Args:
+      batch_size: B.
+
+    Returns:
+      Per-layer cell states: a list of num_layers, or one pytree stacked on a
+      leading num_layers axis when `scan_layers`.
+    """
     self._check_decodable()
     if self.scan_layers:
       state = self._block(stacking.SCANNED_BLOCK_NAME).initial_state(batch_size)
@@ -174,7 +222,15 @@ class SSMModel(hk.Module):
 
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state):
-    """One step: x_t [B, input_dim], state -> (y_t [B, output_dim], state)."""
+    """One decoding step.
+
+    Args:
+      x_t: [B, input_dim], the input at this step.
+      state: `initial_state(B)`, or the state the previous step returned.
+
+    Returns:
+      (y_t [B, output_dim], the next state).
+    """
     self._check_decodable()
     if x_t.ndim != 2 or x_t.shape[-1] != self.input_dim:
       raise ValueError(f"`x_t` must be [B, input_dim={self.input_dim}], got {x_t.shape}")
