@@ -48,8 +48,16 @@ def _check_flex_mods(ns, tmp_path):
   assert not np.allclose(np.asarray(plain, np.float32), want, atol=2e-2)
 
 
+def _check_scaling(ns, tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  assert len(ns["result"].history["loss"]) == 10
+  for leaf in jax.tree.leaves(ns["result"].params):  # 'fsdp' splits the large ones
+    if leaf.size >= 1024 and any(d % jax.device_count() == 0 for d in leaf.shape):
+      assert leaf.addressable_shards[0].data.size == leaf.size // jax.device_count()
+
+
 _CHECKS = (_check_transformer, _check_ssm_decoding, _check_fit, _check_ssd,
-           _check_flex_mods)
+           _check_flex_mods, _check_scaling)
 
 
 def test_readme_examples_run(tmp_path):
