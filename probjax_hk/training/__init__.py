@@ -2,6 +2,8 @@
 
 from probjax_hk.training.callbacks import Callback
 from probjax_hk.training.callbacks import EarlyStopping
+from probjax_hk.training.checkpoints import Checkpoint
+from probjax_hk.training.checkpoints import load_checkpoint
 from probjax_hk.training.loop import fit
 from probjax_hk.training.loop import fit_model
 from probjax_hk.training.runner import FitResult
@@ -12,6 +14,7 @@ from probjax_hk.training.sharding import fsdp_spec
 
 __all__ = (
     "Callback",
+    "Checkpoint",
     "default_mesh",
     "EarlyStopping",
     "FSDP_MIN_SIZE",
@@ -19,5 +22,6 @@ __all__ = (
     "fit",
     "fit_model",
     "FitResult",
+    "load_checkpoint",
     "NonFiniteLossError",
 )

@@ -369,7 +369,8 @@ class Runner:
     if self.checkpointer is None:
       return
     self.checkpointer.save(self.step, self.ts, {
-        "step": self.step, "history": _jsonable(self.history)})
+        "step": self.step, "history": _jsonable(self.history),
+        "has_state": self.spec.has_state})  # an empty Haiku state is not None
 
   def finish(self):
     self.bar.close()
