@@ -3,7 +3,8 @@
 `ops.flex_attention(..., key_value_seq_lengths=)` as `jax.nn.dot_product_attention`
 names it, and `ops.grouped_matmul(..., precision=, preferred_element_type=)` as
 `jax.lax.ragged_dot` takes them: the same arguments give the same values,
-dtypes and gradients, on both implementations and per shard on a mesh.
+dtypes and gradients, on both implementations (and the key lengths per shard
+on a mesh).
 """
 
 import functools
@@ -179,7 +180,7 @@ def test_precision_limit_names_the_kernels_algorithm():
   assert "F32_F32_F32" in gmm_api.precision_limit(preset.TF32_TF32_F32, jnp.float32)
 
 
-# --- per shard on 8 CPU devices ------------------------------------------------
+# --- key lengths per shard on 8 CPU devices -----------------------------------
 
 _SCRIPT = r'''
 import json
@@ -191,8 +192,7 @@ assert jax.device_count() == 8
 out = {}
 auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-normal = lambda i, shape, dtype=jnp.float32: jax.random.normal(
-    jax.random.PRNGKey(i), shape, jnp.float32).astype(dtype)
+normal = lambda i, shape: jax.random.normal(jax.random.PRNGKey(i), shape)
 
 def run(name, fn, args, specs, mesh):
   """fn's fwd+bwd (not in its last, integer argument) on `mesh` against one device."""
@@ -206,8 +206,7 @@ def run(name, fn, args, specs, mesh):
   err = max(float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max())
             / (1.0 + float(np.abs(np.asarray(b, np.float32)).max()))
             for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-  out[name] = {"gathers": text.count(" all-gather"), "err": err,
-               "dtype": str(jax.eval_shape(fn, *args).dtype)}
+  out[name] = {"gathers": text.count(" all-gather"), "err": err}
 
 q, kv = normal(0, (8, 16, 2, 16)), normal(1, (8, 16, 2, 16))
 lengths = jnp.array([16, 3, 9, 16, 1, 12, 16, 7], jnp.int32)
@@ -215,13 +214,6 @@ def flex(q, k, v, lengths):
   return ops.flex_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
                             implementation="pallas")
 run("flex_lengths", flex, [q, kv, kv, lengths], [P("data")] * 4, auto)
-
-lhs, rhs = normal(2, (64, 16), jnp.bfloat16), normal(3, (3, 16, 24), jnp.bfloat16)
-def gmm(lhs, rhs, sizes):
-  return ops.grouped_matmul(lhs, rhs, sizes, preferred_element_type=jnp.float32,
-                            implementation="pallas")
-run("gmm_float32_out", gmm, [lhs, rhs, jnp.array([10, 0, 40], jnp.int32)],
-    [P("data"), P(), P()], auto)
 
 try:  # The lengths split over another axis than the batch of q.
   placed = [jax.device_put(q, NamedSharding(explicit, P("data"))),
@@ -251,12 +243,6 @@ def sharded():
 def test_flex_key_value_seq_lengths_run_per_shard(sharded):
   assert sharded["flex_lengths"]["gathers"] == 0, sharded
   assert sharded["flex_lengths"]["err"] < 2e-5, sharded
-
-
-def test_grouped_matmul_float32_output_per_shard(sharded):
-  result = sharded["gmm_float32_out"]
-  assert result["gathers"] == 0 and result["dtype"] == "float32", sharded
-  assert result["err"] < 2e-2, sharded
 
 
 def test_a_misplaced_length_array_is_named(sharded):
