@@ -63,11 +63,9 @@ class MosaicConfig:
   two compute warpgroups divide ('n': each takes [block_m, block_n / 2]). The
   epilogue works on `epilogue_n`-column chunks of a warpgroup's tile, through
   `store_slots` shared-memory buffers (2: a chunk's store overlaps the next
-  chunk's math). `wgmma_in_flight` 1 lets a step's wgmma run while the next is
-  issued (its input slot is released one step later). `chain_tiles` lets the
-  loads of a block's next tile start during this tile's epilogue; it applies
-  when the K steps are a multiple of `max_concurrent_steps` and
-  `wgmma_in_flight` is 0 (what chained pipelines allow).
+  chunk's math). A block walks its tiles a row tile's column blocks first,
+  and where the K steps are a multiple of `max_concurrent_steps` the loads
+  of its next tile start during this tile's epilogue (chained pipelines).
   """
   block_m: int = 128
   block_n: int = 256
@@ -76,9 +74,6 @@ class MosaicConfig:
   split: str = "n"
   epilogue_n: int = 64
   store_slots: int = 2
-  wgmma_in_flight: int = 0
-  columns_fastest: bool = True
-  chain_tiles: bool = True
 
   def __post_init__(self):
     if self.split not in ("m", "n"):
@@ -94,8 +89,8 @@ class MosaicConfig:
     if self.max_concurrent_steps < 2:
       raise ValueError("`max_concurrent_steps` must be >= 2, got "
                        f"{self.max_concurrent_steps}")
-    if self.store_slots not in (1, 2) or self.wgmma_in_flight not in (0, 1):
-      raise ValueError("`store_slots` must be 1 or 2 and `wgmma_in_flight` 0 or 1")
+    if self.store_slots not in (1, 2):
+      raise ValueError(f"`store_slots` must be 1 or 2, got {self.store_slots}")
 
   def smem_bytes(self, *, num_accs: int, num_extras: int, itemsize: int = 2) -> int:
     """Shared memory the kernel allocates (the pipeline's slots, the epilogue's
@@ -210,8 +205,7 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
     raise ValueError("mosaic.gmm: every output must have one dtype")
 
   def spec(block, index):
-    return plgpu.BlockSpec(block, index, transforms=swizzled(dtype, block[1]),
-                           delay_release=config.wgmma_in_flight)
+    return plgpu.BlockSpec(block, index, transforms=swizzled(dtype, block[1]))
   lhs_spec = spec((bm, bk), lambda k: (0, k))
   if transpose_rhs:
     rhs_spec = spec((bn, bk), lambda k: (0, k))
@@ -219,9 +213,8 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
     rhs_spec = spec((bk, bn), lambda k: (k, 0))
 
   # A block's tiles chain their pipelines (see `_pipeline_state`) where the
-  # pipeline allows it: whole rings per tile, and no delayed release.
-  chained = (config.chain_tiles and k_steps % config.max_concurrent_steps == 0
-             and config.wgmma_in_flight == 0)
+  # pipeline allows it: whole rings per tile.
+  chained = k_steps % config.max_concurrent_steps == 0
 
   def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -270,10 +263,8 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
     @plgpu.nd_loop((num_visits * num_col_blocks,), collective_axes="sm")
     def loop(info):
       (index,) = info.index
-      if config.columns_fastest:
-        step, col_block = index // num_col_blocks, index % num_col_blocks
-      else:
-        step, col_block = index % num_visits, index // num_visits
+      # A row tile's column blocks back to back: its lhs rows stay in L2.
+      step, col_block = index // num_col_blocks, index % num_col_blocks
       group, tile, row_start, row_end = _step_of(segments, step)
       row0 = tile * bm
       first = jnp.maximum(row_start - row0, 0)  # rows of the tile it owns
@@ -336,7 +327,7 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
           b = (rhs_smem.at[wg_cols, :].transpose((1, 0)) if transpose_rhs
                else rhs_smem.at[:, wg_cols])
           plgpu.wgmma(acc, lhs_smem.at[wg_rows], b)
-        plgpu.wgmma_wait(config.wgmma_in_flight)
+        plgpu.wgmma_wait(0)
         return accs
 
       cols = [pl.ds(col_block * bn + o, bn) for o in col_offsets]

@@ -29,10 +29,9 @@ _TILES = {
     # 2 K steps on 2 stages: a block's tiles chain their pipelines.
     "n": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="n",
                              max_concurrent_steps=2, epilogue_n=64),
-    # A wgmma in flight: unchained.
+    # 2 K steps on 3 stages: unchained pipelines.
     "m": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="m",
-                             max_concurrent_steps=3, epilogue_n=64, store_slots=1,
-                             wgmma_in_flight=1),
+                             max_concurrent_steps=3, epilogue_n=64, store_slots=1),
 }
 
 
@@ -177,6 +176,8 @@ def test_config_validation_and_choice():
     mosaic.MosaicConfig(epilogue_n=32)
   with pytest.raises(ValueError, match="block_m"):
     mosaic.MosaicConfig(block_m=96)
+  with pytest.raises(ValueError, match="store_slots"):
+    mosaic.MosaicConfig(store_slots=3)
   budget = mosaic.SMEM_BUDGET
   for accs, extras in ((1, 0), (1, 1), (2, 0), (1, 2)):
     config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras)
