@@ -76,8 +76,18 @@ def _models():
           "mamba2": (hk.without_apply_rng(hk.transform(mamba2)), 16)}
 
 
+_SHAPE = r"[a-z0-9]+\[[0-9,]*\]"
+
+
 def _kernels(text: str) -> collections.Counter:
-  """(target, operand shapes) of every kernel custom call in the HLO text."""
+  """(target, operand shapes, result shapes) of every kernel custom call in the
+  compiled HLO text, which names operands without their shapes: those come
+  from the instructions that define them."""
+  defined = {}
+  for line in text.splitlines():
+    match = re.match(r"\s*(?:ROOT )?(%\S+) = (.*?) [a-z-]+\(", line)
+    if match:
+      defined[match.group(1)] = tuple(re.findall(_SHAPE, match.group(2)))
   found = collections.Counter()
   for line in text.splitlines():
     if " custom-call(" not in line:
@@ -85,9 +95,10 @@ def _kernels(text: str) -> collections.Counter:
     target = re.search(r'custom_call_target="([^"]+)"', line)
     if target is None or target.group(1).startswith(_LIBRARY_CALLS):
       continue
-    operands = line.split(" custom-call(", 1)[1].split(")", 1)[0]
-    shapes = tuple(re.findall(r"[a-z0-9]+\[[0-9,]*\]", operands))
-    found[(target.group(1), shapes)] += 1
+    result = tuple(re.findall(_SHAPE, line.split(" = ", 1)[1].split(" custom-call(", 1)[0]))
+    names = re.findall(r"%[\w.-]+", line.split(" custom-call(", 1)[1].split(")", 1)[0])
+    operands = tuple(s for n in names for s in defined.get(n, ("?",)))
+    found[(target.group(1), operands, result)] += 1
   return found
 
 
@@ -172,8 +183,9 @@ def main(argv):
           "batch": _BATCH.value, "seq_len": _SEQ_LEN.value,
           "kernel_calls": sum(kernels.values()),
           "kernels_match_per_device_batch": kernels == per_device,
-          "kernel_shapes": sorted({s for (_, shapes) in kernels for s in shapes}),
-          "per_device_kernel_shapes": sorted({s for (_, shapes) in per_device for s in shapes}),
+          "kernel_shapes": sorted({s for (_, ins, outs) in kernels for s in ins + outs}),
+          "per_device_kernel_shapes": sorted(
+              {s for (_, ins, outs) in per_device for s in ins + outs}),
           "all_gathers": len(gathers),
           "all_gathered_shapes": sorted({d for g in gathers for d in g}),
           "all_gathers_not_of_parameters": sorted({d for g in gathers for d in g} - param_shapes),
