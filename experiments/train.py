@@ -15,14 +15,23 @@ r"""The main training job: one of the package's models on a generated task, with
                are top-k `MoELayer`s (`hk.transform_with_state`: the layers'
                `aux_loss` state is added to the loss, the load-balance loss is
                logged).
-  ssm          a causal `SSMModel` (`--ssm_cell=lru|mamba`) learns to copy:
-               `--seq_len` random tokens, then as many blanks, during which it
-               must emit the tokens again (loss on the second half only).
+  ssm          a causal `SSMModel` learns to copy: `--seq_len` random tokens,
+               then as many blanks, during which it must emit the tokens again
+               (loss on the second half only). `--ssm_cell` picks the cell:
+               lru, mamba, ssd, mamba2 or gated_delta_net (the multi-head
+               cells get `--num_heads` heads).
   dit          a `DiffusionTransformer` over the 4x4 patches (tokens) of
                `--image_size`^2 grey images of random rectangles, discs and
                gradients, drawn procedurally; DDPM noise prediction (cosine
-               schedule); samples with a deterministic DDIM sampler.
+               schedule); samples with a deterministic DDIM sampler (both
+               from `probjax_hk.diffusion`).
   unet         a `UNet` (NHWC) on the same images and objective.
+
+Every numeric flag is checked before anything runs (a bad value ends the
+program with one line naming the flag). `--parameter_sharding=fsdp` splits the
+parameters and optimizer state over the devices (fit()'s 'fsdp'); the default
+'replicated' keeps a copy on each. `--progress` shows a tqdm bar, with the
+printed lines above it.
 
 Run the same command again with a larger `--steps` (e.g. 600) and it resumes
 from the newest checkpoint in `--output_dir/checkpoints`, continuing the step
@@ -48,6 +57,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -60,68 +70,190 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tqdm
 
 import probjax_hk as pk
+from probjax_hk import diffusion
 
 MODELS = ("transformer", "moe", "ssm", "dit", "unet")
+SSM_CELLS = {"lru": pk.LRUCell, "mamba": pk.MambaCell, "ssd": pk.SSDCell,
+             "mamba2": pk.Mamba2Cell, "gated_delta_net": pk.GatedDeltaNetCell}
+PATCH = 4  # dit: pixels per side of a patch (token)
+UNET_LEVELS = (1, 2)  # unet: each level's channels, in units of --model_dim
+WARMUP_STEPS = 50  # the learning rate's linear warmup, inside --decay_steps
+MAX_SEED = 2 ** 32 - 2  # numpy's seeds stop at 2**32 - 1; the stream uses seed + 1
+
 _MODEL = flags.DEFINE_enum("model", "transformer", MODELS,
                            "Which model (and task) to train.")
-_STEPS = flags.DEFINE_integer("steps", 300, "Total training steps.")
+_STEPS = flags.DEFINE_integer("steps", 300, "Total training steps.",
+                              lower_bound=1)
 _BATCH_SIZE = flags.DEFINE_integer(
-    "batch_size", None, "Examples per step (default 64; unet 32).")
+    "batch_size", None, "Examples per step (default 64; unet 32); a multiple"
+    " of the device count.", lower_bound=1)
 _OUTPUT_DIR = flags.DEFINE_string(
     "output_dir", None, "Checkpoints, history and pictures; default a new temp"
     " dir.")
 _SEQ_LEN = flags.DEFINE_integer(
-    "seq_len", 16, "Tokens per sequence (ssm: tokens to copy).")
-_VOCAB = flags.DEFINE_integer("vocab", 8, "Number of token values.")
+    "seq_len", 16, "Tokens per sequence (ssm: tokens to copy).", lower_bound=1)
+_VOCAB = flags.DEFINE_integer("vocab", 8, "Number of token values.",
+                              lower_bound=2)
 _IMAGE_SIZE = flags.DEFINE_integer(
-    "image_size", 16, "Side of the square images (dit, unet; a multiple of 4).")
+    "image_size", 16, f"Side of the square images (dit: a multiple of the"
+    f" {PATCH}-pixel patch; unet: of 2 ** (levels - 1) ="
+    f" {2 ** (len(UNET_LEVELS) - 1)}).", lower_bound=1)
 _NUM_EXAMPLES = flags.DEFINE_integer(
-    "num_examples", 8192, "In-memory training set size (without --stream).")
+    "num_examples", 8192, "In-memory training set size (without --stream; at"
+    " least --batch_size).", lower_bound=1)
 _NUM_VALIDATION = flags.DEFINE_integer("num_validation", 512,
-                                       "Validation set size.")
+                                       "Validation set size.", lower_bound=1)
 _STREAM = flags.DEFINE_bool(
     "stream", False, "Train on an endless generated stream instead.")
 _MODEL_DIM = flags.DEFINE_integer(
     "model_dim", None, "Width D (default 64; unet: the first level's"
-    " channels, default 16, doubled at the second level).")
-_NUM_HEADS = flags.DEFINE_integer("num_heads", 4, "Attention heads.")
-_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Blocks (not unet).")
-_NUM_EXPERTS = flags.DEFINE_integer("num_experts", 4, "moe: experts per layer.")
-_TOP_K = flags.DEFINE_integer("top_k", 2, "moe: experts per token.")
-_SSM_CELL = flags.DEFINE_enum("ssm_cell", "lru", ["lru", "mamba"],
+    " channels, default 16, doubled at the second level).", lower_bound=1)
+_NUM_HEADS = flags.DEFINE_integer(
+    "num_heads", 4, "Attention heads (ssm: the heads of ssd, mamba2 and"
+    " gated_delta_net); must divide the width they split.", lower_bound=1)
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", 2, "Blocks (not unet).",
+                                   lower_bound=1)
+_NUM_EXPERTS = flags.DEFINE_integer("num_experts", 4, "moe: experts per layer.",
+                                    lower_bound=1)
+_TOP_K = flags.DEFINE_integer("top_k", 2, "moe: experts per token (at most"
+                              " --num_experts).", lower_bound=1)
+_SSM_CELL = flags.DEFINE_enum("ssm_cell", "lru", list(SSM_CELLS),
                               "ssm: the recurrent cell.")
-_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3, "Adam's peak rate.")
+_LEARNING_RATE = flags.DEFINE_float("learning_rate", 3e-3,
+                                    "Adam's peak rate (positive).")
 _DECAY_STEPS = flags.DEFINE_integer(
-    "decay_steps", 2000, "Length of the warmup-cosine learning-rate schedule.")
+    "decay_steps", 2000, f"Length of the warmup-cosine learning-rate schedule"
+    f" (more than its {WARMUP_STEPS} warmup steps).")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"],
                            "Activation dtype (parameters stay float32).")
+_PARAMETER_SHARDING = flags.DEFINE_enum(
+    "parameter_sharding", "replicated", ["replicated", "fsdp"],
+    "fit()'s parameter_sharding: a copy of the parameters and optimizer state"
+    " per device, or each large one split over the devices.")
 _SAMPLE_STEPS = flags.DEFINE_integer(
-    "sample_steps", 50, "dit/unet: DDIM steps of the sampler.")
+    "sample_steps", 50, "dit/unet: DDIM steps of the sampler.", lower_bound=1)
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 16,
-                                    "dit/unet: samples drawn at the end.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between evals.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Steps between printouts.")
+                                    "dit/unet: samples drawn at the end.",
+                                    lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between evals.",
+                                   lower_bound=1)
+_LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Steps between printouts.",
+                                  lower_bound=1)
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
-    "checkpoint_every", 100, "Steps between checkpoints.")
+    "checkpoint_every", 100, "Steps between checkpoints.", lower_bound=1)
 _KEEP_CHECKPOINTS = flags.DEFINE_integer("keep_checkpoints", 2,
-                                         "Checkpoints kept.")
+                                         "Checkpoints kept.", lower_bound=1)
 _RESUME = flags.DEFINE_bool("resume", True,
                             "Continue from the newest checkpoint, if any.")
 _STEPS_PER_CALL = flags.DEFINE_integer(
-    "steps_per_call", 1, "Steps per compiled call (fit's steps_per_call).")
-_SEED = flags.DEFINE_integer("seed", 0, "Drives data, init and order.")
+    "steps_per_call", 1, "Steps per compiled call (fit's steps_per_call).",
+    lower_bound=1)
+_SEED = flags.DEFINE_integer("seed", 0, "Drives data, init and order.",
+                             lower_bound=0, upper_bound=MAX_SEED)
 _PROGRESS = flags.DEFINE_bool("progress", False, "Show a tqdm progress bar.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() first (several"
     " hosts; the coordinator flags below, or auto-detection on SLURM/TPU).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0.")
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Process count.",
+                                      lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process' index.",
+                                   lower_bound=0)
 
-PATCH = 4  # dit: pixels per side of a patch (token)
+
+# --- flag checks: each failure is one line naming the flag --------------------
+
+def batch_size_of(model: str, flag_value: int | None) -> int:
+  """`--batch_size`, or `model`'s default when unset (`is None`, not
+  falsiness: a 0 must not become the default)."""
+  return (32 if model == "unet" else 64) if flag_value is None else flag_value
+
+
+def model_dim_of(model: str, flag_value: int | None) -> int:
+  """`--model_dim`, or `model`'s default when unset."""
+  return (16 if model == "unet" else 64) if flag_value is None else flag_value
+
+
+def image_size_multiple(model: str) -> int:
+  """What `--image_size` must be a multiple of for `model` (1: any)."""
+  if model == "dit":
+    return PATCH
+  if model == "unet":
+    return 2 ** (len(UNET_LEVELS) - 1)  # one 2x downsampling per extra level
+  return 1
+
+
+def head_width(model: str, ssm_cell: str, model_dim: int) -> int | None:
+  """The width `--num_heads` splits (None: the model has no heads)."""
+  if model == "unet":
+    return UNET_LEVELS[-1] * model_dim  # attention at the lowest resolution
+  if model == "ssm":
+    return {"ssd": model_dim, "gated_delta_net": model_dim,
+            "mamba2": 2 * model_dim}.get(ssm_cell)  # mamba2: expand 2
+  return model_dim
+
+
+def _fail(message: str) -> None:
+  raise flags.ValidationError(message)
+
+
+@flags.validator("learning_rate", "must be a positive number")
+def _check_learning_rate(value):
+  return math.isfinite(value) and value > 0
+
+
+@flags.validator("decay_steps", f"must exceed the {WARMUP_STEPS} warmup steps")
+def _check_decay_steps(value):
+  return value > WARMUP_STEPS
+
+
+@flags.multi_flags_validator(["image_size", "model"])
+def _check_image_size(values):
+  m = image_size_multiple(values["model"])
+  if values["image_size"] % m:
+    _fail(f"--image_size must be a multiple of {m} for --model="
+          f"{values['model']}, got {values['image_size']}")
+  return True
+
+
+@flags.multi_flags_validator(["num_heads", "model_dim", "model", "ssm_cell"])
+def _check_num_heads(values):
+  model_dim = model_dim_of(values["model"], values["model_dim"])
+  width = head_width(values["model"], values["ssm_cell"], model_dim)
+  if width is not None and width % values["num_heads"]:
+    _fail(f"--num_heads={values['num_heads']} must divide the width {width}"
+          f" its heads split (--model_dim={model_dim}, --model="
+          f"{values['model']})")
+  return True
+
+
+@flags.multi_flags_validator(["top_k", "num_experts", "model"])
+def _check_top_k(values):
+  if values["model"] == "moe" and values["top_k"] > values["num_experts"]:
+    _fail(f"--top_k={values['top_k']} must be at most"
+          f" --num_experts={values['num_experts']}")
+  return True
+
+
+@flags.multi_flags_validator(["num_examples", "batch_size", "model", "stream"])
+def _check_num_examples(values):
+  batch_size = batch_size_of(values["model"], values["batch_size"])
+  if not values["stream"] and values["num_examples"] < batch_size:
+    _fail(f"--num_examples={values['num_examples']} must be at least the"
+          f" batch size {batch_size} (--batch_size)")
+  return True
+
+
+@flags.multi_flags_validator(["process_id", "num_processes"])
+def _check_process_id(values):
+  process_id, count = values["process_id"], values["num_processes"]
+  if process_id is not None and count is not None and process_id >= count:
+    _fail(f"--process_id={process_id} must be below --num_processes={count}")
+  return True
 
 
 # --- data ---------------------------------------------------------------------
@@ -182,44 +314,6 @@ def unpatchify(tokens: jax.Array, size: int) -> jax.Array:
   g, c = size // PATCH, d // (PATCH * PATCH)
   x = tokens.reshape(b, g, g, PATCH, PATCH, c).transpose(0, 1, 3, 2, 4, 5)
   return x.reshape(b, size, size, c)
-
-
-# --- diffusion ----------------------------------------------------------------
-
-def alpha_bar(t: jax.Array) -> jax.Array:
-  """The cosine schedule (Nichol & Dhariwal 2021): signal fraction at t in [0, 1]."""
-  return jnp.clip(jnp.cos((t + 0.008) / 1.008 * jnp.pi / 2) ** 2, 1e-5, 1.0)
-
-
-def diffusion_loss(predict_noise: Callable[[jax.Array, jax.Array], jax.Array],
-                   x0: jax.Array) -> jax.Array:
-  """Mean squared error of the predicted noise at a random t per example."""
-  t_key, noise_key = jax.random.split(hk.next_rng_key())
-  t = jax.random.uniform(t_key, (x0.shape[0],))  # [B]
-  noise = jax.random.normal(noise_key, x0.shape, x0.dtype)
-  ab = alpha_bar(t).reshape((-1,) + (1,) * (x0.ndim - 1))
-  x_t = jnp.sqrt(ab) * x0 + jnp.sqrt(1.0 - ab) * noise
-  predicted = predict_noise(x_t, t * 1000.0).astype(jnp.float32)
-  return jnp.mean((predicted - noise) ** 2)
-
-
-def ddim_sample(predict_noise, params, rng, shape, num_steps: int) -> jax.Array:
-  """Deterministic DDIM (eta 0) from pure noise at t=1 to t=0; [shape] in [-1, 1].
-
-  `predict_noise(params, x_t, t_steps)` is a pure function (t in [0, 1000]).
-  """
-  times = jnp.linspace(1.0, 0.0, num_steps + 1)
-  x = jax.random.normal(rng, shape, jnp.float32)
-
-  def body(i, carry):
-    x, _ = carry
-    t, s = times[i], times[i + 1]
-    ab_t, ab_s = alpha_bar(t), alpha_bar(s)
-    noise = predict_noise(params, x, jnp.full((shape[0],), t * 1000.0))
-    x0 = jnp.clip((x - jnp.sqrt(1.0 - ab_t) * noise) / jnp.sqrt(ab_t), -1, 1)
-    return jnp.sqrt(ab_s) * x0 + jnp.sqrt(1.0 - ab_s) * noise, x0
-  # The last step returns its prediction of x0 (alpha_bar(0) < 1 leaves noise).
-  return jax.lax.fori_loop(0, num_steps, body, (x, x))[1]
 
 
 # --- the tasks ----------------------------------------------------------------
@@ -310,15 +404,27 @@ def make_moe_loss(seq_len: int, vocab: int, model_dim: int, num_heads: int,
   return net, loss_fn
 
 
+def ssm_cell_kwargs(cell: str, model_dim: int, num_heads: int) -> dict:
+  """The `cell_kwargs` of `SSMModel` for `cell`: `num_heads` heads where the
+  cell has heads (mamba2's head size follows from its 2x expanded width)."""
+  if cell in ("ssd", "gated_delta_net"):
+    return {"num_heads": num_heads}
+  if cell == "mamba2":
+    return {"head_dim": 2 * model_dim // num_heads}
+  return {}
+
+
 def make_ssm_loss(seq_len: int, vocab: int, model_dim: int, num_layers: int,
-                  cell: str, dtype) -> hk.Transformed:
-  """The copy task: a causal SSMModel, CE on the second half."""
-  cell_cls = {"lru": pk.LRUCell, "mamba": pk.MambaCell}[cell]
+                  cell: str, num_heads: int, dtype) -> hk.Transformed:
+  """The copy task: a causal SSMModel with the `SSM_CELLS[cell]` cell, CE on
+  the second half."""
+  cell_kwargs = ssm_cell_kwargs(cell, model_dim, num_heads)
 
   def loss(batch):
     x = jax.nn.one_hot(batch["tokens"], vocab, dtype=dtype)  # [B, 2T, V]
-    logits = pk.SSMModel(vocab, model_dim, vocab, num_layers, cell=cell_cls)(
-        x, is_training=True)  # [B, 2T, V]
+    logits = pk.SSMModel(vocab, model_dim, vocab, num_layers,
+                         cell=SSM_CELLS[cell], cell_kwargs=cell_kwargs)(
+                             x, is_training=True)  # [B, 2T, V]
     weights = (jnp.arange(2 * seq_len) >= seq_len).astype(jnp.float32)  # [2T]
     weights = jnp.broadcast_to(weights, batch["targets"].shape)
     return _cross_entropy(logits, batch["targets"], weights)
@@ -336,12 +442,13 @@ def make_diffusion(model: str, image_size: int, model_dim: int,
       out = pk.DiffusionTransformer(model_dim, num_heads, num_layers,
                                     name="dit")(patchify(x_t), t)
       return unpatchify(out, image_size)
-    groups = min(8, model_dim)
-    return pk.UNet(1, (model_dim, 2 * model_dim), num_res_blocks=1,
-                   num_heads=num_heads, norm_groups=groups, name="unet")(x_t, t)
+    groups = math.gcd(8, model_dim)  # divides every level's channels
+    channels = tuple(k * model_dim for k in UNET_LEVELS)
+    return pk.UNet(1, channels, num_res_blocks=1, num_heads=num_heads,
+                   norm_groups=groups, name="unet")(x_t, t)
 
   def loss(batch):
-    return diffusion_loss(predict, batch["images"]), {}
+    return diffusion.ddpm_loss(predict, batch["images"], hk.next_rng_key()), {}
 
   predictor = hk.without_apply_rng(hk.transform(predict))
   return hk.transform(loss), predictor.apply
@@ -352,7 +459,7 @@ def make_task(model: str) -> Task:
   seq_len, vocab = _SEQ_LEN.value, _VOCAB.value
   dtype = jnp.dtype(_DTYPE.value)
   heads, layers = _NUM_HEADS.value, _NUM_LAYERS.value
-  dim = _MODEL_DIM.value or (16 if model == "unet" else 64)
+  dim = model_dim_of(model, _MODEL_DIM.value)
   if model == "transformer":
     return Task(
         f"sorting {seq_len} tokens of {vocab} values with a Transformer;"
@@ -373,14 +480,14 @@ def make_task(model: str) -> Task:
         f"copying {seq_len} tokens of {vocab - 1} values with a causal"
         f" SSMModel ({_SSM_CELL.value}); chance loss {math.log(vocab - 1):.3f}",
         functools.partial(make_copy_data, seq_len=seq_len, vocab=vocab),
-        make_ssm_loss(seq_len, vocab, dim, layers, _SSM_CELL.value, dtype))
+        make_ssm_loss(seq_len, vocab, dim, layers, _SSM_CELL.value, heads,
+                      dtype))
   size = _IMAGE_SIZE.value
-  if size % PATCH:
-    raise app.UsageError(f"--image_size must be a multiple of {PATCH}")
   net, predict_noise = make_diffusion(model, size, dim, heads, layers, dtype)
-  num_samples, sample_steps = _NUM_SAMPLES.value, _SAMPLE_STEPS.value
-  sampler = jax.jit(lambda params, rng: ddim_sample(
-      predict_noise, params, rng, (num_samples, size, size, 1), sample_steps))
+  sampler = jax.jit(functools.partial(
+      diffusion.ddim_sample, predict_noise,
+      shape=(_NUM_SAMPLES.value, size, size, 1),
+      num_steps=_SAMPLE_STEPS.value))  # (params, rng) -> samples
   return Task(
       f"denoising {size}x{size} images of rectangles and discs with a"
       f" {'DiffusionTransformer' if model == 'dit' else 'UNet'}; noise MSE"
@@ -391,6 +498,16 @@ def make_task(model: str) -> Task:
 
 # --- output -------------------------------------------------------------------
 
+def say(line: str) -> None:
+  """Prints `line` to stdout above the progress bar, if one is on.
+
+  `tqdm.write` clears the bar, writes the line and redraws the bar below it
+  (a plain print would land on the bar's line); with no bar it prints.
+  """
+  tqdm.tqdm.write(line, file=sys.stdout)
+  sys.stdout.flush()
+
+
 class _PrintLoss(pk.training.Callback):
   """Prints the loss every `every` steps and each validation loss."""
 
@@ -400,18 +517,17 @@ class _PrintLoss(pk.training.Callback):
 
   def on_train_begin(self, step):
     if step:
-      print(f"resumed from the checkpoint at step {step}", flush=True)
+      say(f"resumed from the checkpoint at step {step}")
 
   def on_step_end(self, step, metrics):
     if step % self.every == 0:
       extra = (f"  accuracy {metrics['accuracy']:.3f}" if "accuracy" in metrics
                else "")
-      print(f"step {step:5d}  loss {metrics['loss']:.4f}{extra}"
-            f"  ({time.perf_counter() - self.start:.1f} s)", flush=True)
+      say(f"step {step:5d}  loss {metrics['loss']:.4f}{extra}"
+          f"  ({time.perf_counter() - self.start:.1f} s)")
 
   def on_eval_end(self, step, metrics):
-    print(f"step {step:5d}  validation loss {metrics['val_loss']:.4f}",
-          flush=True)
+    say(f"step {step:5d}  validation loss {metrics['val_loss']:.4f}")
 
 
 def _pyplot():
@@ -463,6 +579,39 @@ def write_samples(data: np.ndarray, samples: np.ndarray, path: str,
   plt.close(fig)
 
 
+def check_batch_size(batch_size: int) -> None:
+  """`batch_size` must split evenly over every device of every process.
+
+  Checked once JAX has started (after `jax.distributed.initialize`), so not
+  by a flag validator; raises `flags.ValidationError` naming the flag.
+  """
+  if batch_size % jax.device_count():
+    raise flags.ValidationError(
+        f"--batch_size={batch_size} must be a multiple of the device count"
+        f" {jax.device_count()}")
+
+
+def init_params(net, key: jax.Array, example, parameter_sharding: str):
+  """`net.init(key, example)`, compiled (op by op, a UNet's init compiles
+  hundreds of small kernels). Under 'fsdp' each parameter is created in the
+  layout fit() gives it (`pk.training.fsdp_spec` on fit's default mesh), so
+  that no device holds them all; the Haiku state is replicated."""
+  if parameter_sharding == "replicated":
+    return jax.jit(net.init)(key, example)
+  mesh = pk.training.default_mesh()
+  with_state = isinstance(net, hk.TransformedWithState)
+  shapes = jax.eval_shape(net.init, key, example)
+  placed = jax.tree.map(
+      lambda x: jax.sharding.NamedSharding(
+          mesh, pk.training.fsdp_spec(x.shape, mesh)),
+      shapes[0] if with_state else shapes)
+  if with_state:
+    placed = (placed, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+  with jax.set_mesh(mesh):  # the ops inside init run per shard, as in fit()
+    return jax.jit(net.init, out_shardings=placed)(key, example)
+
+
 def train() -> pk.FitResult:
   """Runs the job the flags describe; returns fit()'s result."""
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
@@ -473,7 +622,8 @@ def train() -> pk.FitResult:
   model = _MODEL.value
   output_dir = _OUTPUT_DIR.value or tempfile.mkdtemp(prefix="probjax_hk_train_")
   os.makedirs(output_dir, exist_ok=True)
-  batch_size = _BATCH_SIZE.value or (32 if model == "unet" else 64)
+  batch_size = batch_size_of(model, _BATCH_SIZE.value)
+  check_batch_size(batch_size)
   task = make_task(model)
   rng = np.random.RandomState(_SEED.value)
   validation = task.make_data(rng, _NUM_VALIDATION.value)
@@ -488,13 +638,12 @@ def train() -> pk.FitResult:
   # Independent of --steps: a resumed run with more steps follows the same
   # schedule as one uninterrupted run.
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, _LEARNING_RATE.value, 50, _DECAY_STEPS.value,
+      0.0, _LEARNING_RATE.value, WARMUP_STEPS, _DECAY_STEPS.value,
       _LEARNING_RATE.value / 10)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 
-  print(f"{model}: {task.description}; {jax.device_count()}"
-        f" {jax.default_backend()} device(s); output in {output_dir}",
-        flush=True)
+  say(f"{model}: {task.description}; {jax.device_count()}"
+      f" {jax.default_backend()} device(s); output in {output_dir}")
   kwargs = dict(
       rng=_SEED.value, optimizer=optimizer, batch_size=batch_size,
       num_steps=_STEPS.value, validation_data=validation,
@@ -503,11 +652,11 @@ def train() -> pk.FitResult:
       checkpoint_every=_CHECKPOINT_EVERY.value,
       keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value,
       progress=_PROGRESS.value, log_every=_LOG_EVERY.value,  # logs with -v 0
-      steps_per_call=_STEPS_PER_CALL.value)
-  # A jitted init: op-by-op, a UNet's init compiles hundreds of small kernels.
+      steps_per_call=_STEPS_PER_CALL.value,
+      parameter_sharding=_PARAMETER_SHARDING.value)
   example = jax.tree.map(lambda x: x[:batch_size], validation)
-  init = jax.jit(task.net.init)(
-      jax.random.fold_in(jax.random.PRNGKey(_SEED.value), 3), example)
+  init = init_params(task.net, jax.random.fold_in(
+      jax.random.PRNGKey(_SEED.value), 3), example, _PARAMETER_SHARDING.value)
   if task.loss_fn is None:
     result = pk.fit_model(task.net, data, params=init, **kwargs)
   else:  # a Haiku-state model whose loss_fn wraps net.apply
@@ -531,18 +680,20 @@ def train() -> pk.FitResult:
   n = max(1, min(_LOG_EVERY.value, len(loss) // 2))
   first = loss[:n].mean() if len(loss) else float("nan")
   last = loss[-n:].mean() if len(loss) else float("nan")
-  print(f"done: step {result.step}, loss {first:.4f} -> {last:.4f} (mean of"
-        f" first/last {n} steps), {result.steps_per_sec:.1f} steps/s",
-        flush=True)
-  print(f"checkpoints: {output_dir}/checkpoints (final: step {result.step});"
-        f" history: {output_dir}/history.json", flush=True)
-  print("pictures: " + " ".join(pictures), flush=True)
+  say(f"done: step {result.step}, loss {first:.4f} -> {last:.4f} (mean of"
+      f" first/last {n} steps), {result.steps_per_sec:.1f} steps/s")
+  say(f"checkpoints: {output_dir}/checkpoints (final: step {result.step});"
+      f" history: {output_dir}/history.json")
+  say("pictures: " + " ".join(pictures))
   return result
 
 
 def main(argv):
   del argv
-  train()
+  try:
+    train()
+  except flags.ValidationError as e:  # a flag that does not fit the devices
+    sys.exit(f"FATAL Flags error: {e}")
 
 
 if __name__ == "__main__":

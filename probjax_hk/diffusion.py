@@ -211,8 +211,8 @@ def ddim_sample(apply_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
 
   The times are evenly spaced. Each step predicts the noise in `x_t`, the
   clean sample it implies, `x0 = (x_t - sqrt(1 - ab_t) eps) / sqrt(ab_t)`
-  (clipped to `[-clip_x0, clip_x0]`, the noise then re-derived from the
-  clipped `x0`), and moves to the next time s along
+  (clipped to `[-clip_x0, clip_x0]`: near t = 1 it divides by a tiny
+  `sqrt(ab_t)`), and moves to the next time s along
   `x_s = sqrt(ab_s) x0 + sqrt(1 - ab_s - sigma^2) eps + sigma z`, where
   `sigma = eta sqrt((1 - ab_s) / (1 - ab_t)) sqrt(1 - ab_t / ab_s)`: eta = 0
   is deterministic given `rng` (the probability-flow path), eta = 1 is
@@ -274,7 +274,6 @@ def ddim_sample(apply_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     x0 = (x_t - jnp.sqrt(1.0 - ab_t) * eps) / jnp.sqrt(ab_t)
     if clip_x0 is not None:
       x0 = jnp.clip(x0, -clip_x0, clip_x0)
-      eps = (x_t - jnp.sqrt(ab_t) * x0) / jnp.sqrt(1.0 - ab_t)
     sigma = eta * jnp.sqrt((1.0 - ab_s) / (1.0 - ab_t) * (1.0 - ab_t / ab_s))
     x_s = jnp.sqrt(ab_s) * x0 + jnp.sqrt(jnp.maximum(1.0 - ab_s - sigma ** 2, 0.0)) * eps
     if eta:

@@ -4,8 +4,12 @@ The job runs in this process (its `train()` after parsing tiny flags), so the
 models compile once each at toy sizes.
 """
 
+import contextlib
+import io
 import json
 import os
+import subprocess
+import sys
 
 from absl import flags
 import jax
@@ -22,19 +26,33 @@ _TINY = ["--steps=3", "--batch_size=8", "--num_examples=32",
          "--checkpoint_every=3", "--log_every=1"]
 
 
-def _run(argv):
+def _run(argv, screen=None):
+  """train() under `argv`; with a `screen`, its stdout and stderr both go
+  there, as on a terminal."""
   flags.FLAGS.unparse_flags()
   flags.FLAGS(["train"] + argv)
   try:
-    return train.train()
+    if screen is None:
+      return train.train()
+    with contextlib.redirect_stdout(screen), contextlib.redirect_stderr(screen):
+      return train.train()
   finally:
     flags.FLAGS.unparse_flags()
 
 
+def _lines_as_seen(screen: str) -> list[str]:
+  """Each line of a terminal's output as it ends up on screen (a carriage
+  return starts the line over; tqdm clears its bar with spaces)."""
+  return [line.split("\r")[-1].rstrip() for line in screen.split("\n")]
+
+
 @pytest.mark.parametrize("model", train.MODELS)
-def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path,
-                                                              capsys):
-  result = _run(_TINY + [f"--model={model}", f"--output_dir={tmp_path}"])
+def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path):
+  # The ssm case also shows the progress bar (on stderr, the same screen).
+  progress = ["--progress"] if model == "ssm" else []
+  screen = io.StringIO()
+  result = _run(_TINY + progress + [f"--model={model}",
+                                    f"--output_dir={tmp_path}"], screen)
   assert result.step == 3
   assert os.listdir(tmp_path / "checkpoints") == ["3"]
   with open(tmp_path / "history.json") as f:
@@ -48,16 +66,22 @@ def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path,
       assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert sorted(p for p in os.listdir(tmp_path) if p.endswith(".png")) == \
       sorted(pictures)
-  printed = capsys.readouterr().out
+  printed = screen.getvalue()
   assert "pictures: " + " ".join(str(tmp_path / p) for p in pictures) in printed
+  if progress:  # tqdm.write puts every printed line above the bar, none on it
+    assert "3/3" in printed  # the bar was drawn
+    seen = _lines_as_seen(printed)
+    losses = [line for line in seen if "step " in line and "loss" in line]
+    assert len(losses) == 5 and all(line.startswith(("step", "done"))
+                                    for line in losses), losses
   if model == "moe":  # the router's state reaches the loss and the history
     assert "load_balance_loss" in history and result.state is not None
     assert history["loss"][0] > history["cross_entropy"][0]
   if model == "transformer":  # the same command with more steps resumes
     result = _run(_TINY + [f"--model={model}", f"--output_dir={tmp_path}",
-                           "--steps=5"])
+                           "--steps=5"], screen)
     assert result.step == 5
-    assert "resumed from the checkpoint at step 3" in capsys.readouterr().out
+    assert "resumed from the checkpoint at step 3" in screen.getvalue()
     with open(tmp_path / "history.json") as f:
       assert json.load(f)["step"] == [1, 2, 3, 4, 5]
 
@@ -77,17 +101,51 @@ def test_tasks_are_what_the_docstring_says():
       train.unpatchify(train.patchify(jnp.asarray(images)), 16), images)
 
 
-def test_ddim_with_the_exact_noise_of_one_image_recovers_it():
-  """For data = one image x0, eps(x_t, t) = (x_t - sqrt(ab) x0) / sqrt(1 - ab)
-  is the exact noise predictor; deterministic DDIM must land on x0."""
-  x0 = jnp.asarray(train.make_shape_images(np.random.RandomState(1), 1, 8)
-                   ["images"])  # [1, 8, 8, 1]
+_FSDP_SCRIPT = r"""
+import json, sys
+from absl import flags
+import jax
+from experiments import train
 
-  def exact_noise(params, x, t_steps):
-    del params
-    ab = train.alpha_bar(t_steps / 1000.0)[:, None, None, None]
-    return (x - jnp.sqrt(ab) * x0) / jnp.sqrt(1.0 - ab)
+assert jax.device_count() == 8, jax.devices()
+out = {}
+flags.FLAGS(["train"] + sys.argv[1:])
+result = train.train()
+# --model_dim=16: the MLP's [16, 64] weights (1024 elements) are split 8 ways.
+w = result.params["transformer/block_0/mlp/w_in"]["w"]
+out["spec"] = list(w.sharding.spec)
+out["shard_shape"] = list(w.addressable_shards[0].data.shape)
+out["step"] = result.step
+# The job's own init creates them split (no device holds them all).
+example = {"tokens": jax.numpy.zeros((8, 8), "int32"),
+           "targets": jax.numpy.zeros((8, 8), "int32")}
+init = train.init_params(train.make_task("transformer").net,
+                         jax.random.PRNGKey(0), example, "fsdp")
+w = init["transformer/block_0/mlp/w_in"]["w"]
+out["init_shard_shape"] = list(w.addressable_shards[0].data.shape)
+flags.FLAGS.unparse_flags()
+flags.FLAGS(["train", "--batch_size=12", "--num_examples=32"])
+try:
+  train.main([])
+except SystemExit as e:
+  out["exit"] = str(e.code)
+print("RESULT " + json.dumps(out))
+"""
 
-  out = train.ddim_sample(exact_noise, None, jax.random.PRNGKey(0),
-                          (3, 8, 8, 1), num_steps=10)
-  np.testing.assert_allclose(out, jnp.broadcast_to(x0, out.shape), atol=1e-3)
+
+def test_fsdp_and_the_device_count_on_8_devices(tmp_path):
+  """--parameter_sharding=fsdp reaches fit() (the parameters come back split
+  over the 8 devices); a batch size the devices cannot split is one line."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  argv = _TINY + ["--model=transformer", "--steps=2", "--log_every=2",
+                  "--parameter_sharding=fsdp", f"--output_dir={tmp_path}"]
+  run = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT] + argv, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert run.returncode == 0, run.stderr[-3000:]
+  out = json.loads(run.stdout.split("RESULT ")[-1])
+  assert out["step"] == 2
+  assert out["spec"] == [None, "data"]
+  assert out["shard_shape"] == out["init_shard_shape"] == [16, 8]
+  assert out["exit"] == ("FATAL Flags error: --batch_size=12 must be a multiple"
+                         " of the device count 8")
