@@ -180,15 +180,21 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: Static,
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def _partials(st: Static, q, k, v, lengths, seq_q: int):
+def default_config(q_shape, k_shape, *, interpret: bool) -> DecodeConfig:
+  """The tiling a call with q [B, T, N, H] and a cache [B, S, K, H] runs."""
+  batch, seq_q, num_heads, head_dim = q_shape
+  seq_kv, num_kv = k_shape[1], k_shape[2]
+  return DecodeConfig.get_default(
+      batch=batch, kv_heads=num_kv, seq_kv=seq_kv, rows=padded(num_heads // num_kv * seq_q),
+      head_dim=padded(head_dim), interpret=interpret)
+
+
+def _partials(st: Static, config: DecodeConfig, q, k, v, lengths, seq_q: int):
   """The kernel's launch: q [B, K, Mp, Hp] (T new tokens per row group), k/v
   [B, S, K, Hp], lengths [B] -> (normalised partial outputs [B, K, P, Mp, Hp]
   f32, their base-2 lse [B, K, P, Mp])."""
   batch, num_kv, mp, hp = q.shape
   seq_kv = k.shape[1]
-  config = st.config or DecodeConfig.get_default(
-      batch=batch, kv_heads=num_kv, seq_kv=seq_kv, rows=mp, head_dim=hp,
-      interpret=st.interpret)
   chunk, splits = chunking(seq_kv, config)
   q_spec = pl.BlockSpec((None, None, mp, hp), lambda b, h, c: (b, h, 0, 0))
   kv_spec = pl.BlockSpec((None, seq_kv, None, hp), lambda b, h, c: (b, 0, h, 0))
@@ -236,7 +242,8 @@ def _forward(st: Static, q, k_cache, v_cache, lengths):
   qr = q.reshape(batch, seq_q, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4)
   qr = _shapes.pad_axis(_shapes.pad_axis(qr.reshape(batch, num_kv, rows, head_dim), 2, mp), 3, hp)
   k, v = (_shapes.pad_axis(x, 3, hp) for x in (k_cache, v_cache))  # copies only when H < Hp
-  o, lse = _partials(st, qr, k, v, lengths, seq_q)
+  config = st.config or default_config(q.shape, k_cache.shape, interpret=st.interpret)
+  o, lse = _partials(st, config, qr, k, v, lengths, seq_q)
   out = _combine(o, lse)[:, :, :rows, :head_dim]  # [B, K, G * T, H]
   out = out.reshape(batch, num_kv, groups, seq_q, head_dim).transpose(0, 3, 1, 2, 4)
   return out.reshape(batch, seq_q, num_heads, head_dim).astype(q.dtype)
