@@ -12,11 +12,7 @@ all-gathers of tokens. Values and gradients are compared with the unsharded
 layer's.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +20,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from probjax_hk import moe
+from tests import simulated_devices
 
 _SCRIPT = r'''
 import json
@@ -162,14 +159,7 @@ _D, _F = 16, 32
 
 
 def _run_script():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return simulated_devices.run(_SCRIPT, timeout=300)
 
 
 def test_moe_sharding_on_8_cpu_devices():

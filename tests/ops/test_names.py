@@ -8,10 +8,6 @@ on a mesh).
 """
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +17,8 @@ import pytest
 import ops
 from ops import _backend
 from ops.grouped_matmul import api as gmm_api
+from tests import simulated_devices
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _normal(key, shape, dtype=jnp.float32):
@@ -231,13 +227,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def sharded():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=_ROOT,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return simulated_devices.run(_SCRIPT, timeout=600)
 
 
 def test_flex_key_value_seq_lengths_run_per_shard(sharded):

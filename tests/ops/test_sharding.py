@@ -9,12 +9,9 @@ device's. pytest workers import JAX with one CPU device, so the 8-device run
 is a subprocess (one for the whole file: its compile time is the cost).
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests import simulated_devices
 
 _SCRIPT = r'''
 import functools, json
@@ -122,14 +119,7 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return simulated_devices.run(_SCRIPT, timeout=900)
 
 
 _CASES = [f"op/{n}" for n in ("flex_attention", "ssd", "gated_delta_rule", "selective_scan",

@@ -8,10 +8,6 @@ arrays after repeated fits. All 8-device checks run in one subprocess (pytest
 workers have already imported JAX with one device; see test_sharding.py).
 """
 
-import json
-import os
-import subprocess
-import sys
 
 from jax.sharding import PartitionSpec as P
 import numpy as np
@@ -19,6 +15,7 @@ import pytest
 
 import probjax_hk
 from tests.training import common
+from tests import simulated_devices
 
 _SCRIPT = r'''
 import functools
@@ -233,15 +230,8 @@ print("RESULT" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def eight_devices(tmp_path_factory):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
   directory = str(tmp_path_factory.mktemp("resume"))
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, directory], env=env,
-                        cwd=root, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-5000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  return json.loads(line[len("RESULT"):])
+  return simulated_devices.run(_SCRIPT, directory, timeout=600)
 
 
 def test_caller_arrays_survive_repeated_fits(eight_devices):

@@ -1,14 +1,9 @@
 """fit() on 8 simulated CPU devices: the batch is split, the result agrees.
 
-pytest workers import JAX (with one CPU device) before any test runs, so the
-8-device run happens in a subprocess with
-`XLA_FLAGS=--xla_force_host_platform_device_count=8`.
+The 8-device run is a subprocess (`tests/simulated_devices.py`).
 """
 
-import json
-import os
-import subprocess
-import sys
+from tests import simulated_devices
 
 _SCRIPT = r'''
 import json
@@ -73,14 +68,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_eight_devices_match_one_device():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  out = json.loads(line[len("RESULT"):])
+  out = simulated_devices.run(_SCRIPT, timeout=300)
   # A different reduction order (per-device partial sums) moves the last bits.
   assert out["max_loss_diff"] < 1e-5, out
   assert out["max_param_diff"] < 1e-4, out
