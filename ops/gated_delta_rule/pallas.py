@@ -60,13 +60,13 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import pick_row
+from ops._triton import causal_decay
+from ops._triton import dot
+from ops._triton import is_pow2
+from ops._triton import next_pow2
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import mosaic_key_grads
-from ops.ssd.pallas import _causal_decay
-from ops.ssd.pallas import _dot
-from ops.ssd.pallas import _is_pow2
-from ops.ssd.pallas import _next_pow2
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
@@ -113,7 +113,7 @@ class GatedDeltaBlocks:
                  "prepare_num_warps", "inverse_block", "grad_block_k",
                  "value_grad_num_warps", "key_grad_num_warps"):
       value = getattr(self, name)
-      if value is not None and not _is_pow2(value):
+      if value is not None and not is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
     for name in ("chunk", "block_v", "state_block_v", "grad_block_k"):
       value = getattr(self, name)
@@ -128,9 +128,9 @@ class GatedDeltaBlocks:
   @classmethod
   def get_default(cls, time: int, key: int, value: int,
                   chunk: int | None = None) -> "GatedDeltaBlocks":
-    key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+    key, value = max(16, next_pow2(key)), max(16, next_pow2(value))
     if chunk is None:
-      chunk = min(32, max(16, _next_pow2(time)))
+      chunk = min(32, max(16, next_pow2(time)))
     big = key * value > 64 * 64
     # The gradient kernels' warps, key tile and stages, the walks' tiles and
     # the prepare kernel's warps: the best of sweeps on an H200 (BUILD_NOTES.md,
@@ -149,7 +149,7 @@ def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
   if _backend.pallas_interpret():
     # XLA:CPU has no 16-bit x 16-bit -> float32 dot; the rounding stays the same.
     a, b = a.astype(_F32), b.astype(_F32)
-  return _dot(a, b, trans_a=trans_a, trans_b=trans_b)
+  return dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
 def _masks(chunk):
@@ -198,7 +198,7 @@ def _unit_lower_inverse(a, chunk, block=None):
 def _f32_mm(a, b):
   """A float32 tile product at about float32's precision on the tensor cores."""
   if _backend.pallas_interpret():
-    return _dot(a, b)
+    return dot(a, b)
   return plgpu.dot(a, b, precision=jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
 
 
@@ -211,7 +211,7 @@ def _wy_matrix(kk, decay, beta, chunk):
 def _wy_inverse(k, b, beta, chunk, inverse_block):
   """T = (I + A)^-1 [L, L] float32."""
   kk = _mm(k, k, k.dtype, trans_b=True)
-  a = _wy_matrix(kk, _causal_decay(b, chunk), beta, chunk)
+  a = _wy_matrix(kk, causal_decay(b, chunk), beta, chunk)
   return _unit_lower_inverse(a, chunk, inverse_block)
 
 
@@ -259,7 +259,7 @@ def _output_kernel(q_ref, k_ref, u_ref, b_ref, h_ref, y_ref, *scores_t_ref, chun
   q, k = q_ref[...], k_ref[...]
   dtype = u_ref.dtype
   b = b_ref[...]
-  scores = _mm(q, k, dtype, trans_b=True) * _causal_decay(b, chunk)
+  scores = _mm(q, k, dtype, trans_b=True) * causal_decay(b, chunk)
   if scores_t_ref:  # transposed: the backward's walk multiplies by S^T
     scores_t_ref[0][...] = scores.T.astype(scores_t_ref[0].dtype)
   eb = jnp.exp(b)[:, None]
@@ -336,7 +336,7 @@ def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_r
   square = jnp.zeros((chunk, chunk), _F32)
   dy_dot_u, dru_dot_u, dbeta_v = jax.lax.fori_loop(
       0, v_ref.shape[-1] // block_v, tile, (square, square, jnp.zeros((chunk,), _F32)))
-  decay = _causal_decay(b, chunk)
+  decay = causal_decay(b, chunk)
   kk = _mm(k, k, dtype, trans_b=True)
   qk = _mm(q, k, dtype, trans_b=True)
   ds = jnp.where(row >= col, scale * dy_dot_u, 0.0)              # [L, L]
@@ -687,7 +687,7 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
   elif chunk_size is not None and chunk_size != blocks.chunk:
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
-  key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+  key_p, value_p = max(16, next_pow2(key)), max(16, next_pow2(value))
   # From here on state_block_v and grad_block_k are set (the kernels read them as
   # they are).
   blocks = dataclasses.replace(

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
+from ops._triton import dot
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul import mosaic_tgmm as tgmm_mosaic
 from ops.grouped_matmul.metadata import group_metadata
@@ -88,12 +89,6 @@ class BlockSizes:
                columns_fastest=d.columns_fastest)
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
-  """fp32-accumulating tile product; full fp32 (no TF32) for fp32 tiles."""
-  allow_tf32 = False if a.dtype == jnp.float32 else None
-  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
-
-
 class Tile(NamedTuple):
   """Where one `gmm` grid step works (see `tile_of_step`)."""
   group: jax.Array   # this visit's group; G for the rows after the last group
@@ -137,9 +132,9 @@ def tile_products(lhs_ref, rhs_ref, tile: Tile, col_offsets, *, num_groups, k_st
     ks = pl.ds(pl.multiple_of(k * block_k, block_k), block_k)
     a = plgpu.load(lhs_ref.at[tile.rows, ks])  # [bm, bk]
     if transpose_rhs:
-      return [acc + _dot(a, plgpu.load(rhs_ref.at[tile.weight, cols, ks]), trans_b=True)
+      return [acc + dot(a, plgpu.load(rhs_ref.at[tile.weight, cols, ks]), trans_b=True)
               for acc, cols in zip(accs, col_sets)]  # rhs tile [bn, bk]
-    return [acc + _dot(a, plgpu.load(rhs_ref.at[tile.weight, ks, cols]))
+    return [acc + dot(a, plgpu.load(rhs_ref.at[tile.weight, ks, cols]))
             for acc, cols in zip(accs, col_sets)]  # rhs tile [bk, bn]
 
   zeros = [jnp.zeros((tile.rows.size, block_n), jnp.float32) for _ in col_sets]
@@ -222,7 +217,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m,
     mine = ((row_ids >= row_start) & (row_ids < row_end))[:, None]  # [bm, 1]
     a = plgpu.load(lhs_ref.at[rows, ks], mask=mine, other=0.0)  # [bm, bk]
     b = plgpu.load(dout_ref.at[rows, cols], mask=mine, other=0.0)  # [bm, bn]
-    return acc + _dot(a, b, trans_a=True)
+    return acc + dot(a, b, trans_a=True)
 
   acc = jax.lax.fori_loop(first, last, body, jnp.zeros((block_k, block_n), jnp.float32))
   plgpu.store(out_ref.at[group, ks, cols], acc.astype(out_ref.dtype))

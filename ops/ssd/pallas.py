@@ -52,18 +52,14 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import pick_row
+from ops._triton import causal_decay
+from ops._triton import dot
+from ops._triton import is_pow2
+from ops._triton import next_pow2
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
 MAX_HEAD_SIZE = 256
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
-
-
-def _is_pow2(n: int) -> bool:
-  return n >= 1 and not n & (n - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +81,7 @@ class SSDBlocks:
                  "grad_block_k", "grad_block_v", "num_warps", "state_num_warps",
                  "state_programs"):
       value = getattr(self, name)
-      if not _is_pow2(value):
+      if not is_pow2(value):
         raise ValueError(f"`{name}` must be a power of two, got {value}")
     for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
                  "grad_block_k", "grad_block_v"):
@@ -99,27 +95,12 @@ class SSDBlocks:
     """Chunk 64 (shorter for short sequences), 32 x 32 state tiles, 64-wide
     chunk-gradient tiles, 4 warps everywhere (the fastest on an H200 at both
     benchmark shapes: BUILD_NOTES.md, "SSD and the gated delta rule")."""
-    key, value = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+    key, value = max(16, next_pow2(key)), max(16, next_pow2(value))
     if chunk is None:
-      chunk = min(64, max(16, _next_pow2(time)))
+      chunk = min(64, max(16, next_pow2(time)))
     return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
                output_block_v=min(64, value), grad_block_k=min(64, key),
                grad_block_v=min(64, value), num_warps=4, state_num_warps=4)
-
-
-def _dot(a, b, *, trans_a=False, trans_b=False):
-  """fp32-accumulating tile product; full fp32 (no TF32) for fp32 tiles."""
-  allow_tf32 = False if a.dtype == _F32 else None
-  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b, allow_tf32=allow_tf32)
-
-
-def _causal_decay(b, chunk):
-  """[L, L] float32 `exp(b_i - b_j)` for i >= j, else 0 (no overflow above)."""
-  row = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
-  col = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
-  causal = row >= col
-  diff = jnp.where(causal, b[:, None] - b[None, :], 0.0)
-  return jnp.where(causal, jnp.exp(diff), 0.0)
 
 
 def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
@@ -157,7 +138,7 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
     b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
     w = jnp.exp(b) if reverse else jnp.exp(b_last - b)          # [L]
     xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
-    return jnp.exp(b_last) * h + _dot(xw, y, trans_a=True)      # [bk, bv]
+    return jnp.exp(b_last) * h + dot(xw, y, trans_a=True)      # [bk, bv]
 
   if mode == "apply":
     def fold_group(k, h):  # the summary of group k < this one
@@ -174,9 +155,9 @@ def _output_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, y_ref, *, chunk):
   """One chunk, one V tile: intra-chunk part plus the entering state's part."""
   q, k, v = q_ref[...], k_ref[...], v_ref[...]                  # [L, K], [L, K], [L, bv]
   b = b_ref[...]                                                # [L]
-  scores = _dot(q, k, trans_b=True) * _causal_decay(b, chunk)   # [L, L]
-  y = _dot(scores.astype(v.dtype), v)                           # [L, bv]
-  y += jnp.exp(b)[:, None] * _dot(q, h_ref[...].astype(q.dtype))
+  scores = dot(q, k, trans_b=True) * causal_decay(b, chunk)   # [L, L]
+  y = dot(scores.astype(v.dtype), v)                           # [L, bv]
+  y += jnp.exp(b)[:, None] * dot(q, h_ref[...].astype(q.dtype))
   y_ref[...] = y.astype(y_ref.dtype)
 
 
@@ -188,11 +169,11 @@ def _chunk_grad_keys_kernel(q_ref, k_ref, v_ref, b_ref, h_ref, dh_ref, dy_ref,
   h, dh = h_ref[...].astype(dtype), dh_ref[...].astype(dtype)    # [bk, V]
   b = b_ref[...]                                                 # [L]
   b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
-  dscores = (_dot(dy, v, trans_b=True) * _causal_decay(b, chunk)).astype(dtype)
+  dscores = (dot(dy, v, trans_b=True) * causal_decay(b, chunk)).astype(dtype)
   w_state = jnp.exp(b_last - b)[:, None]                         # [L, 1]
-  dq = _dot(dscores, k) + jnp.exp(b)[:, None] * _dot(dy, h, trans_b=True)
-  dk_state = w_state * _dot(v, dh, trans_b=True)                 # [L, bk]
-  dk = _dot(dscores, q, trans_a=True) + dk_state
+  dq = dot(dscores, k) + jnp.exp(b)[:, None] * dot(dy, h, trans_b=True)
+  dk_state = w_state * dot(v, dh, trans_b=True)                 # [L, bk]
+  dk = dot(dscores, q, trans_a=True) + dk_state
   qf, kf = q.astype(_F32), k.astype(_F32)
   db = jnp.sum(qf * dq, axis=1) - jnp.sum(kf * dk, axis=1)       # [L]
   total = lambda x: jnp.sum(jnp.sum(x, axis=1), axis=0)          # one axis at a time
@@ -210,9 +191,9 @@ def _chunk_grad_values_kernel(q_ref, k_ref, b_ref, dh_ref, dy_ref, dv_ref, *, ch
   dtype = dy.dtype
   b = b_ref[...]                                                 # [L]
   b_last = pick_row(b, chunk - 1)
-  scores = (_dot(q, k, trans_b=True) * _causal_decay(b, chunk)).astype(dtype)
+  scores = (dot(q, k, trans_b=True) * causal_decay(b, chunk)).astype(dtype)
   w_state = jnp.exp(b_last - b)[:, None]                         # [L, 1]
-  dv = _dot(scores, dy, trans_a=True) + w_state * _dot(k, dh_ref[...].astype(dtype))
+  dv = dot(scores, dy, trans_a=True) + w_state * dot(k, dh_ref[...].astype(dtype))
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -401,7 +382,7 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
   elif chunk_size is not None and chunk_size != blocks.chunk:
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
-  key_p, value_p = max(16, _next_pow2(key)), max(16, _next_pow2(value))
+  key_p, value_p = max(16, next_pow2(key)), max(16, next_pow2(value))
   blocks = dataclasses.replace(
       blocks, state_block_k=min(blocks.state_block_k, key_p),
       state_block_v=min(blocks.state_block_v, value_p),
