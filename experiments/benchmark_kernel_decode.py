@@ -14,7 +14,8 @@ the kernel is first compared with the float32 reference on the device
   python3 -m experiments.benchmark_kernel_decode --smoke   # tiny shapes; runs on a CPU
 
 `--impls` also takes `pallas_<splits>x<block_k>x<warps>x<stages>`: the kernel
-on that tiling (`ops.decode_attention.DecodeConfig`), to tune the default.
+on that tiling (`ops.decode_attention.DecodeConfig`; splits 0: the default
+count for the shape), to tune the default.
 """
 
 import functools
@@ -50,7 +51,8 @@ _IMPLS = flags.DEFINE_list(
     "impls", ["pallas", "xla", "jax_nn_xla", "cudnn"],
     "pallas / xla: ops.decode_attention's kernel and XLA path; jax_nn_xla / cudnn: "
     "jax.nn.dot_product_attention with that implementation; "
-    "pallas_<splits>x<block_k>x<warps>x<stages>: the kernel on that tiling.")
+    "pallas_<splits>x<block_k>x<warps>x<stages>: the kernel on that tiling "
+    "(splits 0: the default count).")
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed samples per case.")
 _CHECK = flags.DEFINE_bool("check", False, "Check the kernel against the reference first.")
 _BANDWIDTH = flags.DEFINE_float("bandwidth_tbps", 4.3, "Memory bandwidth of the floor, "
@@ -74,10 +76,15 @@ def attention_fn(impl: str, seq_q: int):
   if impl in ("pallas", "xla"):
     return functools.partial(decode_api.decode_attention, implementation=impl)
   if match := _TILED.match(impl):
-    config = decode_pallas.DecodeConfig(*map(int, match.groups()))
-    return lambda q, k, v, lengths: decode_pallas.decode_attention_pallas(
-        q, k, v, lengths, scale=q.shape[-1] ** -0.5, interpret=_backend.pallas_interpret(),
-        config=config)
+    splits, block_k, warps, stages = map(int, match.groups())
+    def tiled(q, k, v, lengths):
+      interpret = _backend.pallas_interpret()
+      default = decode_pallas.default_config(q.shape, k.shape, interpret=interpret)
+      config = decode_pallas.DecodeConfig(block_k=block_k, num_splits=splits or default.num_splits,
+                                          num_warps=warps, num_stages=stages)
+      return decode_pallas.decode_attention_pallas(
+          q, k, v, lengths, scale=q.shape[-1] ** -0.5, interpret=interpret, config=config)
+    return tiled
   if impl == "jax_nn_xla":
     if seq_q == 1:  # the lengths are the whole mask
       return lambda q, k, v, lengths: jax.nn.dot_product_attention(

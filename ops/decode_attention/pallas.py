@@ -148,7 +148,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: Static,
     keys = pl.ds(k0, bk)
     if masked:
       k_idx = k0 + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)  # [1, bk]
-      live = k_idx.reshape(bk, 1) < limit
+      live = k0 + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < limit  # [bk, 1]
       k = plgpu.load(k_ref.at[keys, :], mask=live, other=0.0)  # [bk, Hp]
       v = plgpu.load(v_ref.at[keys, :], mask=live, other=0.0)
     else:
