@@ -133,6 +133,7 @@ def decode_attention(
     [B, T, N, H] in q's dtype (float32 accumulation).
 
   Raises:
+    TypeError: when an array argument is not an array.
     ValueError: on a bad shape, dtype, length or option (naming the argument
       and the limit), or with implementation='pallas' for inputs the kernel
       cannot take (head size above 256; more than 128 x 128 query rows times
