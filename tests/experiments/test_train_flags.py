@@ -139,7 +139,7 @@ def test_every_ssm_cell_is_selectable(cell):
     flags.FLAGS.unparse_flags()
   batch = task.make_data(np.random.RandomState(0), 2)
   params = jax.eval_shape(task.net.init, jax.random.key(0), batch)
-  prefix = "ssm_model/block_0/"
+  prefix = next(name for name in params if name.endswith("block_0/cell"))[:-4]
   built = {name[len(prefix):]: jax.tree.map(lambda x: x.shape, leaves)
            for name, leaves in params.items()
            if name == prefix + "cell" or name.startswith(prefix + "cell/")}

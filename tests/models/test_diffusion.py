@@ -18,6 +18,8 @@ import pytest
 
 from probjax_hk import diffusion
 
+_REPOSITORY = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))  # where `experiments` imports from
 SCHEDULES = {"cosine": diffusion.cosine_schedule,
              "linear": diffusion.linear_schedule}
 
@@ -245,6 +247,6 @@ def test_importing_the_module_defines_no_flags():
           " if not m.startswith('absl'));"
           " print(owners()); import experiments.train; print(owners())")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True,
-                       text=True, check=True,
+                       text=True, check=True, cwd=_REPOSITORY,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.stdout.split("\n")[:2] == ["[]", "['experiments.train']"]

@@ -112,7 +112,9 @@ out = {}
 flags.FLAGS(["train"] + sys.argv[1:])
 result = train.train()
 # --model_dim=16: the MLP's [16, 64] weights (1024 elements) are split 8 ways.
-w = result.params["transformer/block_0/mlp/w_in"]["w"]
+NAME = [k for k in result.params if k.endswith("block_0/mlp/w_in")]
+assert len(NAME) == 1, list(result.params)
+w = result.params[NAME[0]]["w"]
 out["spec"] = list(w.sharding.spec)
 out["shard_shape"] = list(w.addressable_shards[0].data.shape)
 out["step"] = result.step
@@ -121,7 +123,7 @@ example = {"tokens": jax.numpy.zeros((8, 8), "int32"),
            "targets": jax.numpy.zeros((8, 8), "int32")}
 init = train.init_params(train.make_task("transformer").net,
                          jax.random.PRNGKey(0), example, "fsdp")
-w = init["transformer/block_0/mlp/w_in"]["w"]
+w = init[NAME[0]]["w"]
 out["init_shard_shape"] = list(w.addressable_shards[0].data.shape)
 flags.FLAGS.unparse_flags()
 flags.FLAGS(["train", "--batch_size=12", "--num_examples=32"])
