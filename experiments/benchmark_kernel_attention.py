@@ -1,8 +1,9 @@
 """Attention kernels on one GPU: flex (ours) vs cuDNN, XLA and JAX's Pallas mha.
 
 Times the forward and the forward+backward (gradient of a scalar sum with
-respect to q, k and v) of every implementation on the shapes of ANCHORS.md,
-in one process, and writes JSON rows (harness format) with TFLOP/s and ratios
+respect to q, k and v) of every implementation on the headline shapes
+(`DEFAULT_SHAPES`, the ones the performance pages show), in one process, and
+writes JSON rows (harness format) with TFLOP/s and ratios
 against cuDNN and against JAX's Pallas `mha` at its best block sizes (a small
 sweep in the same run). With --check it first compares flex with the f32
 reference on the GPU (forward and gradients, masks, GQA, odd lengths). Shapes
@@ -10,7 +11,14 @@ of at most `CHAINED_MAX_SCORES` scores (T 1024 at B 8, N 8) run ten calls per
 executable (`workloads.chained`, `--chain` to set), so that calls of tens of
 microseconds are timed on the device rather than as the host's dispatch.
 
+Every implementation is a typed config (`workloads.ATTENTION`, named by
+`--impls`); flex's kernels on other tiles are configs too, given as JSON
+objects of their fields:
+
   python3 -m experiments.benchmark_kernel_attention --check    # docs/benchmarks/attention.json
+  python3 -m experiments.benchmark_kernel_attention --shapes b8_n8_t4096_h32 \\
+      --impls flex,cudnn --output /tmp/attention_tiles.json \\
+      --mosaic_fwd '{"block_k": 256, "ping_pong": false, "persistent": true}'
 """
 
 import functools
@@ -29,45 +37,45 @@ from experiments import harness
 from experiments import workloads
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
+from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_backward
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/attention.json",
                               "JSON path (the curated suite file; another for trial runs).")
 _SHAPES = flags.DEFINE_list("shapes", None, "Shape names (default: DEFAULT_SHAPES, "
-                            "the ANCHORS.md shapes).")
+                            "the headline shapes).")
 _IMPLS = flags.DEFINE_list(
     "impls", ["flex", "cudnn", "xla", "mha"],
-    "Implementations; also flex_alibi (score_mod) and flex_documents (mask_mod, "
-    "512-token documents), timed against plain flex on the same shapes; "
-    "flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the Triton forward, on "
-    "those tiles, with that softmax), flex_<fwd_softmax> (the table's kernels with "
-    "that forward softmax, e.g. flex_online), flex_refresh_<mode> (the table's kernels "
-    "with that `FlexConfig.refresh`, e.g. flex_refresh_in_kernel), "
-    "flex_mosaic_<bq>x<bk>x<steps>[_free][_wg3][_pipe][_persist[_all]][_r240][_sums][_fm]"
-    "[_pq] (the "
-    "Mosaic forward on those tiles; _free: without ping-pong turns; _wg3: three compute "
-    "warpgroups; _pipe: the next Q K^T under the softmax; _persist: one block per SM, "
-    "_all: for right-bounded calls too; _r240: 240 registers per compute thread; "
-    "_sums: the row sums on the tensor cores; _fm: partly masked tiles after the first "
-    "open one on the kept maxima; _pq: with _persist, the next query tile loaded under "
-    "the walk; a _<fwd_softmax> suffix: that softmax), "
-    "flex_mosaic_bwd_<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe] (the backward "
-    "on the Mosaic GPU kernel with those tiles; _ds2: two dS^T slots; _pipe: the pipelined "
-    "step) and mgpu_<block_kv> (JAX's Mosaic GPU attention, float16 inputs).")
+    "Implementations, by name: " + ", ".join(workloads.ATTENTION) + "; 'mha' is JAX's "
+    "mha at its defaults and, with --mha_sweep, at the tiles of `workloads.MHA_SWEEP`.")
+_TRITON_FWD = flags.DEFINE_multi_string(
+    "triton_fwd", [], "Also time flex with its forward on the Triton kernel on these "
+    "tiles: a JSON object of `configs.KernelConfig`'s fields (repeatable).")
+_MOSAIC_FWD = flags.DEFINE_multi_string(
+    "mosaic_fwd", [], "Also time flex with every forward on the Mosaic GPU kernel on "
+    "these tiles: a JSON object of `mosaic.MosaicForwardConfig`'s fields, and "
+    "optionally \"fwd_softmax\" (repeatable).")
+_MOSAIC_BWD = flags.DEFINE_multi_string(
+    "mosaic_bwd", [], "Also time flex with its backward on the Mosaic GPU kernel on "
+    "these tiles: a JSON object of `mosaic_backward.MosaicBackwardConfig`'s fields "
+    "(repeatable).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
-_CHECK_MOSAIC_BWD = flags.DEFINE_list(
-    "check_mosaic_bwd", None, "Also check flex with its backward on the Mosaic GPU "
-    "kernel on each of these tiles, <block_q>x<block_k>x<steps>[x<dQ column chunks>"
-    "[x<registers>]][_ds2][_pipe] (for the 16-bit cases whose head size they fit).")
+_CHECK_MOSAIC_BWD = flags.DEFINE_multi_string(
+    "check_mosaic_bwd", [], "Also check flex with its backward on the Mosaic GPU "
+    "kernel on these tiles, a JSON object as --mosaic_bwd takes (for the 16-bit cases "
+    "whose head size they fit; repeatable).")
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
-    "kernel on these tiles, <block_q>x<block_k>x<steps>[_free][_wg3][_pipe][_persist[_all]]"
-    "[_r240][_sums][_fm][_pq] (for the 16-bit cases it takes).")
-_CHECK_FWD_SOFTMAX = flags.DEFINE_string(
-    "check_fwd_softmax", None, "Also check flex with its forward on the Triton kernel "
-    "with this softmax (`FlexConfig.fwd_softmax`) in every case.")
-_CHECK_REFRESH = flags.DEFINE_string(
-    "check_refresh", None, "Also check flex with this `FlexConfig.refresh` in every case.")
+    "kernel on these tiles, a JSON object of `mosaic.MosaicForwardConfig`'s fields "
+    "(for the 16-bit cases it takes).")
+_CHECK_FWD_SOFTMAX = flags.DEFINE_enum(
+    "check_fwd_softmax", None, flex_configs.FWD_SOFTMAX, "Also check flex with its "
+    "forward on the Triton kernel with this softmax (`FlexConfig.fwd_softmax`) in "
+    "every case.")
+_CHECK_REFRESH = flags.DEFINE_enum(
+    "check_refresh", None, flex_configs.REFRESH,
+    "Also check flex with this `FlexConfig.refresh` in every case.")
 _CHAIN = flags.DEFINE_integer(
     "chain", None, "Calls per executable (workloads.chained): with more than one, "
     "short calls are timed on the device instead of as host dispatches; times "
@@ -86,7 +94,7 @@ SHAPES = {
     "b8_n8_t4096_h32": (8, 8, 4096, 32, (False, True)),
     "b8_n8_t1024_h32": (8, 8, 1024, 32, (False,)),
     # Where `FlexConfig.refresh='auto'` and the score limits change over
-    # (configs.py): not in ANCHORS.md.
+    # (configs.py).
     "b8_n8_t512_h32": (8, 8, 512, 32, (False, True)),
     "b8_n8_t2048_h32": (8, 8, 2048, 32, (False,)),
     "b32_n8_t1024_h32": (32, 8, 1024, 32, (False,)),
@@ -95,22 +103,22 @@ SHAPES = {
     "b16_n8_t512_h32": (16, 8, 512, 32, (False, True)),
     "b4_n8_t1024_h32": (4, 8, 1024, 32, (False, True)),
     # Short H64 calls, where the H64 entry's causal calls take other tiles
-    # (`FlexConfig.mosaic_fwd_short_bounded`): not in ANCHORS.md.
+    # (`FlexConfig.mosaic_fwd_short_bounded`).
     "b4_n16_t1024_h64": (4, 16, 1024, 64, (False, True)),
     "b4_n16_t512_h64": (4, 16, 512, 64, (True,)),
     "b4_n16_t2048_h64": (4, 16, 2048, 64, (True,)),
     "b4_n16_t4096_h64": (4, 16, 4096, 64, (False, True)),
     "b2_n16_t8192_h128": (2, 16, 8192, 128, (False, True)),
-    # Beyond cuDNN's head sizes (not in ANCHORS.md): flex's two forwards.
+    # Beyond cuDNN's head sizes: flex's two forwards.
     "b2_n16_t4096_h256": (2, 16, 4096, 256, (False, True)),
 }
 DEFAULT_SHAPES = ("b8_n8_t4096_h32", "b8_n8_t1024_h32", "b4_n16_t4096_h64",
                   "b2_n16_t8192_h128")
 
 # Calls of at most this many scores (B x N x T x T) run ten to an executable by
-# default: one took 15-50 us on an H200, less than the host's dispatch of an
-# executable, which timed one call per executable as the host (BUILD_NOTES.md,
-# flex_attention, "Thirtieth session").
+# default: one takes 15-50 us on an H200, less than the host's dispatch of an
+# executable, so one call per executable would time the host (BUILD_NOTES.md,
+# "flex_attention").
 CHAINED_MAX_SCORES = 2**26
 
 
@@ -146,20 +154,25 @@ def _check_rows():
   if _CHECK_CASES.value:
     cases = [cases[int(i)] for i in _CHECK_CASES.value]
   rows = _check_cases(cases, "table")
-  for field, spec, changes in (
-      ("mosaic_fwd", _CHECK_MOSAIC_FWD.value,
-       lambda spec: dict(mosaic_fwd=workloads.mosaic_fwd_tiles(spec))),
-      *(("mosaic_bwd", spec, lambda spec: dict(mosaic_bwd=workloads.mosaic_bwd_tiles(spec)))
-        for spec in _CHECK_MOSAIC_BWD.value or ()),
-      ("fwd_softmax", _CHECK_FWD_SOFTMAX.value,
-       lambda spec: dict(fwd_softmax=spec, mosaic_fwd=None)),
-      ("refresh", _CHECK_REFRESH.value, lambda spec: dict(refresh=spec))):
-    if spec:  # The table's config with these fields replaced.
-      table = flex_configs.get_config
-      patched = lambda *a, changes=changes(spec), **kw: workloads.with_changes(
-          table(*a, **kw), **changes)
-      with mock.patch.object(flex_configs, "get_config", patched):
-        rows += _check_cases(cases, f"{field}_{spec}")
+  variants = []  # (name, the fields of the table's config to replace)
+  if _CHECK_MOSAIC_FWD.value:
+    tiles = workloads.parse_config(mosaic.MosaicForwardConfig, _CHECK_MOSAIC_FWD.value)
+    variants.append((workloads.FlexMosaicForward(tiles).name, dict(mosaic_fwd=tiles)))
+  for text in _CHECK_MOSAIC_BWD.value:
+    tiles = workloads.parse_config(mosaic_backward.MosaicBackwardConfig, text)
+    variants.append((workloads.FlexMosaicBackward(tiles).name, dict(mosaic_bwd=tiles)))
+  if _CHECK_FWD_SOFTMAX.value:
+    variants.append((workloads.FlexTritonForward(fwd_softmax=_CHECK_FWD_SOFTMAX.value).name,
+                     dict(fwd_softmax=_CHECK_FWD_SOFTMAX.value, mosaic_fwd=None)))
+  if _CHECK_REFRESH.value:
+    variants.append((workloads.FlexRefresh(_CHECK_REFRESH.value).name,
+                     dict(refresh=_CHECK_REFRESH.value)))
+  table = flex_configs.get_config
+  for name, changes in variants:  # The table's config with these fields replaced.
+    patched = lambda *a, changes=changes, **kw: workloads.with_changes(
+        table(*a, **kw), **changes)
+    with mock.patch.object(flex_configs, "get_config", patched):
+      rows += _check_cases(cases, name)
   return rows
 
 
@@ -204,12 +217,7 @@ def main(argv):
   start = time.time()
   rows = _check_rows() if _CHECK.value else []
   names = _SHAPES.value or list(DEFAULT_SHAPES)
-  impls = []
-  for impl in _IMPLS.value:
-    if impl == "mha":
-      impls += list(workloads.MHA_CONFIGS) if _MHA_SWEEP.value else ["mha_default"]
-    else:
-      impls.append(impl)
+  impls = implementations()
   for name in names:
     b, n, t, h, causals = SHAPES[name]
     if _CAUSAL.value is not None:
@@ -218,11 +226,11 @@ def main(argv):
       for mode in _MODES.value:
         for impl in impls:
           config = dict(kind="time", shape=name, B=b, N=n, T=t, H=h, causal=causal,
-                        mode=mode, impl=impl)
+                        mode=mode, impl=impl.name)
           if time.time() - start > _BUDGET_S.value:
             row = dict(config, status="unsup", message="time budget")
           else:
-            iters = max(5, _ITERS.value // 2) if impl == "xla" else _ITERS.value
+            iters = max(5, _ITERS.value // 2) if impl.name == "xla" else _ITERS.value
             chain = chain_for(b, n, t) if _CHAIN.value is None else _CHAIN.value
             case = workloads.attention_case(impl, (b, n, t, h), causal, mode, chain=chain)
             row = dict(harness.run_case(config, case, iters=iters), chain=chain)
@@ -234,7 +242,7 @@ def main(argv):
                                                      "status", "median_ms", "message")}),
                 flush=True)
           rows.append(row)
-  _add_ratios(rows)
+  _add_ratios(rows, {impl.name: _family(impl) for impl in impls})
   harness.write_rows(rows, _OUTPUT.value)
   summary = [r for r in rows if r.get("kind") == "summary"]
   print(harness.format_table(summary, ["shape", "causal", "mode", "flex_ms", "cudnn_ms",
@@ -252,16 +260,45 @@ def main(argv):
         "flex_triton_vs_cudnn", "mgpu_best_vs_cudnn"]))
 
 
-def _family(impl: str) -> str | None:
+def implementations() -> list:
+  """The typed implementations the flags ask for, in order."""
+  impls = []
+  for name in _IMPLS.value:
+    if name == "mha":
+      impls += list(workloads.MHA_SWEEP) if _MHA_SWEEP.value else [workloads.PallasMha()]
+    elif name in workloads.ATTENTION:
+      impls.append(workloads.ATTENTION[name])
+    else:
+      raise app.UsageError(f"--impls: unknown {name!r}; known: "
+                           f"{sorted(workloads.ATTENTION) + ['mha']}")
+  for text in _TRITON_FWD.value:
+    impls.append(workloads.FlexTritonForward(
+        tiles=workloads.parse_config(flex_configs.KernelConfig, text)))
+  for text in _MOSAIC_FWD.value:
+    fields = json.loads(text)
+    softmax = fields.pop("fwd_softmax", None) if isinstance(fields, dict) else None
+    impls.append(workloads.FlexMosaicForward(
+        workloads.parse_config(mosaic.MosaicForwardConfig, fields), fwd_softmax=softmax))
+  for text in _MOSAIC_BWD.value:
+    impls.append(workloads.FlexMosaicBackward(
+        workloads.parse_config(mosaic_backward.MosaicBackwardConfig, text)))
+  return impls
+
+
+# The sweeps whose best member a summary row reports.
+_FAMILIES = {workloads.PallasMha: "mha", workloads.MosaicGpuAttention: "mgpu",
+             workloads.FlexMosaicForward: "flex_mosaic",
+             workloads.FlexMosaicBackward: "flex_mosaic_bwd"}
+
+
+def _family(impl) -> str | None:
   """The sweep an implementation belongs to (None: not a sweep)."""
-  for prefix in ("flex_mosaic_bwd_", "flex_mosaic_", "mha", "mgpu_"):
-    if impl.startswith(prefix):
-      return prefix.rstrip("_")
-  return None
+  return _FAMILIES.get(type(impl))
 
 
-def _add_ratios(rows):
-  """One summary row per (shape, causal, mode): times and ratios of one run."""
+def _add_ratios(rows, families: dict):
+  """One summary row per (shape, causal, mode): times and ratios of one run;
+  `families` maps each implementation's name to its sweep (`_family`)."""
   groups = {}
   for r in rows:
     if r.get("kind") == "time" and r.get("status") == "ok":
@@ -272,7 +309,7 @@ def _add_ratios(rows):
       if impl in by_impl:
         s[f"{impl}_ms"] = by_impl[impl]["median_ms"]
     for family in ("mha", "mgpu", "flex_mosaic", "flex_mosaic_bwd"):  # best of each sweep
-      times = {k: v["median_ms"] for k, v in by_impl.items() if _family(k) == family}
+      times = {k: v["median_ms"] for k, v in by_impl.items() if families.get(k) == family}
       if times:
         s[f"{family}_best"] = min(times, key=times.get)
         s[f"{family}_best_ms"] = times[s[f"{family}_best"]]

@@ -15,8 +15,11 @@ JSON row each, `section` says which):
 - check: on the device, `ops.grouped_matmul` (Pallas) against the fp32
   reference on values and both gradients (f32 and bf16, empty groups, M not a
   tile multiple), and MoELayer 'gmm' against 'dense' (bf16).
-- tiles: a few tile configurations of the forward (`gmm`) and weight-gradient
-  (`tgmm`) kernels at M = `gmm_rows`.
+- tiles: tile configurations of the Triton forward (`gmm`, also with the
+  transposed rhs of the input gradient) and weight-gradient (`tgmm`) kernels
+  at M = `gmm_rows` (`TILES`), and on a Hopper GPU those of the Mosaic GPU
+  kernels (`MOSAIC_TILES`, `TGMM_TILES`), each with its error against
+  `jax.lax.ragged_dot` in float32 (`rel_err`, relative to the largest output).
 - op: grouped matmul [M, 512] x [8, 512, 1024] forward and fwd+bwd: the Pallas
   path (on an H200 the Mosaic GPU kernel), the Triton kernel ('pallas_triton'),
   `jax.lax.ragged_dot`, every expert on every row (a dense per-expert
@@ -71,6 +74,8 @@ import numpy as np
 from experiments import harness
 from experiments import workloads
 import ops
+from ops.grouped_matmul import mosaic as gmm_mosaic
+from ops.grouped_matmul import mosaic_tgmm as gmm_mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
 from ops.grouped_mlp import pallas as mlp_pallas
@@ -114,7 +119,6 @@ MODES = ("forward", "fwd+bwd")
 _B = gmm_pallas.BlockSizes
 TILES = {
     "default": _B(),
-    "rows_fastest": _B(columns_fastest=False),
     "stages4": _B(num_stages=4, tgmm_num_stages=4),
     "m256_n128__tgmm_k256_n128": _B(block_m=256, block_n=128, tgmm_block_k=256,
                                     tgmm_block_n=128),
@@ -124,6 +128,27 @@ TILES = {
     "tgmm_m128_stages4": _B(tgmm_block_m=128, tgmm_num_stages=4),
     "tgmm_k256_n128": _B(tgmm_block_k=256, tgmm_block_n=128),
     "tgmm_stages4": _B(tgmm_num_stages=4),
+}
+# The Mosaic GPU kernels' tiles: `mosaic.choose_config`'s preferred ones as
+# it fits them in shared memory (the first two, and the 64-row tiles of its
+# few-waves rule) and their neighbours; the weight gradient's default
+# (`TgmmConfig()`, float32 out as for the MoE layer's weights) and neighbours.
+_M = gmm_mosaic.MosaicConfig
+MOSAIC_TILES = {
+    "128x128_split_m_4": _M(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
+    "128x256_split_n_3": _M(block_m=128, block_n=256, split="n", max_concurrent_steps=3,
+                            store_slots=1),
+    "64x256_split_n_4": _M(block_m=64, block_n=256, split="n", max_concurrent_steps=4),
+    "128x256_split_n_2": _M(block_m=128, block_n=256, split="n", max_concurrent_steps=2),
+    "64x128_split_n_4": _M(block_m=64, block_n=128, split="n", max_concurrent_steps=4),
+}
+_T = gmm_mosaic_tgmm.TgmmConfig
+TGMM_TILES = {
+    "64x128x256_4": _T(),
+    "64x128x256_3": _T(max_concurrent_steps=3),
+    "128x128x256_2": _T(block_m=128, max_concurrent_steps=2),
+    "64x128x128_4": _T(block_n=128),
+    "128x128x128_3": _T(block_m=128, block_n=128, max_concurrent_steps=3),
 }
 _START = time.perf_counter()
 _budget_start = _START  # main() moves it past the capacity sweep
@@ -191,28 +216,62 @@ def check_rows() -> list[dict]:
   return rows
 
 
-def tile_rows(rows: int) -> list[dict]:
-  out = []
+def _tile_kernels(rows: int) -> list:
+  """(tiles name, kernel, fn, args) of every timed tile configuration."""
   lhs, rhs, sizes = workloads.gmm_inputs(rows)
   starts, ends = gmm_reference.group_bounds(sizes, rows)
-  dout = jnp.ones((rows, workloads.D_HIDDEN), jnp.bfloat16)
-  flops = 2 * rows * workloads.D_MODEL * workloads.D_HIDDEN
+  dout = jax.random.normal(jax.random.key(6), (rows, workloads.D_HIDDEN), jnp.bfloat16)
+  out = []
   for name, bs in TILES.items():
+    out += [
+        (name, "gmm", functools.partial(gmm_pallas.gmm, block_sizes=bs),
+         (lhs, rhs, starts, ends)),
+        (name, "gmm_transposed", functools.partial(gmm_pallas.gmm, transpose_rhs=True,
+                                                   block_sizes=bs), (dout, rhs, starts, ends)),
+        (name, "tgmm", functools.partial(gmm_pallas.tgmm, block_sizes=bs),
+         (lhs, dout, starts, ends))]
+  if not gmm_mosaic.preferred(jnp.bfloat16):
+    logging.info("tiles: the Mosaic GPU kernels' tiles are timed on a Hopper GPU only")
+    return out
+  mosaic_gmm = lambda a, b, s, e, **kw: gmm_mosaic.gmm(a, b, e, **kw)[0]
+  for name, config in MOSAIC_TILES.items():
+    out += [
+        (name, "mosaic_gmm", functools.partial(mosaic_gmm, config=config),
+         (lhs, rhs, starts, ends)),
+        (name, "mosaic_gmm_transposed", functools.partial(
+            mosaic_gmm, transpose_rhs=True, config=config), (dout, rhs, starts, ends))]
+  for name, config in TGMM_TILES.items():
+    out.append((name, "mosaic_tgmm", functools.partial(
+        gmm_mosaic_tgmm.tgmm, out_dtype=jnp.float32, config=config), (lhs, dout, starts, ends)))
+  return out
+
+
+def _tiles_reference(kernel: str, lhs, other, starts, ends) -> jax.Array:
+  """What a tiles-section kernel computes, in float32."""
+  lhs, other = lhs.astype(jnp.float32), other.astype(jnp.float32)
+  if kernel.endswith("tgmm"):  # per group lhs[rows]^T @ dout[rows]
+    row = jnp.arange(lhs.shape[0])[:, None]
+    return jnp.stack([lhs.T @ (other * ((row >= s) & (row < e)))
+                      for s, e in zip(starts, ends)])
+  if kernel.endswith("transposed"):
+    other = jnp.swapaxes(other, 1, 2)
+  return jax.lax.ragged_dot(lhs, other, ends - starts)
+
+
+def tile_rows(rows: int) -> list[dict]:
+  out = []
+  flops = 2 * rows * workloads.D_MODEL * workloads.D_HIDDEN
+  for name, kernel, fn, args in _tile_kernels(rows):
     if _over_budget():
       break
-    for kernel, fn, args in (
-        ("gmm", lambda a, b, s, e, bs=bs: gmm_pallas.gmm(a, b, s, e, block_sizes=bs),
-         (lhs, rhs, starts, ends)),
-        ("gmm_transposed", lambda a, b, s, e, bs=bs: gmm_pallas.gmm(
-            a, b, s, e, transpose_rhs=True, block_sizes=bs), (dout, rhs, starts, ends)),
-        ("tgmm", lambda a, b, s, e, bs=bs: gmm_pallas.tgmm(a, b, s, e, block_sizes=bs),
-         (lhs, dout, starts, ends))):
-      row = harness.run_case(dict(section="tiles", tiles=name, kernel=kernel, rows=rows),
-                             lambda fn=fn, args=args: (fn, args), **_timing())
-      if row["status"] == "ok":
-        row["tflops"] = flops / row["median_ms"] / 1e9
-      out.append(row)
-      logging.info("%s", {k: row.get(k) for k in ("tiles", "kernel", "median_ms", "tflops")})
+    row = harness.run_case(dict(section="tiles", tiles=name, kernel=kernel, rows=rows),
+                           lambda fn=fn, args=args: (fn, args), **_timing())
+    if row["status"] == "ok":
+      row["tflops"] = flops / row["median_ms"] / 1e9
+      row["rel_err"] = _rel_err(jax.jit(fn)(*args), _tiles_reference(kernel, *args))
+    out.append(row)
+    logging.info("%s", {k: row.get(k) for k in ("tiles", "kernel", "median_ms", "tflops",
+                                                 "rel_err")})
   return out
 
 
@@ -529,7 +588,7 @@ def capacity_grid(rows: list[dict]) -> list[dict]:
 _TABLE_COLUMNS = {
     "check": ["case", "dtype", "rel_err_out", "rel_err_dlhs", "rel_err_drhs", "rel_err_dx",
               "rel_err_dw_in", "rel_err_dw_out", "rel_err_loss", "rel_err_grads"],
-    "tiles": ["tiles", "kernel", "status", "median_ms", "tflops"],
+    "tiles": ["tiles", "kernel", "status", "median_ms", "tflops", "rel_err"],
     "op": ["impl", "mode", "status", "median_ms", "tflops",
            "fraction_of_dense_matmul_tflops"],
     "mlp": ["rows", "mode", "impl", "status", "median_ms", "tflops", "ratio_vs_unfused"],

@@ -4,15 +4,15 @@
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \
         --output /tmp/kernel_ssd_cpu.json
 
-Shapes are those of ../shared/ANCHORS.md ("Linear attention / SSD kernels"):
+Shapes (`workloads.SSD_SHAPES`), the kernels performance page's:
 (B, T, N, K, V) = (8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128) and
 (8, 16384, 4, 64, 64), bfloat16. Each case times the forward and the gradient
 of a scalar sum of the outputs w.r.t. every input ("fwd+bwd"). `ops.ssd` runs
 as 'pallas' (default chunk 64, and chunk 128) and 'xla' (the pure-JAX chunked
-SSD, chunk 128, the ANCHORS.md peer); `ops.gated_delta_rule` as 'pallas'
-(default chunk 32, and chunk 64) and 'xla' (the chunked WY form, chunk 64). The Pallas
-rows carry `ratio_vs_xla`, from this same run; ANCHORS.md has the Triton peers
-(flash-linear-attention) measured separately. Before timing, the kernels are checked
+SSD, chunk 128); `ops.gated_delta_rule` as 'pallas' (default chunk 32, and
+chunk 64) and 'xla' (the chunked WY form, chunk 64). The Pallas rows carry
+`ratio_vs_xla`, from this same run; the Triton peers (flash-linear-attention)
+are not run here. Before timing, the kernels are checked
 against the step-by-step reference on this device (`check` rows). `--models`
 adds SSMModel(16, 128, 16, 4) train steps (SGD) with each of the three cells,
 default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a

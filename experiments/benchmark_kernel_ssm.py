@@ -4,7 +4,7 @@
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \
         --output /tmp/kernel_ssm_cpu.json
 
-Shapes are those of ../shared/ANCHORS.md: the selective scan at B 8, T 4096,
+Shapes, the kernels performance page's: the selective scan at B 8, T 4096,
 D 256, S 16 and 128 (float32), the complex64 linear scan at B 8, T 4096 and
 16384, D 256; `lax.scan` (the reference) only at a small T. Every case times
 the forward and the gradient of a scalar sum w.r.t. every input ("fwd+bwd").

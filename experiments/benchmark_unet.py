@@ -25,12 +25,11 @@ they are donated).
 
 Cases not started within `--deadline_s` (default 300 s) are recorded as
 skipped, the last one started gets at least 60 s, and the JSON is rewritten
-after every case, so a device call with a 420 s limit keeps what it measured.
-On the GPU machine (dm-haiku carried as wheels, see BUILD_NOTES.md):
+after every case, so a run cut short keeps what it measured.
+On a CUDA machine, from the repository root, with JAX for CUDA installed
+(`pip install -e ".[cuda12]"`, or `.[cuda13]`):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=/tmp/site:$PWD; \
-        python3 -m experiments.benchmark_unet --output $OUT/unet.json
+    python -m experiments.benchmark_unet    # docs/benchmarks/unet.json
 """
 
 import json

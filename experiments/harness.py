@@ -45,9 +45,9 @@ def _classify(exc: BaseException, stage: str) -> str:
 
 MIN_CALLS_PER_SAMPLE = 3
 # Back-to-back calls per sample, in ms. A sample ends in one sync, which costs a
-# few hundred microseconds on the H200 machine: with 2 ms samples (the default
-# until the ninth MoE session) a call whose trace says 0.36 ms was timed at
-# 0.55 ms; with 20 ms ones at 0.40 (BUILD_NOTES.md, "## MoE").
+# few hundred microseconds on an H200: with 2 ms samples a call whose trace
+# says 0.36 ms was timed at 0.55 ms, with 20 ms ones at 0.40 (BUILD_NOTES.md,
+# "MoE").
 SAMPLE_MS = 20.0
 
 

@@ -1,7 +1,7 @@
 """The standard-profile model cases and their jitted forward and train step.
 
-Shared by `benchmark_gpu_nn` (which times them) and `profile_ops` (which
-traces them). Standard profile: width 256, 8 heads of 32, 4 layers for the
+The cases `benchmark_gpu_nn` times, apart from its program (which defines
+absl flags). Standard profile: width 256, 8 heads of 32, 4 layers for the
 attention models; `SSMModel(16, 128, 16, 4)` for the SSMs.
 """
 

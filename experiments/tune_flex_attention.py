@@ -34,10 +34,10 @@ _KERNELS = flags.DEFINE_list("kernels", ["fwd", "dkdv", "dq"],
                              "Kernels to sweep (fwd = the Triton forward).")
 _SEQ_LEN = flags.DEFINE_integer(
     "seq_len", None, "T instead of the head size's shape's (B and N kept), e.g. 1024 "
-    "for ANCHORS.md's short head-size-32 shape, where the T 4096 winners meet "
+    "for the short head-size-32 headline shape, where the T 4096 winners meet "
     "fewer programs than two full waves.")
 
-# Head size -> (B, N, T): the ANCHORS.md shapes (256: benchmark_kernel_attention's).
+# Head size -> (B, N, T): the headline shapes of benchmark_kernel_attention.
 _SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192), 256: (2, 16, 4096)}
 
 

@@ -1,4 +1,4 @@
-"""Inputs and functions the benchmark and profiling programs share.
+"""Inputs and functions the benchmark programs share.
 
 The benchmark programs define absl flags at import, so they cannot import one
 another; what more than one program times lives here: the scan inputs, the
@@ -9,7 +9,8 @@ attention implementations.
 import contextlib
 import dataclasses
 import functools
-import re
+import json
+from typing import NamedTuple
 import warnings
 
 import jax
@@ -115,17 +116,18 @@ def gmm_inputs(rows: int):
   return lhs, rhs, balanced_sizes(rows, NUM_EXPERTS, k3)
 
 
-# ---------------------------------------------------------------------------
-# Attention: q, k, v [B, T, N, H], bf16.
+class GroupedMlpKernels(NamedTuple):
+  """Which of `ops.grouped_mlp`'s kernels run on Mosaic GPU (the others on Triton)."""
+  fused: bool         # the fused kernels (a matmul with its activation, and its gradient)
+  plain: bool         # the plain grouped matmuls (y = a @ w_out, the input gradient)
+  weight_grads: bool  # the weight gradients
 
-# JAX mha sweep: (block_q, block_k, bwd blocks q_dkv, kv_dkv, q_dq, kv_dq,
-# num_warps, num_stages); None = its defaults.
-# The MoE layer's 'gmm' path with the grouped MLP's kernels chosen by hand:
-# name -> (fused kernels, plain grouped matmuls, weight gradients) on Mosaic GPU.
+
+# The MoE layer's 'gmm' path with the grouped MLP's kernels chosen by hand.
 GROUPED_MLP_VARIANTS = {
-    "gmm_triton": (False, False, False),
-    "gmm_triton_tgmm": (False, True, False),  # the defaults before mosaic_tgmm.py
-    "gmm_mosaic": (True, True, True),
+    "gmm_triton": GroupedMlpKernels(fused=False, plain=False, weight_grads=False),
+    "gmm_triton_tgmm": GroupedMlpKernels(fused=False, plain=True, weight_grads=False),
+    "gmm_mosaic": GroupedMlpKernels(fused=True, plain=True, weight_grads=True),
 }
 
 
@@ -146,85 +148,48 @@ def grouped_mlp_kernels(variant: str):
     module.mosaic_default, module.mosaic_plain_default, module.mosaic_tgmm_default = defaults
 
 
-@contextlib.contextmanager
-def mosaic_gmm_tiles(config):
-  """Within this block (while a function is traced), the Mosaic GPU grouped
-  matmuls without an epilogue take `config`'s tiles (`mosaic.choose_config`,
-  its 64-row alternative off): the MoE layer with other tiles, for a
-  comparison row."""
-  from ops.grouped_matmul import mosaic
-  defaults = mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO
-  mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO = (config,) + defaults[0], 0.0
-  try:
-    yield
-  finally:
-    mosaic._PREFERRED, mosaic._FEW_WAVES_MAX_RATIO = defaults
+# ---------------------------------------------------------------------------
+# Attention: q, k, v [B, T, N, H], bf16 (float16 for JAX's Mosaic GPU attention).
+#
+# Each implementation a benchmark times is a small frozen dataclass: its
+# fields say what runs, `name` labels its JSON rows, and `fn(head_dim,
+# causal)` gives `(q, k, v) -> out`.
 
 
-MHA_CONFIGS = {
-    "mha_default": None,
-    "mha_128x64": (128, 64, 64, 128, 128, 64, 4, 3),
-    "mha_64x128": (64, 128, 128, 64, 64, 128, 4, 2),
-}
+def parse_config(cls, fields: dict | str):
+  """A config dataclass from a dict of its fields or a JSON object of them,
+  e.g. `parse_config(KernelConfig, '{"block_q": 64, ...}')`; a field the class
+  lacks is a ValueError that lists the ones it has."""
+  if isinstance(fields, str):
+    fields = json.loads(fields)
+  if not isinstance(fields, dict):
+    raise ValueError(f"{cls.__name__}: expected a JSON object of its fields, got {fields!r}")
+  names = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(fields) - set(names))
+  if unknown:
+    raise ValueError(f"{cls.__name__} has no field {unknown}; its fields: {names}")
+  return cls(**fields)
 
 
-# flex with its forward on given Mosaic GPU tiles: flex_mosaic_<tiles>, see
-# `mosaic_fwd_tiles`.
-_MOSAIC_FWD_TILES = re.compile(
-    r"(\d+)x(\d+)x(\d+)(_free)?(_persist(_all)?)?(_sums)?(_fm)?(_pq)?$")
-# flex with its forward on the Triton kernel, on given tiles or the table's:
-# flex_triton[_<bq>x<bk>x<warps>x<stages>][_<fwd_softmax>] (the tuning sweep's
-# `--small` set left 8 warps out at head sizes below 64; the suffix sets
-# `configs.FlexConfig.fwd_softmax`, e.g. `_online`).
-_FLEX_TRITON = re.compile(
-    r"flex_triton(?:_(\d+)x(\d+)x(\d+)x(\d+))?(?:_(%s))?$" % "|".join(flex_configs.FWD_SOFTMAX))
-# flex with the table's kernels and another forward softmax: flex_<fwd_softmax>.
-_FLEX_SOFTMAX = re.compile(r"flex_(%s)$" % "|".join(flex_configs.FWD_SOFTMAX))
-# flex with the table's kernels and another `FlexConfig.refresh`: flex_refresh_<mode>.
-_FLEX_REFRESH = re.compile(r"flex_refresh_(%s)$" % "|".join(flex_configs.REFRESH))
-# flex with its backward on the one-launch Mosaic GPU kernel's tiles:
-# flex_mosaic_bwd_<tiles>, see `mosaic_bwd_tiles`.
-_FLEX_MOSAIC_BWD = re.compile(r"flex_mosaic_bwd_(.+)$")
-# flex with its forward on given Mosaic GPU tiles and, where a suffix names
-# one, that forward softmax: flex_mosaic_<tiles>[_<fwd_softmax>].
-_FLEX_MOSAIC_FWD = re.compile(
-    r"flex_mosaic_(.+?)(?:_(%s))?$" % "|".join(flex_configs.FWD_SOFTMAX))
-# JAX's Mosaic GPU attention (`attention_mgpu`, float16 inputs): mgpu_<block_kv>.
-_MGPU = re.compile(r"mgpu_(\d+)$")
+def _fields(config) -> str:
+  """The fields of a dataclass that differ from its defaults, as `k=v, ...`."""
+  return ", ".join(f"{f.name}={getattr(config, f.name)!r}"
+                   for f in dataclasses.fields(config)
+                   if getattr(config, f.name) != f.default)
 
 
-def mosaic_fwd_tiles(spec: str) -> flex_mosaic.MosaicForwardConfig:
-  """'<block_q>x<block_k>x<steps>[_free][_persist[_all]][_sums][_fm][_pq]'
-  -> the Mosaic forward's tiles (`_free`: without ping-pong turns;
-  `_persist`: one block per SM walking the work items; `_persist_all`:
-  right-bounded calls too; `_sums`: the row sums on the tensor cores;
-  `_fm`: partly masked tiles after the first open one on the kept maxima;
-  `_pq`: with `_persist`, the next item's query tile loaded under the walk)."""
-  match = _MOSAIC_FWD_TILES.match(spec)
-  if match is None:
-    raise ValueError("Mosaic forward tiles must be "
-                     "<bq>x<bk>x<steps>[_free][_persist[_all]][_sums][_fm][_pq], "
-                     f"got {spec!r}")
-  bq, bk, steps = map(int, match.groups()[:3])
-  return flex_mosaic.MosaicForwardConfig(
-      block_q=bq, block_k=bk, max_concurrent_steps=steps,
-      ping_pong=match.group(4) is None, persistent=match.group(5) is not None,
-      persistent_right_bounded=match.group(6) is not None,
-      tensor_core_sums=match.group(7) is not None,
-      frozen_masked_tiles=match.group(8) is not None,
-      prefetch_query=match.group(9) is not None)
-
-
-def mosaic_bwd_tiles(spec: str) -> flex_mosaic_backward.MosaicBackwardConfig:
-  """'<block_q>x<block_k>x<steps>[x<dQ column chunks>[x<compute registers>]][_ds2][_pipe]'
-  -> the backward's tiles (`_ds2`: two dS^T slots; `_pipe`: the pipelined step)."""
-  match = re.fullmatch(r"(\d+x\d+x\d+(?:x\d+){0,2})(_ds2)?(_pipe)?", spec)
-  if match is None:
-    raise ValueError("Mosaic backward tiles must be "
-                     f"<bq>x<bk>x<steps>[x<chunks>[x<registers>]][_ds2][_pipe], got {spec!r}")
-  return flex_mosaic_backward.MosaicBackwardConfig(
-      *map(int, match.group(1).split("x")), ds_slots=2 if match.group(2) else 1,
-      pipelined=match.group(3) is not None)
+def _flex_on(config_changes: dict, causal: bool):
+  """flex's kernel path on the table's config for the input with those
+  fields replaced (`with_changes`)."""
+  def fn(q, k, v):
+    hp = max(16, 1 << (q.shape[-1] - 1).bit_length())
+    config = with_changes(flex_configs.get_config(hp, q.dtype, interpret=False),
+                          **config_changes)
+    return flex_pallas.flex_attention_pallas(
+        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, window=None,
+        q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+        interpret=False, config=config)
+  return fn
 
 
 def with_changes(config: flex_configs.FlexConfig, **changes) -> flex_configs.FlexConfig:
@@ -236,97 +201,218 @@ def with_changes(config: flex_configs.FlexConfig, **changes) -> flex_configs.Fle
   return dataclasses.replace(config, **changes)
 
 
-def _flex_with(causal, **changes):
-  """flex with the table's config for the input, those fields replaced
-  (e.g. `mosaic_fwd=None`: the forward on the Triton kernel)."""
-  def fn(q, k, v):
-    hp = max(16, 1 << (q.shape[-1] - 1).bit_length())
-    config = with_changes(flex_configs.get_config(hp, q.dtype, interpret=False), **changes)
-    return flex_pallas.flex_attention_pallas(
-        q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, window=None,
-        q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
-        interpret=False, config=config)
-  return fn
+class _Attention:
+  """What every attention variant has: its input dtype and its function."""
+  input_dtype = jnp.bfloat16
+
+  @property
+  def name(self) -> str:
+    raise NotImplementedError
+
+  def fn(self, head_dim: int, causal: bool):
+    raise NotImplementedError
 
 
-def _mgpu_attention(h, causal, block_kv):
-  """JAX's Mosaic GPU reference attention (float16 only in jax 0.11.2: its
-  shared-memory buffers are float16; it leaves the logit scale to the caller)."""
-  from jax.experimental.pallas.ops.gpu import attention_mgpu
-  config = attention_mgpu.TuningConfig(
-      block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=causal,
-      block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
-  scale = h ** -0.5
-  return lambda q, k, v: attention_mgpu.attention(q * jnp.asarray(scale, q.dtype),
-                                                  k, v, config)
+@dataclasses.dataclass(frozen=True)
+class Flex(_Attention):
+  """`ops.flex_attention` on its kernels with the table's config; `mod`: a
+  score_mod ('alibi', a per-head linear bias) or a mask_mod ('documents',
+  512-token documents), timed against plain flex on the same shapes."""
+  mod: str | None = None
 
+  def __post_init__(self):
+    if self.mod not in (None, "alibi", "documents"):
+      raise ValueError(f"`mod` must be None, 'alibi' or 'documents', got {self.mod!r}")
 
-def input_dtype(impl):
-  """The dtype a timed implementation is fed: bfloat16, or float16 for JAX's
-  Mosaic GPU attention, which takes nothing else."""
-  return jnp.float16 if _MGPU.match(impl) else jnp.bfloat16
+  @property
+  def name(self) -> str:
+    return "flex" if self.mod is None else f"flex_{self.mod}"
 
-
-def attention_fn(impl, h, causal):
-  """(q, k, v) -> out for one implementation: flex (and its score_mod /
-  mask_mod variants, its Triton forward `flex_triton` (on given tiles:
-  `flex_triton_<bq>x<bk>x<warps>x<stages>`; a `_<fwd_softmax>` suffix: that
-  softmax; `flex_<fwd_softmax>`: the table's kernels with it; `flex_refresh_<mode>`:
-  with that `FlexConfig.refresh`), its Mosaic forward on other tiles
-  `flex_mosaic_*` (a `_<fwd_softmax>` suffix: that softmax), its backward on
-  the Mosaic GPU kernel `flex_mosaic_bwd_*`), cudnn, xla, a `MHA_CONFIGS` entry of JAX's
-  mha, or JAX's Mosaic GPU attention `mgpu_*`."""
-  if impl == "flex":
+  def fn(self, head_dim, causal):
+    del head_dim
+    options = {}
+    if self.mod == "alibi":
+      def alibi(score, b, n, t, s):
+        del b
+        return score + jnp.exp2(-(n + 1).astype(jnp.float32)) * (s - t).astype(jnp.float32)
+      options["score_mod"] = alibi
+    elif self.mod == "documents":
+      options["mask_mod"] = lambda b, n, t, s: (t // 512) == (s // 512)
     return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             implementation="pallas")
-  if match := _FLEX_TRITON.match(impl):
+                             implementation="pallas", **options)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexTritonForward(_Attention):
+  """flex with every forward on the Triton kernel: the table's Triton tiles
+  or `tiles`, the table's softmax or `fwd_softmax` (`FlexConfig`)."""
+  tiles: flex_configs.KernelConfig | None = None
+  fwd_softmax: str | None = None
+
+  @property
+  def name(self) -> str:
+    name = "flex_triton"
+    if self.tiles is not None:
+      t = self.tiles
+      name += f"_{t.block_q}x{t.block_k}x{t.num_warps}x{t.num_stages}"
+    return name if self.fwd_softmax is None else f"{name}_{self.fwd_softmax}"
+
+  def fn(self, head_dim, causal):
     changes = dict(mosaic_fwd=None)
-    if match.group(1):
-      changes["fwd"] = flex_configs.KernelConfig(*map(int, match.groups()[:4]))
-    if match.group(5):
-      changes["fwd_softmax"] = match.group(5)
-    return _flex_with(causal, **changes)
-  if match := _FLEX_SOFTMAX.match(impl):
-    return _flex_with(causal, fwd_softmax=match.group(1))
-  if match := _FLEX_REFRESH.match(impl):
-    return _flex_with(causal, refresh=match.group(1))
-  if match := _FLEX_MOSAIC_BWD.match(impl):
-    return _flex_with(causal, mosaic_bwd=mosaic_bwd_tiles(match.group(1)))
-  if match := _FLEX_MOSAIC_FWD.match(impl):
-    changes = dict(mosaic_fwd=mosaic_fwd_tiles(match.group(1)))
-    if match.group(2):
-      changes["fwd_softmax"] = match.group(2)
-    return _flex_with(causal, **changes)
-  if match := _MGPU.match(impl):
-    return _mgpu_attention(h, causal, int(match.group(1)))
-  if impl == "flex_alibi":
-    def alibi(score, b, n, t, s):
-      del b
-      return score + jnp.exp2(-(n + 1).astype(jnp.float32)) * (s - t).astype(jnp.float32)
-    return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             score_mod=alibi, implementation="pallas")
-  if impl == "flex_documents":
-    documents = lambda b, n, t, s: (t // 512) == (s // 512)
-    return functools.partial(flex_api.flex_attention, is_causal=causal,
-                             mask_mod=documents, implementation="pallas")
-  if impl in ("cudnn", "xla"):
+    if self.tiles is not None:
+      changes["fwd"] = self.tiles
+    if self.fwd_softmax is not None:
+      changes["fwd_softmax"] = self.fwd_softmax
+    return _flex_on(changes, causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexForwardSoftmax(_Attention):
+  """flex with the table's kernels and this `FlexConfig.fwd_softmax`."""
+  fwd_softmax: str
+
+  @property
+  def name(self) -> str:
+    return f"flex_{self.fwd_softmax}"
+
+  def fn(self, head_dim, causal):
+    return _flex_on(dict(fwd_softmax=self.fwd_softmax), causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexRefresh(_Attention):
+  """flex with the table's kernels and this `FlexConfig.refresh`."""
+  refresh: str
+
+  @property
+  def name(self) -> str:
+    return f"flex_refresh_{self.refresh}"
+
+  def fn(self, head_dim, causal):
+    return _flex_on(dict(refresh=self.refresh), causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexMosaicForward(_Attention):
+  """flex with every forward on the Mosaic GPU kernel's `tiles` (right-bounded
+  calls and short ones too), with the table's softmax or `fwd_softmax`."""
+  tiles: flex_mosaic.MosaicForwardConfig
+  fwd_softmax: str | None = None
+
+  @property
+  def name(self) -> str:
+    name = f"flex_mosaic_fwd({_fields(self.tiles)})"
+    return name if self.fwd_softmax is None else f"{name}_{self.fwd_softmax}"
+
+  def fn(self, head_dim, causal):
+    changes = dict(mosaic_fwd=self.tiles)
+    if self.fwd_softmax is not None:
+      changes["fwd_softmax"] = self.fwd_softmax
+    return _flex_on(changes, causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlexMosaicBackward(_Attention):
+  """flex with its backward on the one-launch Mosaic GPU kernel's `tiles`."""
+  tiles: flex_mosaic_backward.MosaicBackwardConfig
+
+  @property
+  def name(self) -> str:
+    return f"flex_mosaic_bwd({_fields(self.tiles)})"
+
+  def fn(self, head_dim, causal):
+    return _flex_on(dict(mosaic_bwd=self.tiles), causal)
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxAttention(_Attention):
+  """`jax.nn.dot_product_attention` with this implementation: 'cudnn' or 'xla'."""
+  implementation: str
+
+  @property
+  def name(self) -> str:
+    return self.implementation
+
+  def fn(self, head_dim, causal):
+    del head_dim
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
-                             implementation=impl)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from jax.experimental.pallas.ops.gpu import attention as mha_lib
-  cfg = MHA_CONFIGS[impl]
-  if cfg is None:
-    return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal)
-  bq, bk, a, b, c, d, warps, stages = cfg
-  sizes = mha_lib.BlockSizes(block_q=bq, block_k=bk, block_q_dkv=a, block_kv_dkv=b,
-                             block_q_dq=c, block_kv_dq=d)
-  return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=h ** -0.5, causal=causal,
-                                     block_sizes=sizes, num_warps=warps,
-                                     num_stages=stages)
+                             implementation=self.implementation)
 
 
-def attention_case(impl, shape, causal, mode, chain=1):
+@dataclasses.dataclass(frozen=True)
+class PallasMha(_Attention):
+  """JAX's Pallas (Triton) flash attention `mha`: its default block sizes,
+  or these forward tiles, backward tiles (dK/dV and dQ), warps and stages."""
+  block_q: int | None = None  # None: every size its default
+  block_k: int | None = None
+  block_q_dkv: int | None = None
+  block_kv_dkv: int | None = None
+  block_q_dq: int | None = None
+  block_kv_dq: int | None = None
+  num_warps: int | None = None
+  num_stages: int = 2
+
+  @property
+  def name(self) -> str:
+    return "mha_default" if self.block_q is None else f"mha_{self.block_q}x{self.block_k}"
+
+  def fn(self, head_dim, causal):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", DeprecationWarning)
+      from jax.experimental.pallas.ops.gpu import attention as mha_lib
+    scale = head_dim ** -0.5
+    if self.block_q is None:
+      return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=scale, causal=causal)
+    sizes = mha_lib.BlockSizes(block_q=self.block_q, block_k=self.block_k,
+                               block_q_dkv=self.block_q_dkv, block_kv_dkv=self.block_kv_dkv,
+                               block_q_dq=self.block_q_dq, block_kv_dq=self.block_kv_dq)
+    return lambda q, k, v: mha_lib.mha(q, k, v, None, sm_scale=scale, causal=causal,
+                                       block_sizes=sizes, num_warps=self.num_warps,
+                                       num_stages=self.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuAttention(_Attention):
+  """JAX's Mosaic GPU reference attention (`attention_mgpu`) with `block_kv`-row
+  key tiles; float16 only in jax 0.11.2 (its shared-memory buffers are
+  float16), and it leaves the logit scale to the caller."""
+  block_kv: int = 128
+  input_dtype = jnp.float16
+
+  @property
+  def name(self) -> str:
+    return f"mgpu_{self.block_kv}"
+
+  def fn(self, head_dim, causal):
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=self.block_kv, max_concurrent_steps=2, causal=causal,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+    scale = head_dim ** -0.5
+    return lambda q, k, v: attention_mgpu.attention(q * jnp.asarray(scale, q.dtype),
+                                                    k, v, config)
+
+
+# JAX's mha at its defaults and at the two tile sets that sweeps found best.
+MHA_SWEEP = (
+    PallasMha(),
+    PallasMha(128, 64, 64, 128, 128, 64, num_warps=4, num_stages=3),
+    PallasMha(64, 128, 128, 64, 64, 128, num_warps=4, num_stages=2),
+)
+
+# The variants a benchmark can name in its `--impls`; tile sweeps of flex's
+# kernels are typed configs given to the benchmarks as JSON (their flags).
+ATTENTION = {a.name: a for a in (
+    Flex(), Flex("alibi"), Flex("documents"), JaxAttention("cudnn"), JaxAttention("xla"),
+    *MHA_SWEEP, FlexTritonForward(),
+    *(FlexTritonForward(fwd_softmax=s) for s in flex_configs.FWD_SOFTMAX),
+    *(FlexForwardSoftmax(s) for s in flex_configs.FWD_SOFTMAX),
+    *(FlexRefresh(r) for r in flex_configs.REFRESH),
+    MosaicGpuAttention(64), MosaicGpuAttention(128),
+)}
+
+
+def attention_case(impl: _Attention, shape, causal, mode, chain=1):
   """A harness build thunk: (B, N, T, H) -> (jitted fwd or grad, (q, k, v)).
 
   With `chain` > 1 the executable makes that many calls one after another,
@@ -339,8 +425,8 @@ def attention_case(impl, shape, causal, mode, chain=1):
   b, n, t, h = shape
   def build():
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    q, k, v = (jax.random.normal(key, (b, t, n, h), input_dtype(impl)) for key in keys)
-    attend = attention_fn(impl, h, causal)
+    q, k, v = (jax.random.normal(key, (b, t, n, h), impl.input_dtype) for key in keys)
+    attend = impl.fn(h, causal)
     loss = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32))
     fn = attend if mode == "fwd" else jax.grad(loss, argnums=(0, 1, 2))
     return jax.jit(chained(fn, chain)), (q, k, v)

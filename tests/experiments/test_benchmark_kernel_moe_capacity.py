@@ -1,7 +1,7 @@
 """experiments.benchmark_kernel_moe --sections capacity on the CPU, tiny sizes.
 
 The program runs as a subprocess: it defines absl flags at import ('output'
-among them, which experiments.profile_ops defines too), so importing it here
+among them, which other benchmark programs define too), so importing it here
 would clash with other tests of the same pytest process.
 """
 

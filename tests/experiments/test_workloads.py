@@ -1,58 +1,121 @@
-"""experiments.workloads: the attention implementation names that the
-benchmarks take map to the configs they say."""
+"""experiments.workloads: the typed attention implementations the benchmarks
+time, and the configs their flags parse."""
 
+import dataclasses
 import re
 
+from absl import app
+from absl import flags
+from absl.testing import flagsaver
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from experiments import workloads
+from ops.flex_attention import configs
+from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_backward
 
 
-def test_mosaic_forward_tiles():
-  tiles = workloads.mosaic_fwd_tiles("64x128x2_free")
-  assert (tiles.block_q, tiles.block_k, tiles.max_concurrent_steps) == (64, 128, 2)
-  assert not tiles.ping_pong
-  tiles = workloads.mosaic_fwd_tiles("128x128x2")
-  assert tiles.ping_pong and not tiles.persistent
-  tiles = workloads.mosaic_fwd_tiles("64x128x3_free_persist")
-  assert tiles.persistent and not tiles.persistent_right_bounded
-  assert not tiles.tensor_core_sums
-  assert workloads.mosaic_fwd_tiles("64x256x2_persist_all").persistent_right_bounded
-  tiles = workloads.mosaic_fwd_tiles("128x128x2_free_persist_sums")
-  assert tiles.tensor_core_sums and tiles.persistent and not tiles.ping_pong
-  assert not tiles.prefetch_query and not tiles.frozen_masked_tiles
-  tiles = workloads.mosaic_fwd_tiles("64x256x2_free_persist_sums_fm_pq")
-  assert tiles.prefetch_query and tiles.frozen_masked_tiles and tiles.query_slots == 2
-  with pytest.raises(ValueError, match="Mosaic forward tiles"):
-    workloads.mosaic_fwd_tiles("128x128")
+def test_parse_config_takes_a_json_object_of_fields():
+  tiles = workloads.parse_config(mosaic.MosaicForwardConfig,
+                                 '{"block_k": 256, "ping_pong": false, "persistent": true}')
+  assert tiles == mosaic.MosaicForwardConfig(block_k=256, ping_pong=False, persistent=True)
+  assert workloads.parse_config(configs.KernelConfig, dict(
+      block_q=64, block_k=32, num_warps=4, num_stages=2)) == configs.KernelConfig(64, 32, 4, 2)
+  with pytest.raises(ValueError, match=r"no field \['pipelined'\]"):
+    workloads.parse_config(mosaic.MosaicForwardConfig, '{"pipelined": true}')
+  with pytest.raises(ValueError, match="JSON object"):
+    workloads.parse_config(mosaic.MosaicForwardConfig, "[64, 128]")
+  with pytest.raises(ValueError, match="multiple of 64"):  # the config's own checks
+    workloads.parse_config(mosaic.MosaicForwardConfig, '{"block_q": 32}')
 
 
-def test_mosaic_backward_tiles():
-  tiles = workloads.mosaic_bwd_tiles("128x64x3x1x240")
-  assert (tiles.block_q, tiles.block_k, tiles.compute_registers) == (128, 64, 240)
-  assert (tiles.ds_slots, tiles.pipelined) == (1, False)
-  tiles = workloads.mosaic_bwd_tiles("128x64x3_ds2_pipe")
-  assert (tiles.max_concurrent_steps, tiles.ds_slots, tiles.pipelined) == (3, 2, True)
-  with pytest.raises(ValueError, match="Mosaic backward tiles"):
-    workloads.mosaic_bwd_tiles("128x64")
+def test_names_label_what_runs():
+  tiles = mosaic.MosaicForwardConfig(block_k=256, persistent=True)
+  assert workloads.FlexMosaicForward(tiles).name == (
+      "flex_mosaic_fwd(block_k=256, persistent=True)")
+  assert workloads.FlexMosaicForward(tiles, "online").name.endswith(")_online")
+  backward = mosaic_backward.MosaicBackwardConfig(block_q=128, ds_slots=2, pipelined=True)
+  assert workloads.FlexMosaicBackward(backward).name == (
+      "flex_mosaic_bwd(block_q=128, ds_slots=2, pipelined=True)")
+  assert workloads.FlexTritonForward(configs.KernelConfig(128, 64, 4, 3), "online").name == (
+      "flex_triton_128x64x4x3_online")
+  assert [m.name for m in workloads.MHA_SWEEP] == ["mha_default", "mha_128x64", "mha_64x128"]
+  assert all(name == impl.name for name, impl in workloads.ATTENTION.items())
+  with pytest.raises(ValueError, match="mod"):
+    workloads.Flex("causal")
 
 
-@pytest.mark.parametrize("impl", ["flex", "flex_triton", "flex_triton_128x128x8x3",
-                                  "flex_mosaic_64x128x2_free",
-                                  "flex_mosaic_bwd_128x64x3", "flex_online",
-                                  "flex_refresh_in_kernel", "cudnn", "mha_128x64"])
-def test_attention_names_resolve(impl):
-  assert callable(workloads.attention_fn(impl, 32, True))
+@pytest.mark.parametrize("name", list(workloads.ATTENTION))
+def test_every_named_implementation_builds(name):
+  impl = workloads.ATTENTION[name]
+  assert callable(impl.fn(32, True))
+  want = "float16" if name.startswith("mgpu") else "bfloat16"
+  assert jnp.dtype(impl.input_dtype).name == want
+
+
+def test_flex_variants_run_on_the_configs_they_name(monkeypatch):
+  """Each variant's call gets the H32 table entry with its fields replaced;
+  given Mosaic forward tiles run every call (the bounded and short-call
+  tiles and limits cleared)."""
+  monkeypatch.setattr(configs, "gpu_generation", lambda: "sm90")
+  seen = []
+  monkeypatch.setattr(workloads.flex_pallas, "flex_attention_pallas",
+                      lambda q, k, v, *, config, **kw: seen.append(config) or q)
+  table = configs.get_config(32, jnp.bfloat16, interpret=False)
+  q = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
+  def config_of(impl):
+    impl.fn(32, True)(q, q, q)
+    return seen.pop()
+  tiles = configs.KernelConfig(64, 32, 4, 2)
+  got = config_of(workloads.FlexTritonForward(tiles, "online"))
+  assert (got.mosaic_fwd, got.mosaic_fwd_bounded, got.fwd, got.fwd_softmax) == (
+      None, None, tiles, "online")
+  assert got.mosaic_bwd == table.mosaic_bwd
+  forward = mosaic.MosaicForwardConfig(block_k=256, persistent=True)
+  got = config_of(workloads.FlexMosaicForward(forward))
+  assert got == table.forward_on(forward) and got.mosaic_fwd_min_scores == 0
+  backward = mosaic_backward.MosaicBackwardConfig(block_q=128)
+  assert config_of(workloads.FlexMosaicBackward(backward)) == dataclasses.replace(
+      table, mosaic_bwd=backward)
+  assert config_of(workloads.FlexRefresh("in_kernel")).refresh == "in_kernel"
+  assert config_of(workloads.FlexForwardSoftmax("online")) == dataclasses.replace(
+      table, fwd_softmax="online")
+
+
+def test_benchmark_flags_give_typed_implementations():
+  from experiments import benchmark_kernel_attention as bench
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(
+      impls=["flex", "cudnn", "mha"], mha_sweep=False,
+      triton_fwd=['{"block_q": 64, "block_k": 32, "num_warps": 4, "num_stages": 2}'],
+      mosaic_fwd=['{"block_k": 256, "persistent": true, "fwd_softmax": "online"}'],
+      mosaic_bwd=['{"block_q": 128, "ds_slots": 2, "pipelined": true}']):
+    impls = bench.implementations()
+  assert impls == [
+      workloads.Flex(), workloads.JaxAttention("cudnn"), workloads.PallasMha(),
+      workloads.FlexTritonForward(configs.KernelConfig(64, 32, 4, 2)),
+      workloads.FlexMosaicForward(mosaic.MosaicForwardConfig(block_k=256, persistent=True),
+                                  fwd_softmax="online"),
+      workloads.FlexMosaicBackward(mosaic_backward.MosaicBackwardConfig(
+          block_q=128, ds_slots=2, pipelined=True))]
+  assert [bench._family(i) for i in impls] == [
+      None, None, "mha", None, "flex_mosaic", "flex_mosaic_bwd"]
+  with flagsaver.flagsaver(impls=["flex_mosaic_64x128x2"]):
+    with pytest.raises(app.UsageError, match="unknown"):
+      bench.implementations()
 
 
 @pytest.mark.parametrize("mode", ["fwd", "fwd+bwd"])
 def test_chained_attention_keeps_every_call(mode):
   """Each of the chained calls stays in the optimized executable (none merged
   or dropped) and each computes what one call does."""
-  fn, args = workloads.attention_case("xla", (1, 2, 16, 8), False, mode, chain=3)()
-  one, _ = workloads.attention_case("xla", (1, 2, 16, 8), False, mode)()
+  xla = workloads.JaxAttention("xla")
+  fn, args = workloads.attention_case(xla, (1, 2, 16, 8), False, mode, chain=3)()
+  one, _ = workloads.attention_case(xla, (1, 2, 16, 8), False, mode)()
   products = lambda f: len(re.findall(r"= \S+ dot\(", f.lower(*args).compile().as_text()))
   assert products(fn) == 3 * products(one) > 0
   last, earlier = fn(*args)

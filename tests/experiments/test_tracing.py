@@ -1,6 +1,6 @@
-"""experiments.tracing (what experiments.profile_ops prints): per-kernel device
-times from a trace (on the CPU the XLA ops stand in for kernels), and the
-busy-time union."""
+"""experiments.tracing (what benchmark_fit's traced rows report): per-kernel
+device times from a trace (on the CPU the XLA ops stand in for kernels), and
+the busy-time union."""
 
 import jax
 import jax.numpy as jnp
