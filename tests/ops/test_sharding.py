@@ -33,15 +33,19 @@ def max_err(got, want):
              / (1.0 + float(np.max(np.abs(np.asarray(b, np.float32)))))
              for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
-def check(name, loss, args, specs, mesh):
-  """Gathers in the compiled fwd+bwd on `mesh`, and the error against one device."""
+def check(name, loss, args, specs, mesh, also_explicit=None):
+  """Gathers in the compiled fwd+bwd on `mesh`, and the error against one
+  device; the same on the mesh `also_explicit` under the name explicit/<name>."""
   grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
   want = grad(*args)
-  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
-  with jax.set_mesh(mesh):
-    text = grad.lower(*placed).compile().as_text()
-    got = grad(*placed)
-  out[name] = {"gathers": gathers(text), "err": max_err(got, want)}
+  for key, m in ((name, mesh), (f"explicit/{name}", also_explicit)):
+    if m is None:
+      continue
+    placed = [jax.device_put(a, NamedSharding(m, s)) for a, s in zip(args, specs)]
+    with jax.set_mesh(m):
+      text = grad.lower(*placed).compile().as_text()
+      got = grad(*placed)
+    out[key] = {"gathers": gathers(text), "err": max_err(got, want)}
 
 def sin_sum(fn):
   return lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))
@@ -112,7 +116,8 @@ for name, forward in models.items():
   model = hk.without_apply_rng(hk.transform(forward))
   params = model.init(jax.random.PRNGKey(3), x)
   check(f"model/{name}", lambda p, x: jnp.sum(jnp.sin(model.apply(p, x))),
-        [params, x], [P(), P("data")], auto)
+        [params, x], [P(), P("data")], auto,
+        also_explicit=jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,)))
 print("RESULT" + json.dumps(out))
 '''
 
@@ -125,8 +130,9 @@ def results():
 _CASES = [f"op/{n}" for n in ("flex_attention", "ssd", "gated_delta_rule", "selective_scan",
                               "linear_scan", "grouped_matmul", "grouped_mlp")] + [
     "explicit/flex_attention_gqa", "explicit/ssd_heads", "explicit/selective_scan_channels"] + [
-    f"model/{n}" for n in ("Transformer", "Transformer_causal", "Mamba2Cell", "MambaCell",
-                           "GatedDeltaNetCell", "LRUCell")]
+    f"{mesh}model/{n}" for mesh in ("", "explicit/")
+    for n in ("Transformer", "Transformer_causal", "Mamba2Cell", "MambaCell",
+              "GatedDeltaNetCell", "LRUCell")]
 
 
 @pytest.mark.parametrize("case", _CASES)
