@@ -7,6 +7,7 @@ Markdown pages through MyST, the API reference through autodoc and napoleon
 
 import importlib.metadata
 import os
+import re
 import sys
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,8 +43,8 @@ nitpicky = True
 # Third-party types in signatures: the build has no network for intersphinx,
 # so references to these packages' own pages cannot resolve.
 nitpick_ignore_regex = [
-    ("py:class", r"(jax|jaxlib|haiku|optax|numpy|chex)(\..*)?"),
-    ("py:class", r"collections\.abc\..*"),
+    (r"py:.*", r"(jax|jaxlib|haiku|optax|numpy|chex)(\..*)?"),
+    (r"py:.*", r"collections\.abc\..*"),
 ]
 
 # MyST: ::: fences for admonitions, anchors on headings for links across pages.
@@ -68,3 +69,64 @@ add_module_names = False
 html_theme = "furo"
 html_title = f"probjax_hk {release}".strip()
 html_static_path = []
+
+
+_NAMED_OUTPUT = re.compile(r"(\w+): (.*)")
+
+
+def _named_returns_as_list(app, what, name, obj, options, lines):
+  """A `Returns:` section naming several outputs becomes a list of them.
+
+  The recurrences document `y: ...` and `final_state: ...` one per line.
+  napoleon reads a Returns section as one `type: description`, so it would
+  take `y` for a type and run `final_state` into the same paragraph.
+  """
+  del app, what, name, obj, options
+  for start, line in enumerate(lines):
+    if line.strip() != "Returns:":
+      continue
+    header = len(line) - len(line.lstrip())
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip()
+                                or len(lines[end]) - len(lines[end].lstrip()) > header):
+      end += 1
+    body = [l for l in lines[start + 1:end] if l.strip()]
+    if not body:
+      continue
+    base = min(len(l) - len(l.lstrip()) for l in body)
+    top = [l[base:] for l in body if len(l) - len(l.lstrip()) == base]
+    matches = [_NAMED_OUTPUT.fullmatch(l) for l in top]
+    if len(top) < 2 or not all(matches):
+      continue
+    pad = " " * base
+    names = ", ".join(m.group(1) for m in matches)
+    rewritten = [f"{pad}The tuple ``({names})``.", ""]  # no colon: napoleon would split there
+    for l in body:
+      m = _NAMED_OUTPUT.fullmatch(l[base:])
+      if len(l) - len(l.lstrip()) == base and m:
+        rewritten.append(f"{pad}- ``{m.group(1)}``: {m.group(2)}")
+      else:
+        rewritten.append(f"{pad}  {l.strip()}")
+    lines[start + 1:end] = rewritten + [""]
+    return
+
+
+_OBJECT_REPR = re.compile(r"<(?:function|class) '?([\w.]+?)'?(?: at 0x[0-9a-f]+)?>")
+
+
+def _named_defaults(app, what, name, obj, options, signature, return_annotation):
+  """Defaults that are functions or classes show their names.
+
+  Haiku wraps each module's `__init__`, so `autodoc_preserve_defaults` cannot
+  read them from the source, and a repr such as `<function f>` would make
+  the whole signature unparsable (shown as raw text).
+  """
+  del app, what, name, obj, options
+  if signature is None:
+    return None
+  return _OBJECT_REPR.sub(lambda m: m.group(1).rsplit(".", 1)[-1], signature), return_annotation
+
+
+def setup(app):
+  app.connect("autodoc-process-docstring", _named_returns_as_list, priority=400)
+  app.connect("autodoc-process-signature", _named_defaults)
