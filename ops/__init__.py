@@ -4,6 +4,8 @@ Every op is one function with arrays positional and options keyword-only,
 including `implementation=None | 'pallas' | 'xla'` (see each op's api.py).
 """
 
+from ops.decode_attention import decode_attention
+from ops.decode_attention import decode_attention_reference
 from ops.flex_attention import flex_attention
 from ops.flex_attention import flex_attention_reference
 from ops.gated_delta_rule import gated_delta_rule
@@ -20,6 +22,8 @@ from ops.ssd import ssd
 from ops.ssd import ssd_reference
 
 __all__ = (
+    "decode_attention",
+    "decode_attention_reference",
     "flex_attention",
     "flex_attention_reference",
     "gated_delta_rule",

@@ -7,6 +7,7 @@ Pallas kernels of the top-level `ops` package.
 from probjax_hk.attention import choose_attention_implementation
 from probjax_hk.attention import dot_product_attention
 from probjax_hk.attention import MultiHeadAttention
+from probjax_hk import diffusion
 from probjax_hk.diffusion_transformer import DiffusionTransformer
 from probjax_hk.layers import AdaLNModulation
 from probjax_hk.layers import LayerNorm
@@ -38,6 +39,7 @@ from probjax_hk.unet import UNet
 __all__ = (
     "AdaLNModulation",
     "choose_attention_implementation",
+    "diffusion",
     "DiffusionTransformer",
     "dot_product_attention",
     "EarlyStopping",
