@@ -28,6 +28,15 @@ batches of 8 x 1024 tokens, bf16 activations, float32 parameters, Adam. Rows:
                 or a big state).
   fit_first / fit_second   the wall time of a first and a second fit() call
                 of `--calls_steps` steps: the second one compiles nothing.
+  fit_rebuilt_first / fit_rebuilt_second   the same as a notebook cell run
+                twice does it: each call builds a new `hk.transform` and
+                writes its optimizer inline (`optax.adam(...)`), so no Python
+                object is shared; the second call traces its steps and finds
+                the program compiled (`backend_compiles` 0). `backend_compile_s`
+                sums XLA's compile time inside a call, `trace_s` the steps'
+                tracing (keys included); `second_over_first_compile` is the
+                second call's wall time over the first call's compile time
+                (what a rebuilt model costs against compiling it again).
   fit_memory_calls / fit_stream_calls   with `--steps_per_call=K` > 1: fit()
                 running K steps per compiled call (one dispatch and one
                 metrics read per K steps; a stream's K batches sent at once).
@@ -83,6 +92,7 @@ import probjax_hk as pk
 from experiments import harness
 from experiments import tracing
 from probjax_hk.training import loop as fit_loop
+from probjax_hk.training import programs
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
 
@@ -107,6 +117,9 @@ _REPEATS = flags.DEFINE_integer(
     "repeats", 1, "Interleaved rounds of bare_loop/fit_memory/fit_stream.")
 _PIECES = flags.DEFINE_bool(
     "pieces", False, "Add the step_* rows: the compiled step alone, piece by piece.")
+_CALLS_ONLY = flags.DEFINE_bool(
+    "calls_only", False, "Only bare_step and the first/second-call rows (fit_first, "
+    "fit_second, fit_rebuilt_*): what a second fit() call costs.")
 _VOCAB = 256
 _NUM_EXAMPLES = 64
 
@@ -127,6 +140,20 @@ def _loss(batch):
 
 NET = hk.transform(_loss)
 OPTIMIZER = optax.adam(1e-3)
+# The rebuilt rows' optimizer: another learning rate than OPTIMIZER's, so
+# that their first call compiles a program no other row has compiled.
+_REBUILT_LEARNING_RATE = 2e-3
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_compile_seconds = []  # every XLA compile's duration, in order
+
+
+def _on_duration(event, duration, **kwargs):
+  del kwargs
+  if event == _BACKEND_COMPILE:
+    _compile_seconds.append(duration)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 def _data(n):
@@ -333,11 +360,36 @@ def main(argv):
       idx = rs.randint(0, _NUM_EXAMPLES, bsz)
       yield {k: v[idx] for k, v in data.items()}
 
-  # First and second call (in-memory); then the steady-state rows, in
-  # interleaved rounds.
+  def rebuilt_fit(case):
+    """fit() with nothing shared: a new transform, an optimizer inline."""
+    compiles, traced = len(_compile_seconds), programs.stats().get("trace_s", 0.0)
+    start = time.perf_counter()
+    result = pk.fit(hk.transform(_loss).apply, params, data,
+                    optimizer=optax.adam(_REBUILT_LEARNING_RATE),
+                    batch_size=bsz, num_steps=_CALLS_STEPS.value,
+                    progress=False, rng=1)
+    jax.block_until_ready(result.params)
+    wall = time.perf_counter() - start
+    return dict(config, case=case, status="ok", wall_s=wall,
+                steps=_CALLS_STEPS.value,
+                steps_per_s=_CALLS_STEPS.value / wall,
+                backend_compiles=len(_compile_seconds) - compiles,
+                backend_compile_s=sum(_compile_seconds[compiles:]),
+                trace_s=programs.stats().get("trace_s", 0.0) - traced,
+                final_loss=float(result.history["loss"][-1]))
+
+  # First and second call (in-memory), also rebuilt; then the steady-state
+  # rows, in interleaved rounds.
+  rebuilt = [rebuilt_fit("fit_rebuilt_first"), rebuilt_fit("fit_rebuilt_second")]
+  rebuilt[1].update(
+      second_over_first_compile=rebuilt[1]["wall_s"] / rebuilt[0]["backend_compile_s"],
+      second_over_first_wall=rebuilt[1]["wall_s"] / rebuilt[0]["wall_s"])
   first = timed_fit("fit_first", lambda: data, _CALLS_STEPS.value)
   second = timed_fit("fit_second", lambda: data, _CALLS_STEPS.value)
   second["second_over_first_wall"] = second["wall_s"] / first["wall_s"]
+  if _CALLS_ONLY.value:
+    _write_and_print([rows[0], first, second, *rebuilt])
+    return
   # Every variant compiles before the timed rounds: the default's multi-step
   # call and its single-step tail, and the one-step rows.
   warm = fit_loop.AUTO_STEPS_PER_CALL + 1  # one automatic call and a tail step
@@ -400,7 +452,7 @@ def main(argv):
           x["steady_steps_per_s"] for x in runs)
     steady.append(row)
   bare = steady[0]["steps_per_s"]
-  for row in (rows[0], first, second):
+  for row in (rows[0], first, second, *rebuilt):
     if "steps_per_s" in row:
       row["bare_loop_time_ratio"] = bare / row["steps_per_s"]
   names = [x["case"] for x in rounds[0]]
@@ -419,8 +471,12 @@ def main(argv):
         ratios = [r[b]["steps_per_s"] / r[i]["steps_per_s"] for r in rounds]
         steady[i].update(step_bare_time_ratio=statistics.median(ratios),
                          step_ratio_min=min(ratios), step_ratio_max=max(ratios))
-  rows = [rows[0], steady[0], first, second] + steady[1:]
+  rows = [rows[0], steady[0], first, second, *rebuilt] + steady[1:]
   rows += _trace_rows([(n, c) for n, c in zip(names, cases) if n in (_TRACE.value or ())])
+  _write_and_print(rows)
+
+
+def _write_and_print(rows):
   meta = harness.environment()
   if _OUTPUT.value:
     with open(_OUTPUT.value, "w") as f:
@@ -430,7 +486,8 @@ def main(argv):
       "bare_loop_time_ratio", "ratio_min", "ratio_max",
       "bare_calls_time_ratio", "bare_calls_ratio_min", "bare_calls_ratio_max",
       "step_bare_time_ratio", "step_ratio_min", "step_ratio_max", "wall_s",
-      "compile_s", "second_over_first_wall"]))
+      "compile_s", "backend_compiles", "backend_compile_s", "trace_s",
+      "second_over_first_compile", "second_over_first_wall"]))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ order, with
   function) by identity. The rules of an undifferentiated `custom_jvp` /
   `custom_vjp` call are left out: it lowers its `call_jaxpr` alone;
 - each equation's effects and context (compute type, metadata, mesh);
-- the jit's own parameters (in and out shardings, donation), the
-  arguments' tree, types and shardings, the static arguments, the mesh,
-  and JAX's trace context (the configuration options that enter a jit's
-  cache key, the default matmul precision among them).
+- the jit's options (out shardings, donation), the arguments' tree, types
+  and shardings, the static arguments, the mesh, and JAX's trace context
+  (the configuration options that enter a jit's cache key, the default
+  matmul precision among them).
 
 So an optimizer's hyperparameters (Python floats, literals in the jaxpr), a
 model's widths (shapes) and the choice of optimizer (its equations) all
@@ -170,20 +170,19 @@ def signature(args, static_argnums: Sequence[int]) -> tuple:
   return (treedef, tuple(leaf(x) for x in leaves), static)
 
 
-def program_key(traced: jax.stages.Traced, args_signature, mesh) -> tuple:
-  """Everything the program compiled from `traced` depends on; also returns
-  the objects the key names by identity (to keep them alive with it).
+def program_key(traced: jax.stages.Traced, *context) -> tuple:
+  """Everything the program compiled from `traced` depends on, with
+  `context` (hashables: the jit's options, the arguments' signature, the
+  mesh); also the objects the key names by identity, to keep alive with it.
 
   Returns:
     (key, kept objects).
   """
   encoder = _Encoder()
-  jit_params = tuple(
-      (k, encoder.param(v)) for k, v in sorted(traced._params.items())  # pylint: disable=protected-access
-      if k not in ("jaxpr", "name"))
-  key = (encoder.param(traced.jaxpr), jit_params,
+  key = (encoder.param(traced.jaxpr),
+         # Constants lifted out of the jaxpr, passed by the executable.
          tuple(_value_key(c, encoder.keep) for c in traced._consts),  # pylint: disable=protected-access
-         traced.out_tree, args_signature, mesh, jax_config.trace_context())
+         traced.out_tree, encoder.param(context), jax_config.trace_context())
   return key, encoder.keep
 
 
@@ -209,6 +208,7 @@ class Program:
                static_argnums: Sequence[int] = (), **jit_kwargs):
     self.jitted = jax.jit(fn, static_argnums=static_argnums, **jit_kwargs)
     self.mesh = mesh
+    self._options = (tuple(static_argnums), jit_kwargs)
     self._static = tuple(static_argnums)
     self._by_signature = {}  # signature -> executable
     self._last = None  # (static argument values, signature, executable)
@@ -242,7 +242,7 @@ class Program:
     start = time.perf_counter()
     with jax.set_mesh(self.mesh):
       traced = self.jitted.trace(*args)
-      key, kept = program_key(traced, sig, self.mesh)
+      key, kept = program_key(traced, self._options, sig, self.mesh)
       entry = _executables.get(key)
       _stats["traces"] += 1
       _stats["trace_s"] += time.perf_counter() - start
