@@ -47,10 +47,7 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import tile_steps
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
+from ops._triton import next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +68,8 @@ class LinearScanBlocks:
     thread), about a thousand programs, at most 64 chunks: the best of the
     row walk's sweep on the H200 at B 8, T 4096, D 256, complex
     (BUILD_NOTES.md, "SSM scans"; two warps were 14-33 % slower)."""
-    block_d = max(8, min(32, _next_pow2(width)))
-    unroll = min(16, _next_pow2(time))
+    block_d = max(8, min(32, next_pow2(width)))
+    unroll = min(16, next_pow2(time))
     chains = batch * _shapes.cdiv(width, block_d)
     num_chunks = min(64, max(1, _shapes.cdiv(1024, chains)))
     chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)

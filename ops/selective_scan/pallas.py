@@ -52,12 +52,9 @@ from ops import _shapes
 from ops._rows import tile_steps
 from ops.selective_scan.reference import finish_output
 from ops.selective_scan.reference import prepare_delta
+from ops._triton import next_pow2
 
 _F32 = jnp.float32
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +80,13 @@ class SelectiveScanBlocks:
     programs; 8 chunks were 18 % slower). S 128: 4 channels, tiles of 4
     steps, two warps, about 2,000 programs. More channels per program
     shrink the backward's dB/dC partials (`[B, D / block_d, T, S]`)."""
-    state = _next_pow2(state)
+    state = next_pow2(state)
     if state <= 32:
       block_d, unroll, num_warps, programs = min(8, 128 // state), 4, 1, 4096
     else:
       block_d, unroll, num_warps, programs = max(1, 512 // state), 4, 2, 2048
-    block_d = min(block_d, _next_pow2(width))
-    unroll = min(unroll, _next_pow2(time))
+    block_d = min(block_d, next_pow2(width))
+    unroll = min(unroll, next_pow2(time))
     chains = batch * _shapes.cdiv(width, block_d)
     num_chunks = min(64, max(1, _shapes.cdiv(programs, chains)))
     chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
@@ -442,7 +439,7 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
         else initial_state.astype(_F32))
   # Triton tiles are powers of two: pad S with inert states (A = B = C = h0 = 0
   # keeps them at zero and out of y).
-  padded = _next_pow2(state)
+  padded = next_pow2(state)
   A, B, C, h0 = (_shapes.pad_axis(x, x.ndim - 1, padded) for x in (A.astype(_F32), B, C, h0))
   y, final = _selective_scan_core_shared(u, delta, A, B, C, h0, reverse, blocks)
   return finish_output(y, u, D, z), final[..., :state]
