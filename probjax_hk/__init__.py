@@ -29,10 +29,12 @@ from probjax_hk.ssm import SSMModel
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
+from probjax_hk.training import Checkpoint
 from probjax_hk.training import EarlyStopping
 from probjax_hk.training import fit
 from probjax_hk.training import fit_model
 from probjax_hk.training import FitResult
+from probjax_hk.training import load_checkpoint
 from probjax_hk.transformer import Transformer
 from probjax_hk.unet import UNet
 
@@ -42,10 +44,12 @@ __all__ = (
     "diffusion",
     "DiffusionTransformer",
     "dot_product_attention",
+    "Checkpoint",
     "EarlyStopping",
     "fit",
     "fit_model",
     "FitResult",
+    "load_checkpoint",
     "GatedDeltaNetCell",
     "LayerNorm",
     "LRUCell",
