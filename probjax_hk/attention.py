@@ -19,9 +19,14 @@ Which kernel runs is decided in one place, `choose_attention_implementation`:
   the inputs and either H <= 32 (where it was measured faster than cuDNN) or
   cuDNN cannot take them; else cuDNN where it fits; else XLA. Always XLA on a
   CPU.
+
+Decoding attends to a cache through one function, `cached_attention`: the
+queries of T new tokens per sequence against a [B, S, K, H] key/value cache
+with per-sequence lengths (`MultiHeadAttention.prefill` fills the cache from
+a prompt, `MultiHeadAttention.decode` extends it).
 """
 
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import haiku as hk
 import jax
@@ -145,9 +150,12 @@ def _check_shapes(query, key, value):
                      f"key/value heads ({key.shape[2]})")
 
 
-def _check_window(local_window_size):
+def check_window(local_window_size) -> None:
+  """`local_window_size` must be None, an int >= 0 or a pair of them (a
+  ValueError naming it otherwise)."""
   window = _normalize_window(local_window_size)
-  if window is not None and (len(window) != 2 or any(w < 0 for w in window)):
+  is_size = lambda w: isinstance(w, (int, np.integer)) and not isinstance(w, bool) and w >= 0
+  if window is not None and (len(window) != 2 or not all(is_size(w) for w in window)):
     raise ValueError("`local_window_size` must be None, an int >= 0 or a pair (left, right) "
                      f"of ints >= 0, got {local_window_size=}")
 
@@ -178,7 +186,7 @@ def dot_product_attention(
     [B, T, N, H] in the query's dtype.
   """
   _check_shapes(query, key, value)
-  _check_window(local_window_size)
+  check_window(local_window_size)
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
       local_window_size=local_window_size, implementation=implementation,
@@ -196,6 +204,71 @@ def dot_product_attention(
       key_value_seq_lengths=as_int32(key_value_seq_lengths),
       local_window_size=_normalize_window(local_window_size),
       implementation=chosen)
+
+
+
+class KVCache(NamedTuple):
+  """One attention layer's key/value cache for decoding.
+
+  Slot s of sequence b holds the key and value of its token at position s;
+  how many slots are valid is kept by the model (`lengths`), not here.
+
+  Attributes:
+    key: [B, S, K, H] keys (after the rotary embedding and QK norm).
+    value: [B, S, K, H] values.
+  """
+  key: jax.Array
+  value: jax.Array
+
+
+def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
+                     lengths: jax.Array, *, scale: float | None = None,
+                     local_window_size: int | tuple[int, int] | None = None) -> jax.Array:
+  """Attention of T new tokens per sequence to a key/value cache.
+
+  The decoding counterpart of causal `dot_product_attention`: query t of
+  sequence b sits at position p = lengths[b] - T + t (the new tokens are the
+  last T valid slots of the cache) and attends to slots s <= p, and
+  s >= p - left with a window. Slots s >= lengths[b] are never attended to.
+  Every decoding path of the library attends through this one function.
+
+  Args:
+    query: [B, T, N, H] queries of the new tokens.
+    key_cache: [B, S, K, H], the new tokens' keys included; N a multiple of
+      K (GQA without repeating K/V).
+    value_cache: [B, S, K, H].
+    lengths: [B] ints in [T, S], the valid slots per sequence.
+    scale: logit scale, default `H ** -0.5`.
+    local_window_size: `left` or `(left, right)`: position p sees slots
+      s >= p - left (`right` changes nothing: slots right of p are masked).
+
+  Returns:
+    [B, T, N, H] in the query's dtype (softmax in float32).
+
+  Raises:
+    ValueError: for shapes that do not fit together, T > S, `lengths` that is
+      not [B] integers, or a bad window.
+  """
+  _check_shapes(query, key_cache, value_cache)
+  check_window(local_window_size)
+  batch, time = query.shape[:2]
+  slots = key_cache.shape[1]
+  if time > slots:
+    raise ValueError(f"`query` has T={time} new tokens, more than the S={slots} slots "
+                     "of `key_cache`")
+  if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
+                                                          jnp.integer):
+    raise ValueError(f"`lengths` must be [B]=({batch},) integers, got shape "
+                     f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
+  positions = lengths[:, None] - time + jnp.arange(time)           # [B, T]
+  slot = jnp.arange(slots)
+  mask = slot <= positions[:, :, None]                               # [B, T, S]
+  window = _normalize_window(local_window_size)
+  if window is not None:
+    mask &= slot >= positions[:, :, None] - window[0]
+  # The XLA path for now: a split-K decode kernel takes this call's place.
+  return dot_product_attention(query, key_cache, value_cache, mask=mask[:, None],
+                               scale=scale, implementation="xla")
 
 
 AttentionFn = Callable[..., jax.Array]
@@ -221,6 +294,8 @@ class MultiHeadAttention(hk.Module):
 
   Optional rotary position embedding on queries and keys, and optional QK norm
   (RMSNorm over each head before the dot product, for stable training).
+  Causal self-attention also decodes: `prefill` runs a prompt and returns a
+  `KVCache`, `decode` extends it by a few tokens per sequence.
   """
 
   def __init__(self, num_heads: int, *, num_kv_heads: int | None = None,
@@ -236,13 +311,14 @@ class MultiHeadAttention(hk.Module):
         Default N.
       head_dim: H; default `D // num_heads` for inputs of width D.
       use_rope: rotary position embedding on queries (positions 0..T-1) and
-        keys (0..S-1).
+        keys (0..S-1); in `decode`, the new tokens' positions after the cache.
       rope_base: the rotary embedding's base wavelength.
       qk_norm: RMSNorm over each head of the queries and keys before the dot
         product.
       attention_fn: `fn(q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], *,
-        is_causal, key_value_seq_lengths) -> [B, T, N, H]`, also given `bias`
-        and `mask` when the call has them; default `dot_product_attention`.
+        is_causal, key_value_seq_lengths) -> [B, T, N, H]`, also given `bias`,
+        `mask` and `local_window_size` when the call has them; default
+        `dot_product_attention`. (`decode` attends through `cached_attention`.)
       with_bias: biases in the four projections.
       name: module name.
 
@@ -268,7 +344,8 @@ class MultiHeadAttention(hk.Module):
   def __call__(self, x: jax.Array, context: jax.Array | None = None, *,
                bias: jax.Array | None = None, mask: jax.Array | None = None,
                is_causal: bool = False,
-               key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+               key_value_seq_lengths: jax.Array | None = None,
+               local_window_size: int | tuple[int, int] | None = None) -> jax.Array:
     """Self-attention over `x`, or cross-attention from `x` to `context`.
 
     Args:
@@ -280,6 +357,8 @@ class MultiHeadAttention(hk.Module):
         (`jax.nn.dot_product_attention`'s `mask`).
       is_causal: causal mask (self-attention).
       key_value_seq_lengths: optional [B] valid key/value lengths.
+      local_window_size: optional `w` or `(left, right)`: query t attends to
+        keys in [t - left, t + right] (passed to `attention_fn` when given).
 
     Returns:
       [B, T, D].
@@ -298,12 +377,122 @@ class MultiHeadAttention(hk.Module):
     _check_logits_operand("mask", mask, logits_shape)
     if mask is not None and mask.dtype != jnp.bool_:
       raise ValueError(f"`mask` must be boolean (True attends), got {mask.dtype}")
-    model_dim = x.shape[-1]
+    check_window(local_window_size)
+    context = x if context is None else context
+    q, k, v = self._project(x, context, jnp.arange(x.shape[1]), jnp.arange(context.shape[1]))
+    # bias, mask and the window only when given: an attention_fn need not take them.
+    options = {n: a for n, a in (("bias", bias), ("mask", mask),
+                                 ("local_window_size", local_window_size)) if a is not None}
+    out = self.attention_fn(q, k, v, is_causal=is_causal,
+                            key_value_seq_lengths=key_value_seq_lengths, **options)
+    return self._output(out, x.shape[-1])
+
+  def initial_cache(self, batch_size: int, max_length: int, model_dim: int,
+                    dtype=jnp.float32) -> KVCache:
+    """An empty cache for `decode`.
+
+    Args:
+      batch_size: B.
+      max_length: S, the most tokens the cache holds (prompt and generated).
+      model_dim: D, the width of the inputs (sets H when `head_dim` is None).
+      dtype: the dtype the model computes in (its inputs' dtype).
+
+    Returns:
+      A `KVCache` of zeros, key and value [B, S, K, H] in `dtype`.
+    """
+    arguments.check_positive_ints(batch_size=batch_size, max_length=max_length,
+                                  model_dim=model_dim)
+    shape = (batch_size, max_length, self.num_kv_heads, self._head_dim(model_dim))
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  @hk.name_like("__call__")
+  def prefill(self, x: jax.Array, max_length: int, *,
+              local_window_size: int | tuple[int, int] | None = None
+              ) -> tuple[jax.Array, KVCache]:
+    """Causal self-attention over a prompt, and the cache decoding continues from.
+
+    The output is `__call__(x, is_causal=True, local_window_size=...)` (the
+    same `attention_fn`); the prompt's keys and values fill the cache's
+    first T slots.
+
+    Args:
+      x: [B, T, D], the first T tokens of each sequence.
+      max_length: S >= T, the cache size.
+      local_window_size: as for `__call__`.
+
+    Returns:
+      (y [B, T, D], a `KVCache` of [B, S, K, H] in x's dtype).
+
+    Raises:
+      ValueError: for x that is not [B, T, D], `max_length` < T, or a bad window.
+    """
+    layers.check_tokens(x)
+    arguments.check_positive_ints(max_length=max_length)
+    if max_length < x.shape[1]:
+      raise ValueError(f"`max_length` must be >= the prompt's T={x.shape[1]}, got {max_length=}")
+    positions = jnp.arange(x.shape[1])
+    q, k, v = self._project(x, x, positions, positions)
+    options = {} if local_window_size is None else {"local_window_size": local_window_size}
+    out = self.attention_fn(q, k, v, is_causal=True, key_value_seq_lengths=None, **options)
+    pad = ((0, 0), (0, max_length - x.shape[1]), (0, 0), (0, 0))
+    return self._output(out, x.shape[-1]), KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
+
+  @hk.name_like("__call__")
+  def decode(self, x: jax.Array, cache: KVCache, lengths: jax.Array, *,
+             local_window_size: int | tuple[int, int] | None = None
+             ) -> tuple[jax.Array, KVCache]:
+    """Causal self-attention of T new tokens per sequence after a cache.
+
+    Token t of sequence b sits at position lengths[b] + t: its key and value
+    go to that slot and it attends to the slots up to its own through
+    `cached_attention` (whatever `attention_fn` is). Tokens past the cache's
+    last slot are not stored (the caller keeps lengths + T <= S).
+
+    Args:
+      x: [B, T, D], the new tokens.
+      cache: a `KVCache` of [B, S, K, H] in x's dtype (`initial_cache`,
+        `prefill` or a previous `decode`).
+      lengths: [B] ints, the tokens already in the cache per sequence.
+      local_window_size: as for `__call__`.
+
+    Returns:
+      (y [B, T, D], the cache with the new tokens' keys and values).
+
+    Raises:
+      ValueError: for a cache whose shape or dtype does not fit x, or
+        `lengths` that is not [B] integers.
+    """
+    layers.check_tokens(x)
+    batch, time, model_dim = x.shape
+    head_dim = self._head_dim(model_dim)
+    key, value = cache
+    for name, a in (("cache.key", key), ("cache.value", value)):
+      if (a.ndim != 4 or a.shape[0] != batch or a.shape[2:] != (self.num_kv_heads, head_dim)
+          or a.dtype != x.dtype):
+        raise ValueError(f"`{name}` must be [B, S, K, H] = [{batch}, S, {self.num_kv_heads}, "
+                         f"{head_dim}] in x's dtype {x.dtype}, got {a.shape} {a.dtype}")
+    if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
+                                                            jnp.integer):
+      raise ValueError(f"`lengths` must be [B]=({batch},) integers, got shape "
+                       f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
+    positions = lengths[:, None] + jnp.arange(time)                   # [B, T]
+    q, k, v = self._project(x, x, positions, positions)
+    rows = jnp.arange(batch)[:, None]
+    key = key.at[rows, positions].set(k, mode="drop")
+    value = value.at[rows, positions].set(v, mode="drop")
+    out = cached_attention(q, key, value, lengths + time, local_window_size=local_window_size)
+    return self._output(out, model_dim), KVCache(key, value)
+
+  def _head_dim(self, model_dim: int) -> int:
     if self.head_dim is None and model_dim % self.num_heads:
       raise ValueError(f"`num_heads` must divide the model width `x.shape[-1]` when "
                        f"`head_dim` is None, got num_heads={self.num_heads} {model_dim=}")
-    head_dim = self.head_dim or model_dim // self.num_heads
-    context = x if context is None else context
+    return self.head_dim or model_dim // self.num_heads
+
+  @hk.transparent
+  def _project(self, x, context, query_positions, key_positions):
+    """x [B, T, D], context [B, S, D_c] -> q [B, T, N, H], k and v [B, S, K, H]."""
+    head_dim = self._head_dim(x.shape[-1])
     batch, seq_len = x.shape[:2]
     kv_len = context.shape[1]
     q = layers.Linear(self.num_heads * head_dim, with_bias=self.with_bias, name="query")(x)
@@ -316,11 +505,12 @@ class MultiHeadAttention(hk.Module):
       q = layers.RMSNorm(name="query_norm")(q)
       k = layers.RMSNorm(name="key_norm")(k)
     if self.use_rope:
-      q = layers.rotary_embedding(q, jnp.arange(seq_len), base=self.rope_base)
-      k = layers.rotary_embedding(k, jnp.arange(kv_len), base=self.rope_base)
-    # bias and mask only when given: an attention_fn need not take them.
-    dense = {n: a for n, a in (("bias", bias), ("mask", mask)) if a is not None}
-    out = self.attention_fn(q, k, v, is_causal=is_causal,
-                            key_value_seq_lengths=key_value_seq_lengths, **dense)
-    out = out.reshape(batch, seq_len, self.num_heads * head_dim)
+      q = layers.rotary_embedding(q, query_positions, base=self.rope_base)
+      k = layers.rotary_embedding(k, key_positions, base=self.rope_base)
+    return q, k, v
+
+  @hk.transparent
+  def _output(self, out, model_dim):
+    """[B, T, N, H] -> [B, T, D]."""
+    out = out.reshape(*out.shape[:2], -1)
     return layers.Linear(model_dim, with_bias=self.with_bias, name="output")(out)

@@ -99,15 +99,66 @@ def apply_stack(make_block: Callable[[str], Callable[..., Any]], num_layers: int
       carry = wrap(lambda c, name=name: tuple(make_block(name)(*c)))(tuple(carry))
     return tuple(carry)
   except ValueError as e:
-    if "Unable to retrieve parameter" not in str(e):
+    if _layout_error(e, scan_layers) is None:
       raise
-    hint = ("stack_layer_params(params) to use an unrolled checkpoint with "
-            "scan_layers=True" if scan_layers else
-            "unstack_layer_params(params) to use a scanned checkpoint with "
-            "scan_layers=False")
-    raise ValueError(f"Block parameters not found: the parameter tree does not "
-                     f"match scan_layers={scan_layers}. Call probjax_hk.{hint}. "
-                     f"({e})") from e
+    raise _layout_error(e, scan_layers) from e
+
+
+def apply_stack_with_states(make_block: Callable[[str], Callable[..., Any]],
+                            num_layers: int, x: Any, states: Any, *,
+                            scan_layers: bool = False, unroll: int = 1) -> tuple[Any, Any]:
+  """Runs `num_layers` blocks that each carry a state of their own (decoding).
+
+  The blocks and parameters are those of `apply_stack` with the same
+  `scan_layers` (`remat_policy` only matters for gradients and is not
+  applied): a scanned model decodes with its stacked parameters, its states
+  stacked the same way.
+
+  Args:
+    make_block: `make_block(name)` returns a callable block mapping
+      `(x, state) -> (x, new state)`.
+    num_layers: how many blocks.
+    x: the input of the first block (an array or a pytree of arrays).
+    states: the per-layer states: a list of `num_layers`, or with
+      `scan_layers` one pytree stacked on a leading `num_layers` axis; None
+      passes None to every block.
+    scan_layers: build the blocks with `hk.layer_stack`.
+    unroll: `hk.layer_stack`'s unroll, with `scan_layers`.
+
+  Returns:
+    (the last block's x, the new states in the layout of `states`: a list,
+    or stacked with `scan_layers`).
+  """
+  try:
+    if scan_layers:
+      def one_layer(x, *state):
+        return make_block(SCANNED_BLOCK_NAME)(x, state[0] if state else None)
+      per_layer = () if states is None else (states,)
+      return hk.layer_stack(num_layers, with_per_layer_inputs=True, unroll=unroll,
+                            name=SCANNED_STACK_NAME)(one_layer)(x, *per_layer)
+    new_states = []
+    for i in range(num_layers):
+      x, state = make_block(UNROLLED_BLOCK_NAME.format(i))(
+          x, None if states is None else states[i])
+      new_states.append(state)
+    return x, new_states
+  except ValueError as e:
+    if _layout_error(e, scan_layers) is None:
+      raise
+    raise _layout_error(e, scan_layers) from e
+
+
+def _layout_error(e: ValueError, scan_layers: bool) -> ValueError | None:
+  """A missing block parameter explained (a scanned tree given to an unrolled
+  model or the reverse); None for any other error."""
+  if "Unable to retrieve parameter" not in str(e):
+    return None
+  hint = ("stack_layer_params(params) to use an unrolled checkpoint with "
+          "scan_layers=True" if scan_layers else
+          "unstack_layer_params(params) to use a scanned checkpoint with "
+          "scan_layers=False")
+  return ValueError(f"Block parameters not found: the parameter tree does not "
+                    f"match scan_layers={scan_layers}. Call probjax_hk.{hint}. ({e})")
 
 
 _UNROLLED_SEGMENT = re.compile(r"(^|/)block_(\d+)(/|$)")
