@@ -545,7 +545,8 @@ class MoELayer(hk.Module):
   in the input's dtype. The router computes in float32 whatever the input.
 
   State written with `hk.set_state` on every call (use `hk.transform_with_state`)
-  so that a training loop can add `aux_loss` to its loss and log the rest:
+  so that a training loop can add `aux_loss` to its loss and log the rest::
+
     aux_loss:            load_balance_loss_weight * load_balance_loss
                          + router_z_loss_weight * router_z_loss   (scalar, f32)
     load_balance_loss:   Switch's `E * sum_e f_e P_e` (1.0 when balanced)
@@ -560,6 +561,7 @@ class MoELayer(hk.Module):
   Routing is per token, so every split computes the same function, and the
   aux losses and `tokens_per_expert` are reduced over all T tokens (equal to
   one device's).
+
   - Data parallel (no `expert_axis`): the tokens split like the batch, over
     the mesh axes `x` is sharded over (Explicit types) or, for Auto axes, over
     the longest run of the mesh's axes whose product divides T. Each device

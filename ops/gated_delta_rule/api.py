@@ -24,14 +24,14 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
                      chunk_size: int | None = None,
                      implementation: _backend.Implementation = None
                      ) -> tuple[jax.Array, jax.Array]:
-  """The gated delta rule, state `M = S^T` in the [K, V] layout of `ops.ssd`.
+  """The gated delta rule, state `M = S^T` in the [K, V] layout of `ops.ssd`::
 
       S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
       y_t = scale * S_t q_t
 
   Args:
     q: [B, T, N, K] queries, or [B, T, G, K] shared by N // G heads.
-    k: keys, the shape of `q` (L2-normalize them: the rule assumes |k| = 1).
+    k: keys, the shape of `q` (L2-normalize them: the rule assumes `|k| = 1`).
     v: [B, T, N, V] values; sets the output dtype.
     log_decay: [B, T, N] log of the decay gate alpha (<= 0).
     beta: [B, T, N] write strength in [0, 1].

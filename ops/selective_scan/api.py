@@ -60,7 +60,7 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                    initial_state: jax.Array | None = None, reverse: bool = False,
                    implementation: _backend.Implementation = None
                    ) -> tuple[jax.Array, jax.Array]:
-  """The selective scan.
+  """The selective scan::
 
       delta = softplus(delta + delta_bias)           (each part optional)
       h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t  # [B, D, S]

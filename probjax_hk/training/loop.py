@@ -295,9 +295,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     parameter_sharding: how the parameters and their optimizer state are
       placed on the mesh (Haiku state is always replicated; D devices; P, O
       the bytes of the parameters and optimizer state):
-      'replicated': a full copy on every device (data parallelism; P + O per
+
+      - 'replicated': a full copy on every device (data parallelism; P + O per
         device; one gradient all-reduce per step).
-      'fsdp' (ZeRO-3): each parameter of at least `training.FSDP_MIN_SIZE`
+      - 'fsdp' (ZeRO-3): each parameter of at least `training.FSDP_MIN_SIZE`
         (1024) elements is split over all the mesh's devices along its
         largest dimension divisible by D (the last such on a tie; see
         `training.fsdp_spec`, which a callable can reuse), its
@@ -306,12 +307,13 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         whole parameters of the layers being computed: XLA all-gathers each
         sharded parameter where it is used (per layer inside the scan under
         `scan_layers=True`) and reduces each gradient onto its shards.
-      A callable `(path, leaf) -> jax.sharding.PartitionSpec | None`: the
+      - A callable `(path, leaf) -> jax.sharding.PartitionSpec | None`: the
         spec of each parameter (None: replicated), for tensor or expert
         parallelism; `path` is the parameter's keys joined by '/'
         ('transformer/block_0/attention/query/w'); the optimizer state
         follows. Memory: each leaf's size over the product of the sizes of
         the mesh axes its spec names.
+
       `FitResult.params` and `opt_state` come back with these shardings.
     donate: donate the training state's buffers to the step (saves memory;
       the state is fit()'s own copy, never the caller's arrays).
