@@ -26,6 +26,7 @@ from probjax_hk.arguments import check_positive_ints
 from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
@@ -116,19 +117,37 @@ class GatedDeltaNetCell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(self._sequence, u, reverse)
+    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
+
+  @hk.name_like("__call__")
+  def prefill(self, u: jax.Array, state=None):
+    """The sequence path that also returns its final state.
+
+    Args:
+      u: [B, T, H].
+      state: None (zeros: u starts the sequence) or the state to continue
+        from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in u's dtype, the state after u's last step).
+    """
+    check_prefill("u", u, state, self._state_shapes)
+    return self._sequence(u, state)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array) -> jax.Array:
-    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+  def _sequence(self, u: jax.Array, state=None):
+    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
+    conv_state, ssm_state = (None, None) if state is None else state
     model_dim, heads, p = self._dims(u.shape[-1])
     qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u)
     w, b = conv_params(self.conv_width, qkv.shape[-1])
-    q, k, v = self._qkv(jax.nn.silu(causal_conv(qkv, w, b)), heads, p)
+    qkv, conv_state = causal_conv(qkv, w, b, conv_state)
+    q, k, v = self._qkv(jax.nn.silu(qkv), heads, p)
     log_alpha, beta = self._gates(u, heads)
-    o, _ = ops.gated_delta_rule(q, k, v, log_alpha, beta, chunk_size=self.chunk_size,
-                                implementation=self.implementation)
-    return self._finish(o, u, model_dim)
+    o, ssm_state = ops.gated_delta_rule(q, k, v, log_alpha, beta, initial_state=ssm_state,
+                                        chunk_size=self.chunk_size,
+                                        implementation=self.implementation)
+    return self._finish(o, u, model_dim), (conv_state, ssm_state)
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):

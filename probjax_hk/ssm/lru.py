@@ -24,6 +24,7 @@ import ops
 from ops import _backend
 from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 
@@ -109,6 +110,27 @@ class LRUCell(hk.Module):
       [B, T, H] in `x`'s dtype.
     """
     check_tokens(x)
+    return self._sequence(x, reverse=reverse)[0]
+
+  @hk.name_like("__call__")
+  def prefill(self, x: jax.Array, state: jax.Array | None = None
+              ) -> tuple[jax.Array, jax.Array]:
+    """The sequence path that also returns its final state.
+
+    Args:
+      x: [B, T, H].
+      state: None (zeros: x starts the sequence) or the [B, N] state to
+        continue from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in x's dtype, the [B, N] complex64 state after x's last step).
+    """
+    check_prefill("x", x, state, self._state_shapes)
+    return self._sequence(x, state)
+
+  @hk.transparent
+  def _sequence(self, x, state=None, *, reverse=False):
+    """x [B, T, H], state [B, N] or None -> (y [B, T, H], final state [B, N])."""
     lam, b, c, d = self._params(x.shape[-1])
     xf = x.astype(jnp.float32)
     # Real products on the real and imaginary parts: a real input times a
@@ -117,9 +139,10 @@ class LRUCell(hk.Module):
     # against `lax.complex` and `.real`/`.imag` in XLA instead of copying.
     bu = jax.lax.complex(xf @ b.real, xf @ b.imag)                     # [B, T, N]
     # lam [N] is the same at every step: the kernel reads it once per program.
-    h, _ = ops.linear_scan(lam, bu, reverse=reverse, implementation=self.implementation)
+    h, state = ops.linear_scan(lam, bu, initial_state=state, reverse=reverse,
+                               implementation=self.implementation)
     y = h.real @ c.real - h.imag @ c.imag + d * xf                      # Re(h c), [B, T, H]
-    return y.astype(x.dtype)
+    return y.astype(x.dtype), state
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int) -> jax.Array:

@@ -26,8 +26,11 @@ from ops.selective_scan.reference import finish_output
 from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
+from probjax_hk.ssm.mamba2 import causal_conv
+from probjax_hk.ssm.mamba2 import causal_conv_step
 
 
 class MambaCell(hk.Module):
@@ -126,26 +129,43 @@ class MambaCell(hk.Module):
       [B, T, H] in `x`'s dtype.
     """
     check_tokens(x)
-    h, inner, state, rank = self._dims(x.shape[-1])
+    return self._sequence(x, reverse=reverse)[0]
+
+  @hk.name_like("__call__")
+  def prefill(self, x: jax.Array, state=None):
+    """The sequence path that also returns its final state.
+
+    Args:
+      x: [B, T, H].
+      state: None (zeros: x starts the sequence) or the state to continue
+        from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in x's dtype, the state after x's last step).
+    """
+    check_prefill("x", x, state, self._state_shapes)
+    return self._sequence(x, state)
+
+  @hk.transparent
+  def _sequence(self, x, state=None, *, reverse=False):
+    """x [B, T, H], state or None -> (y [B, T, H], final state); `reverse`
+    returns no conv state."""
+    conv_state, ssm_state = (None, None) if state is None else state
+    h, inner, state_dim, rank = self._dims(x.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x)           # [B, T, 2E]
     xi, z = jnp.split(xz, 2, axis=-1)
     w, b = self._conv_params(inner)
-    width = self.conv_width
-    # y_t = sum_k w[k] x_{t - (W-1) + k}; reversed time mirrors the window.
-    pad = ((0, 0), (0, width - 1), (0, 0)) if reverse else ((0, 0), (width - 1, 0), (0, 0))
-    xp = jnp.pad(xi, pad)
-    time = x.shape[1]
-    conv = b.astype(x.dtype) + sum(
-        w[k].astype(x.dtype) * (xp[:, width - 1 - k:width - 1 - k + time] if reverse
-                                else xp[:, k:k + time])
-        for k in range(width))
+    if reverse:  # Reversed time mirrors the window: the causal conv of the flipped input.
+      conv = causal_conv(xi[:, ::-1], w, b)[0][:, ::-1]
+    else:
+      conv, conv_state = causal_conv(xi, w, b, conv_state)
     xc = jax.nn.silu(conv)                                               # [B, T, E]
-    delta, bm, cm = self._project(xc, state, rank)
-    a, d, dt_bias = self._ssm_params(inner, state)
-    y, _ = ops.selective_scan(xc, delta, a, bm, cm, D=d, z=z, delta_bias=dt_bias,
-                              delta_softplus=True, reverse=reverse,
-                              implementation=self.implementation)
-    return Linear(h, with_bias=False, name="out_proj")(y)
+    delta, bm, cm = self._project(xc, state_dim, rank)
+    a, d, dt_bias = self._ssm_params(inner, state_dim)
+    y, ssm_state = ops.selective_scan(xc, delta, a, bm, cm, D=d, z=z, delta_bias=dt_bias,
+                                      delta_softplus=True, initial_state=ssm_state,
+                                      reverse=reverse, implementation=self.implementation)
+    return Linear(h, with_bias=False, name="out_proj")(y), (conv_state, ssm_state)
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):
@@ -166,8 +186,7 @@ class MambaCell(hk.Module):
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x_t)         # [B, 2E]
     xi, z = jnp.split(xz, 2, axis=-1)
     w, b = self._conv_params(inner)
-    window = jnp.concatenate([conv_state.astype(xi.dtype), xi[:, None]], axis=1)  # [B, W, E]
-    conv = b.astype(xi.dtype) + jnp.sum(window * w.astype(xi.dtype), axis=1)
+    conv, conv_state = causal_conv_step(xi, conv_state, w, b)
     xc = jax.nn.silu(conv)                                               # [B, E]
     delta, bm, cm = self._project(xc, state_dim, rank)
     a, d, dt_bias = self._ssm_params(inner, state_dim)
@@ -178,4 +197,4 @@ class MambaCell(hk.Module):
     y = jnp.einsum("bes,bs->be", ssm_state, cm.astype(jnp.float32))
     y = finish_output(y, xc, d, z)
     out = Linear(h, with_bias=False, name="out_proj")(y)
-    return out, (window[:, 1:].astype(jnp.float32), ssm_state)
+    return out, (conv_state, ssm_state)

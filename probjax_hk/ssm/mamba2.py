@@ -23,6 +23,7 @@ from ops import _backend
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.ssd import decay_params
@@ -42,12 +43,23 @@ def conv_params(width: int, channels: int, name: str = "conv"):
   return w, b
 
 
-def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-  """`y_t = b + sum_k w[k] x_{t - (W-1) + k}`: x [B, T, C] -> [B, T, C] in x's dtype."""
+def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array,
+                conv_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """`y_t = b + sum_k w[k] x_{t - (W-1) + k}`, the inputs before x read from
+  `conv_state` [B, W - 1, C] (zeros when None).
+
+  Returns:
+    (y [B, T, C] in x's dtype, the last W - 1 inputs [B, W - 1, C] float32:
+    the conv_state that `causal_conv_step` continues from).
+  """
   width, time = w.shape[0], x.shape[1]
-  xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+  if conv_state is None:
+    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+  else:
+    xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)   # [B, W - 1 + T, C]
   w = w.astype(x.dtype)
-  return b.astype(x.dtype) + sum(w[k] * xp[:, k:k + time] for k in range(width))
+  y = b.astype(x.dtype) + sum(w[k] * xp[:, k:k + time] for k in range(width))
+  return y, xp[:, time:].astype(_F32)
 
 
 def causal_conv_step(x_t: jax.Array, conv_state: jax.Array, w: jax.Array,
@@ -137,21 +149,39 @@ class Mamba2Cell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(self._sequence, u, reverse)
+    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
+
+  @hk.name_like("__call__")
+  def prefill(self, u: jax.Array, state=None):
+    """The sequence path that also returns its final state.
+
+    Args:
+      u: [B, T, H].
+      state: None (zeros: u starts the sequence) or the state to continue
+        from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in u's dtype, the state after u's last step).
+    """
+    check_prefill("u", u, state, self._state_shapes)
+    return self._sequence(u, state)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array) -> jax.Array:
-    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+  def _sequence(self, u: jax.Array, state=None):
+    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
+    conv_state, ssm_state = (None, None) if state is None else state
     model_dim, _, heads = self._dims(u.shape[-1])
     z, xbc, dt = self._in_proj(u)
     w, b = conv_params(self.conv_width, xbc.shape[-1])
-    x, bm, cm = self._split_xbc(jax.nn.silu(causal_conv(xbc, w, b)))
+    xbc, conv_state = causal_conv(xbc, w, b, conv_state)
+    x, bm, cm = self._split_xbc(jax.nn.silu(xbc))
     a, dt_bias, d = decay_params(heads)
     q, k, v, log_decay = ssd_inputs(x, bm, cm, dt, a, dt_bias)
-    y, _ = ops.ssd(q, k, v, log_decay, chunk_size=self.chunk_size,
-                   implementation=self.implementation)             # [B, T, N, P]
+    y, ssm_state = ops.ssd(q, k, v, log_decay, initial_state=ssm_state,
+                           chunk_size=self.chunk_size,
+                           implementation=self.implementation)     # [B, T, N, P]
     y = y.astype(_F32) + d[:, None] * x.astype(_F32)
-    return self._finish(y, z, model_dim)
+    return self._finish(y, z, model_dim), (conv_state, ssm_state)
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):

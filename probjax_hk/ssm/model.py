@@ -15,6 +15,14 @@ The cell interface (every cell in this package, and the ones to come):
   first step.
 * `cell.step(x_t, state) -> (y_t, state)`: one step, `x_t, y_t: [B, H]`.
   Decoding a sequence step by step gives the sequence path's output.
+* `cell.prefill(x, state=None) -> (y, state)`: the sequence path (forward in
+  time) from `state` (None: zeros), returning the state after x's last step,
+  so that `step` or another `prefill` continues where x ends.
+
+The model decodes through the interface every sequence model of the library
+shares (the Transformer's too): `initial_state(batch_size, max_length=None)`,
+`prefill(x, state=None, *, max_length=None) -> (y, state)` and
+`step(x_t, state) -> (y_t, state)`.
 
 Glossary of shapes: B batch, T time, I input width, H model width, O output width.
 """
@@ -119,6 +127,13 @@ class SSMBlock(hk.Module):
     y, state = forward.step(RMSNorm(name="cell_norm")(x_t), state)
     return self._mlp(x_t + y, False), state
 
+  @hk.name_like("__call__")
+  def prefill(self, x: jax.Array, state=None):
+    """[B, T, H], state or None -> ([B, T, H], the state after x)."""
+    forward, _ = self._cells()
+    y, state = forward.prefill(RMSNorm(name="cell_norm")(x), state)
+    return self._mlp(x + y, False), state
+
 
 class SSMModel(hk.Module):
   """Input projection, `num_layers` SSM blocks, output projection."""
@@ -203,22 +218,59 @@ class SSMModel(hk.Module):
     return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h))
 
   @hk.name_like("__call__")
-  def initial_state(self, batch_size: int):
+  def initial_state(self, batch_size: int, max_length: int | None = None):
     """The decoding state before the first step.
 
     Args:
       batch_size: B.
+      max_length: unused (the state's size does not grow with the sequence);
+        taken so that every sequence model decodes through one interface.
 
     Returns:
       Per-layer cell states: a list of num_layers, or one pytree stacked on a
       leading num_layers axis when `scan_layers`.
     """
+    del max_length
     self._check_decodable()
     if self.scan_layers:
       state = self._block(stacking.SCANNED_BLOCK_NAME).initial_state(batch_size)
       return jax.tree.map(lambda s: jnp.stack([s] * self.num_layers), state)
     return [self._block(stacking.UNROLLED_BLOCK_NAME.format(i)).initial_state(batch_size)
             for i in range(self.num_layers)]
+
+  @hk.name_like("__call__")
+  def prefill(self, x: jax.Array, state=None, *, max_length: int | None = None):
+    """Runs a prompt (or the next chunk of one) in one parallel call.
+
+    The output is the sequence path's (`__call__(x)` without `state`; with
+    it, what T calls of `step` would give), and the state is the one `step`
+    continues from.
+
+    Args:
+      x: [B, T, input_dim], the next T inputs of each sequence.
+      state: None (x starts the sequences) or the state of `initial_state`,
+        `prefill` or `step`.
+      max_length: unused, as for `initial_state`.
+
+    Returns:
+      (y [B, T, output_dim] in x's dtype, the state after x's last step, in
+      the layout of `initial_state`).
+
+    Raises:
+      ValueError: for a bidirectional model, x that is not [B, T, input_dim],
+        or a state that does not fit.
+    """
+    del max_length
+    self._check_decodable()
+    if x.ndim != 3 or x.shape[-1] != self.input_dim:
+      raise ValueError(f"`x` must be [B, T, input_dim={self.input_dim}], got {x.shape}")
+    if state is not None:
+      self._check_layer_states(state)
+    h = Linear(self.model_dim, name="input_proj")(x)                  # [B, T, H]
+    h, state = stacking.apply_stack_with_states(
+        lambda name: self._block(name).prefill, self.num_layers, h, state,
+        scan_layers=self.scan_layers)
+    return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h)), state
 
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state):
@@ -236,17 +288,9 @@ class SSMModel(hk.Module):
       raise ValueError(f"`x_t` must be [B, input_dim={self.input_dim}], got {x_t.shape}")
     self._check_layer_states(state)
     h = Linear(self.model_dim, name="input_proj")(x_t)
-    if self.scan_layers:
-      def one_layer(h, layer_state):
-        return self._block(stacking.SCANNED_BLOCK_NAME).step(h, layer_state)
-      h, state = hk.layer_stack(self.num_layers, with_per_layer_inputs=True,
-                                name=stacking.SCANNED_STACK_NAME)(one_layer)(h, state)
-    else:
-      new_state = []
-      for i in range(self.num_layers):
-        h, s = self._block(stacking.UNROLLED_BLOCK_NAME.format(i)).step(h, state[i])
-        new_state.append(s)
-      state = new_state
+    h, state = stacking.apply_stack_with_states(
+        lambda name: self._block(name).step, self.num_layers, h, state,
+        scan_layers=self.scan_layers)
     return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h)), state
 
   def _check_layer_states(self, state):

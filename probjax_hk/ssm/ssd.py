@@ -25,6 +25,7 @@ from probjax_hk.arguments import check_positive_ints
 from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 
@@ -150,21 +151,36 @@ class SSDCell(hk.Module):
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(self._sequence, u, reverse)
+    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
+
+  @hk.name_like("__call__")
+  def prefill(self, u: jax.Array, state=None):
+    """The sequence path that also returns its final state.
+
+    Args:
+      u: [B, T, H].
+      state: None (zeros: u starts the sequence) or the state to continue
+        from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in u's dtype, the state [B, N, S, P] after u's last step).
+    """
+    check_prefill("u", u, state, self._state_shapes)
+    return self._sequence(u, state)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array) -> jax.Array:
-    """The forward-in-time sequence path: [B, T, H] -> [B, T, H]."""
+  def _sequence(self, u: jax.Array, state=None):
+    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
     batch, time, model_dim = u.shape
     _, heads, p, _ = self._dims(model_dim)
     x, b, c, dt = self._project(u)
     a, dt_bias, d = decay_params(heads)
     q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias)
-    y, _ = ops.ssd(q, k, v, log_decay, chunk_size=self.chunk_size,
-                   implementation=self.implementation)             # [B, T, N, P]
+    y, state = ops.ssd(q, k, v, log_decay, initial_state=state, chunk_size=self.chunk_size,
+                       implementation=self.implementation)         # [B, T, N, P]
     y = y.astype(_F32) + d[:, None] * x.astype(_F32)
     y = y.astype(u.dtype).reshape(batch, time, heads * p)
-    return Linear(model_dim, with_bias=False, name="out_proj")(y)
+    return Linear(model_dim, with_bias=False, name="out_proj")(y), state
 
   @hk.name_like("__call__")
   def initial_state(self, batch_size: int):

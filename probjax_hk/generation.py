@@ -1,0 +1,253 @@
+"""Autoregressive generation: `TokenModel` (tokens in, logits out) and `generate`.
+
+Glossary of shapes: B batch, T prompt tokens, G generated tokens, V vocabulary,
+E embedding width.
+
+Every sequence model of the library decodes through one interface:
+`initial_state(batch_size, max_length)`, `prefill(x, state=None, *,
+max_length=None) -> (y, state)` (a prompt in one parallel call) and
+`step(x_t, state) -> (y_t, state)`. `TokenModel` puts an embedding in front of
+such a model and a vocabulary projection behind it; `generate` runs the prefill
+and then every step inside one compiled call:
+
+    import haiku as hk
+    import jax
+    import probjax_hk as pk
+
+    def model_fn():
+      return pk.TokenModel(
+          pk.Transformer(64, 4, 2, is_causal=True, use_rope=True), vocab_size=256)
+
+    forward = hk.transform(lambda tokens: model_fn()(tokens))   # [B, T] -> [B, T, 256]
+    params = forward.init(jax.random.key(0), prompt)            # or trained with fit()
+    tokens = pk.generate(model_fn, params, prompt, 64, rng=jax.random.key(1),
+                         temperature=0.8, top_k=40)             # [B, 64] int32
+
+`model_fn` builds the same modules as the training forward pass, so the
+parameters fit; an `SSMModel` body works the same way.
+"""
+
+import functools
+from typing import Any, Callable
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from probjax_hk import arguments
+from probjax_hk import layers
+
+
+def _check_token_array(name: str, tokens, ndim: int) -> None:
+  shape = "[B, T]" if ndim == 2 else "[B]"
+  if jnp.ndim(tokens) != ndim or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+    raise ValueError(f"`{name}` must be {shape} integer tokens, got shape "
+                     f"{jnp.shape(tokens)} and dtype {jnp.result_type(tokens)}")
+
+
+class TokenModel(hk.Module):
+  """A sequence model over discrete tokens: an embedding in, logits out.
+
+      logits = Linear(vocab_size)(body(embedding[tokens]))
+
+  `body` is any sequence model of the library (a causal `Transformer`, an
+  `SSMModel`), or any module with the decoding interface (see the module
+  docstring); `TokenModel` has the same interface over tokens, which is what
+  `generate` drives.
+  """
+
+  def __init__(self, body: Any, vocab_size: int, *, embed_dim: int | None = None,
+               name: str | None = None):
+    """Constructs the model.
+
+    Args:
+      body: the sequence model, [B, T, E] -> [B, T, D]; for decoding it must
+        have `initial_state`, `prefill` and `step`.
+      vocab_size: V, the number of tokens.
+      embed_dim: E, the embedding width; default the body's `input_dim`
+        (SSMModel) or `model_dim` (Transformer).
+      name: module name.
+
+    Raises:
+      ValueError: for a size that is not a positive int, or no `embed_dim`
+        for a body that has neither `input_dim` nor `model_dim`.
+    """
+    super().__init__(name=name)
+    if embed_dim is None:
+      embed_dim = getattr(body, "input_dim", None) or getattr(body, "model_dim", None)
+      if embed_dim is None:
+        raise ValueError("`embed_dim` is required for a body without `input_dim` or "
+                         f"`model_dim`, got body={type(body).__name__}")
+    arguments.check_positive_ints(vocab_size=vocab_size, embed_dim=embed_dim)
+    self.body = body
+    self.vocab_size = vocab_size
+    self.embed_dim = embed_dim
+
+  def __call__(self, tokens: jax.Array, **kwargs) -> jax.Array:
+    """The sequence path.
+
+    Args:
+      tokens: [B, T] integers in [0, V).
+      **kwargs: passed to the body (e.g. `is_training=True`).
+
+    Returns:
+      [B, T, V] logits.
+    """
+    _check_token_array("tokens", tokens, 2)
+    return self._logits(self.body(self._embed(tokens), **kwargs))
+
+  @hk.name_like("__call__")
+  def initial_state(self, batch_size: int, max_length: int | None = None):
+    """The body's decoding state before the first token.
+
+    Args:
+      batch_size: B.
+      max_length: the most tokens a sequence holds, prompt included (the
+        Transformer's cache size; an SSM ignores it).
+
+    Returns:
+      The body's state.
+    """
+    return self.body.initial_state(batch_size, max_length)
+
+  @hk.name_like("__call__")
+  def prefill(self, tokens: jax.Array, state=None, *, max_length: int | None = None):
+    """Runs a prompt in one parallel call.
+
+    Args:
+      tokens: [B, T] integers, the next T tokens of each sequence.
+      state: None (the tokens start the sequences) or a state of
+        `initial_state`, `prefill` or `step`.
+      max_length: the most tokens a sequence will hold (needed by a
+        Transformer body when `state` is None).
+
+    Returns:
+      (logits [B, T, V], the state after the tokens).
+    """
+    _check_token_array("tokens", tokens, 2)
+    y, state = self.body.prefill(self._embed(tokens), state, max_length=max_length)
+    return self._logits(y), state
+
+  @hk.name_like("__call__")
+  def step(self, tokens: jax.Array, state):
+    """One decoding step.
+
+    Args:
+      tokens: [B] integers, each sequence's next token.
+      state: a state of `initial_state`, `prefill` or `step`.
+
+    Returns:
+      (logits [B, V] of the token after it, the state).
+    """
+    _check_token_array("tokens", tokens, 1)
+    y, state = self.body.step(self._embed(tokens), state)
+    return self._logits(y), state
+
+  @hk.transparent
+  def _embed(self, tokens):
+    """[...] ints -> [..., E] float32."""
+    table = hk.get_parameter("embeddings", [self.vocab_size, self.embed_dim], jnp.float32,
+                             init=hk.initializers.TruncatedNormal())
+    return jnp.take(table, tokens, axis=0)
+
+  @hk.transparent
+  def _logits(self, y):
+    return layers.Linear(self.vocab_size, name="logits")(y)
+
+
+def _sample(logits, key, temperature, *, greedy: bool, top_k: int | None):
+  """[B, V] logits -> [B] int32 tokens."""
+  logits = logits.astype(jnp.float32)
+  if greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if top_k is not None:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]                     # [B, 1]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("model_fn", "num_tokens", "greedy", "top_k"))
+def _generate(params, prompt, rng, temperature, *, model_fn, num_tokens, greedy, top_k):
+  """The whole loop, compiled once per model_fn, shapes and static options."""
+  max_length = prompt.shape[1] + num_tokens - 1  # The last token is never fed back.
+  prefill = hk.transform(
+      lambda tokens: model_fn().prefill(tokens, max_length=max_length)).apply
+  step = hk.transform(lambda tokens, state: model_fn().step(tokens, state)).apply
+  logits, state = prefill(params, None, prompt)                       # [B, T, V]
+  vocab_size = logits.shape[-1]
+  if top_k is not None and top_k > vocab_size:
+    raise ValueError(f"`top_k` must be at most the vocabulary size {vocab_size}, got {top_k=}")
+  sample = functools.partial(_sample, temperature=temperature, greedy=greedy, top_k=top_k)
+  keys = None if greedy else jax.random.split(rng, num_tokens)
+  first = sample(logits[:, -1], None if greedy else keys[0])          # [B]
+
+  def one_step(carry, key):
+    token, state = carry
+    logits, state = step(params, None, token, state)                  # [B, V]
+    token = sample(logits, key)
+    return (token, state), token
+
+  _, rest = jax.lax.scan(one_step, (first, state), None if greedy else keys[1:],
+                         length=num_tokens - 1)                        # [G - 1, B]
+  return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
+             num_tokens: int, *, rng: jax.Array | None = None, temperature: float = 1.0,
+             top_k: int | None = None) -> jax.Array:
+  """Samples `num_tokens` tokens after a prompt, in one compiled call.
+
+  Runs `model_fn().prefill` on the prompt, then a `lax.scan` of
+  `model_fn().step`, sampling each token from the last logits (see the
+  module docstring for an example). Compiled once per `model_fn` (define it
+  once: a new function object compiles again), prompt shape, `num_tokens`,
+  `top_k` and whether decoding is greedy; the temperature, the parameters
+  and the rng are arguments of the compiled call.
+
+  Args:
+    model_fn: builds the model inside `hk.transform`; it needs
+      `prefill(tokens [B, T], *, max_length) -> (logits [B, T, V], state)` and
+      `step(tokens [B], state) -> (logits [B, V], state)` (a `TokenModel`).
+    params: the model's parameters (as from `hk.transform(...).init` of a
+      forward pass that builds the model with `model_fn`).
+    prompt: [B, T] integer tokens, T >= 1.
+    num_tokens: G >= 1, how many tokens to generate.
+    rng: a PRNG key; required unless `temperature` is 0. The same key gives
+      the same tokens.
+    temperature: >= 0; the logits are divided by it before sampling, and 0
+      decodes greedily (the argmax at every step).
+    top_k: sample among the k most likely tokens only (1 <= k <= V; ties
+      with the k-th are kept); None samples from all.
+
+  Returns:
+    [B, G] int32, the generated tokens (the prompt not included).
+
+  Raises:
+    ValueError: for a `model_fn` that is not callable, a prompt that is not
+      [B, T] integers, `num_tokens` < 1, a negative `temperature`, `top_k`
+      outside [1, V], or no `rng` when sampling.
+    TypeError: for a `temperature`, `num_tokens` or `top_k` that is not a
+      number (an integer for the last two).
+  """
+  if not callable(model_fn):
+    raise ValueError(f"`model_fn` must be a callable that builds the model, got "
+                     f"{type(model_fn).__name__}")
+  _check_token_array("prompt", prompt, 2)
+  if min(jnp.shape(prompt)) < 1:
+    raise ValueError(f"`prompt` needs at least one sequence of one token, got shape "
+                     f"{jnp.shape(prompt)}")
+  arguments.check_positive_ints(num_tokens=num_tokens)
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)):
+    raise TypeError(f"`temperature` must be a number >= 0 (0: greedy), got {temperature!r}")
+  if not temperature >= 0:
+    raise ValueError(f"`temperature` must be >= 0 (0: greedy), got {temperature=}")
+  if top_k is not None:
+    arguments.check_positive_ints(top_k=top_k)
+  greedy = temperature == 0
+  if not greedy and rng is None:
+    raise ValueError("`rng` (a PRNG key) is required to sample with temperature > 0; "
+                     "temperature=0 decodes greedily without one")
+  return _generate(params, jnp.asarray(prompt), None if greedy else rng,
+                   jnp.float32(temperature), model_fn=model_fn, num_tokens=int(num_tokens),
+                   greedy=greedy, top_k=None if top_k is None else int(top_k))
