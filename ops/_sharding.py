@@ -80,6 +80,13 @@ class Plan:
   args: tuple = ()  # the arrays (or None) the kernel path takes, in order
   layouts: tuple = ()  # their layouts
 
+  def __post_init__(self):
+    # An axis of size 1 splits nothing; shard_map would still have to make it
+    # manual, and specs naming it would then need it in `axis_names`.
+    axes = {label: tuple(a for a in used if self.mesh.shape[a] > 1)
+            for label, used in self.axes.items()}
+    object.__setattr__(self, "axes", {k: v for k, v in axes.items() if v})
+
   @property
   def splits(self) -> bool:
     return any(self.axes.values())
@@ -124,8 +131,14 @@ class Plan:
     # check_vma=False: Pallas interpret mode mixes varying and invariant values
     # inside some kernels, which the type check refuses; the types carry no
     # information here, as every split is stated by the specs.
+    # Manual over every axis not already manual, the unused ones replicated
+    # (what the partitioner does to a kernel anyway): JAX 0.11.2 runs a
+    # shard_map manual over some axes only when it is traced, and fails when it
+    # runs eagerly (as `hk.transform(f).init` does outside jit).
+    free = {a for a, t in zip(self.mesh.axis_names, self.mesh.axis_types)
+            if t != AxisType.Manual}
     return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs,
-                         out_specs=out_specs, axis_names=set(self.used_axes),
+                         out_specs=out_specs, axis_names=free,
                          check_vma=False)(*placed)
 
   @property

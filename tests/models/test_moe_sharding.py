@@ -152,6 +152,16 @@ with jax.set_mesh(mesh):  # experts placed over the wrong axis: no silent regath
   except ValueError as e:
     errors["misplaced"] = str(e)
 out["errors"] = errors
+
+# Run eagerly (as `init` runs outside jit) on a mesh with a size-1 axis: the
+# experts' shard_map is manual over every axis, which JAX needs off jit.
+mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(1, 8), ("data", "expert"))
+eager = make(8, expert_axis="expert")
+with jax.set_mesh(mesh):
+  eager_params, eager_state = eager.init(jax.random.PRNGKey(1), x)
+  y_eager, _ = eager.apply(eager_params, eager_state, None, x)
+y_whole, _ = make(8).apply(eager_params, {}, None, x)
+out["eager_size1_diff"] = float(jnp.max(jnp.abs(y_eager - y_whole)))
 print("RESULT" + json.dumps(out))
 '''
 
@@ -164,6 +174,7 @@ def _run_script():
 
 def test_moe_sharding_on_8_cpu_devices():
   out = _run_script()
+  assert out.pop("eager_size1_diff") < 2e-5, out  # eager, on a mesh with a size-1 axis
   for name, case in out.items():
     if name == "errors":
       continue
