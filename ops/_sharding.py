@@ -80,13 +80,6 @@ class Plan:
   args: tuple = ()  # the arrays (or None) the kernel path takes, in order
   layouts: tuple = ()  # their layouts
 
-  def __post_init__(self):
-    # An axis of size 1 splits nothing; shard_map would still have to make it
-    # manual, and specs naming it would then need it in `axis_names`.
-    axes = {label: tuple(a for a in used if self.mesh.shape[a] > 1)
-            for label, used in self.axes.items()}
-    object.__setattr__(self, "axes", {k: v for k, v in axes.items() if v})
-
   @property
   def splits(self) -> bool:
     return any(self.axes.values())

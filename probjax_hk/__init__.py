@@ -4,11 +4,15 @@ Models are `hk.Module`s used inside `hk.transform`; the hot paths are the
 Pallas kernels of the top-level `ops` package.
 """
 
+from probjax_hk.attention import cached_attention
 from probjax_hk.attention import choose_attention_implementation
 from probjax_hk.attention import dot_product_attention
+from probjax_hk.attention import KVCache
 from probjax_hk.attention import MultiHeadAttention
 from probjax_hk import diffusion
 from probjax_hk.diffusion_transformer import DiffusionTransformer
+from probjax_hk.generation import generate
+from probjax_hk.generation import TokenModel
 from probjax_hk.layers import AdaLNModulation
 from probjax_hk.layers import LayerNorm
 from probjax_hk.layers import Linear
@@ -36,10 +40,12 @@ from probjax_hk.training import fit_model
 from probjax_hk.training import FitResult
 from probjax_hk.training import load_checkpoint
 from probjax_hk.transformer import Transformer
+from probjax_hk.transformer import TransformerState
 from probjax_hk.unet import UNet
 
 __all__ = (
     "AdaLNModulation",
+    "cached_attention",
     "choose_attention_implementation",
     "diffusion",
     "DiffusionTransformer",
@@ -60,6 +66,7 @@ __all__ = (
     "modulate",
     "expert_parameter_sharding",
     "MoELayer",
+    "KVCache",
     "MultiHeadAttention",
     "remat_policy_names",
     "RMSNorm",
@@ -70,6 +77,9 @@ __all__ = (
     "stack_layer_params",
     "TimestepEmbedding",
     "Transformer",
+    "TransformerState",
+    "TokenModel",
+    "generate",
     "UNet",
     "unstack_layer_params",
 )
