@@ -60,7 +60,7 @@ class GatedDeltaNetCell(hk.Module):
     """Constructs the cell.
 
     Args:
-      num_heads: N.
+      num_heads: N, the number of heads.
       head_dim: P (key and value size per head); defaults to
         `model_dim // num_heads`.
       conv_width: W (>= 1), the short convolutions on q, k and v.

@@ -88,7 +88,7 @@ class Mamba2Cell(hk.Module):
     Args:
       expand: E / H, an integer >= 1.
       head_dim: P; must divide E.
-      state_dim: S.
+      state_dim: S, the state size of each head.
       conv_width: W (>= 1).
       ngroups: G, the number of B/C groups; must divide the number of heads.
       model_dim: H (SSMModel passes it; inferred from the input otherwise,

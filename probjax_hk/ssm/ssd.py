@@ -110,7 +110,7 @@ class SSDCell(hk.Module):
     """Constructs the cell.
 
     Args:
-      num_heads: N.
+      num_heads: N, the number of heads.
       head_dim: P; defaults to `model_dim // num_heads`.
       state_dim: S, the key size of each head's state.
       model_dim: H (SSMModel passes it; inferred from the input otherwise,
