@@ -36,6 +36,20 @@ class Linear(hk.Module):
                w_init: hk.initializers.Initializer | None = None,
                b_init: hk.initializers.Initializer | None = None,
                name: str | None = None):
+    """Constructs the layer.
+
+    Args:
+      output_size: the output width, an integer >= 1.
+      with_bias: add a bias `b` of shape [output_size].
+      w_init: initializer of the [D_in, output_size] weight; None draws from
+        a truncated normal of stddev `1 / sqrt(D_in)`.
+      b_init: initializer of the bias; None gives zeros.
+      name: module name.
+
+    Raises:
+      TypeError: `output_size` is not an integer.
+      ValueError: `output_size` is below 1.
+    """
     super().__init__(name=name)
     arguments.check_positive_ints(output_size=output_size)
     self.output_size = output_size
@@ -44,7 +58,14 @@ class Linear(hk.Module):
     self.b_init = b_init or jnp.zeros
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """[..., D_in] -> [..., output_size]."""
+    """Applies the layer: [..., D_in] -> [..., output_size].
+
+    Args:
+      x: [..., D_in], any float dtype.
+
+    Returns:
+      [..., output_size] in `x`'s dtype.
+    """
     input_size = x.shape[-1]
     w_init = self.w_init or hk.initializers.TruncatedNormal(1.0 / math.sqrt(input_size))
     w = hk.get_parameter("w", [input_size, self.output_size], jnp.float32, init=w_init)
@@ -60,12 +81,27 @@ class RMSNorm(hk.Module):
 
   def __init__(self, *, eps: float = 1e-6, create_scale: bool = True,
                name: str | None = None):
+    """Constructs the norm.
+
+    Args:
+      eps: added to the mean square before its reciprocal square root.
+      create_scale: learn a per-feature scale of shape [D], initialized to
+        ones; False leaves `x / rms(x)` unscaled.
+      name: module name.
+    """
     super().__init__(name=name)
     self.eps = eps
     self.create_scale = create_scale
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """[..., D] -> [..., D]."""
+    """Normalizes the last axis: [..., D] -> [..., D].
+
+    Args:
+      x: [..., D], any float dtype.
+
+    Returns:
+      [..., D] in `x`'s dtype.
+    """
     scale = (hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
              if self.create_scale else None)
     return lean_backward.rms_norm(x, scale, self.eps)
@@ -80,13 +116,30 @@ class LayerNorm(hk.Module):
 
   def __init__(self, *, eps: float = 1e-6, create_scale: bool = True,
                create_offset: bool = True, name: str | None = None):
+    """Constructs the norm.
+
+    Args:
+      eps: added to the variance before its reciprocal square root.
+      create_scale: learn a per-feature scale of shape [D], initialized to
+        ones.
+      create_offset: learn a per-feature offset of shape [D], initialized to
+        zeros.
+      name: module name.
+    """
     super().__init__(name=name)
     self.eps = eps
     self.create_scale = create_scale
     self.create_offset = create_offset
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """[..., D] -> [..., D]."""
+    """Normalizes the last axis: [..., D] -> [..., D].
+
+    Args:
+      x: [..., D], any float dtype.
+
+    Returns:
+      [..., D] in `x`'s dtype.
+    """
     scale = (hk.get_parameter("scale", [x.shape[-1]], jnp.float32, init=jnp.ones)
              if self.create_scale else None)
     offset = (hk.get_parameter("offset", [x.shape[-1]], jnp.float32, init=jnp.zeros)
@@ -99,6 +152,22 @@ class MLP(hk.Module):
 
   def __init__(self, hidden_dim: int, *, output_dim: int | None = None,
                activation: Activation = "gelu", name: str | None = None):
+    """Constructs the block.
+
+    Args:
+      hidden_dim: F, the hidden width, an integer >= 1.
+      output_dim: the output width, an integer >= 1; None keeps the input
+        width D.
+      activation: 'gelu' (`gelu(x W_in + b_in) W_out + b_out`) or 'swiglu'
+        (one bias-free [D, 2F] input projection split into gate and value,
+        `(silu(gate) * value) W_out`, no biases).
+      name: module name.
+
+    Raises:
+      TypeError: `hidden_dim` or `output_dim` is not an integer.
+      ValueError: `activation` is neither 'gelu' nor 'swiglu', or
+        `hidden_dim` or `output_dim` is below 1.
+    """
     super().__init__(name=name)
     if activation not in ("gelu", "swiglu"):
       raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
@@ -109,7 +178,14 @@ class MLP(hk.Module):
     self.activation = activation
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    """[..., D] -> [..., output_dim or D]."""
+    """Applies the block: [..., D] -> [..., output_dim or D].
+
+    Args:
+      x: [..., D], any float dtype.
+
+    Returns:
+      [..., output_dim], or [..., D] without `output_dim`, in `x`'s dtype.
+    """
     output_dim = self.output_dim or x.shape[-1]
     if self.activation == "swiglu":
       gate_and_value = Linear(2 * self.hidden_dim, with_bias=False, name="w_in")(x)
@@ -128,20 +204,52 @@ class AdaLNModulation(hk.Module):
   """
 
   def __init__(self, model_dim: int, num_chunks: int, *, name: str | None = None):
+    """Constructs the modulation.
+
+    Args:
+      model_dim: D, the width of each vector, an integer >= 1.
+      num_chunks: how many vectors, an integer >= 1 (6 in a DiT block: shift,
+        scale and gate before attention and before the MLP).
+      name: module name.
+
+    Raises:
+      TypeError: `model_dim` or `num_chunks` is not an integer.
+      ValueError: `model_dim` or `num_chunks` is below 1.
+    """
     super().__init__(name=name)
     arguments.check_positive_ints(model_dim=model_dim, num_chunks=num_chunks)
     self.model_dim = model_dim
     self.num_chunks = num_chunks
 
   def __call__(self, cond: jax.Array) -> list[jax.Array]:
-    """[B, C] -> num_chunks arrays of [B, 1, model_dim]."""
+    """Regresses the vectors: [B, C] -> num_chunks arrays of [B, 1, model_dim].
+
+    Args:
+      cond: [B, C] conditioning vector (e.g. a timestep embedding), any
+        float dtype.
+
+    Returns:
+      A list of `num_chunks` arrays of [B, 1, model_dim] in `cond`'s dtype,
+      the singleton axis broadcasting over the tokens; all zeros at
+      initialization.
+    """
     out = Linear(self.num_chunks * self.model_dim, w_init=jnp.zeros,
                  name="projection")(jax.nn.silu(cond))
     return [c[:, None, :] for c in jnp.split(out, self.num_chunks, axis=-1)]
 
 
 def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-  """adaLN's affine modulation: `x * (1 + scale) + shift`."""
+  """adaLN's affine modulation: `x * (1 + scale) + shift`.
+
+  Args:
+    x: [B, T, D] normalized activations.
+    shift: [B, 1, D] (or any shape broadcasting against `x`), e.g. a chunk
+      of `AdaLNModulation`.
+    scale: [B, 1, D], likewise; zero leaves `x` unscaled.
+
+  Returns:
+    [B, T, D] in `x`'s dtype (`shift` and `scale` are cast to it).
+  """
   return x * (1 + scale.astype(x.dtype)) + shift.astype(x.dtype)
 
 
@@ -170,6 +278,19 @@ class TimestepEmbedding(hk.Module):
   """Sinusoidal features of `t` followed by a two-layer SiLU MLP."""
 
   def __init__(self, dim: int, *, frequency_dim: int = 256, name: str | None = None):
+    """Constructs the embedding.
+
+    Args:
+      dim: the output width, and that of the MLP's hidden layer, an integer
+        >= 1.
+      frequency_dim: the width of the sinusoidal features
+        (`sinusoidal_embedding`'s `dim`), even and >= 2.
+      name: module name.
+
+    Raises:
+      TypeError: `dim` or `frequency_dim` is not an integer.
+      ValueError: `dim` is below 1, or `frequency_dim` is odd or below 2.
+    """
     super().__init__(name=name)
     arguments.check_positive_ints(dim=dim, frequency_dim=frequency_dim)
     if frequency_dim < 2 or frequency_dim % 2:
@@ -178,7 +299,18 @@ class TimestepEmbedding(hk.Module):
     self.frequency_dim = frequency_dim
 
   def __call__(self, t: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """[B] -> [B, dim] in `dtype`."""
+    """Embeds the times: [B] -> [B, dim] in `dtype`.
+
+    Args:
+      t: [B] times, on the scale of diffusion steps (0 to 1000 in DDPM).
+      dtype: the dtype of the MLP's computation and of the output.
+
+    Returns:
+      [B, dim] in `dtype`.
+
+    Raises:
+      ValueError: `t` is not [B].
+    """
     h = sinusoidal_embedding(t, self.frequency_dim).astype(dtype)
     h = jax.nn.silu(Linear(self.dim, name="linear_1")(h))
     return Linear(self.dim, name="linear_2")(h)

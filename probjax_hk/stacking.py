@@ -170,6 +170,20 @@ def stack_layer_params(params: hk.Params) -> hk.Params:
 
   `.../block_{i}/<rest>` entries become one `.../blocks/block/<rest>` entry
   whose arrays are stacked along a new leading axis, in block order.
+
+  Args:
+    params: a Haiku parameter tree, `{module path: {name: array}}`, in the
+      unrolled layout; the blocks of one stack hold the same parameters with
+      the same shapes. Modules outside any `block_{i}` pass through as they
+      are. The tree is not modified.
+
+  Returns:
+    A new tree in the scanned layout: each stacked parameter of shape
+    [...] becomes [num_layers, ...].
+
+  Raises:
+    ValueError: the block indices of a stack are not 0, 1, ..., n - 1 (a
+      block is missing).
   """
   groups: dict[tuple[str, str], dict[int, Any]] = {}
   out = {}
@@ -192,7 +206,25 @@ def stack_layer_params(params: hk.Params) -> hk.Params:
 
 
 def unstack_layer_params(params: hk.Params) -> hk.Params:
-  """Converts a scanned (`scan_layers=True`) tree to the unrolled layout."""
+  """Converts a scanned (`scan_layers=True`) tree to the unrolled layout.
+
+  Each `.../blocks/block/<rest>` entry becomes `num_layers` entries
+  `.../block_{i}/<rest>` holding the i-th slice of every array; the inverse
+  of `stack_layer_params`.
+
+  Args:
+    params: a Haiku parameter tree, `{module path: {name: array}}`, in the
+      scanned layout: every array under `.../blocks/block/...` is
+      [num_layers, ...]. Other modules pass through as they are. The tree is
+      not modified.
+
+  Returns:
+    A new tree in the unrolled layout, each block's arrays [...].
+
+  Raises:
+    ValueError: the arrays of one stacked module disagree on `num_layers`
+      (their leading axis).
+  """
   out = {}
   for module, leaves in params.items():
     parts = module.split("/")
