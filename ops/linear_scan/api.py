@@ -18,12 +18,8 @@ from ops.linear_scan.xla import linear_scan_xla
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 
-# Measured on an H200 (BUILD_NOTES.md, "SSM scans", fifteenth session; B 8,
-# D 256): the kernel's fwd+bwd is 1.18 x (T 4096) and 1.45 x (T 16384) faster
-# than `lax.associative_scan` with a per-step complex `a`, its forward level
-# with it (0.98 / 1.02 x); with a shared decay `a` [D] (the LRU's) 1.19 /
-# 1.37 x (fwd+bwd) and 1.49 / 1.56 x (forward). So `None` picks the kernel on
-# NVIDIA GPUs for both forms.
+# The kernel beats `lax.associative_scan` on an H200 for both forms of `a`, per
+# step and shared (BUILD_NOTES.md, "SSM scans"), so `None` picks it on NVIDIA GPUs.
 _PALLAS_IS_GPU_DEFAULT = True
 
 
