@@ -23,6 +23,8 @@ general it equals `jax.nn.dot_product_attention` with the boolean mask above.
 import jax
 import jax.numpy as jnp
 
+from ops.flex_attention.reference import masked_softmax
+
 
 def window_left(local_window_size) -> int | None:
   """The left extent of `local_window_size`: `w` or `(left, right)` -> left.
@@ -82,12 +84,7 @@ def decode_attention_reference(
   logits = jnp.einsum("btkgh,bskh->bkgts", qf, k,
                       precision=jax.lax.Precision.HIGHEST) * scale
   mask = allowed_mask(lengths, seq_q, seq_kv, local_window_size)[:, None, None]
-  logits = jnp.where(mask, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.exp(logits - row_max)  # masked entries: exactly 0
-  total = jnp.sum(weights, axis=-1, keepdims=True)
-  probs = weights / jnp.where(total == 0, 1.0, total)  # empty rows: all zeros
+  probs = masked_softmax(logits, mask)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=jax.lax.Precision.HIGHEST)
   return out.reshape(batch, seq_q, num_heads, head_dim).astype(q.dtype)
 
@@ -111,12 +108,8 @@ def decode_attention_xla(
   logits = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, precision=precision,
                       preferred_element_type=jnp.float32) * scale
   mask = allowed_mask(lengths, seq_q, seq_kv, local_window_size)[:, None, None]
-  logits = jnp.where(mask, logits, -jnp.inf)  # also drops padding keys' inf/NaN
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.exp(logits - row_max)
-  total = jnp.sum(weights, axis=-1, keepdims=True)
-  probs = (weights / jnp.where(total == 0, 1.0, total)).astype(v_cache.dtype)
+  # The mask also drops the padding keys' inf/NaN logits.
+  probs = masked_softmax(logits, mask).astype(v_cache.dtype)
   # Padding values times a zero probability would still give NaN for a NaN.
   v = jnp.where(valid_keys(lengths, seq_kv), v_cache, jnp.zeros((), v_cache.dtype))
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=precision,

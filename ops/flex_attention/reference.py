@@ -74,6 +74,18 @@ def allowed_mask(batch: int, num_heads: int, seq_q: int, seq_kv: int, *,
   return mask
 
 
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+  """Softmax over the last axis of f32 `logits` where `mask` (broadcastable)
+  is True: masked entries get exactly 0, and a row with nothing allowed is all
+  zeros (its query sees no key), never NaN."""
+  logits = jnp.where(mask, logits, -jnp.inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  weights = jnp.exp(logits - row_max)
+  total = jnp.sum(weights, axis=-1, keepdims=True)
+  return weights / jnp.where(total == 0, 1.0, total)
+
+
 def flex_attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
     scale: float | None = None, segment_ids=None, local_window_size=None,
@@ -111,12 +123,7 @@ def flex_attention_reference(
   mask = allowed_mask(batch, num_heads, seq_q, seq_kv, is_causal=is_causal,
                       segment_ids=segment_ids, local_window_size=local_window_size,
                       kv_seq_lengths=kv_seq_lengths, mask_mod=mask_mod)
-  logits = jnp.where(mask, logits, -jnp.inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-  weights = jnp.exp(logits - row_max)  # masked entries: exactly 0
-  total = jnp.sum(weights, axis=-1, keepdims=True)
-  probs = weights / jnp.where(total == 0, 1.0, total)  # empty rows: all zeros
+  probs = masked_softmax(logits, mask)
   probs = probs.reshape(batch, num_kv_heads, groups, seq_q, seq_kv)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)

@@ -26,7 +26,6 @@ from probjax_hk.arguments import check_positive_ints
 from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
-from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
@@ -35,7 +34,7 @@ from probjax_hk.ssm.mamba2 import conv_params
 from probjax_hk.ssm.ssd import a_log_init
 from probjax_hk.ssm.ssd import dt_bias_init
 from probjax_hk.ssm.ssd import head_size
-from probjax_hk.ssm.ssd import time_reversed
+from probjax_hk.ssm.ssd import ChunkedSequenceCell
 
 _F32 = jnp.float32
 
@@ -45,7 +44,7 @@ def _l2_normalize(x, eps=1e-6):
   return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-class GatedDeltaNetCell(hk.Module):
+class GatedDeltaNetCell(ChunkedSequenceCell):
   """Gated DeltaNet: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])`,
@@ -114,25 +113,6 @@ class GatedDeltaNetCell(hk.Module):
     if self.use_output_gate:
       o = o * jax.nn.silu(Linear(o.shape[-1], with_bias=False, name="g_proj")(u))
     return Linear(model_dim, with_bias=False, name="out_proj")(o)
-
-  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
-
-  @hk.name_like("__call__")
-  def prefill(self, u: jax.Array, state=None):
-    """The sequence path that also returns its final state.
-
-    Args:
-      u: [B, T, H].
-      state: None (zeros: u starts the sequence) or the state to continue
-        from (`initial_state`, `prefill` or `step`).
-
-    Returns:
-      (y [B, T, H] in u's dtype, the state after u's last step).
-    """
-    check_prefill("u", u, state, self._state_shapes)
-    return self._sequence(u, state)
 
   @hk.transparent
   def _sequence(self, u: jax.Array, state=None):

@@ -23,13 +23,12 @@ from ops import _backend
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
-from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
 from probjax_hk.ssm.ssd import ssd_inputs
-from probjax_hk.ssm.ssd import time_reversed
+from probjax_hk.ssm.ssd import ChunkedSequenceCell
 
 _F32 = jnp.float32
 
@@ -71,7 +70,7 @@ def causal_conv_step(x_t: jax.Array, conv_state: jax.Array, w: jax.Array,
   return y, window[:, 1:].astype(_F32)
 
 
-class Mamba2Cell(hk.Module):
+class Mamba2Cell(ChunkedSequenceCell):
   """The Mamba-2 block: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])`,
@@ -146,25 +145,6 @@ class Mamba2Cell(hk.Module):
     y = y.reshape(*z.shape).astype(z.dtype)
     y = RMSNorm(name="norm")(y * jax.nn.silu(z))
     return Linear(model_dim, with_bias=False, name="out_proj")(y)
-
-  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
-
-  @hk.name_like("__call__")
-  def prefill(self, u: jax.Array, state=None):
-    """The sequence path that also returns its final state.
-
-    Args:
-      u: [B, T, H].
-      state: None (zeros: u starts the sequence) or the state to continue
-        from (`initial_state`, `prefill` or `step`).
-
-    Returns:
-      (y [B, T, H] in u's dtype, the state after u's last step).
-    """
-    check_prefill("u", u, state, self._state_shapes)
-    return self._sequence(u, state)
 
   @hk.transparent
   def _sequence(self, u: jax.Array, state=None):

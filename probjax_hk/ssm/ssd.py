@@ -96,7 +96,33 @@ def time_reversed(sequence_fn, u: jax.Array, reverse: bool) -> jax.Array:
     return sequence_fn(u[:, ::-1])[:, ::-1]
   return sequence_fn(u)
 
-class SSDCell(hk.Module):
+
+class ChunkedSequenceCell(hk.Module):
+  """The sequence path and prefill of the cells on the chunked ops (SSD,
+  Mamba-2, Gated DeltaNet): a subclass gives `_sequence(u, state=None) ->
+  (y, state)`, forward in time, and `_state_shapes`."""
+
+  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
+    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
+    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
+
+  @hk.name_like("__call__")
+  def prefill(self, u: jax.Array, state=None):
+    """The sequence path that also returns its final state.
+
+    Args:
+      u: [B, T, H].
+      state: None (zeros: u starts the sequence) or the state to continue
+        from (`initial_state`, `prefill` or `step`).
+
+    Returns:
+      (y [B, T, H] in u's dtype, the state after u's last step).
+    """
+    check_prefill("u", u, state, self._state_shapes)
+    return self._sequence(u, state)
+
+
+class SSDCell(ChunkedSequenceCell):
   """Multi-head SSD: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `[B, N, S, P]` float32.
@@ -148,25 +174,6 @@ class SSDCell(hk.Module):
     lead = u.shape[:-1]
     return (x.reshape(*lead, heads, p), b.reshape(*lead, heads, s),
             c.reshape(*lead, heads, s), dt)
-
-  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
-
-  @hk.name_like("__call__")
-  def prefill(self, u: jax.Array, state=None):
-    """The sequence path that also returns its final state.
-
-    Args:
-      u: [B, T, H].
-      state: None (zeros: u starts the sequence) or the state to continue
-        from (`initial_state`, `prefill` or `step`).
-
-    Returns:
-      (y [B, T, H] in u's dtype, the state [B, N, S, P] after u's last step).
-    """
-    check_prefill("u", u, state, self._state_shapes)
-    return self._sequence(u, state)
 
   @hk.transparent
   def _sequence(self, u: jax.Array, state=None):
