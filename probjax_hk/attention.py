@@ -15,15 +15,19 @@ Which kernel runs is decided in one place, `choose_attention_implementation`:
   GPUs, Pallas interpret mode elsewhere (slow; for tests). A query row that
   sees no key returns zeros (jax.nn's XLA path returns the mean of v there).
 * `None`: the fastest implementation that takes the inputs on this platform,
-  never an error for a valid input. On an NVIDIA GPU: 'flex' when it takes
-  the inputs and either H <= 32 (where it was measured faster than cuDNN) or
-  cuDNN cannot take them; else cuDNN where it fits; else XLA. Always XLA on a
-  CPU.
+  never an error for a valid input. On an NVIDIA GPU: the split-K decode
+  kernel (`ops.decode_attention`) for one query per sequence (T = 1, not
+  causal, no bias, mask or window: a decoding step against a cache); else
+  'flex' when it takes the inputs and either H <= 64 (where it was measured
+  faster than cuDNN) or cuDNN cannot take them; else cuDNN where it fits;
+  else XLA. Always XLA on a CPU.
 
-Decoding attends to a cache through one function, `cached_attention`: the
-queries of T new tokens per sequence against a [B, S, K, H] key/value cache
-with per-sequence lengths (`MultiHeadAttention.prefill` fills the cache from
-a prompt, `MultiHeadAttention.decode` extends it).
+Decoding attends to a cache with per-sequence lengths: one new token per
+sequence through the model's `attention_fn` (non-causal, the cache's valid
+slots as `key_value_seq_lengths`, so the rule above picks the decode kernel),
+several new tokens or a window through `cached_attention`
+(`MultiHeadAttention.prefill` fills the cache from a prompt,
+`MultiHeadAttention.decode` extends it).
 """
 
 from typing import Callable, Literal, NamedTuple
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
+from ops.decode_attention import api as decode_api
 from ops.flex_attention import api as flex_api
 from probjax_hk import arguments
 from probjax_hk import layers
@@ -87,31 +92,58 @@ def _flex_limit(query, bias, mask, query_seq_lengths, scale=None) -> str | None:
   return flex_api.kernel_limit(query)
 
 
+def _decode_limit(query, key, bias, mask, is_causal, local_window_size,
+                  query_seq_lengths, key_value_seq_lengths, scale) -> str | None:
+  """None when `ops.decode_attention` computes this call exactly, else why not.
+
+  Its query t sees the keys up to position lengths - T + t; for T = 1 and
+  no causal mask or window that is every valid key, as here.
+  """
+  if query.shape[1] != 1:
+    return f"the decode kernel takes one query per sequence here, got T={query.shape[1]}"
+  if is_causal or local_window_size is not None:
+    return "the decode kernel takes no causal mask or window here"
+  if bias is not None or mask is not None or query_seq_lengths is not None:
+    return "the decode kernel takes no `bias`, `mask` or `query_seq_lengths`"
+  if isinstance(scale, jax.core.Tracer):
+    return "the decode kernel needs a static `scale`"
+  lengths = key_value_seq_lengths
+  concrete = lengths is not None and not isinstance(lengths, jax.core.Tracer)
+  if concrete and np.asarray(lengths).min() < 1:
+    return "the decode kernel takes key_value_seq_lengths >= 1 (a concrete 0 was given)"
+  if query.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16) or key.dtype != query.dtype:
+    return "the decode kernel takes float32, bfloat16 or float16 with key.dtype == query.dtype"
+  return decode_api.kernel_limit(query, key)
+
+
 def choose_attention_implementation(
     query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
     mask: jax.Array | None = None, *, is_causal: bool = False,
     local_window_size: int | tuple[int, int] | None = None,
     implementation: AttentionImplementation = None,
-    query_seq_lengths: jax.Array | None = None, scale=None) -> str:
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None, scale=None) -> str:
   """The implementation `dot_product_attention` runs for these arguments.
 
   The one dispatch rule (table in BUILD_NOTES.md, "## flex_attention"):
   explicit choices are honoured or raise; `None` on a CPU (or any non-NVIDIA
-  backend) is 'xla'; on an NVIDIA GPU it is 'flex' when the kernel takes the
-  inputs and H <= FLEX_PREFERRED_MAX_HEAD_DIM (or cuDNN cannot take them),
-  else 'cudnn' when cuDNN does, else 'xla'.
+  backend) is 'xla'; on an NVIDIA GPU it is 'decode' (`ops.decode_attention`'s
+  split-K kernel) for a single non-causal query per sequence with no bias,
+  mask, window or query lengths when the kernel takes it; else 'flex' when the
+  kernel takes the inputs and H <= FLEX_PREFERRED_MAX_HEAD_DIM (or cuDNN
+  cannot take them), else 'cudnn' when cuDNN does, else 'xla'.
 
   Args:
     query: [B, T, N, H].
     key, value: [B, S, K, H].
     bias: optional, broadcastable to [B, N, T, S].
     mask: optional boolean, broadcastable to [B, N, T, S].
-    is_causal, local_window_size, query_seq_lengths, scale: as for
-      `dot_product_attention`.
+    is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
+      scale: as for `dot_product_attention`.
     implementation: None, 'xla', 'cudnn' or 'flex'.
 
   Returns:
-    'xla', 'cudnn' or 'flex'. Raises a ValueError when an explicit
+    'xla', 'cudnn', 'flex' or (for `None` only) 'decode'. Raises a ValueError when an explicit
     `implementation` cannot take the inputs (with the reason); never raises
     for `None`.
   """
@@ -125,6 +157,10 @@ def choose_attention_implementation(
     if flex_limit is not None:
       raise ValueError(f"implementation='flex' is not available: {flex_limit}")
     return "flex"
+  if (implementation is None and _backend.on_nvidia_gpu()
+      and _decode_limit(query, key, bias, mask, is_causal, local_window_size,
+                        query_seq_lengths, key_value_seq_lengths, scale) is None):
+    return "decode"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
   if (implementation is None and _backend.on_nvidia_gpu()
       and _flex_limit(query, bias, mask, query_seq_lengths, scale) is None
@@ -190,8 +226,16 @@ def dot_product_attention(
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
       local_window_size=local_window_size, implementation=implementation,
-      query_seq_lengths=query_seq_lengths, scale=scale)
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      scale=scale)
   as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+  if chosen == "decode":
+    batch, seq_kv = key.shape[:2]
+    lengths = (jnp.full((batch,), seq_kv, jnp.int32) if key_value_seq_lengths is None
+               else jnp.clip(as_int32(key_value_seq_lengths), 0, seq_kv))
+    return decode_api.decode_attention(
+        query, key, value, lengths, scale=None if scale is None else float(scale),
+        implementation="pallas")
   if chosen == "flex":
     return flex_api.flex_attention(
         query, key, value, is_causal=bool(is_causal),
@@ -223,14 +267,16 @@ class KVCache(NamedTuple):
 
 def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                      lengths: jax.Array, *, scale: float | None = None,
-                     local_window_size: int | tuple[int, int] | None = None) -> jax.Array:
+                     local_window_size: int | tuple[int, int] | None = None,
+                     implementation: _backend.Implementation = None) -> jax.Array:
   """Attention of T new tokens per sequence to a key/value cache.
 
   The decoding counterpart of causal `dot_product_attention`: query t of
   sequence b sits at position p = lengths[b] - T + t (the new tokens are the
   last T valid slots of the cache) and attends to slots s <= p, and
   s >= p - left with a window. Slots s >= lengths[b] are never attended to.
-  Every decoding path of the library attends through this one function.
+  `ops.decode_attention` computes it: its split-K kernel on NVIDIA GPUs, XLA
+  elsewhere.
 
   Args:
     query: [B, T, N, H] queries of the new tokens.
@@ -241,6 +287,8 @@ def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Ar
     scale: logit scale, default `H ** -0.5`.
     local_window_size: `left` or `(left, right)`: position p sees slots
       s >= p - left (`right` changes nothing: slots right of p are masked).
+    implementation: as for `ops.decode_attention`: None (the kernel on NVIDIA
+      GPUs when it takes the inputs), 'pallas' or 'xla'.
 
   Returns:
     [B, T, N, H] in the query's dtype (softmax in float32).
@@ -260,15 +308,10 @@ def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Ar
                                                           jnp.integer):
     raise ValueError(f"`lengths` must be [B]=({batch},) integers, got shape "
                      f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
-  positions = lengths[:, None] - time + jnp.arange(time)           # [B, T]
-  slot = jnp.arange(slots)
-  mask = slot <= positions[:, :, None]                               # [B, T, S]
-  window = _normalize_window(local_window_size)
-  if window is not None:
-    mask &= slot >= positions[:, :, None] - window[0]
-  # The XLA path for now: a split-K decode kernel takes this call's place.
-  return dot_product_attention(query, key_cache, value_cache, mask=mask[:, None],
-                               scale=scale, implementation="xla")
+  return decode_api.decode_attention(
+      query, key_cache, value_cache, jnp.asarray(lengths, jnp.int32),
+      scale=None if scale is None else float(scale),
+      local_window_size=_normalize_window(local_window_size), implementation=implementation)
 
 
 AttentionFn = Callable[..., jax.Array]
@@ -318,7 +361,8 @@ class MultiHeadAttention(hk.Module):
       attention_fn: `fn(q [B, T, N, H], k [B, S, K, H], v [B, S, K, H], *,
         is_causal, key_value_seq_lengths) -> [B, T, N, H]`, also given `bias`,
         `mask` and `local_window_size` when the call has them; default
-        `dot_product_attention`. (`decode` attends through `cached_attention`.)
+        `dot_product_attention`. (`decode` calls it for one new token per
+        sequence, else `cached_attention`.)
       with_bias: biases in the four projections.
       name: module name.
 
@@ -444,9 +488,11 @@ class MultiHeadAttention(hk.Module):
     """Causal self-attention of T new tokens per sequence after a cache.
 
     Token t of sequence b sits at position lengths[b] + t: its key and value
-    go to that slot and it attends to the slots up to its own through
-    `cached_attention` (whatever `attention_fn` is). Tokens past the cache's
-    last slot are not stored (the caller keeps lengths + T <= S).
+    go to that slot and it attends to the slots up to its own: a single token
+    (T = 1, no window) through `attention_fn` with the valid slots as
+    `key_value_seq_lengths`, several tokens or a window through
+    `cached_attention`. Tokens past the cache's last slot are not stored (the
+    caller keeps lengths + T <= S).
 
     Args:
       x: [B, T, D], the new tokens.
@@ -480,7 +526,14 @@ class MultiHeadAttention(hk.Module):
     rows = jnp.arange(batch)[:, None]
     key = key.at[rows, positions].set(k, mode="drop")
     value = value.at[rows, positions].set(v, mode="drop")
-    out = cached_attention(q, key, value, lengths + time, local_window_size=local_window_size)
+    if time == 1 and local_window_size is None:
+      # One token sees every valid slot: plain attention with key lengths,
+      # which the model's attention_fn computes (dispatching to the decode
+      # kernel on NVIDIA GPUs by default).
+      out = self.attention_fn(q, key, value, is_causal=False,
+                              key_value_seq_lengths=lengths + time)
+    else:
+      out = cached_attention(q, key, value, lengths + time, local_window_size=local_window_size)
     return self._output(out, model_dim), KVCache(key, value)
 
   def _head_dim(self, model_dim: int) -> int:

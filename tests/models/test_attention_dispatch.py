@@ -16,9 +16,9 @@ from ops import flex_attention_reference
 from probjax_hk import attention
 
 
-def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2):
+def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2, s=16):
   q = jnp.zeros((2, t, n, head_dim), dtype)
-  kv = jnp.zeros((2, t, k, head_dim), dtype)
+  kv = jnp.zeros((2, s, k, head_dim), dtype)
   return q, kv, kv
 
 
@@ -46,6 +46,16 @@ _GPU_CASES = [
     ("query lengths", dict(), dict(query_seq_lengths=jnp.array([3, 16])), "cudnn"),
     ("dense mask, f32", dict(dtype=jnp.float32), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "xla"),
     ("head size 512", dict(head_dim=512), {}, "xla"),
+    ("one query per sequence: decode kernel", dict(t=1), {}, "decode"),
+    ("one query, key lengths: decode kernel", dict(t=1),
+     dict(key_value_seq_lengths=jnp.array([3, 1])), "decode"),
+    ("one query, causal: not decode", dict(t=1), dict(is_causal=True), "flex"),
+    ("one query, window: not decode", dict(t=1), dict(local_window_size=(4, 0)), "flex"),
+    ("one query, dense mask: not decode", dict(t=1), dict(mask=jnp.ones((1, 1, 1, 16), bool)),
+     "cudnn"),
+    ("one query, a concrete key length 0: not decode", dict(t=1),
+     dict(key_value_seq_lengths=jnp.array([0, 4])), "flex"),
+    ("one query, head size 512: not decode", dict(t=1, head_dim=512), {}, "xla"),
 ]
 
 
@@ -57,9 +67,36 @@ def test_default_on_nvidia_gpu(gpu, name, shapes, options, expected):
   bias = options.pop("bias", None)
   mask = options.pop("mask", None)
   query_seq_lengths = options.pop("query_seq_lengths", None)
-  options.pop("key_value_seq_lengths", None)  # Every backend takes key lengths.
   assert attention.choose_attention_implementation(
       q, k, v, bias, mask, query_seq_lengths=query_seq_lengths, **options) == expected
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_query_runs_the_decode_kernel_and_matches_xla(gpu, monkeypatch, dtype):
+  """The decode kernel (interpret mode on a CPU) computes what XLA does for
+  one query per sequence against a padded cache, jitted, GQA, and its
+  gradients are XLA's."""
+  del gpu
+  monkeypatch.setattr(_backend, "pallas_interpret", lambda: True)
+  keys = jax.random.split(jax.random.PRNGKey(1), 3)
+  q = jax.random.normal(keys[0], (3, 1, 8, 32), dtype)
+  k = jax.random.normal(keys[1], (3, 40, 2, 32), dtype)
+  v = jax.random.normal(keys[2], (3, 40, 2, 32), dtype)
+  lengths = jnp.array([40, 17, 1])
+  assert attention.choose_attention_implementation(
+      q, k, v, key_value_seq_lengths=lengths) == "decode"
+  loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
+  ours = lambda q, k, v: pk.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                                     implementation="xla")
+  tol = 2e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v), np.float32),
+                             np.asarray(xla(q, k, v), np.float32), rtol=tol, atol=tol)
+  grads = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+  expected = jax.grad(loss(xla), argnums=(0, 1, 2))(q, k, v)
+  for got, want in zip(grads, expected):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=5 * tol, atol=5 * tol)
 
 
 def test_traced_scale_on_nvidia_gpu_is_not_flex(gpu):
