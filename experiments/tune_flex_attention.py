@@ -72,7 +72,7 @@ def _time(kernel, head_dim, causal, cand, base):
     q, k, v, do = (jax.random.normal(key, (b, t, n, head_dim), jnp.bfloat16) for key in keys)
     st, args = pallas.prepare(q, k, v, scale=head_dim ** -0.5, is_causal=causal,
                               window=None, q_segment_ids=None, kv_segment_ids=None,
-                              kv_seq_lengths=None, interpret=False, config=flex_cfg)
+                              key_value_seq_lengths=None, interpret=False, config=flex_cfg)
     if kernel == "fwd":
       return jax.jit(lambda *a: pallas._forward(st, *a)), args
     out, lse = jax.jit(lambda *a: pallas._forward(st, *a))(*args)

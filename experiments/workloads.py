@@ -187,7 +187,7 @@ def _flex_on(config_changes: dict, causal: bool):
                           **config_changes)
     return flex_pallas.flex_attention_pallas(
         q, k, v, scale=q.shape[-1] ** -0.5, is_causal=causal, window=None,
-        q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+        q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
         interpret=False, config=config)
   return fn
 

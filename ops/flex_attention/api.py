@@ -144,12 +144,12 @@ def flex_attention(
   if chosen == "xla":
     return reference.flex_attention_reference(
         q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
-        local_window_size=window, kv_seq_lengths=key_value_seq_lengths,
+        local_window_size=window, key_value_seq_lengths=key_value_seq_lengths,
         mask_mod=mask_mod, score_mod=score_mod)
   def kernel_path(q, k, v, q_ids, kv_ids, lengths):
     return pallas.flex_attention_pallas(
         q, k, v, scale=scale, is_causal=is_causal, window=window,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids, kv_seq_lengths=lengths,
+        q_segment_ids=q_ids, kv_segment_ids=kv_ids, key_value_seq_lengths=lengths,
         interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)
 
   # Query and key/value heads split together, so GQA groups stay whole.

@@ -46,7 +46,7 @@ def clip(x, lo, hi):
 
 def key_length(st, lengths_ref, index):
   """The key length of a batch row: entry `index` of the kernel's key-length
-  operand, or, when the call has no `kv_seq_lengths` (and so no such operand:
+  operand, or, when the call has no `key_value_seq_lengths` (and so no such operand:
   nothing to build or load per call), the static S of every row."""
   return st.key_length if lengths_ref is None else lengths_ref[index]
 

@@ -376,7 +376,7 @@ def _refresh(config: configs.FlexConfig, scores: int) -> str:
 
 
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,
-            q_segment_ids, kv_segment_ids, kv_seq_lengths, interpret: bool,
+            q_segment_ids, kv_segment_ids, key_value_seq_lengths, interpret: bool,
             config: configs.FlexConfig | None = None, mask_mod=None,
             score_mod=None):
   """Pads to tile multiples and fixes the static description of the call.
@@ -443,7 +443,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   tp, sp = _shapes.round_up(seq_q, q_multiple), _shapes.round_up(seq_kv, k_multiple)
 
   st = Static(scale=float(scale), left=left, right=right,
-               kv_mask=kv_seq_lengths is not None or sp != seq_kv, key_length=seq_kv,
+               kv_mask=key_value_seq_lengths is not None or sp != seq_kv, key_length=seq_kv,
                segments=q_segment_ids is not None, groups=num_heads // num_kv,
                config=config, interpret=interpret, mask_mod=mask_mod,
                score_mod=score_mod)
@@ -451,8 +451,8 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   pad = lambda x, n: _shapes.pad_axis(_shapes.pad_axis(x, 1, n), 3, hp)
   q, k, v = pad(q, tp), pad(k, sp), pad(v, sp)
   kv_len = None  # Every row has S keys: the kernels take the static length.
-  if kv_seq_lengths is not None:
-    kv_len = jnp.minimum(kv_seq_lengths.astype(jnp.int32), seq_kv)[:, None]
+  if key_value_seq_lengths is not None:
+    kv_len = jnp.minimum(key_value_seq_lengths.astype(jnp.int32), seq_kv)[:, None]
   q_seg = k_seg = None
   if st.segments:  # Padded queries see nothing (-1 matches no key).
     q_seg = _shapes.pad_axis(q_segment_ids.astype(jnp.int32), 1, tp, value=-1)
@@ -466,7 +466,7 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
         batch, num_heads, tp, sp, is_causal=is_causal,
         segment_ids=None if q_seg is None else (q_seg, k_seg),
         local_window_size=window, mask_mod=mask_mod,
-        kv_seq_lengths=dense_lengths)
+        key_value_seq_lengths=dense_lengths)
     lists = {
         "fwd": masks.tile_lists(dense, config.fwd.block_q, config.fwd.block_k, batch, num_heads),
         "dq": masks.tile_lists(dense, config.dq.block_q, config.dq.block_k, batch, num_heads),
@@ -480,7 +480,7 @@ def flex_attention_pallas(
     q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     is_causal: bool, window: tuple[int | None, int | None] | None,
     q_segment_ids: jax.Array | None, kv_segment_ids: jax.Array | None,
-    kv_seq_lengths: jax.Array | None, interpret: bool,
+    key_value_seq_lengths: jax.Array | None, interpret: bool,
     config: configs.FlexConfig | None = None, mask_mod=None,
     score_mod=None) -> jax.Array:
   """The kernel path of `ops.flex_attention` (inputs already validated).
@@ -490,7 +490,7 @@ def flex_attention_pallas(
     scale: logit scale.
     is_causal, window: the static part of the mask.
     q_segment_ids: [B, T] int or None; kv_segment_ids: [B, S] int or None.
-    kv_seq_lengths: [B] int or None.
+    key_value_seq_lengths: [B] int or None.
     interpret: run the kernels in Pallas interpret mode.
     config: tiling; default from `configs.get_config`.
     mask_mod: `(b, n, t, s) -> bool` on broadcastable int32 index arrays.
@@ -502,7 +502,7 @@ def flex_attention_pallas(
   seq_q, head_dim = q.shape[1], q.shape[3]
   st, args = prepare(q, k, v, scale=scale, is_causal=is_causal, window=window,
                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                     kv_seq_lengths=kv_seq_lengths, interpret=interpret,
+                     key_value_seq_lengths=key_value_seq_lengths, interpret=interpret,
                      config=config, mask_mod=mask_mod, score_mod=score_mod)
   out = _flex_shared(st, *args)
   return out[:, :seq_q, :, :head_dim]

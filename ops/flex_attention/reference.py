@@ -12,7 +12,7 @@ to key s when
   * `is_causal`: s <= t (top-left aligned when T != S),
   * `local_window_size=(left, right)`: t - left <= s <= t + right,
   * `segment_ids`: the query's and the key's segment ids are equal,
-  * `kv_seq_lengths`: s < kv_seq_lengths[b],
+  * `key_value_seq_lengths`: s < key_value_seq_lengths[b],
   * `mask_mod(b, n, t, s)` is True.
 A query row that may attend to no key returns zeros (never NaN).
 """
@@ -47,7 +47,7 @@ def split_segment_ids(segment_ids):
 
 def allowed_mask(batch: int, num_heads: int, seq_q: int, seq_kv: int, *,
                  is_causal: bool = False, segment_ids=None,
-                 local_window_size=None, kv_seq_lengths=None,
+                 local_window_size=None, key_value_seq_lengths=None,
                  mask_mod: MaskMod | None = None) -> jax.Array:
   """[B, N or 1, T, S] boolean: True where query t may attend to key s."""
   t = jnp.arange(seq_q)[:, None]  # [T, 1]
@@ -65,8 +65,8 @@ def allowed_mask(batch: int, num_heads: int, seq_q: int, seq_kv: int, *,
   q_ids, kv_ids = split_segment_ids(segment_ids)
   if q_ids is not None:
     mask &= (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]  # [B, 1, T, S]
-  if kv_seq_lengths is not None:
-    mask &= (s[None] < kv_seq_lengths[:, None, None])[:, None]
+  if key_value_seq_lengths is not None:
+    mask &= (s[None] < key_value_seq_lengths[:, None, None])[:, None]
   if mask_mod is not None:
     b = jnp.arange(batch)[:, None, None, None]
     n = jnp.arange(num_heads)[None, :, None, None]
@@ -89,14 +89,14 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
 def flex_attention_reference(
     q: jax.Array, k: jax.Array, v: jax.Array, *, is_causal: bool = False,
     scale: float | None = None, segment_ids=None, local_window_size=None,
-    kv_seq_lengths: jax.Array | None = None, mask_mod: MaskMod | None = None,
+    key_value_seq_lengths: jax.Array | None = None, mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None, return_lse: bool = False):
   """Masked softmax attention, computed densely in float32.
 
   Args:
     q: [B, T, N, H].
     k, v: [B, S, K, H], N a multiple of K.
-    is_causal, segment_ids, local_window_size, kv_seq_lengths, mask_mod: the
+    is_causal, segment_ids, local_window_size, key_value_seq_lengths, mask_mod: the
       mask (module docstring).
     scale: logit scale, default H ** -0.5.
     score_mod: `score_mod(score, b, n, t, s)` applied to the scaled logits.
@@ -122,7 +122,7 @@ def flex_attention_reference(
     logits = score_mod(logits, b, n, t, s).astype(jnp.float32)
   mask = allowed_mask(batch, num_heads, seq_q, seq_kv, is_causal=is_causal,
                       segment_ids=segment_ids, local_window_size=local_window_size,
-                      kv_seq_lengths=kv_seq_lengths, mask_mod=mask_mod)
+                      key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod)
   probs = masked_softmax(logits, mask)
   probs = probs.reshape(batch, num_kv_heads, groups, seq_q, seq_kv)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v.astype(jnp.float32),

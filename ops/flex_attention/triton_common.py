@@ -27,7 +27,7 @@ class Static:
   left: int | None  # keys s >= t - left are open (None: unbounded)
   right: int | None  # keys s <= t + right are open (causal: 0)
   kv_mask: bool  # key lengths vary or Sp > S: mask s >= kv_len
-  key_length: int  # S; every row's key length unless `kv_seq_lengths` is given
+  key_length: int  # S; every row's key length unless `key_value_seq_lengths` is given
   segments: bool  # segment ids given
   groups: int  # G query heads per key/value head
   config: configs.FlexConfig

@@ -144,6 +144,6 @@ def test_explicit_flex_runs_the_kernel_on_cpu():
                                           key_value_seq_lengths=lengths,
                                           local_window_size=(6, 0), implementation="xla")
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=2e-5, atol=2e-5)
-  ref = flex_attention_reference(q, k, v, is_causal=True, kv_seq_lengths=lengths,
+  ref = flex_attention_reference(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
                                  local_window_size=(6, 0))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)

@@ -75,11 +75,11 @@ def test_triton_forward_matches_reference(name, frozen):
      dict(is_causal=True)),
     # Ping-pong turns, a window on both sides and key lengths.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64),
-     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+     dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # The row sums on the tensor cores: the window's masked tiles after the
     # kept-maxima ones run online and must rescale the sums' accumulator.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True),
-     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+     dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # `frozen_masked_tiles`: the causal diagonal tiles, a window's right edge
     # and the key lengths' last tile on the kept maxima, their closed keys
     # at p = 0; the window's left-edge tiles come first and stay online.
@@ -87,11 +87,11 @@ def test_triton_forward_matches_reference(name, frozen):
                                 frozen_masked_tiles=True), dict(is_causal=True)),
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True,
                                 frozen_masked_tiles=True),
-     dict(local_window_size=(150, 100), kv_seq_lengths=np.array([256, 200]))),
+     dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # A masked tile first, where rows 255 and up see no key (their window
     # starts at key 64), and an open one next: that one must run online.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, frozen_masked_tiles=True),
-     dict(local_window_size=(191, 100), kv_seq_lengths=np.array([256, 200]))),
+     dict(local_window_size=(191, 100), key_value_seq_lengths=np.array([256, 200]))),
     # The H64 entry's short causal walk: persistent, heaviest items first,
     # the next query tile prefetched, with the turns.
     (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True,
@@ -113,7 +113,7 @@ def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   q, k, v, w = mosaic_tests._inputs(2, 256, 256, 4, 2, 64, jnp.bfloat16)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
                          window=options.get("local_window_size"), q_segment_ids=None,
-                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
                          config=config)
   assert st.config.mosaic_fwd is not None and st.config.fwd_softmax == "first_tile_max"
   out, grads = jax.jit(functools.partial(
@@ -138,7 +138,7 @@ def _far_above_the_first_tile():
 def _forward(q, k, v):
   st, args = pallas.prepare(q, k, v, scale=q.shape[-1] ** -0.5, is_causal=False,
                             window=None, q_segment_ids=None, kv_segment_ids=None,
-                            kv_seq_lengths=None, interpret=True)
+                            key_value_seq_lengths=None, interpret=True)
   return pallas._forward(st, *args)[0][:, :q.shape[1]]
 
 
@@ -169,7 +169,7 @@ def test_far_key_on_the_diagonal_is_recomputed(frozen_masked_tiles, monkeypatch)
   def forward():  # the forward alone, not cached: the second call runs without the pass
     st, args = pallas.prepare(q, k, v, scale=32 ** -0.5, is_causal=True, window=None,
                               q_segment_ids=None, kv_segment_ids=None,
-                              kv_seq_lengths=None, interpret=True, config=config)
+                              key_value_seq_lengths=None, interpret=True, config=config)
     assert st.config.mosaic_fwd == tiles
     return pallas._forward(st, *args)[0]
   expected = flex_tests.flex_attention_reference(q, k, v, is_causal=True)
@@ -184,7 +184,7 @@ def test_far_key_on_the_diagonal_is_recomputed(frozen_masked_tiles, monkeypatch)
 @pytest.mark.parametrize("options", [
     {},
     dict(mask_mod=lambda b, n, t, s: s != 64 + t // 32),  # a key closed per query tile
-    dict(kv_seq_lengths=np.array([57, 80])),
+    dict(key_value_seq_lengths=np.array([57, 80])),
 ])
 def test_second_pass_recomputes_only_flagged_tiles_in_groups(options, frozen, monkeypatch):
   """Twelve query tiles in groups of four per program of the second pass, two
@@ -205,7 +205,7 @@ def test_second_pass_recomputes_only_flagged_tiles_in_groups(options, frozen, mo
   def fn():  # the forward alone, not cached: the second call runs without the pass
     st, args = pallas.prepare(q, k, v, scale=32 ** -0.5, is_causal=False, window=None,
                               q_segment_ids=None, kv_segment_ids=None, interpret=True,
-                              kv_seq_lengths=options.get("kv_seq_lengths"),
+                              key_value_seq_lengths=options.get("key_value_seq_lengths"),
                               mask_mod=options.get("mask_mod"))
     *args, lists = args
     return pallas._forward(st, *args, None if lists is None else lists["fwd"])
@@ -245,7 +245,7 @@ def test_which_calls_take_the_first_tile_max(dtype, mosaic_fwd, mods, expected):
   config = dataclasses.replace(_FROZEN, mosaic_fwd=mosaic_fwd)
   q = jnp.zeros((1, 256, 2, 64), dtype)
   st, _ = pallas.prepare(q, q, q, scale=0.2, is_causal=False, window=None,
-                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
                          interpret=True, config=config, **mods)
   assert st.config.fwd_softmax == expected
 
@@ -256,7 +256,7 @@ def test_prepare_keeps_every_config_field():
   config = dataclasses.replace(_FROZEN, refresh="in_kernel")
   q = jnp.zeros((1, 64, 2, 32), jnp.bfloat16)
   st, _ = pallas.prepare(q, q, q, scale=0.2, is_causal=False, window=None,
-                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
                          interpret=True, config=config)
   assert st.config == config
 
@@ -272,7 +272,7 @@ def test_auto_refresh_follows_the_number_of_scores(batch, seq_kv, expected):
   q = jnp.zeros((batch, 64, 2, 32), jnp.bfloat16)
   kv = jnp.zeros((batch, seq_kv, 2, 32), jnp.bfloat16)
   st, _ = pallas.prepare(q, kv, kv, scale=0.2, is_causal=False, window=None,
-                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
                          interpret=True, config=config)
   assert st.config.refresh == expected
 
@@ -282,7 +282,7 @@ def test_vmap(frozen):
   q, k, v, _ = flex_tests._inputs((3, 1, 96, 2, 32), (3, 1, 96, 2, 32), jnp.float32)
   fn = lambda q, k, v: pallas.flex_attention_pallas(
       q, k, v, scale=0.2, is_causal=True, window=None, q_segment_ids=None,
-      kv_segment_ids=None, kv_seq_lengths=None, interpret=True, config=_FROZEN)
+      kv_segment_ids=None, key_value_seq_lengths=None, interpret=True, config=_FROZEN)
   expected = jax.vmap(lambda q, k, v: flex_tests.flex_attention_reference(
       q, k, v, is_causal=True, scale=0.2))(q, k, v)
   assert flex_tests._rel(jax.vmap(fn)(q, k, v), expected) < flex_tests._TOL[jnp.float32]
@@ -310,7 +310,7 @@ def test_triton_forward_lowers_for_hopper(dtype, refresh, extra, hopper_lowering
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
   options = dict(dict(q_segment_ids=None, kv_segment_ids=None), **extra)
   fn = lambda q, k, v: pallas.flex_attention_pallas(
-      q, k, v, scale=0.17, is_causal=True, window=None, kv_seq_lengths=None,
+      q, k, v, scale=0.17, is_causal=True, window=None, key_value_seq_lengths=None,
       interpret=False, config=config, **options)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
   # The forward and the second pass, or the forward alone.

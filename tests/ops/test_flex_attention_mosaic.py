@@ -55,14 +55,14 @@ def _reference(**options):
       q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), **options)
 
 
-def _kernel(config, *, is_causal=False, local_window_size=None, kv_seq_lengths=None,
+def _kernel(config, *, is_causal=False, local_window_size=None, key_value_seq_lengths=None,
             scale=None, interpret=True):
   """flex's kernel path on `config` (Mosaic GPU interpret mode by default)."""
   def fn(q, k, v):
     return pallas.flex_attention_pallas(
         q, k, v, scale=q.shape[-1] ** -0.5 if scale is None else scale,
         is_causal=is_causal, window=local_window_size, q_segment_ids=None,
-        kv_segment_ids=None, kv_seq_lengths=kv_seq_lengths, interpret=interpret,
+        kv_segment_ids=None, key_value_seq_lengths=key_value_seq_lengths, interpret=interpret,
         config=config)
   return fn
 
@@ -74,12 +74,12 @@ _CASES = {
     "causal_gqa4to2_h64_bf16": (1, 256, 256, 4, 2, 64, jnp.bfloat16,
                                 dict(is_causal=True)),
     "cross_padded_lengths_h80_f16": (2, 200, 300, 2, 1, 80, jnp.float16,
-                                     dict(kv_seq_lengths=np.array([0, 250]))),
+                                     dict(key_value_seq_lengths=np.array([0, 250]))),
     "window_causal_h128_bf16": (1, 256, 256, 2, 1, 128, jnp.bfloat16,
                                 dict(is_causal=True, local_window_size=(40, 0))),
     "window_both_sides_lengths_h32_bf16": (1, 128, 192, 2, 2, 32, jnp.bfloat16,
                                            dict(local_window_size=(30, 20),
-                                                kv_seq_lengths=np.array([150]))),
+                                                key_value_seq_lengths=np.array([150]))),
 }
 
 
@@ -91,7 +91,7 @@ def test_forward_and_gradients_match_reference(name):
   q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
                          window=options.get("local_window_size"), q_segment_ids=None,
-                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
                          config=_CONFIG)
   assert st.config.mosaic_fwd == _TILES  # this call runs the Mosaic forward
   out, grads = jax.jit(functools.partial(_vjp, _kernel(_CONFIG, **options)))(q, k, v, w)
@@ -101,7 +101,7 @@ def test_forward_and_gradients_match_reference(name):
   for name_, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
     assert not np.isnan(np.asarray(x, np.float32)).any(), name_
     assert _rel(x, x_r) < tol, (name_, _rel(x, x_r))
-  lengths = options.get("kv_seq_lengths")
+  lengths = options.get("key_value_seq_lengths")
   if lengths is not None and int(lengths[0]) == 0:  # sees no key: zeros
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
@@ -129,21 +129,21 @@ def _check_tiles_against_reference(tiles, options, *, seed, seq_q=200, seq_kv=23
   q, k, v, w = _inputs(2, seq_q, seq_kv, 2, 1, 32, jnp.bfloat16, seed=seed)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
                          window=options.get("local_window_size"), q_segment_ids=None,
-                         kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                         kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
                          config=config)
   assert st.config.mosaic_fwd is not None  # the Mosaic forward takes the call
   out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
   out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
   for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
     assert _rel(x, x_r) < _TOL[jnp.bfloat16], (name, _rel(x, x_r))
-  if "kv_seq_lengths" in options:  # batch row 0 sees no key: zeros
+  if "key_value_seq_lengths" in options:  # batch row 0 sees no key: zeros
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
 @pytest.mark.parametrize("options, extra, shape", [
-    (dict(local_window_size=(70, 10), kv_seq_lengths=np.array([0, 180])), dict(), (200, 230)),
+    (dict(local_window_size=(70, 10), key_value_seq_lengths=np.array([0, 180])), dict(), (200, 230)),
     (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True), (300, 230)),
-    (dict(kv_seq_lengths=np.array([0, 257])),
+    (dict(key_value_seq_lengths=np.array([0, 257])),
      dict(block_k=256, ping_pong=False, persistent=True), (200, 300)),
 ], ids=["turns_window_lengths_empty_row", "free_128_rows_persistent",
         "h32_table_walk_lengths"])
@@ -163,10 +163,10 @@ def test_tensor_core_sums_match_reference(options, extra, shape):
 
 @pytest.mark.parametrize("options, extra", [
     (dict(), dict()),
-    (dict(local_window_size=(70, None), kv_seq_lengths=np.array([0, 180])),
+    (dict(local_window_size=(70, None), key_value_seq_lengths=np.array([0, 180])),
      dict(ping_pong=False, max_concurrent_steps=3)),
     (dict(is_causal=True), dict(persistent_right_bounded=True)),
-    (dict(kv_seq_lengths=np.array([0, 180])), dict(prefetch_query=True, ping_pong=False)),
+    (dict(key_value_seq_lengths=np.array([0, 180])), dict(prefetch_query=True, ping_pong=False)),
 ], ids=["full_ping_pong", "left_window_lengths_empty_row_free", "causal_heaviest_first",
         "lengths_empty_row_prefetch_query"])
 def test_persistent_blocks_match_reference(options, extra):
@@ -198,7 +198,7 @@ def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   q, k, v, _ = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=is_causal, window=window,
-                         q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=None,
+                         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
                          interpret=True, config=config)
   assert st.config.mosaic_fwd == dataclasses.replace(tiles, persistent=persistent)
 
@@ -218,7 +218,7 @@ def test_log_sum_exp_is_the_triton_forwards():
   lengths = jnp.array([0, 77])
   st, args = pallas.prepare(q, k, v, scale=0.125, is_causal=True, window=None,
                             q_segment_ids=None, kv_segment_ids=None,
-                            kv_seq_lengths=lengths, interpret=True, config=_CONFIG)
+                            key_value_seq_lengths=lengths, interpret=True, config=_CONFIG)
   out, lse = pallas._forward(st, *args[:6])
   triton = dataclasses.replace(st, config=dataclasses.replace(st.config, mosaic_fwd=None))
   out_t, lse_t = pallas._forward(triton, *args[:6])
@@ -240,7 +240,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
     q = jnp.zeros(shape_q, dtype)
     k = jnp.zeros(shape_kv, dtype)
     options = dict(scale=1.0, is_causal=False, window=None, q_segment_ids=None,
-                   kv_segment_ids=None, kv_seq_lengths=None, interpret=True,
+                   kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
                    config=_CONFIG)
     options.update(kw)
     st, args = pallas.prepare(q, k, k, **options)

@@ -30,9 +30,9 @@ _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=Tru
                               mosaic_bwd=_TILES)
 
 
-def _options(is_causal=False, local_window_size=None, kv_seq_lengths=None):
+def _options(is_causal=False, local_window_size=None, key_value_seq_lengths=None):
   return dict(scale=None, is_causal=is_causal, window=local_window_size,
-              q_segment_ids=None, kv_segment_ids=None, kv_seq_lengths=kv_seq_lengths)
+              q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=key_value_seq_lengths)
 
 
 # b, t, s, n, kh, h, dtype, options: causal with a window, key lengths and GQA
@@ -44,12 +44,12 @@ def _options(is_causal=False, local_window_size=None, kv_seq_lengths=None):
 _CASES = {
     "causal_window_lengths_gqa_h64_bf16": (
         2, 200, 200, 4, 2, 64, jnp.bfloat16,
-        dict(is_causal=True, local_window_size=(70, 0), kv_seq_lengths=np.array([200, 77]))),
+        dict(is_causal=True, local_window_size=(70, 0), key_value_seq_lengths=np.array([200, 77]))),
     "cross_padded_h128_f16": (1, 100, 300, 2, 2, 128, jnp.float16, {}),
     "window_both_sides_mqa_h80_bf16": (1, 128, 256, 4, 1, 80, jnp.bfloat16,
                                        dict(local_window_size=(40, 30))),
     "causal_lengths_gqa_h24_bf16": (2, 150, 150, 4, 2, 24, jnp.bfloat16,
-                                    dict(is_causal=True, kv_seq_lengths=np.array([150, 101]))),
+                                    dict(is_causal=True, key_value_seq_lengths=np.array([150, 101]))),
 }
 
 

@@ -106,7 +106,7 @@ def test_mosaic_attention_lowers_under_shard_map(head_dim, hopper_lowering):
   def loss(q, k, v):
     out = pallas.flex_attention_pallas(
         q, k, v, scale=0.1, is_causal=True, window=None, q_segment_ids=None,
-        kv_segment_ids=None, kv_seq_lengths=None, interpret=False, config=config)
+        kv_segment_ids=None, key_value_seq_lengths=None, interpret=False, config=config)
     return jnp.sum(out.astype(jnp.float32))
   grads = jax.shard_map(jax.grad(loss, argnums=(0, 1, 2)), mesh=_mesh(),
                         in_specs=(_B,) * 3, out_specs=(_B,) * 3)
