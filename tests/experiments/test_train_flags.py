@@ -72,6 +72,17 @@ def _parse(argv):
     (["--process_id=-1"], "process_id"),
     (["--num_processes=2", "--process_id=2"], "process_id"),
     (["--parameter_sharding=zero3"], "parameter_sharding"),
+    (["--model=lm", "--num_heads=3"], "num_heads"),  # the Transformer's 64
+    (["--model=lm", "--ssm_cell=mamba2", "--model_dim=12", "--num_heads=5"],
+     "num_heads"),
+    (["--model=lm", "--dtype=bfloat16"], "dtype"),
+    (["--sample_every=0"], "sample_every"),
+    (["--sample_length=0"], "sample_length"),
+    (["--temperature=-0.5"], "temperature"),
+    (["--temperature=inf"], "temperature"),
+    (["--sample_top_k=0"], "sample_top_k"),
+    (["--sample_top_k=257"], "sample_top_k"),  # 256 byte values
+    (["--prompt="], "prompt"),
 ])
 def test_a_bad_value_is_refused_in_one_line_naming_the_flag(argv, flag):
   with pytest.raises(flags.IllegalFlagValueError) as error:
@@ -92,6 +103,11 @@ def test_a_bad_value_is_refused_in_one_line_naming_the_flag(argv, flag):
     ["--model=unet", "--num_examples=32"],  # unet's default batch is 32
     ["--learning_rate=1e-9", "--decay_steps=51", "--seed=4294967294"],
     ["--num_processes=2", "--process_id=1", "--parameter_sharding=fsdp"],
+    ["--model=lm", "--num_examples=32"],  # lm's default batch is 32
+    ["--model=lm", "--ssm_cell=lru", "--num_heads=3"],  # the lru has no heads
+    ["--model=lm", "--ssm_cell=mamba2", "--model_dim=12", "--num_heads=3"],
+    ["--model=lm", "--temperature=0", "--sample_top_k=256", "--prompt=class"],
+    ["--model=transformer", "--dtype=bfloat16"],
 ])
 def test_good_values_are_accepted(argv):
   _parse(argv)
@@ -158,3 +174,15 @@ def test_an_unset_size_takes_the_default_and_a_zero_stays_zero():
   assert train.batch_size_of("transformer", 0) == 0
   assert train.model_dim_of("unet", None) == 16
   assert train.model_dim_of("dit", 0) == 0
+  assert train.batch_size_of("lm", None) == 32
+  assert train.seq_len_of("lm", None) == 128
+  assert train.seq_len_of("ssm", None) == 16
+  assert train.seq_len_of("lm", 0) == 0
+
+
+def test_the_ssm_cell_is_lru_for_ssm_and_the_transformer_for_lm_when_unset():
+  assert train.ssm_cell_of("ssm", None) == "lru"
+  assert train.ssm_cell_of("ssm", "mamba2") == "mamba2"
+  assert train.ssm_cell_of("lm", None) is None
+  assert train.ssm_cell_of("lm", "mamba2") == "mamba2"
+  assert train.ssm_cell_of("transformer", "mamba2") is None
