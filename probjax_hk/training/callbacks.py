@@ -1,4 +1,5 @@
-"""Callbacks of `fit()`: see each step's metrics, stop the fit early.
+"""Callbacks of `fit()`: see each step's metrics, stop the fit early, use the
+parameters at each validation pass.
 
 A callback is a `Callback` (override any of its hooks) or a plain function
 `fn(step, metrics) -> bool | None`, called after every training step and every
@@ -7,6 +8,14 @@ validation pass. Returning True asks `fit()` to stop; None or False goes on.
 Metrics are host floats. After a training step: `loss`, `grad_norm`,
 `finite` (1.0 or 0.0), and every scalar of the loss's `aux` dict; after a
 validation pass (`on_eval_end`): `val_loss`.
+
+Parameters: at every validation pass (every `eval_every` steps and the one at
+the end of the fit), `on_eval_params(step, params, state)` gets the current
+parameters and Haiku state, before `on_eval_end` gets `val_loss`: to sample
+from the model, score it on another task, or keep a snapshot. They are copies
+that stay valid after the fit's next steps (which donate fit()'s own arrays),
+made only when some callback overrides the hook.
+A fit without `validation_data` has no validation passes and never calls it.
 
 Timing: `fit()` reads a step's metrics while the next step already runs (it
 keeps the device busy), so a stop asked by `on_step_end` at step s ends the fit
@@ -33,8 +42,28 @@ class Callback:
   def on_step_end(self, step: int, metrics: Metrics) -> bool | None:
     """Called with the metrics of training step `step` (1-based); True stops."""
 
+  def on_eval_params(self, step: int, params, state) -> bool | None:
+    """Called at each validation pass at `step`, before `on_eval_end`, with
+    the parameters; True stops.
+
+    Only at validation passes: every `eval_every` steps and at the end of the
+    fit, never in a fit without `validation_data`. The arrays are a copy of
+    fit()'s own (whose buffers the next step donates), so that a callback
+    may keep them; the copy is made only when some callback overrides this
+    hook.
+
+    Args:
+      step: the steps taken so far (the validation pass's step).
+      params: the parameters, a pytree like `fit()`'s `params` (the structure
+        and shapes `FitResult.params` has), placed on the fit's mesh with its
+        `parameter_sharding` (replicated, or sharded).
+      state: the Haiku state, replicated on the mesh (None when `fit()` got
+        no `state`).
+    """
+
   def on_eval_end(self, step: int, metrics: Metrics) -> bool | None:
-    """Called after a validation pass at `step`; True stops."""
+    """Called after a validation pass at `step` (after `on_eval_params`);
+    True stops."""
 
   def on_train_end(self, step: int) -> None:
     """Called once when the fit ends (also on an error or a stop)."""
@@ -50,6 +79,14 @@ class _FunctionCallback(Callback):
 
   def on_eval_end(self, step, metrics):
     return self._fn(step, metrics)
+
+
+def overrides(callback: Callback, hook: str) -> bool:
+  """Whether `callback` replaces the base class's `hook` (a method name such
+  as 'on_eval_params'), in its class or on the instance; the base class's
+  hooks do nothing."""
+  method = getattr(callback, hook)  # bound, or a function set on the instance
+  return getattr(method, "__func__", method) is not getattr(Callback, hook)
 
 
 def as_callback(obj) -> Callback:

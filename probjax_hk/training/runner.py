@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import tqdm
 
+from probjax_hk.training import callbacks as callbacks_lib
 from probjax_hk.training import data as data_lib
 from probjax_hk.training import sharding as sharding_lib
 from probjax_hk.training import step as step_lib
@@ -90,6 +91,17 @@ def _copy_metrics_early() -> bool:
   wait for a transfer that could have overlapped. On CPU there is no transfer
   to hide and the extra call measured slower (about 40 us a step)."""
   return jax.default_backend() != "cpu"
+
+
+def eval_params_copy(spec, ts):
+  """(params, Haiku state or None): a copy of the train state's, for
+  `Callback.on_eval_params`, in their shardings (the next step may donate
+  the originals)."""
+  shardings = spec.layout.shardings(spec.mesh)
+  keep = ("params", "state") if spec.has_state else ("params",)
+  copy = sharding_lib.copy_to({k: ts[k] for k in keep},
+                              {k: shardings[k] for k in keep})
+  return copy["params"], copy.get("state")
 
 
 class Runner:
@@ -360,6 +372,14 @@ class Runner:
     self.history.setdefault("val_step", []).append(self.step)
     self.history.setdefault("val_loss", []).append(val_loss)
     logging.info("fit: step %d val_loss %.6g", self.step, val_loss)
+    takers = [c for c in self.callbacks
+              if callbacks_lib.overrides(c, "on_eval_params")]
+    if takers:
+      params, state = eval_params_copy(self.spec, self.ts)
+      for callback in takers:
+        if callback.on_eval_params(self.step, params, state):
+          self.stop = True
+          self.stopped_early = True
     for callback in self.callbacks:
       if callback.on_eval_end(self.step, {"val_loss": val_loss}):
         self.stop = True
