@@ -8,13 +8,18 @@
         --output /tmp/moe_capacity.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --sections capacity \
         --capacity_start 64 --capacity_max 256 --output /tmp/kernel_moe_capacity_cpu.json
+    python -m experiments.benchmark_kernel_moe --grid --grid_subset quick \
+        --output /tmp/moe_grid.json
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --smoke --grid \
+        --sections op,moe --output /tmp/moe_grid_cpu.json
 
 "fwd+bwd" is one `jax.vjp` with a fixed random cotangent (with a sum-of-outputs
 loss XLA rewrites a dense matmul's gradient into a reduction). Sections (one
 JSON row each, `section` says which):
-- check: on the device, `ops.grouped_matmul` (Pallas) against the fp32
-  reference on values and both gradients (f32 and bf16, empty groups, M not a
-  tile multiple), and MoELayer 'gmm' against 'dense' (bf16).
+- check: on the device, `ops.grouped_matmul` (Pallas) and `tokamax.ragged_dot`
+  against the fp32 reference on values and both gradients (f32 and bf16,
+  empty groups, M not a tile multiple), and MoELayer 'gmm' against 'dense'
+  (bf16).
 - tiles: tile configurations of the Triton forward (`gmm`, also with the
   transposed rhs of the input gradient) and weight-gradient (`tgmm`) kernels
   at M = `gmm_rows` (`TILES`), and on a Hopper GPU those of the Mosaic GPU
@@ -22,9 +27,11 @@ JSON row each, `section` says which):
   `jax.lax.ragged_dot` in float32 (`rel_err`, relative to the largest output).
 - op: grouped matmul [M, 512] x [8, 512, 1024] forward and fwd+bwd: the Pallas
   path (on an H200 the Mosaic GPU kernel), the Triton kernel ('pallas_triton'),
-  `jax.lax.ragged_dot`, every expert on every row (a dense per-expert
-  einsum, 8x the arithmetic) and one dense `jnp.matmul` of the same work
-  (the TFLOP/s yardstick).
+  `jax.lax.ragged_dot`, `tokamax.ragged_dot` on its Mosaic GPU kernel
+  ('tokamax_ragged_dot'; tokamax is optional: where it is not installed the
+  row says 'unsup' with the import error), every expert on every row (a dense
+  per-expert einsum, 8x the arithmetic) and one dense `jnp.matmul` of the same
+  work (the TFLOP/s yardstick).
 - mlp: the experts' MLP alone (`ops.grouped_mlp`, GELU, bf16 rows, float32
   weights as in MoELayer) at `--mlp_rows`, forward and fwd+bwd: the fused
   Pallas op (its defaults: fused kernels on Triton, plain grouped matmuls on
@@ -53,6 +60,13 @@ JSON row each, `section` says which):
   and the first that did not. This section runs first, before this process
   touches the device (its cases need all of it), and the JSON is rewritten
   after every case; the other sections' `--time_budget_s` starts after it.
+
+`--grid` runs the op and moe sections (and check, once) at the MoE points of
+`shape_grid` instead: (experts, top-k) x d_model x d_hidden, 16,384 tokens
+(the op's M = 16,384 x top-k); the op without the every-expert einsum, the
+layer for `--grid_moe_impls`. Each (point, mode) gets a summary row: Pallas
+over tokamax's time, and 'auto' over the fastest layer path. `--smoke`: CPU
+sizes (and the grid's 'smoke' subset), two timed calls.
 """
 
 import contextlib
@@ -72,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import shape_grid
 from experiments import workloads
 import ops
 from ops.grouped_matmul import mosaic as gmm_mosaic
@@ -94,7 +109,8 @@ _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _SAMPLE_MS = flags.DEFINE_float(
     "sample_ms", harness.SAMPLE_MS, "Back-to-back calls per timed sample, in ms "
     "(harness.run_case); 2 ms samples biased sub-millisecond calls (BUILD_NOTES.md).")
-_BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this.")
+_BUDGET = flags.DEFINE_float("time_budget_s", 250.0, "Skip cases started after this "
+                             "(with --grid: no limit unless given).")
 _CAPACITY_START = flags.DEFINE_integer("capacity_start", 262144,
                                        "capacity: the first token count.")
 _CAPACITY_MAX = flags.DEFINE_integer("capacity_max", 1 << 24,
@@ -110,12 +126,24 @@ _CAPACITY_CASE_TIMEOUT = flags.DEFINE_float(
     "capacity_case_timeout_s", 300.0,
     "capacity: time limit of one case's process; near the end of the budget a case "
     "gets what is left of it, but at least 60 s (or this, if less).")
+_SMOKE = flags.DEFINE_bool(
+    "smoke", False, "CPU sizes: 256 tokens, M 1024 (and the grid's 'smoke' subset), "
+    "two timed calls.")
+_GRID = shape_grid.define_flags()
+_GRID_MOE_IMPLS = flags.DEFINE_list(
+    "grid_moe_impls", ["dense", "ragged_dot", "sort", "gmm", "auto"],
+    "With --grid: the MoELayer dropless_impls timed at every point.")
 _CAPACITY_CASE = flags.DEFINE_string(
     "capacity_case", None,
     "Internal: run the capacity case 'impl:mode:tokens' here, print its row as one JSON line.")
 
 IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
 MODES = ("forward", "fwd+bwd")
+# The layer of the headline sections: 8 experts, top-2, d_model 512, d_hidden 1024.
+HEADLINE = shape_grid.MoePoint(workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_MODEL,
+                               workloads.D_HIDDEN)
+# The sections --grid runs (check once, op and moe at every point).
+GRID_SECTIONS = ("check", "op", "moe")
 _B = gmm_pallas.BlockSizes
 TILES = {
     "default": _B(),
@@ -155,6 +183,8 @@ _budget_start = _START  # main() moves it past the capacity sweep
 
 
 def _over_budget() -> bool:
+  if _GRID.grid.value and not flags.FLAGS["time_budget_s"].present:
+    return False
   return time.perf_counter() - _budget_start > _BUDGET.value
 
 
@@ -172,10 +202,38 @@ def _vjp_errors(fn, reference, args, cotangent, names) -> dict:
   return {f"rel_err_{name}": _rel_err(g, r) for name, g, r in zip(names, got, want)}
 
 
-def check_rows() -> list[dict]:
+def tokamax_ragged_dot(lhs, rhs, group_sizes):
+  """`tokamax.ragged_dot` on its Mosaic GPU kernel (implementation 'mosaic'),
+  `jax.lax.ragged_dot`'s contract.
+
+  tokamax is imported here, as the function is traced: where it is missing,
+  the device is no NVIDIA GPU or the kernel declines the inputs
+  (NotImplementedError), this raises `harness.Unsupported` with the reason (a
+  row's 'unsup').
+  """
+  try:
+    import tokamax  # pylint: disable=g-import-not-at-top
+  except ImportError as exc:
+    raise harness.Unsupported(f"tokamax is not installed: {type(exc).__name__}: {exc}") from exc
+  device = jax.devices()[0]
+  if "NVIDIA" not in device.device_kind:
+    raise harness.Unsupported(f"tokamax.ragged_dot's Mosaic GPU kernel needs an NVIDIA GPU, "
+                              f"got {device.device_kind!r}")
+  try:
+    return tokamax.ragged_dot(lhs, rhs, group_sizes, implementation="mosaic")
+  except NotImplementedError as exc:
+    raise harness.Unsupported(f"tokamax.ragged_dot(implementation='mosaic'): {exc}") from exc
+
+
+def check_rows(small: bool = False) -> list[dict]:
+  """The check section (`small`: CPU sizes)."""
   rows = []
   m, k, n = 4133, 512, 1024  # not a multiple of any tile
-  sizes = jnp.asarray([700, 0, 2048, 13, 0, 1000, 300, 72], jnp.int32)
+  sizes = [700, 0, 2048, 13, 0, 1000, 300, 72]
+  if small:
+    m, k, n = 301, 64, 128
+    sizes = [70, 0, 150, 13, 0, 40, 20, 8]
+  sizes = jnp.asarray(sizes, jnp.int32)
   for dtype in (jnp.float32, jnp.bfloat16):
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
@@ -187,6 +245,18 @@ def check_rows() -> list[dict]:
         (lhs, rhs), cot, ("out", "dlhs", "drhs"))
     rows.append(dict(section="check", case="grouped_matmul_vs_reference",
                      dtype=jnp.dtype(dtype).name, shape=[m, k, n], **errors))
+    row = dict(section="check", case="tokamax_ragged_dot_vs_reference",
+               dtype=jnp.dtype(dtype).name, shape=[m, k, n])
+    try:
+      row.update(status="ok", **_vjp_errors(
+          lambda a, b: tokamax_ragged_dot(a, b, sizes),
+          lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
+          (lhs, rhs), cot, ("out", "dlhs", "drhs")))
+    except harness.Unsupported as exc:
+      row.update(status="unsup", message=str(exc)[:500])
+    except Exception as exc:  # A peer's failure is a result, not the end of the run.
+      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    rows.append(row)
   for activation in ("gelu", "swiglu"):
     f_in = (2 if activation == "swiglu" else 1) * n
     k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
@@ -202,7 +272,8 @@ def check_rows() -> list[dict]:
         (x, w_in, w_out), cot, ("out", "dx", "dw_in", "dw_out"))
     rows.append(dict(section="check", case=f"grouped_mlp_{activation}_vs_reference",
                      dtype="bfloat16 x, float32 weights", shape=[m, k, n], **errors))
-  x = jax.random.normal(jax.random.key(3), (2048, workloads.D_MODEL), jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(3), (256 if small else 2048, workloads.D_MODEL),
+                        jnp.bfloat16)
   outs = {}
   for impl in ("dense", "gmm"):
     model = _moe_model(impl)
@@ -303,16 +374,38 @@ def _forward_and_vjp_rows(section: str, impls: dict, diff_args: tuple, rest: tup
   return out
 
 
-def op_rows(rows: int) -> list[dict]:
-  lhs, rhs, sizes = workloads.gmm_inputs(rows)
+def gmm_inputs(rows: int, layer: shape_grid.MoePoint = HEADLINE):
+  """lhs [rows, d_model], rhs [experts, d_model, d_hidden] (bf16) and random
+  group sizes around rows / experts (`workloads.gmm_inputs` at the headline
+  layer)."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  lhs = jax.random.normal(k1, (rows, layer.d_model), jnp.bfloat16)
+  rhs = (jax.random.normal(k2, (layer.experts, layer.d_model, layer.d_hidden))
+         / 20).astype(jnp.bfloat16)
+  return lhs, rhs, workloads.balanced_sizes(rows, layer.experts, k3)
+
+
+def _layer_fields(layer: shape_grid.MoePoint) -> dict:
+  """A grid row's point fields."""
+  return dict(point=layer.name, experts=layer.experts, top_k=layer.top_k,
+              d_model=layer.d_model, d_hidden=layer.d_hidden)
+
+
+def op_rows(rows: int, layer: shape_grid.MoePoint | None = None) -> list[dict]:
+  """The grouped matmul at M = `rows` on the headline layer's weights, or on
+  the grid point `layer`'s (then without the every-expert einsum, E / top-k
+  times the work)."""
+  grid = layer is not None
+  layer = layer or HEADLINE
+  lhs, rhs, sizes = gmm_inputs(rows, layer)
   # A random cotangent: with ones, XLA rewrites a dense matmul's gradient.
-  cotangent = jax.random.normal(jax.random.key(5), (rows, workloads.D_HIDDEN), jnp.bfloat16)
-  flops = 2 * rows * workloads.D_MODEL * workloads.D_HIDDEN
-  group_of_row = jnp.repeat(jnp.arange(workloads.NUM_EXPERTS), sizes, total_repeat_length=rows)
+  cotangent = jax.random.normal(jax.random.key(5), (rows, layer.d_hidden), jnp.bfloat16)
+  flops = 2 * rows * layer.d_model * layer.d_hidden
+  group_of_row = jnp.repeat(jnp.arange(layer.experts), sizes, total_repeat_length=rows)
 
   def every_expert(a, b, s):
     y = jnp.einsum("mk,gkn->gmn", a, b, preferred_element_type=jnp.float32)
-    select = jax.nn.one_hot(group_of_row, workloads.NUM_EXPERTS, dtype=jnp.float32)
+    select = jax.nn.one_hot(group_of_row, layer.experts, dtype=jnp.float32)
     return jnp.einsum("mg,gmn->mn", select, y).astype(a.dtype)
 
   def triton(a, b, s):
@@ -324,15 +417,21 @@ def op_rows(rows: int) -> list[dict]:
       "pallas": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="pallas"),
       "pallas_triton": triton,
       "ragged_dot": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="xla"),
+      "tokamax_ragged_dot": tokamax_ragged_dot,
       "every_expert_einsum": every_expert,
       "dense_matmul_same_flops": lambda a, b, s: jnp.matmul(a, b[0]),
   }
+  if grid:
+    del peers["every_expert_einsum"]
   out = _forward_and_vjp_rows("op", peers, (lhs, rhs), (sizes,), cotangent, flops,
-                              rows=rows)
-  base = {(r["mode"]): r for r in out if r["impl"] == "dense_matmul_same_flops"}
-  for r in out:
-    if r.get("status") == "ok" and base.get(r["mode"], {}).get("status") == "ok":
-      r["fraction_of_dense_matmul_tflops"] = base[r["mode"]]["median_ms"] / r["median_ms"]
+                              rows=rows, **(_layer_fields(layer) if grid else {}))
+  for peer, field in (("dense_matmul_same_flops", "fraction_of_dense_matmul_tflops"),
+                      ("tokamax_ragged_dot", "ratio_vs_tokamax_ragged_dot")):
+    base = {r["mode"]: r for r in out if r["impl"] == peer}
+    for r in out:
+      if r.get("status") == "ok" and base.get(r["mode"], {}).get("status") == "ok":
+        ratio = r["median_ms"] / base[r["mode"]]["median_ms"]
+        r[field] = 1 / ratio if field.startswith("fraction") else ratio
   return out
 
 
@@ -374,13 +473,16 @@ def mlp_rows(rows: int) -> list[dict]:
 
 
 def _timing() -> dict:
-  """`harness.run_case`'s timing arguments, from the flags."""
+  """`harness.run_case`'s timing arguments, from the flags (two timed calls
+  of one call each under --smoke)."""
+  if _SMOKE.value:
+    return dict(warmup=1, iters=2, sample_ms=0)
   return dict(iters=_ITERS.value, sample_ms=_SAMPLE_MS.value)
 
 
-def _moe_model(impl: str):
+def _moe_model(impl: str, layer: shape_grid.MoePoint = HEADLINE):
   return hk.transform_with_state(lambda x: moe.MoELayer(
-      workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_HIDDEN, activation="gelu", dropless_impl=impl)(x))
+      layer.experts, layer.top_k, layer.d_hidden, activation="gelu", dropless_impl=impl)(x))
 
 
 def part_rows(tokens: int) -> list[dict]:
@@ -402,29 +504,30 @@ def part_rows(tokens: int) -> list[dict]:
   return out
 
 
-def _moe_inputs(tokens: int) -> tuple:
+def _moe_inputs(tokens: int, layer: shape_grid.MoePoint = HEADLINE) -> tuple:
   """(params, state, x, cotangent) of the MoE cases at `tokens`.
 
-  x [tokens, D_MODEL] bf16 and the cotangent (like x) are random; params (f32)
+  x [tokens, d_model] bf16 and the cotangent (like x) are random; params (f32)
   and state come from an init on x's first 8 rows: they do not depend on the
   token count, and an eager init on all of x would run the dense path (and its
   memory peak) at every size.
   """
-  x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
-  params, state = _moe_model("dense").init(jax.random.key(1), x[:8])
+  x = jax.random.normal(jax.random.key(0), (tokens, layer.d_model), jnp.bfloat16)
+  params, state = _moe_model("dense", layer).init(jax.random.key(1), x[:8])
   cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   return params, state, x, cotangent
 
 
-def _moe_case(impl: str, mode: str, params, state, x, cotangent) -> tuple:
+def _moe_case(impl: str, mode: str, params, state, x, cotangent,
+              layer: shape_grid.MoePoint = HEADLINE) -> tuple:
   """(fn, args) of one MoE case for `harness.run_case`.
 
-  'forward': (params, x) -> y [T, D_MODEL]. 'fwd+bwd': (params, x, cotangent)
+  'forward': (params, x) -> y [T, d_model]. 'fwd+bwd': (params, x, cotangent)
   -> the cotangents of (params, x), one `jax.vjp`.
   """
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  model = _moe_model(impl)
+  model = _moe_model(impl, layer)
   if mode == "forward":
     return (lambda p, x: model.apply(p, state, None, x)[0]), (params, x)
 
@@ -433,11 +536,17 @@ def _moe_case(impl: str, mode: str, params, state, x, cotangent) -> tuple:
   return fn, (params, x, cotangent)
 
 
-def moe_rows(tokens: int) -> list[dict]:
-  inputs = _moe_inputs(tokens)
+def moe_rows(tokens: int, layer: shape_grid.MoePoint | None = None,
+             impls: tuple[str, ...] = IMPLS + tuple(workloads.GROUPED_MLP_VARIANTS)
+             ) -> list[dict]:
+  """MoELayer per `dropless_impl` (and grouped-MLP kernel variant) at
+  `tokens`, on the headline layer or the grid point `layer`."""
+  fields = {} if layer is None else _layer_fields(layer)
+  layer = layer or HEADLINE
+  inputs = _moe_inputs(tokens, layer)
   out = []
   for mode in MODES:
-    for impl in IMPLS + tuple(workloads.GROUPED_MLP_VARIANTS):
+    for impl in impls:
       if _over_budget():
         break
       variant = impl in workloads.GROUPED_MLP_VARIANTS
@@ -445,8 +554,9 @@ def moe_rows(tokens: int) -> list[dict]:
       with (workloads.grouped_mlp_kernels(impl) if variant
             else contextlib.nullcontext()):
         row = harness.run_case(
-            dict(section="moe", impl=impl, mode=mode, tokens=tokens),
-            lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs),
+            dict(section="moe", impl=impl, mode=mode, tokens=tokens, **fields),
+            lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs,
+                                                               layer=layer),
             **_timing())
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
@@ -590,7 +700,7 @@ _TABLE_COLUMNS = {
               "rel_err_dw_in", "rel_err_dw_out", "rel_err_loss", "rel_err_grads"],
     "tiles": ["tiles", "kernel", "status", "median_ms", "tflops", "rel_err"],
     "op": ["impl", "mode", "status", "median_ms", "tflops",
-           "fraction_of_dense_matmul_tflops"],
+           "fraction_of_dense_matmul_tflops", "ratio_vs_tokamax_ragged_dot"],
     "mlp": ["rows", "mode", "impl", "status", "median_ms", "tflops", "ratio_vs_unfused"],
     "parts": ["part", "tokens", "status", "median_ms"],
     "moe": ["tokens", "mode", "impl", "status", "median_ms", "ratio_vs_dense",
@@ -606,6 +716,61 @@ def _write_partial(rows: list[dict]) -> None:
               indent=1)
 
 
+def grid_summary(rows: list[dict], points) -> list[dict]:
+  """One row per (point, mode): the grouped matmul's times (Pallas over
+  tokamax's: `pallas_vs_tokamax`) and the layer's ('auto' over its fastest
+  path: `auto_vs_best`)."""
+  out = []
+  for layer in points:
+    for mode in MODES:
+      s = dict(section="grid_summary", **_layer_fields(layer), tokens=layer.tokens, mode=mode)
+      for section, prefix in (("op", "op_"), ("moe", "moe_")):
+        for r in rows:
+          if (r.get("section") == section and r.get("point") == layer.name
+              and r["mode"] == mode and r.get("status") == "ok"):
+            s[f"{prefix}{r['impl']}_ms"] = r["median_ms"]
+      if "op_pallas_ms" in s and "op_tokamax_ragged_dot_ms" in s:
+        s["pallas_vs_tokamax"] = s["op_pallas_ms"] / s["op_tokamax_ragged_dot_ms"]
+      paths = {k[len("moe_"):-len("_ms")]: v for k, v in s.items()
+               if k.startswith("moe_") and k != "moe_auto_ms"}
+      if paths:
+        s["best_layer_impl"] = min(paths, key=paths.get)
+        if "moe_auto_ms" in s:
+          s["auto_vs_best"] = s["moe_auto_ms"] / paths[s["best_layer_impl"]]
+      out.append(s)
+  return out
+
+
+def grid_main(sections: list[str]) -> None:
+  """--grid: check once, then the op and moe sections at every MoE grid point."""
+  if flags.FLAGS["sections"].present and set(sections) - set(GRID_SECTIONS):
+    raise app.UsageError(f"--grid runs the sections {list(GRID_SECTIONS)}, got --sections="
+                         f"{','.join(sections)}")
+  unknown = set(_GRID_MOE_IMPLS.value) - set(IMPLS)
+  if unknown:
+    raise app.UsageError(f"--grid_moe_impls: unknown {sorted(unknown)}; known: {list(IMPLS)}")
+  output = _OUTPUT.value if flags.FLAGS["output"].present else "/tmp/moe_grid.json"
+  points = _GRID.points("moe", "smoke" if _SMOKE.value else None)
+  logging.info("%d MoE grid points, writing %s", len(points), output)
+  rows = check_rows(small=_SMOKE.value) if "check" in sections else []
+  for layer in points:
+    if "op" in sections:
+      rows += op_rows(layer.rows, layer)
+    if "moe" in sections:
+      rows += moe_rows(layer.tokens, layer, tuple(_GRID_MOE_IMPLS.value))
+    harness.write_rows(rows, output)  # a run cut short keeps its points
+  rows += grid_summary(rows, points)
+  harness.write_rows(rows, output)
+  if "check" in sections:
+    print(harness.format_table([r for r in rows if r["section"] == "check"],
+                               _TABLE_COLUMNS["check"] + ["status", "message"]))
+  print(harness.format_table(
+      [r for r in rows if r["section"] == "grid_summary"],
+      ["point", "mode", "op_pallas_ms", "op_tokamax_ragged_dot_ms", "op_ragged_dot_ms",
+       "pallas_vs_tokamax", "moe_auto_ms", "best_layer_impl", "auto_vs_best"]))
+  print(f"{len(points)} points, {time.perf_counter() - _START:.0f} s; rows in {output}")
+
+
 def main(argv):
   del argv
   global _budget_start
@@ -617,24 +782,30 @@ def main(argv):
   unknown = set(sections) - set(SECTIONS)
   if unknown:
     raise ValueError(f"--sections: unknown {sorted(unknown)}; choose from {list(SECTIONS)}")
+  if _GRID.grid.value:
+    grid_main(sections)
+    return
+  smoke = _SMOKE.value
+  tokens_list = [256] if smoke else [int(t) for t in _TOKENS.value]
+  gmm_rows = 1024 if smoke else _GMM_ROWS.value
   rows = []
   if "capacity" in sections:
     rows += capacity_rows(_write_partial)
     _budget_start = time.perf_counter()
   if "check" in sections:
-    rows += check_rows()
+    rows += check_rows(small=smoke)
   if "tiles" in sections:
-    rows += tile_rows(_GMM_ROWS.value)
+    rows += tile_rows(gmm_rows)
   if "op" in sections:
-    rows += op_rows(_GMM_ROWS.value)
+    rows += op_rows(gmm_rows)
   if "mlp" in sections:
-    for mlp_rows_count in _MLP_ROWS.value:
+    for mlp_rows_count in ([1024] if smoke else _MLP_ROWS.value):
       rows += mlp_rows(int(mlp_rows_count))
   if "parts" in sections:
-    rows += part_rows(int(_TOKENS.value[-1]))
+    rows += part_rows(tokens_list[-1])
   if "moe" in sections:
-    for tokens in _TOKENS.value:
-      rows += moe_rows(int(tokens))
+    for tokens in tokens_list:
+      rows += moe_rows(tokens)
   harness.write_rows(rows, _OUTPUT.value)
   for section, columns in _TABLE_COLUMNS.items():
     if section in sections:

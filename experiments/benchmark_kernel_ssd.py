@@ -3,6 +3,7 @@
     python -m experiments.benchmark_kernel_ssd    # docs/benchmarks/chunked_ops.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \
         --output /tmp/kernel_ssd_cpu.json
+    python -m experiments.benchmark_kernel_ssd --grid --output /tmp/chunked_grid.json
 
 Shapes (`workloads.SSD_SHAPES`), the kernels performance page's:
 (B, T, N, K, V) = (8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128) and
@@ -17,6 +18,14 @@ against the step-by-step reference on this device (`check` rows). `--models`
 adds SSMModel(16, 128, 16, 4) train steps (SGD) with each of the three cells,
 default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a
 CPU smoke test; the kernels run in Pallas interpret mode there).
+
+`--grid` times every implementation at the chunked-op points of `shape_grid`
+(K = V in {32, 64, 96, 128, 256} x T in {100, 1000, 5000}, about 16,384
+tokens a point, 8 heads; with --quick its 'smoke' subset) instead of the
+headline shapes, without the models; each (op, point, mode) gets a summary
+row with what the default (`implementation=None`) runs there (the kernel where
+it takes the shape on an NVIDIA GPU, else XLA) and its time over XLA's
+(`default_vs_xla`) and over the fastest row (`default_vs_best`).
 """
 
 
@@ -28,7 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import shape_grid
 from experiments import workloads
+from ops import _backend
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.ssd import ssd_reference
 
@@ -39,6 +50,11 @@ _MODELS = flags.DEFINE_bool("models", True, "Also time SSMModel train steps per 
 _ITERS = flags.DEFINE_integer("iters", 20, "Timed calls per case.")
 _CHECK = flags.DEFINE_bool("check", True, "Check the kernels against the reference first.")
 _SHAPES = flags.DEFINE_list("shapes", None, "Indices into workloads.SSD_SHAPES to time (default: all).")
+_GRID = shape_grid.define_flags()
+_IMPLS = flags.DEFINE_list(
+    "impls", None, "The implementations to time, by name (`IMPLEMENTATIONS`: "
+    "ssd/pallas, ssd/pallas_chunk128, ssd/xla, gated_delta_rule/pallas, "
+    "gated_delta_rule/pallas_chunk64, gated_delta_rule/xla); default: all.")
 
 # (B, T, N, K, V)
 QUICK_SHAPES = ((1, 64, 2, 16, 16),)
@@ -87,16 +103,21 @@ def check_rows(quick):
   return rows
 
 
-def kernel_rows(shapes, iters, warmup, sink):
-  """Times every implementation at every shape; `sink` takes each row."""
+def kernel_rows(shapes, iters, warmup, sink, points=None):
+  """Times every implementation at every shape; `sink` takes each row. With
+  `points` (grid points, one per shape) the rows carry the point's name."""
   rows = []
-  for shape in shapes:
+  names = _IMPLS.value or list(IMPLEMENTATIONS)
+  for i, shape in enumerate(shapes):
     batch, time, heads, key, value = shape
-    for name, (op, impl, chunk) in IMPLEMENTATIONS.items():
+    for name in names:
+      op, impl, chunk = IMPLEMENTATIONS[name]
       for mode in ("fwd", "fwd+bwd"):
         config = dict(kind="op", op=op, implementation=impl, name=name, mode=mode,
                       chunk_size=chunk, B=batch, T=time, N=heads, K=key, V=value,
                       dtype="bfloat16")
+        if points is not None:
+          config.update(grid="chunked", point=points[i].name)
 
         def build(op=op, impl=impl, chunk=chunk, mode=mode):
           args = workloads.ssd_inputs(*shape, jnp.bfloat16)
@@ -126,6 +147,35 @@ def add_ratios(rows):
       peer = xla.get((r["op"], r["mode"], r["B"], r["T"], r["N"], r["K"]))
       if peer:
         r["ratio_vs_xla"] = r["median_ms"] / peer
+
+
+def grid_summary(rows):
+  """One row per (op, point, mode) of the grid's rows: what the default runs
+  (the kernel where it takes the shape on an NVIDIA GPU, else XLA; None when
+  the default-chunk kernel was not timed), its time over XLA's and over the
+  fastest implementation's."""
+  timed = {}
+  for r in rows:
+    if r.get("kind") == "op" and r.get("point") is not None:
+      timed.setdefault((r["op"], r["point"], r["mode"]), []).append(r)
+  out = []
+  for (op, point, mode), group in timed.items():
+    ms = {r["name"].split("/", 1)[1]: r["median_ms"] for r in group if r["status"] == "ok"}
+    kernel = [r for r in group if r["implementation"] == "pallas" and r["chunk_size"] is None]
+    default = "xla"  # off NVIDIA GPUs, and where the kernel declines the shape
+    if _backend.on_nvidia_gpu():
+      default = None if not kernel else "pallas" if kernel[0]["status"] != "unsup" else "xla"
+    s = dict(kind="summary", op=op, point=point, mode=mode,
+             **{k: group[0][k] for k in ("B", "T", "N", "K", "V")},
+             **{f"{name}_ms": t for name, t in ms.items()}, default_impl=default)
+    if default in ms:
+      s["default_ms"] = ms[default]
+      if "xla" in ms:
+        s["default_vs_xla"] = ms[default] / ms["xla"]
+      s["best"] = min(ms, key=ms.get)
+      s["default_vs_best"] = ms[default] / ms[s["best"]]
+    out.append(s)
+  return out
 
 
 def model_rows(quick, iters, warmup, sink):
@@ -173,22 +223,38 @@ def main(argv):
   quick = _QUICK.value
   iters, warmup = (2, 1) if quick else (_ITERS.value, 2)
   rows = []
+  grid = _GRID.grid.value
+  unknown = set(_IMPLS.value or ()) - set(IMPLEMENTATIONS)
+  if unknown:
+    raise app.UsageError(f"--impls: unknown {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
+  if grid and _SHAPES.value:
+    raise app.UsageError("--shapes and --grid name different shapes: give one")
+  output = _OUTPUT.value
+  if grid and not flags.FLAGS["output"].present:
+    output = "/tmp/chunked_grid.json"
 
   def sink(row):
     """Rewrites the JSON after every row: a run cut short keeps what it measured."""
     rows.append(row)
-    harness.write_rows(rows, _OUTPUT.value)
+    harness.write_rows(rows, output)
 
   if _CHECK.value:
     for row in check_rows(quick):
       sink(row)
   shapes = QUICK_SHAPES if quick else workloads.SSD_SHAPES
+  points = None
   if _SHAPES.value:
     shapes = [workloads.SSD_SHAPES[int(i)] for i in _SHAPES.value]
-  kernel_rows(shapes, iters, warmup, sink)  # Adds the ratios to the rows in place.
-  if _MODELS.value:
+  if grid:
+    points = _GRID.points("chunked", "smoke" if quick else None)
+    shapes = [p.shape for p in points]
+  kernel_rows(shapes, iters, warmup, sink, points)  # Adds the ratios to the rows in place.
+  if grid:
+    for row in grid_summary(rows):
+      sink(row)
+  elif _MODELS.value:
     model_rows(quick, iters, warmup, sink)
-  harness.write_rows(rows, _OUTPUT.value)
+  harness.write_rows(rows, output)
   print(harness.format_table([r for r in rows if r["kind"] == "check"],
                              ["op", "implementation", "dtype", "status", "y_err",
                               "final_err", "grad_err"]))
@@ -198,6 +264,9 @@ def main(argv):
   print(harness.format_table([r for r in rows if r["kind"] == "model"],
                              ["cell", "implementation", "status", "median_ms",
                               "default_over_xla", "compile_s"]))
+  print(harness.format_table([r for r in rows if r["kind"] == "summary"],
+                             ["op", "point", "mode", "default_impl", "default_ms", "xla_ms",
+                              "default_vs_xla", "best", "default_vs_best"]))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python -m experiments.benchmark_kernel_ssm --models    # docs/benchmarks/ssm_scans.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \
         --output /tmp/kernel_ssm_cpu.json
+    python -m experiments.benchmark_kernel_ssm --grid --ops selective_scan \
+        --output /tmp/ssm_grid.json
 
 Shapes, the kernels performance page's: the selective scan at B 8, T 4096,
 D 256, S 16 and 128 (float32), the complex64 linear scan at B 8, T 4096 and
@@ -17,6 +19,13 @@ times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
 experiments/benchmark_kernel_ssd.py (their shapes, their chunked XLA peer and
 their cells' train steps with `--models`) in a process of their own, writing
 their suite's file, `chunked_ops.json`, beside `--output`.
+
+`--grid` times the selective scan (Pallas and XLA, fwd and fwd+bwd) at the
+scan points of `shape_grid` (state sizes {16, 24, 64, 128} at B 4, T 4096,
+D 512; with --small its 'smoke' subset) instead of the headline cases, without
+the memory case, the models and the sweep; the chunked ops in `--ops` run
+`benchmark_kernel_ssd --grid` with the same grid flags, writing
+`chunked_grid.json` beside `--output` (default /tmp/ssm_grid.json).
 """
 
 import functools
@@ -30,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import harness
+from experiments import shape_grid
 from experiments import workloads
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
@@ -52,6 +62,7 @@ _CELLS = flags.DEFINE_list("cells", ["lru", "mamba"], "SSMModel cells timed with
 _OPS = flags.DEFINE_list("ops", ["selective_scan", "linear_scan", "ssd", "gated_delta_rule"],
                          "Which ops to time and check.")
 _CHUNKED_OPS = ("ssd", "gated_delta_rule")  # both timed by benchmark_kernel_ssd.py
+_GRID = shape_grid.define_flags()
 
 _SELECTIVE = {"pallas": selective_scan_pallas, "xla": selective_scan_xla,
               "lax.scan": selective_scan_reference}
@@ -153,7 +164,16 @@ def kernel_cases(small, sweep):
   return [c for c in cases if c[0].removesuffix("_lru") in _OPS.value]
 
 
-def time_kernels(cases, iters, sink):
+def grid_cases(points) -> list:
+  """(op, shape, impl, blocks) of the selective scan at the grid's points."""
+  if "selective_scan" not in _OPS.value:
+    return []
+  return [("selective_scan", p.shape, impl, None) for p in points for impl in ("pallas", "xla")]
+
+
+def time_kernels(cases, iters, sink, point_names=None):
+  """Times each case, fwd and fwd+bwd; `point_names` maps a grid case's shape
+  to its point's name (a field of its rows)."""
   rows = []
   for op, shape, impl, blocks in cases:
     if op == "selective_scan":
@@ -177,6 +197,8 @@ def time_kernels(cases, iters, sink):
       config = {"kind": "time", "op": op, "shape": shape, "impl": impl, "mode": mode,
                 "blocks": None if used is None else str(used),
                 "default_blocks": blocks is None}
+      if point_names:
+        config.update(grid="scan", point=point_names[shape])
       rows.append(sink(_time(config, f, args, iters)))
   return rows
 
@@ -256,6 +278,10 @@ def summarize(rows):
 def main(argv):
   del argv
   small = _SMALL.value
+  grid = _GRID.grid.value
+  output = _OUTPUT.value
+  if grid and not flags.FLAGS["output"].present:
+    output = "/tmp/ssm_grid.json"
   rows = []
 
   def sink(row):
@@ -263,20 +289,23 @@ def main(argv):
     still leaves every finished row behind)."""
     rows.append(row)
     print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
-    harness.write_rows(rows, _OUTPUT.value)
+    harness.write_rows(rows, output)
     return row
 
-  if _KERNELS.value:
+  if grid:
+    points = _GRID.points("scan", "smoke" if small else None)
+    time_kernels(grid_cases(points), _ITERS.value, sink, {p.shape: p.name for p in points})
+  elif _KERNELS.value:
     time_kernels(kernel_cases(small, sweep=False), _ITERS.value, sink)
-  if _MEMORY.value and "selective_scan" in _OPS.value:
+  if _MEMORY.value and "selective_scan" in _OPS.value and not grid:
     for row in memory_case(small, _ITERS.value):
       sink(row)
   for row in check_numerics(small):
     sink(row)
-  if _MODELS.value:
+  if _MODELS.value and not grid:
     for row in time_models(small, _ITERS.value):
       sink(row)
-  if _SWEEP.value:
+  if _SWEEP.value and not grid:
     time_kernels(kernel_cases(small, sweep=True), _ITERS.value, sink)
   for row in summarize(rows):
     sink(row)
@@ -288,11 +317,15 @@ def main(argv):
   print(harness.format_table([r for r in rows if r["kind"] == "ratio"],
                              ["op", "shape", "mode", "pallas_ms", "xla_ms", "xla_over_pallas"]))
   if any(op in _OPS.value for op in _CHUNKED_OPS):
-    harness.run_program(
-        "experiments.benchmark_kernel_ssd",
-        os.path.join(os.path.dirname(_OUTPUT.value), "chunked_ops.json"),
-        [f"--iters={_ITERS.value}", "--quick" if small else "--noquick",
-         "--models" if _MODELS.value else "--nomodels"])
+    flags_ = [f"--iters={_ITERS.value}", "--quick" if small else "--noquick",
+              "--models" if _MODELS.value else "--nomodels"]
+    name = "chunked_ops.json"
+    if grid:
+      name = "chunked_grid.json"
+      flags_ += ["--grid", f"--grid_subset={_GRID.subset.value}",
+                 f"--grid_stride={_GRID.stride.value}", f"--grid_offset={_GRID.offset.value}"]
+    harness.run_program("experiments.benchmark_kernel_ssd",
+                        os.path.join(os.path.dirname(output), name), flags_)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,15 @@ sweep is additive rather than a product. The winners go, by hand, into
       --output /tmp/tune_flex.json
   python3 -m experiments.tune_flex_attention --head_sizes 32 --causal 0 \
       --kernels fwd --seq_len 1024 --output /tmp/tune_flex_t1024.json
+  python3 -m experiments.tune_flex_attention --grid --grid_subset quick --small \
+      --output /tmp/tune_flex_grid.json
+
+By default each head size is swept at its headline shape
+(`benchmark_kernel_attention`'s); `--grid` sweeps at the attention points of
+`shape_grid` instead (their masks, GQA and cross-attention lengths; dtype as
+the point says), `--head_sizes`, when given, keeping the points of those head
+sizes. The best tiles are reported per point and kernel, beside the time of
+the table's own tiles there (`table_ms`).
 """
 
 import itertools
@@ -20,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import harness
+from experiments import shape_grid
 from ops.flex_attention import configs
 from ops.flex_attention import pallas
 from ops.flex_attention import triton_backward
@@ -36,13 +46,24 @@ _SEQ_LEN = flags.DEFINE_integer(
     "seq_len", None, "T instead of the head size's shape's (B and N kept), e.g. 1024 "
     "for the short head-size-32 headline shape, where the T 4096 winners meet "
     "fewer programs than two full waves.")
+_INTERPRET = flags.DEFINE_bool(
+    "interpret", False, "Run the kernels in Pallas interpret mode: the sweep on a CPU "
+    "(a test of its plumbing; the times mean nothing).")
+_GRID = shape_grid.define_flags()
 
+KERNELS = ("fwd", "dkdv", "dq")
 # Head size -> (B, N, T): the headline shapes of benchmark_kernel_attention.
 _SHAPES = {32: (8, 8, 4096), 64: (4, 16, 4096), 128: (2, 16, 8192), 256: (2, 16, 4096)}
 
 
+def padded_head_dim(head_dim: int) -> int:
+  """The head size the kernels run at (a power of two >= 16), which keys the table."""
+  return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def _candidates(kernel: str, head_dim: int, small: bool):
-  """(block_q, block_k, num_warps, num_stages) candidates for one kernel."""
+  """(block_q, block_k, num_warps, num_stages) candidates for one kernel at
+  a padded head size."""
   if kernel == "fwd":
     bqs, bks = (128, 64), (32, 64, 128)
   elif kernel == "dkdv":  # block_k is the program's key tile, block_q the loop tile.
@@ -61,56 +82,100 @@ def _candidates(kernel: str, head_dim: int, small: bool):
   return out
 
 
-def _time(kernel, head_dim, causal, cand, base):
-  b, n, t = _SHAPES[head_dim]
-  t = _SEQ_LEN.value or t
+def headline_points() -> list[shape_grid.AttentionPoint]:
+  """Each --head_sizes' headline shape (T from --seq_len if given) for each
+  --causal value, as grid points."""
+  points = []
+  for head_dim in map(int, _HEAD_SIZES.value):
+    if head_dim not in _SHAPES:
+      raise app.UsageError(f"--head_sizes: no headline shape for {head_dim}; known: "
+                           f"{sorted(_SHAPES)} (--grid sweeps the grid's head sizes)")
+    b, n, t = _SHAPES[head_dim]
+    t = _SEQ_LEN.value or t
+    for causal in _CAUSAL.value:
+      points.append(shape_grid.AttentionPoint(
+          head_dim, t, "causal" if causal == "1" else "full", tokens=b * t, heads=n))
+  return points
+
+
+def grid_points() -> list[shape_grid.AttentionPoint]:
+  """The --grid points, those of --head_sizes only when it is given."""
+  points = _GRID.points("attention")
+  if flags.FLAGS["head_sizes"].present:
+    keep = set(map(int, _HEAD_SIZES.value))
+    points = [p for p in points if p.head_dim in keep]
+  return list(points)
+
+
+def _time(kernel: str, point: shape_grid.AttentionPoint, cand, base: configs.FlexConfig,
+          table: bool = False) -> dict:
+  """One kernel of flex's Triton path at `point` on tiles `cand` (the other
+  two kernels keep `base`'s)."""
+  size = point.shape
   cfg = configs.KernelConfig(*cand)
-  flex_cfg = configs.FlexConfig(**{**{k: getattr(base, k) for k in ("fwd", "dkdv", "dq")},
-                                   kernel: cfg})
+  flex_cfg = configs.FlexConfig(**{**{k: getattr(base, k) for k in KERNELS}, kernel: cfg})
+  dtype = jnp.dtype(point.dtype)
+
   def build():
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, do = (jax.random.normal(key, (b, t, n, head_dim), jnp.bfloat16) for key in keys)
-    st, args = pallas.prepare(q, k, v, scale=head_dim ** -0.5, is_causal=causal,
-                              window=None, q_segment_ids=None, kv_segment_ids=None,
-                              key_value_seq_lengths=None, interpret=False, config=flex_cfg)
+    q = jax.random.normal(keys[0], (size["B"], size["T"], size["N"], size["H"]), dtype)
+    k, v = (jax.random.normal(key, (size["B"], size["S"], size["K"], size["H"]), dtype)
+            for key in keys[1:3])
+    st, args = pallas.prepare(q, k, v, scale=point.head_dim ** -0.5,
+                              is_causal=point.is_causal, window=point.window,
+                              q_segment_ids=None, kv_segment_ids=None,
+                              key_value_seq_lengths=None, interpret=_INTERPRET.value,
+                              config=flex_cfg)
     if kernel == "fwd":
       return jax.jit(lambda *a: pallas._forward(st, *a)), args
     out, lse = jax.jit(lambda *a: pallas._forward(st, *a))(*args)
+    do = jax.random.normal(keys[3], out.shape, dtype)  # padded like q
     delta = triton_backward.compute_delta(out, do)
     call = triton_backward.dkdv_call if kernel == "dkdv" else triton_backward.dq_call
     return jax.jit(lambda *a: call(st, *a)), (*args[:6], lse, delta, do)
-  row = harness.run_case(dict(kernel=kernel, H=head_dim, causal=causal, B=b, N=n, T=t,
-                              block_q=cand[0], block_k=cand[1], num_warps=cand[2],
-                              num_stages=cand[3]), build, warmup=1, iters=_ITERS.value)
-  return row
+  config = dict(kernel=kernel, point=point.name, variant=point.variant, dtype=point.dtype,
+                causal=point.is_causal, **size, block_q=cand[0], block_k=cand[1],
+                num_warps=cand[2], num_stages=cand[3], table=table)
+  return harness.run_case(config, build, warmup=1, iters=_ITERS.value)
 
 
 def main(argv):
   del argv
+  unknown = set(_KERNELS.value) - set(KERNELS)
+  if unknown:
+    raise app.UsageError(f"--kernels: unknown {sorted(unknown)}; known: {list(KERNELS)}")
+  points = grid_points() if _GRID.grid.value else headline_points()
   start = time.time()
-  rows, best = [], {}
-  for head_dim in map(int, _HEAD_SIZES.value):
-    base = configs.get_config(head_dim, jnp.bfloat16, interpret=False)
-    for causal in (c == "1" for c in _CAUSAL.value):
-      for kernel in _KERNELS.value:
-        for cand in _candidates(kernel, head_dim, _SMALL.value):
-          if time.time() - start > _BUDGET_S.value:
-            break
-          row = _time(kernel, head_dim, causal, cand, base)
-          rows.append(row)
-          print(json.dumps({k: row.get(k) for k in ("kernel", "H", "causal", "block_q",
-                                                     "block_k", "num_warps", "num_stages",
-                                                     "status", "median_ms")}), flush=True)
-          key = (head_dim, causal, kernel)
-          if row.get("status") == "ok" and (key not in best or
-                                            row["median_ms"] < best[key]["median_ms"]):
-            best[key] = row
+  rows, best, table_ms = [], {}, {}
+  for point in points:
+    hp = padded_head_dim(point.head_dim)
+    base = configs.get_config(hp, jnp.dtype(point.dtype), interpret=False)
+    for kernel in _KERNELS.value:
+      own = getattr(base, kernel)
+      own = (own.block_q, own.block_k, own.num_warps, own.num_stages)
+      cands = _candidates(kernel, hp, _SMALL.value)
+      for cand in [own] + [c for c in cands if c != own]:
+        if time.time() - start > _BUDGET_S.value:
+          break
+        row = _time(kernel, point, cand, base, table=cand == own)
+        rows.append(row)
+        print(json.dumps({k: row.get(k) for k in ("kernel", "point", "block_q", "block_k",
+                                                   "num_warps", "num_stages", "table",
+                                                   "status", "median_ms")}), flush=True)
+        key = (point.name, kernel)
+        if row.get("status") != "ok":
+          continue
+        if cand == own:
+          table_ms[key] = row["median_ms"]
+        if key not in best or row["median_ms"] < best[key]["median_ms"]:
+          best[key] = row
   harness.write_rows(rows, _OUTPUT.value)
-  table = [dict(H=h, causal=c, kernel=k, block_q=r["block_q"], block_k=r["block_k"],
-                num_warps=r["num_warps"], num_stages=r["num_stages"], ms=r["median_ms"])
-           for (h, c, k), r in sorted(best.items())]
-  print(harness.format_table(table, ["H", "causal", "kernel", "block_q", "block_k",
-                                     "num_warps", "num_stages", "ms"]))
+  summary = [dict(point=p, H=r["H"], causal=r["causal"], kernel=k, block_q=r["block_q"],
+                  block_k=r["block_k"], num_warps=r["num_warps"], num_stages=r["num_stages"],
+                  ms=r["median_ms"], table_ms=table_ms.get((p, k)))
+             for (p, k), r in best.items()]
+  print(harness.format_table(summary, ["point", "H", "causal", "kernel", "block_q", "block_k",
+                                       "num_warps", "num_stages", "ms", "table_ms"]))
 
 
 if __name__ == "__main__":
