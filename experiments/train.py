@@ -65,12 +65,10 @@ Writes to `--output_dir`: `checkpoints/` (orbax, the last
 `samples.png` (training images beside `--num_samples` samples); for lm,
 `samples.json` (each sample's step, generated tokens and printed text).
 
-`fit()`'s callbacks see metrics, not parameters, so lm trains in one `fit()`
-call per `--sample_every` steps, each resuming from the checkpoint the one
-before it wrote (nothing compiles again; the data order and the optimizer
-state continue as in one call) and evaluating the validation set at its end,
-and samples between the calls (so `--progress` draws a bar per call, up to the
-next sample; a `--stream` is seeded afresh at each call's first step).
+lm samples inside its one `fit()` call, from a callback that gets the
+parameters at each validation pass (`Callback.on_eval_params`): its
+validation passes come every `--sample_every` steps (`--eval_every` is unused)
+and at the end, each with its validation loss and a sample.
 
 Several hosts (one process per host, all devices of all hosts in one mesh;
 `--output_dir` on a file system every host sees):
@@ -104,7 +102,6 @@ import tqdm
 
 import probjax_hk as pk
 from probjax_hk import diffusion
-from probjax_hk.training import checkpoints as checkpoints_lib
 
 MODELS = ("transformer", "moe", "ssm", "dit", "unet", "lm")
 SSM_CELLS = {"lru": pk.LRUCell, "mamba": pk.MambaCell, "ssd": pk.SSDCell,
@@ -193,8 +190,9 @@ _TEMPERATURE = flags.DEFINE_float(
 _SAMPLE_TOP_K = flags.DEFINE_integer(
     "sample_top_k", None, f"lm: sample among the k most likely bytes only"
     f" (default: all {LM_VOCAB}).", lower_bound=1, upper_bound=LM_VOCAB)
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between evals.",
-                                   lower_bound=1)
+_EVAL_EVERY = flags.DEFINE_integer(
+    "eval_every", 100, "Steps between evals (lm: --sample_every instead).",
+    lower_bound=1)
 _LOG_EVERY = flags.DEFINE_integer("log_every", 25, "Steps between printouts.",
                                   lower_bound=1)
 _CHECKPOINT_EVERY = flags.DEFINE_integer(
@@ -454,7 +452,8 @@ class Task:
     make_validation: like `make_data`, for the validation set (None:
       `make_data`).
     sample_text: lm: (params, rng) -> (generated tokens [G], the prompt and
-      them as printable text), drawn every `--sample_every` steps.
+      them as printable text), drawn at each validation pass (every
+      `--sample_every` steps).
   """
   description: str
   make_data: Callable[[np.random.RandomState, int], dict[str, np.ndarray]]
@@ -720,17 +719,15 @@ def say(line: str) -> None:
 
 class _PrintLoss(pk.training.Callback):
   """Prints the loss every `every` steps and each validation loss (followed
-  by `unit`). One instance serves consecutive fits of one job: a fit that
-  starts where the previous one ended is not announced as a resume."""
+  by `unit`)."""
 
   def __init__(self, every: int, unit: str = ""):
     self.every = every
     self.unit = unit
     self.start = time.perf_counter()
-    self.last_step = None  # where the previous fit of this job ended
 
   def on_train_begin(self, step):
-    if step and step != self.last_step:
+    if step:
       say(f"resumed from the checkpoint at step {step}")
 
   def on_step_end(self, step, metrics):
@@ -743,8 +740,48 @@ class _PrintLoss(pk.training.Callback):
   def on_eval_end(self, step, metrics):
     say(f"step {step:5d}  validation loss {metrics['val_loss']:.4f}{self.unit}")
 
-  def on_train_end(self, step):
-    self.last_step = step
+
+class _SampleText(pk.training.Callback):
+  """lm: prints a sample of `sample_text(params, rng)` at each validation
+  pass and keeps all of them in `path` (samples.json: `step`, `tokens`,
+  `text`, one entry per sample). A resumed fit keeps the samples up to the
+  step it resumes from; a fit from step 0 starts the file afresh.
+
+  Args:
+    sample_text: `Task.sample_text`, (params, rng) -> (tokens [G], text).
+    path: where the samples go.
+    seed: the sampling key of step s is `fold_in(PRNGKey(seed), s)`.
+    header: what the printed header says after "sample (".
+  """
+
+  def __init__(self, sample_text, path: str, seed: int, header: str):
+    self.sample_text = sample_text
+    self.path = path
+    self.key = jax.random.PRNGKey(seed)
+    self.header = header
+    self.samples = {"step": [], "tokens": [], "text": []}
+
+  def on_train_begin(self, step):
+    self.samples = {"step": [], "tokens": [], "text": []}
+    if step and os.path.exists(self.path):
+      with open(self.path) as f:  # a resumed run keeps the earlier samples
+        earlier = json.load(f)
+      keep = [i for i, s in enumerate(earlier["step"]) if s <= step]
+      self.samples = {k: [v[i] for i in keep] for k, v in earlier.items()}
+
+  def on_eval_params(self, step, params, state):
+    del state  # the lm has no Haiku state
+    tokens, text = self.sample_text(params, jax.random.fold_in(self.key, step))
+    say(f"step {step:5d}  sample ({self.header}, {len(tokens)} bytes after"
+        f" the prompt):\n{text}")
+    if self.samples["step"] and self.samples["step"][-1] == step:
+      for values in self.samples.values():  # a run resumed at its last step
+        values.pop()
+    self.samples["step"].append(step)
+    self.samples["tokens"].append(tokens.tolist())
+    self.samples["text"].append(text)
+    with open(self.path, "w") as f:
+      json.dump(self.samples, f)
 
 
 def _pyplot():
@@ -829,26 +866,6 @@ def init_params(net, key: jax.Array, example, parameter_sharding: str):
     return jax.jit(net.init, out_shardings=placed)(key, example)
 
 
-def latest_checkpoint_step(checkpoint_dir: str) -> int | None:
-  """The newest complete checkpoint's step in `checkpoint_dir` (None: none)."""
-  if not os.path.isdir(checkpoint_dir):
-    return None
-  checkpointer = checkpoints_lib.Checkpointer(checkpoint_dir, keep=1)
-  try:
-    return checkpointer.latest_step()
-  finally:
-    checkpointer.close()
-
-
-def fit_segments(start: int, total: int, every: int | None) -> list[int]:
-  """The `num_steps` of each `fit()` call of a job that starts at step
-  `start`: one call to `total`, or with `every` one call to each multiple of
-  `every` after `start` and below `total`, then one to `total`."""
-  if every is None:
-    return [total]
-  return list(range((start // every + 1) * every, total, every)) + [total]
-
-
 def train() -> pk.FitResult:
   """Runs the job the flags describe; returns fit()'s result."""
   if not flags.FLAGS["verbosity"].present:  # orbax logs every save at INFO
@@ -866,13 +883,14 @@ def train() -> pk.FitResult:
   validation = (task.make_validation or task.make_data)(
       rng, _NUM_VALIDATION.value)
 
-  def stream(seed, first_step):  # with several processes each yields its own rows
-    rs = np.random.RandomState([seed, jax.process_index()] +
-                               ([first_step] if first_step else []))
-    while True:
-      yield task.make_data(rs, batch_size // jax.process_count())
-
-  data = None if _STREAM.value else task.make_data(rng, _NUM_EXAMPLES.value)
+  if _STREAM.value:
+    def stream(seed):  # with several processes each yields its own rows
+      rs = np.random.RandomState([seed, jax.process_index()])
+      while True:
+        yield task.make_data(rs, batch_size // jax.process_count())
+    data = stream(_SEED.value + 1)
+  else:
+    data = task.make_data(rng, _NUM_EXAMPLES.value)
   # Independent of --steps: a resumed run with more steps follows the same
   # schedule as one uninterrupted run.
   schedule = optax.warmup_cosine_decay_schedule(
@@ -880,66 +898,36 @@ def train() -> pk.FitResult:
       _LEARNING_RATE.value / 10)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule))
 
-  checkpoint_dir = os.path.join(output_dir, "checkpoints")
-  latest = latest_checkpoint_step(checkpoint_dir)
-  start = (latest or 0) if _RESUME.value else 0
-  # lm samples between fit() calls, each resuming from the previous one's
-  # final checkpoint (callbacks see metrics, not parameters).
-  segments = fit_segments(start, _STEPS.value, _SAMPLE_EVERY.value
-                          if task.sample_text is not None else None)
-  if len(segments) > 1 and latest is not None and not _RESUME.value:
-    raise flags.ValidationError(
-        f"--noresume with checkpoints in {checkpoint_dir} (newest: step"
-        f" {latest}): --model={model} resumes from its own checkpoint after"
-        " each sample; pass a new --output_dir")
-
   say(f"{model}: {task.description}; {jax.device_count()}"
       f" {jax.default_backend()} device(s); output in {output_dir}")
-  printer = _PrintLoss(_LOG_EVERY.value,
-                       " bits/char" if task.sample_text is not None else "")
+  lm = task.sample_text is not None
+  callbacks = [_PrintLoss(_LOG_EVERY.value, " bits/char" if lm else "")]
+  samples_path = os.path.join(output_dir, "samples.json")
+  if lm:  # a sample at each validation pass, from the parameters fit() holds
+    top_k = _SAMPLE_TOP_K.value
+    callbacks.append(_SampleText(
+        task.sample_text, samples_path, _SEED.value + 7,
+        f"temperature {_TEMPERATURE.value:g}"
+        f"{f', top-{top_k}' if top_k else ''}"))
   kwargs = dict(
       rng=_SEED.value, optimizer=optimizer, batch_size=batch_size,
-      validation_data=validation, eval_every=_EVAL_EVERY.value,
-      callbacks=[printer], checkpoint_dir=checkpoint_dir,
+      num_steps=_STEPS.value, validation_data=validation,
+      eval_every=_SAMPLE_EVERY.value if lm else _EVAL_EVERY.value,
+      callbacks=callbacks,
+      checkpoint_dir=os.path.join(output_dir, "checkpoints"),
       checkpoint_every=_CHECKPOINT_EVERY.value,
-      keep_checkpoints=_KEEP_CHECKPOINTS.value,
+      keep_checkpoints=_KEEP_CHECKPOINTS.value, resume=_RESUME.value,
       progress=_PROGRESS.value, log_every=_LOG_EVERY.value,  # logs with -v 0
       steps_per_call=_STEPS_PER_CALL.value,
       parameter_sharding=_PARAMETER_SHARDING.value)
   example = jax.tree.map(lambda x: x[:batch_size], validation)
   init = init_params(task.net, jax.random.fold_in(
       jax.random.PRNGKey(_SEED.value), 3), example, _PARAMETER_SHARDING.value)
-  samples_path = os.path.join(output_dir, "samples.json")
-  samples = {"step": [], "tokens": [], "text": []}
-  if task.sample_text is not None and start and os.path.exists(samples_path):
-    with open(samples_path) as f:  # a resumed run keeps the earlier samples
-      earlier = json.load(f)
-    keep = [i for i, step in enumerate(earlier["step"]) if step <= start]
-    samples = {k: [v[i] for i in keep] for k, v in earlier.items()}
-  for i, num_steps in enumerate(segments):
-    kwargs.update(num_steps=num_steps, resume=_RESUME.value or i > 0)
-    if _STREAM.value:
-      data = stream(_SEED.value + 1, printer.last_step if i else None)
-    if task.loss_fn is None:
-      result = pk.fit_model(task.net, data, params=init, **kwargs)
-    else:  # a Haiku-state model whose loss_fn wraps net.apply
-      params, state = init
-      result = pk.fit(task.loss_fn, params, data, state=state, **kwargs)
-    if task.sample_text is not None:
-      tokens, text = task.sample_text(result.params, jax.random.fold_in(
-          jax.random.PRNGKey(_SEED.value + 7), result.step))
-      top_k = _SAMPLE_TOP_K.value
-      say(f"step {result.step:5d}  sample (temperature {_TEMPERATURE.value:g}"
-          f"{f', top-{top_k}' if top_k else ''}, {len(tokens)} bytes"
-          f" after the prompt):\n{text}")
-      if samples["step"] and samples["step"][-1] == result.step:
-        for values in samples.values():  # a run resumed at its last step
-          values.pop()
-      samples["step"].append(result.step)
-      samples["tokens"].append(tokens.tolist())
-      samples["text"].append(text)
-      with open(samples_path, "w") as f:
-        json.dump(samples, f)
+  if task.loss_fn is None:
+    result = pk.fit_model(task.net, data, params=init, **kwargs)
+  else:  # a Haiku-state model whose loss_fn wraps net.apply
+    params, state = init
+    result = pk.fit(task.loss_fn, params, data, state=state, **kwargs)
 
   history = {k: v.tolist() for k, v in result.history.items()}
   with open(os.path.join(output_dir, "history.json"), "w") as f:
@@ -963,7 +951,7 @@ def train() -> pk.FitResult:
   say(f"checkpoints: {output_dir}/checkpoints (final: step {result.step});"
       f" history: {output_dir}/history.json")
   say("pictures: " + " ".join(pictures))
-  if task.sample_text is not None:
+  if lm:
     say(f"samples: {samples_path}")
   return result
 

@@ -1,5 +1,6 @@
 """experiments/train.py --model=lm: a character model on the standard
-library's source, trained with fit() in calls between printed samples.
+library's source, trained in one fit() call that samples from a callback at
+each validation pass.
 
 The job runs in this process (its `train()` after parsing tiny flags); each
 run compiles a one-layer model of width 16.
@@ -73,26 +74,26 @@ def test_the_transformer_learns_and_prints_samples_as_it_trains(tmp_path):
   # Bits per character: about 8 (chance) at first, then falling.
   assert abs(_mean_loss(history, True) - math.log2(256)) < 1.5
   assert _mean_loss(history, False) < _mean_loss(history, True) - 2
-  # One validation pass per fit() call: at each sample.
+  # A validation pass with its sample every --sample_every steps (not at
+  # --eval_every=100).
   assert history["val_step"] == [10, 20]
   assert history["val_loss"][-1] < history["val_loss"][0] - 1
   assert "step    20  loss " in printed and " bits/char" in printed
-  assert "resumed" not in printed  # the calls after the first continue quietly
+  assert "step    10  validation loss " in printed
+  assert "resumed" not in printed
   _check_samples(tmp_path, printed, [10, 20], 24)
   assert f"samples: {tmp_path / 'samples.json'}" in printed
 
-  # Training in calls between samples is training in one call: the same
-  # loss at every step.
-  one_call, _ = _run(_TINY + ["--steps=20", "--sample_every=20",
-                              f"--output_dir={tmp_path / 'one_call'}"])
-  np.testing.assert_array_equal(one_call.history["loss"],
-                                result.history["loss"])
-  assert one_call.history["val_loss"][-1] == history["val_loss"][-1]
-
-  # More steps resume from the last checkpoint and keep the earlier samples.
+  # More steps resume from the last checkpoint and keep the earlier samples;
+  # the end, between two multiples of --sample_every, has one too.
   result, printed = _run(_TINY + ["--steps=25", f"--output_dir={tmp_path}"])
   assert result.step == 25
   assert printed.count("resumed from the checkpoint at step 20") == 1
+  _check_samples(tmp_path, printed, [10, 20, 25], 24, first=25)
+  # Again at the last step: no training, one validation pass, its sample
+  # replaces the one of step 25 (the same parameters and key).
+  again, printed = _run(_TINY + ["--steps=25", f"--output_dir={tmp_path}"])
+  assert again.step == 25
   _check_samples(tmp_path, printed, [10, 20, 25], 24, first=25)
 
 
@@ -107,16 +108,6 @@ def test_an_ssm_body_learns_and_samples(tmp_path):
   history = _read(tmp_path / "history.json")
   assert _mean_loss(history, False) < _mean_loss(history, True) - 1
   _check_samples(tmp_path, printed, [20], 7, prompt="import ")
-
-
-def test_fit_segments():
-  assert train.fit_segments(0, 300, None) == [300]
-  assert train.fit_segments(0, 300, 100) == [100, 200, 300]
-  assert train.fit_segments(0, 250, 100) == [100, 200, 250]
-  assert train.fit_segments(100, 300, 100) == [200, 300]
-  assert train.fit_segments(150, 300, 100) == [200, 300]
-  assert train.fit_segments(300, 300, 100) == [300]
-  assert train.fit_segments(400, 300, 100) == [300]  # fit() trains no step
 
 
 def test_text_windows_predict_the_next_byte():

@@ -1,4 +1,4 @@
-"""`Callback.on_eval_params`: the parameters at each validation pass of fit()."""
+"""`Callback.on_eval_params`: the parameters at fit()'s validation passes."""
 
 import haiku as hk
 import jax
@@ -110,7 +110,8 @@ def test_no_copy_without_a_callback_that_overrides_the_hook(copies):
       seen.append(("class", step, metrics["val_loss"]))
 
   def record(step, metrics):
-    seen.append(("function", step, metrics.get("val_loss", metrics.get("loss"))))
+    value = metrics.get("val_loss", metrics.get("loss"))
+    seen.append(("function", step, value))
 
   r = _fit([record, OnlyEnd(), probjax_hk.EarlyStopping(patience=100)])
   assert copies == []
@@ -131,8 +132,8 @@ def test_no_copy_without_a_callback_that_overrides_the_hook(copies):
 def test_overrides_sees_subclasses_and_instance_functions():
   base = probjax_hk.training.Callback()
   assert not callbacks_lib.overrides(base, "on_eval_params")
-  assert not callbacks_lib.overrides(callbacks_lib.as_callback(lambda s, m: None),
-                                     "on_eval_params")
+  function = callbacks_lib.as_callback(lambda step, metrics: None)
+  assert not callbacks_lib.overrides(function, "on_eval_params")
   assert callbacks_lib.overrides(_Keep(), "on_eval_params")
   assert not callbacks_lib.overrides(_Keep(), "on_step_end")
   base.on_eval_params = lambda step, params, state: None
