@@ -138,14 +138,14 @@ def choose_attention_implementation(
     key, value: [B, S, K, H].
     bias: optional, broadcastable to [B, N, T, S].
     mask: optional boolean, broadcastable to [B, N, T, S].
-    is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths,
-      scale: as for `dot_product_attention`.
+    is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, scale: as
+      for `dot_product_attention`.
     implementation: None, 'xla', 'cudnn' or 'flex'.
 
   Returns:
-    'xla', 'cudnn', 'flex' or (for `None` only) 'decode'. Raises a ValueError when an explicit
-    `implementation` cannot take the inputs (with the reason); never raises
-    for `None`.
+    'xla', 'cudnn', 'flex' or (for `None` only) 'decode'. Raises a
+    ValueError when an explicit `implementation` cannot take the inputs (with
+    the reason); never raises for `None`.
   """
   del value  # Every implementation takes it.
   if implementation not in IMPLEMENTATIONS:
