@@ -282,7 +282,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     eval_every: evaluate every this many steps (default: each epoch for
       in-memory data, else only at the end; always also at the end).
     callbacks: `Callback`s or functions `(step, metrics) -> bool | None`;
-      True stops the fit (see callbacks.py for the timing).
+      True stops the fit (see callbacks.py for the timing). A `Callback`'s
+      `on_eval_params(step, params, state)` also sees copies of the
+      parameters at every validation pass.
     checkpoint_dir: where to write orbax checkpoints (None: no checkpoints).
     checkpoint_every: also save every this many steps (the end, a stop and
       Ctrl-C always save when `checkpoint_dir` is set).
