@@ -14,6 +14,11 @@ comes from the newest of them, and every ratio is taken between rows of one
 run. No number is typed here: rerun this after a benchmark and commit the pages
 with the JSON (tests/experiments/test_benchmark_figures.py fails when they
 differ).
+
+A suite whose file is not in the directory is left out: the pages it alone
+feeds are not written, and the index and setup pages neither link nor list
+it. Dropping a measured file in under the manifest's name and rerunning this
+program adds its pages.
 """
 
 import dataclasses
@@ -33,7 +38,7 @@ _BENCHMARKS = flags.DEFINE_string("benchmarks", "docs/benchmarks",
 _PAGES = flags.DEFINE_string("pages", "docs/performance", "Where the pages are written.")
 
 MANIFEST = "manifest.json"
-PAGES = ("index", "setup", "attention", "kernels", "models")
+PAGES = ("index", "setup", "attention", "kernels", "models", "decoding", "grid")
 _MODE_ORDER = {"fwd": 0, "forward": 0, "fwd+bwd": 1, "train_step": 2}
 
 
@@ -82,10 +87,30 @@ def load_suite(directory: str, name: str, file: str) -> Suite:
 
 
 def load_suites(directory: str) -> tuple[dict, dict[str, Suite]]:
+  """The manifest and the suites whose file is in `directory` (in its order)."""
   manifest = load_manifest(directory)
   suites = {name: load_suite(directory, name, entry["file"])
-            for name, entry in manifest["suites"].items()}
+            for name, entry in manifest["suites"].items()
+            if os.path.exists(os.path.join(directory, entry["file"]))}
   return manifest, suites
+
+
+def suite_or_empty(suites: dict[str, Suite], name: str) -> Suite:
+  """`suites[name]`, or an empty suite (no runs, no rows) where it is absent."""
+  return suites.get(name) or Suite(name, "", {}, [])
+
+
+def with_empty(manifest: dict, suites: dict[str, Suite]) -> dict[str, Suite]:
+  """`suites` and an empty Suite for each of the manifest's absent ones, so that a
+  page fed by several suites says "not measured" where one is missing."""
+  return {name: suites.get(name) or Suite(name, entry["file"], {}, [])
+          for name, entry in manifest["suites"].items()}
+
+
+def pages_of(manifest: dict, suites: dict[str, Suite]) -> list[str]:
+  """The pages to write, in `PAGES` order: index, setup and those a present suite feeds."""
+  fed = {page for name in suites for page in manifest["suites"][name]["pages"]}
+  return [p for p in PAGES if p in ("index", "setup") or p in fed]
 
 
 # ---------------------------------------------------------------------------
@@ -1012,6 +1037,614 @@ def models_page(manifest: dict, suites: dict[str, Suite], figure: "Figure | None
 
 
 # ---------------------------------------------------------------------------
+# Decoding: the split-K kernel and generation end to end.
+
+_DECODE_IMPLS = ("pallas", "xla", "jax_nn_xla", "cudnn")
+
+
+def _decode_kernel_label(row: dict) -> str | None:
+  if row.get("section") != "kernel" or row.get("kind") != "time":
+    return None
+  impl = row.get("impl")
+  return impl if impl in _DECODE_IMPLS else None  # Tiled variants are tuning runs.
+
+
+def decode_kernel_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("B", "T", "S", "N", "K", "H", "dtype", "fill"),
+                    label=_decode_kernel_label, ours="pallas")
+  records.sort(key=lambda r: (r.config["dtype"], r.config["T"], r.config["S"], r.config["B"],
+                              r.config["K"], r.config["N"], r.config["H"]))
+  return records
+
+
+def _floor_ms(record: Record) -> float | None:
+  """The bandwidth floor of a kernel record (the same in every row of its shape)."""
+  return next((row.get("floor_ms") for row in record.cells.values() if row.get("floor_ms")),
+              None)
+
+
+def _over_floor(record: Record) -> float | None:
+  ms, floor = record.ms("pallas"), _floor_ms(record)
+  return ms / floor if ms is not None and floor else None
+
+
+def decode_kernel_table(suite: Suite, records: list[Record]) -> str:
+  several_t = len({r.config["T"] for r in records}) > 1
+  letters, legend = run_column(suite, records)
+  header = (["B", "S", "K", "N", "H"] + (["T"] if several_t else [])
+            + ["Pallas ms", "XLA ms", "jax.nn XLA ms", "cuDNN ms", "floor ms",
+               "Pallas / floor", "XLA / Pallas", "cuDNN / Pallas"] + (["run"] if letters else []))
+  body = []
+  for r in records:
+    c = r.config
+    line = ([str(c[k]) for k in ("B", "S", "K", "N", "H")] + ([str(c["T"])] if several_t else [])
+            + [cell(r, impl) for impl in _DECODE_IMPLS] + [number(_floor_ms(r)),
+               ratio_text(_over_floor(r)), ratio_text(r.ratio("xla", "pallas")),
+               ratio_text(r.ratio("cudnn", "pallas"))])
+    if letters:
+      line.append(letters[r.source])
+    body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def _bandwidth_tbps(records: list[Record]) -> float | None:
+  """The bandwidth the run's floor assumes: a Pallas row's `tbps` (floor bytes over
+  its time) times its time over the floor."""
+  for r in records:
+    row = r.cells.get("pallas") or {}
+    if row.get("status") == "ok" and row.get("tbps") and row.get("floor_ms"):
+      return row["tbps"] * row["median_ms"] / row["floor_ms"]
+  return None
+
+
+_GENERATE_MODELS = {
+    "transformer": "Transformer, default attention",
+    "transformer_xla": "Transformer, XLA attention",
+    "mamba2": "SSMModel, Mamba2Cell",
+    "gated_deltanet": "SSMModel, GatedDeltaNetCell",
+}
+
+
+def generate_records(suite: Suite) -> list[Record]:
+  """Per batch size (and prompt, length, vocabulary): each model's summary row,
+  all from one run, with the default-attention Transformer."""
+  records = compare(suite.rows, config=("B", "T", "G", "V", "dtype", "temperature"),
+                    label=lambda r: (r.get("model") if r.get("section") == "generate"
+                                     and r.get("kind") == "summary" else None),
+                    ours="transformer", value="per_token_ms")
+  records.sort(key=lambda r: (r.config["dtype"], r.config["T"], r.config["G"], r.config["B"]))
+  return records
+
+
+def _generate_models(records: list[Record]) -> list[str]:
+  seen = {m for r in records for m in r.cells}
+  return [m for m in _GENERATE_MODELS if m in seen] + sorted(seen - set(_GENERATE_MODELS))
+
+
+def generate_table(suite: Suite, records: list[Record]) -> str:
+  letters, legend = run_column(suite, records)
+  header = (["model", "layers", "params", "batch", "prefill ms", "per-token ms", "tokens/s",
+             "per-token / Transformer's"] + (["run"] if letters else []))
+  body = []
+  for r in records:
+    for model in _generate_models([r]):
+      row = r.cells[model]
+      line = [_GENERATE_MODELS.get(model, model), str(row.get("num_layers", "")),
+              number(row.get("params")), str(r.config["B"]), cell(r, model, "prefill_ms"),
+              cell(r, model, "per_token_ms"), cell(r, model, "tokens_per_s"),
+              ratio_text(r.ratio(model, "transformer", "per_token_ms"))]
+      if letters:
+        line.append(letters[r.source])
+      body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def decoding_headlines(suite: Suite) -> list[str]:
+  kernel = decode_kernel_records(suite)
+  lines = []
+  if any(_over_floor(r) is not None for r in kernel):
+    line = (f"- `ops.decode_attention`'s split-K kernel: {span(_over_floor(r) for r in kernel)}"
+            " x the time of reading the KV cache at the bandwidth floor")
+    if any(r.ratio("cudnn", "pallas") for r in kernel):
+      line += f"; cuDNN takes {span(r.ratio('cudnn', 'pallas') for r in kernel)} x its time"
+    if any(r.ratio("xla", "pallas") for r in kernel):
+      line += f", its XLA path {span(r.ratio('xla', 'pallas') for r in kernel)} x"
+    lines.append(line + ".")
+  for r in generate_records(suite):
+    others = [(m, r.ratio(m, "transformer", "per_token_ms")) for m in _generate_models([r])
+              if m != "transformer"]
+    parts = [f"{_GENERATE_MODELS.get(m, m)} {ratio_text(v)} x" for m, v in others
+             if v is not None]
+    if parts:
+      lines.append(f"- Generation at batch {r.config['B']}, per token against the Transformer "
+                   "with its default attention: " + "; ".join(parts) + ".")
+  return lines
+
+
+def decoding_page(manifest: dict, suites: dict[str, Suite]) -> str:
+  suite = suites["decode"]
+  kernel = decode_kernel_records(suite)
+  generate = generate_records(suite)
+  out = ["# Decoding", "",
+         "Autoregressive decoding on one GPU: `ops.decode_attention`, the split-K kernel that "
+         "`dot_product_attention` picks for one new query per sequence, against the peers "
+         "on the same KV cache, and `pk.generate` end to end on Transformer and SSM language "
+         "models. Every ratio is between rows of one run.", "", "## Headlines", ""]
+  headlines = decoding_headlines(suite)
+  out += headlines if headlines else [not_measured("Decoding")]
+  out += ["", "## The decode attention kernel", ""]
+  if kernel:
+    bandwidth = _bandwidth_tbps(kernel)
+    first = kernel[0].config
+    queries = {r.config["T"] for r in kernel}
+    tokens = ("One new token" if queries == {1} else f"T = {first['T']} new tokens"
+              if len(queries) == 1 else "T new tokens")
+    fill = f"{first['fill']:.0%}".replace("%", " %")
+    out += [f"{tokens} per sequence against a cache of S slots, {fill} full, "
+            f"{first['dtype']}, N query heads over K key/value heads of size H. Pallas and "
+            "XLA are `ops.decode_attention` with `implementation='pallas'` / `'xla'`; jax.nn "
+            "XLA and cuDNN are `jax.nn.dot_product_attention` on the same cache with the "
+            "lengths as its key lengths. The floor is the time to read the keys and values "
+            "each call must read" + (f" at {number(bandwidth, 3)} TB/s" if bandwidth else "")
+            + "; `XLA / Pallas` and `cuDNN / Pallas` above 1 mean the kernel is faster.", "",
+            decode_kernel_table(suite, kernel), ""]
+  else:
+    out += [not_measured("The decode kernel"), ""]
+  out += ["### Numerics on the GPU", "",
+          "Relative L2 error of the kernel against the float32 reference on the GPU "
+          "(key lengths that differ per sequence, GQA and MHA, a window).", ""]
+  checks = _error_table(suite, lambda r: r.get("section") == "kernel"
+                        and r.get("kind") == "check",
+                        [("shape", "B, T, S, N, K, H"), ("dtype", "dtype"), ("window", "window"),
+                         ("status", "status"), ("finite", "finite")], [("rel", "error")])
+  out += [checks if checks else not_measured("The decode kernel's check"), ""]
+  out += ["## Generation", ""]
+  if generate:
+    row = generate[0].cells["transformer"]
+    out += [f"`pk.generate` of G = {row.get('G')} tokens after a {row.get('T')}-token random "
+            f"prompt, vocabulary {row.get('V')}, {row.get('dtype')} parameters, temperature "
+            f"{row.get('temperature')}, one compiled call. The Transformer is "
+            f"`Transformer({row.get('model_dim')}, {row.get('num_heads')}, "
+            f"{row.get('num_layers')}, num_kv_heads={row.get('num_kv_heads')})` with RoPE; "
+            "the SSMs have its width and the depth that brings their parameter count nearest "
+            "its. `prefill ms` is the prompt's prefill alone; `per-token ms` is (the whole "
+            "call - the prefill) / (G - 1), one decoding step; `tokens/s` is B x G over the "
+            "whole call. `params` counts the embedding and the output projection too.", "",
+            generate_table(suite, generate), ""]
+  else:
+    out += [not_measured("Generation"), ""]
+  out += ["## How to reproduce", ""] + reproduce_section(
+      dict(manifest, suites={n: e for n, e in manifest["suites"].items() if n == "decode"}))
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# The shape grid: the default against the best peer at every point.
+
+# The targets the grid is judged by: the default's time over the peer's.
+ATTENTION_SHARE = 0.8    # attention: at or below the best peer at this share of points,
+ATTENTION_LIMIT = 1.10   # and never above this ratio
+LOSS_MARGIN = 1.05       # the attention points listed as losses: above this ratio
+
+_GRID_PEERS = ("cudnn", "tokamax_mosaic", "tokamax_triton")
+_GRID_OURS = ("flex", "cudnn", "xla")
+_GRID_NAMES = {"flex": "flex", "cudnn": "cuDNN", "xla": "XLA", "default": "default",
+               "tokamax_mosaic": "tokamax Mosaic", "tokamax_triton": "tokamax Triton",
+               "pallas": "Pallas", "tokamax_ragged_dot": "tokamax.ragged_dot",
+               "ragged_dot": "ragged_dot"}
+
+
+def _with_default(rows: Iterable[dict], choice: dict[tuple, str], key: Callable[[dict], tuple],
+                  label: Callable[[dict], tuple[str, ...]]) -> list[dict]:
+  """Rows with a `_label` each (a row under several labels is repeated): the labels
+  `label` gives, and 'default' for the row of what the default ran. A row timing
+  the default itself (impl 'default') is that row; otherwise it is the row of the
+  implementation the run's summary says the default picks (`choice[key(row)]`)."""
+  rows = list(rows)
+  timed_itself = {key(r) for r in rows if r.get("impl") == "default"}
+  out = []
+  for r in rows:
+    names = set(label(r))
+    if r.get("impl") == "default" or (key(r) not in timed_itself
+                                      and _impl_of(r) == choice.get(key(r))):
+      names.add("default")
+    out += [dict(r, _label=name) for name in sorted(names)]
+  return out
+
+
+def _impl_of(row: dict) -> str | None:
+  if "impl" in row:
+    return row["impl"]
+  # benchmark_kernel_ssd: `implementation`, and the default chunk where `chunk_size` is None.
+  if row.get("implementation") == "pallas" and row.get("chunk_size") is not None:
+    return None
+  return row.get("implementation")
+
+
+def _labelled(row: dict) -> str:
+  return row["_label"]
+
+
+def attention_grid_records(suite: Suite) -> list[Record]:
+  """Per (point, mode): 'default', 'peer' (the fastest of cuDNN and tokamax) and
+  each implementation timed, from one run."""
+  summaries = [r for r in suite.rows if r.get("grid") == "attention"
+               and r.get("kind") == "summary"]
+  key = lambda r: (r["source"], r.get("point"), r.get("mode"))
+  choice = {key(r): r.get("default_impl") for r in summaries}
+  rows = [r for r in suite.rows if r.get("grid") == "attention" and r.get("kind") == "time"]
+  labelled = _with_default(rows, choice, key, lambda r: (r.get("impl"),) + (
+      ("peer",) if r.get("impl") in _GRID_PEERS else ()))
+  records = compare(labelled, config=("point", "variant", "dtype", "causal", "window", "H",
+                                      "B", "T", "S", "N", "K", "mode"),
+                    label=_labelled, ours="default")
+  for r in records:  # What the default ran: the summary's choice, or the row's own impl.
+    impl = r.cells["default"].get("impl")
+    r.config["default_impl"] = (choice.get((r.source, r.config["point"], r.config["mode"]))
+                                if impl == "default" else impl)
+  variants = {v: i for i, v in enumerate(("full", "causal", "sliding_window", "gqa", "cross"))}
+  records.sort(key=lambda r: (r.config["dtype"] != "bfloat16", _mode_key(r.config["mode"]),
+                              variants.get(r.config["variant"], 9), r.config["H"],
+                              r.config["S"]))
+  return records
+
+
+def judge(record: Record, ours: str, peer: str) -> float | str | None:
+  """`ours`'s time over `peer`'s at one point; the default's status where it did
+  not run and the peer did; None where there is nothing to compare (no peer ran)."""
+  if record.ms(peer) is None:
+    return None
+  row = record.cells.get(ours)
+  if row is not None and row.get("status", "ok") != "ok":
+    return row["status"]
+  return record.ratio(ours, peer)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCount:
+  """How the default fares against a target over the points where it was judged."""
+  points: int               # points judged (a peer ran there)
+  at_or_below: int          # the default's time <= the peer's
+  above_limit: int          # above the limit, or the default did not run
+  failed: int               # the default did not run where the peer did
+  worst: float | None       # the largest ratio
+  held: bool                # at_or_below >= share * points and above_limit == 0
+  not_judged: int           # points where no peer ran
+
+
+def count_target(outcomes: Iterable[float | str | None], *, share: float,
+                 limit: float) -> TargetCount:
+  """Counts `judge`'s outcomes against "<= 1 at `share` of the points, never above `limit`".
+
+  Args:
+    outcomes: per point, a ratio (the default's time over the peer's), the
+      default's status where it did not run, or None where nothing was compared.
+    share: the fraction of judged points at which the ratio must be <= 1.
+    limit: the ratio no point may exceed (1: at or below the peer everywhere).
+
+  Returns:
+    The counts; `held` is False when no point was judged.
+  """
+  outcomes = list(outcomes)
+  ratios = [v for v in outcomes if v is not None and not isinstance(v, str)]
+  failed = sum(isinstance(v, str) for v in outcomes)
+  points = len(ratios) + failed
+  at_or_below = sum(v <= 1.0 for v in ratios)
+  above = failed + sum(v > limit for v in ratios)
+  return TargetCount(points=points, at_or_below=at_or_below, above_limit=above, failed=failed,
+                     worst=max(ratios, default=None),
+                     held=points > 0 and at_or_below >= share * points - 1e-9 and above == 0,
+                     not_judged=sum(v is None for v in outcomes))
+
+
+@dataclasses.dataclass(frozen=True)
+class GridTarget:
+  """One row of the targets table: an op's comparison in one mode, and its counts."""
+  op: str
+  peer: str
+  mode: str
+  target: str
+  count: TargetCount
+
+
+def _by_mode(records: list[Record], ours: str, peer: str) -> dict[str, list]:
+  out = {}
+  for r in records:
+    out.setdefault(r.config["mode"], []).append(judge(r, ours, peer))
+  return dict(sorted(out.items(), key=lambda item: _mode_key(item[0])))
+
+
+def moe_grid_records(suite: Suite) -> tuple[list[Record], list[Record]]:
+  """The grouped matmul's records (ours 'pallas') and the MoE layer's ('auto')."""
+  op = compare(suite.rows, config=("point", "experts", "top_k", "d_model", "d_hidden", "rows",
+                                   "mode"),
+               label=lambda r: (r.get("impl") if r.get("section") == "op"
+                                and r.get("point") is not None else None), ours="pallas")
+  layer = compare(suite.rows, config=("point", "experts", "top_k", "d_model", "d_hidden",
+                                      "tokens", "mode"),
+                  label=lambda r: (r.get("impl") if r.get("section") == "moe"
+                                   and r.get("point") is not None else None), ours="auto")
+  order = lambda r: (_mode_key(r.config["mode"]), r.config["experts"], r.config["top_k"],
+                     r.config["d_model"], r.config["d_hidden"])
+  return sorted(op, key=order), sorted(layer, key=order)
+
+
+def chunked_grid_records(suite: Suite) -> list[Record]:
+  """Per (op, point, mode): 'default' (what the summary says the default ran),
+  'pallas' (the default chunk) and 'xla', from one run."""
+  key = lambda r: (r["source"], r.get("op"), r.get("point"), r.get("mode"))
+  choice = {key(r): r.get("default_impl") for r in suite.rows if r.get("kind") == "summary"
+            and r.get("point") is not None}
+  rows = [r for r in suite.rows if r.get("kind") == "op" and r.get("point") is not None]
+  labelled = _with_default(rows, choice, key,
+                           lambda r: tuple(n for n in (_impl_of(r),) if n in ("pallas", "xla")))
+  records = compare(labelled, config=("op", "point", "B", "T", "N", "K", "V", "dtype", "mode"),
+                    label=_labelled, ours="default")
+  for r in records:
+    r.config["default_impl"] = _impl_of(r.cells["default"])
+  records.sort(key=lambda r: (r.config["op"], _mode_key(r.config["mode"]), r.config["K"],
+                              r.config["T"]))
+  return records
+
+
+def scan_grid_records(suite: Suite) -> list[Record]:
+  records = compare(suite.rows, config=("op", "point", "shape", "mode"),
+                    label=lambda r: (r.get("impl") if r.get("kind") == "time"
+                                     and r.get("point") is not None
+                                     and r.get("default_blocks", True) else None),
+                    ours="pallas")
+  records.sort(key=lambda r: (r.config["op"], _mode_key(r.config["mode"]), r.config["shape"]))
+  return records
+
+
+def _per_op(records: list[Record]) -> dict[str, list[Record]]:
+  out = {}
+  for r in records:
+    out.setdefault(r.config["op"], []).append(r)
+  return out
+
+
+def grid_targets(suites: dict[str, Suite]) -> list[GridTarget]:
+  """The targets over the grid suites' rows, per op and mode: attention against the
+  fastest of cuDNN and tokamax; the grouped matmul against tokamax.ragged_dot; the
+  chunked ops and the selective scan against their XLA tier. An absent suite has none."""
+  out = []
+  attention = attention_grid_records(suite_or_empty(suites, "attention_grid"))
+  share = f"{ATTENTION_SHARE:.0%}".replace("%", " %")
+  for mode, outcomes in _by_mode(attention, "default", "peer").items():
+    out.append(GridTarget(
+        "attention", "fastest of cuDNN and tokamax", mode,
+        f"<= 1 at >= {share} of points, never > {ratio_text(ATTENTION_LIMIT)}",
+        count_target(outcomes, share=ATTENTION_SHARE, limit=ATTENTION_LIMIT)))
+  everywhere = dict(share=1.0, limit=1.0)
+  comparisons = [
+      ("`ops.grouped_matmul`", "`tokamax.ragged_dot`", "pallas", "tokamax_ragged_dot",
+       moe_grid_records(suite_or_empty(suites, "moe_grid"))[0]),
+      (None, "its chunked XLA form", "default", "xla",
+       chunked_grid_records(suite_or_empty(suites, "chunked_grid"))),
+      (None, "`lax.associative_scan`", "pallas", "xla",
+       scan_grid_records(suite_or_empty(suites, "scan_grid"))),
+  ]
+  for name, peer_name, ours, peer, records in comparisons:
+    groups = {name: records} if name else {f"`ops.{op}`": of_op
+                                           for op, of_op in _per_op(records).items()}
+    for op, of_op in groups.items():
+      for mode, outcomes in _by_mode(of_op, ours, peer).items():
+        out.append(GridTarget(op, peer_name, mode, "<= 1 at every point",
+                              count_target(outcomes, **everywhere)))
+  return out
+
+
+def _share_text(part: int, whole: int) -> str:
+  return f"{part} of {whole}" + (f" ({part / whole:.0%})".replace("%", " %") if whole else "")
+
+
+def targets_table(targets: list[GridTarget]) -> str:
+  header = ["op", "against", "mode", "target (default / peer)", "points", "default <= peer",
+            "above the limit", "default did not run", "worst ratio", "met"]
+  body = [[t.op, t.peer, _mode_word(t.mode), t.target, str(t.count.points),
+           _share_text(t.count.at_or_below, t.count.points), str(t.count.above_limit),
+           str(t.count.failed), ratio_text(t.count.worst),
+           ("yes" if t.count.held else "no") if t.count.points else "not measured"]
+          for t in targets]
+  return table(header, body)
+
+
+def grid_headlines(targets: list[GridTarget]) -> list[str]:
+  """One line per op: its counts in each mode and whether the target held in all."""
+  ops = {}
+  for t in targets:
+    if t.count.points:
+      ops.setdefault((t.op, t.peer, t.target), []).append(t)
+  lines = []
+  for (op, peer, target), of_op in ops.items():
+    counts = []
+    for t in of_op:
+      worst = f"{ratio_text(t.count.worst)} x" if t.count.worst is not None else "not run"
+      counts.append(f"{_mode_word(t.mode)} at {_share_text(t.count.at_or_below, t.count.points)}"
+                    f" points (worst {worst})")
+    counts = "; ".join(counts)
+    met = "met" if all(t.count.held for t in of_op) else "not met"
+    lines.append(f"- Shape grid, {op}: the default at or below {peer} {counts}; target "
+                 f"({target}): {met}.")
+  return lines
+
+
+def _point_text(config: dict) -> str:
+  return f"H {config['H']}, L {config['S']}, {config['variant'].replace('_', ' ')}"
+
+
+def _variant_text(config: dict) -> str:
+  """What a variant's masks and heads are, from one of its records."""
+  parts = ["causal" if config["causal"] else "not causal"]
+  if config.get("window"):
+    parts.append(f"a window of {config['window'][0]} keys to the left")
+  if config["K"] != config["N"]:
+    parts.append(f"{config['N']} query heads over {config['K']} key/value heads")
+  if config["T"] != config["S"]:
+    parts.append(f"T = {config['T']} queries against S = L keys")
+  return f"`{config['variant']}` ({', '.join(parts)})"
+
+
+def attention_losses(suite: Suite, records: list[Record]) -> str | None:
+  """The points where the default takes more than LOSS_MARGIN x the best peer's time."""
+  losing = [r for r in records
+            if isinstance(v := judge(r, "default", "peer"), str)
+            or (v is not None and v > LOSS_MARGIN)]
+  if not losing:
+    return None
+  letters, legend = run_column(suite, losing)
+  header = (["H, L, variant", "dtype", "mode", "B, T, S, N, K", "default runs", "default ms",
+             "best peer", "peer ms", "default / peer", "fastest of ours"]
+            + (["run"] if letters else []))
+  body = []
+  for r in losing:
+    c = r.config
+    peer = r.cells["peer"]
+    ours = [(n, r.ms(n)) for n in _GRID_OURS if r.ms(n) is not None]
+    fastest = min(ours, key=lambda item: item[1]) if ours else None
+    line = [_point_text(c), c["dtype"], _mode_word(c["mode"]),
+            ", ".join(str(c[k]) for k in ("B", "T", "S", "N", "K")),
+            _GRID_NAMES.get(c["default_impl"], str(c["default_impl"])), cell(r, "default"),
+            _GRID_NAMES.get(peer["impl"], peer["impl"]), cell(r, "peer"),
+            ratio_text(r.ratio("default", "peer")),
+            f"{_GRID_NAMES[fastest[0]]} ({number(fastest[1])} ms)" if fastest else ""]
+    if letters:
+      line.append(letters[r.source])
+    body.append(line)
+  return table(header, body) + "\n\n" + legend
+
+
+def moe_grid_table(suite: Suite, op: list[Record], layer: list[Record]) -> str:
+  layers = {(r.config["point"], r.config["mode"]): r for r in layer}
+  header = ["experts, top-k", "d_model, d_hidden", "mode", "M", "Pallas ms",
+            "tokamax.ragged_dot ms", "ragged_dot ms", "Pallas / tokamax", "Pallas / ragged_dot",
+            "layer: 'auto' ms", "fastest other path", "'auto' / it"]
+  body = []
+  for r in op:
+    c = r.config
+    lay = layers.get((c["point"], c["mode"]))
+    others = ([(n, lay.ms(n)) for n in lay.cells if n != "auto" and lay.ms(n) is not None]
+              if lay else [])
+    fastest = min(others, key=lambda item: item[1]) if others else None
+    body.append([f"{c['experts']}, {c['top_k']}", f"{c['d_model']}, {c['d_hidden']}",
+                 _mode_word(c["mode"]), str(c["rows"]), cell(r, "pallas"),
+                 cell(r, "tokamax_ragged_dot"), cell(r, "ragged_dot"),
+                 ratio_text(r.ratio("pallas", "tokamax_ragged_dot")),
+                 ratio_text(r.ratio("pallas", "ragged_dot")),
+                 cell(lay, "auto") if lay else "—",
+                 f"'{fastest[0]}' ({number(fastest[1])} ms)" if fastest else "",
+                 ratio_text(lay.ms("auto") / fastest[1])
+                 if fastest and lay.ms("auto") is not None else ""])
+  return table(header, body) + "\n\n" + runs_line(
+      suite, {r.source for r in op} | {r.source for r in layer})
+
+
+def chunked_grid_table(suite: Suite, records: list[Record]) -> str:
+  header = ["op", "B, T, N, K, V", "mode", "default runs", "default ms", "Pallas ms",
+            "XLA ms", "default / XLA"]
+  body = [[r.config["op"], _chunked_shape(r.config), _mode_word(r.config["mode"]),
+           _GRID_NAMES.get(r.config["default_impl"], str(r.config["default_impl"])),
+           cell(r, "default"), cell(r, "pallas"), cell(r, "xla"),
+           ratio_text(r.ratio("default", "xla"))] for r in records]
+  return table(header, body) + "\n\n" + runs_line(suite, {r.source for r in records})
+
+
+def scan_grid_table(suite: Suite, records: list[Record]) -> str:
+  header = ["op", "B, T, D, S", "mode", "Pallas ms", "XLA (associative scan) ms",
+            "Pallas / XLA"]
+  body = [[r.config["op"], _shape_join(r.config["shape"]), _mode_word(r.config["mode"]),
+           cell(r, "pallas"), cell(r, "xla"), ratio_text(r.ratio("pallas", "xla"))]
+          for r in records]
+  return table(header, body) + "\n\n" + runs_line(suite, {r.source for r in records})
+
+
+_GRID_SUITES = ("attention_grid", "moe_grid", "chunked_grid", "scan_grid")
+
+
+def grid_page(manifest: dict, suites: dict[str, Suite], figure: "HeatMap | None",
+              figure_file: str | None) -> str:
+  """The grid page, from the grid suites' rows (a section says "not measured" where
+  its suite is absent) and the commands of those in `manifest`."""
+  targets = grid_targets(suites)
+  suite = suite_or_empty(suites, "attention_grid")
+  records = attention_grid_records(suite)
+  out = ["# Shape grid", "",
+         "The library's default path (`implementation=None`, what a model gets) at every "
+         "point of the shape grid (`experiments/shape_grid.py`: head sizes x lengths x "
+         "masks for attention, (experts, top-k) x widths for the MoE layer, key sizes x "
+         "lengths for the chunked ops, state sizes for the selective scan; about the same "
+         "number of tokens at every point), against the best peer timed at the same point "
+         "in the same run. Ratios are the default's time over the peer's: below 1 the "
+         "default is faster.", "", "## Targets", ""]
+  if targets:
+    out += [targets_table(targets), "",
+            "`points` counts the grid points where a peer ran; `above the limit` counts "
+            "those above the target's largest ratio, or where the default did not run.", ""]
+    unjudged = [f"{t.op} {_mode_word(t.mode)}: {t.count.not_judged}" for t in targets
+                if t.count.not_judged]
+    if unjudged:
+      out += ["Points where no peer ran, not judged: " + "; ".join(unjudged) + ".", ""]
+  else:
+    out += [not_measured("The shape grid"), ""]
+  out += ["## Attention", ""]
+  if records:
+    variants = {}
+    for r in records:
+      variants.setdefault(r.config["variant"], r.config)
+    out += ["`default` is `probjax_hk.dot_product_attention`'s own choice (flex, cuDNN or "
+            "XLA) at each point; the peer is the fastest of cuDNN, tokamax's Mosaic GPU "
+            "kernel and tokamax's Triton kernel there (tokamax where it is installed and "
+            "takes the inputs). The variants: "
+            + "; ".join(_variant_text(c) for c in variants.values()) + ".", ""]
+    out += figure_link(figure, figure_file)
+    for dtype in dict.fromkeys(r.config["dtype"] for r in records):
+      for mode, outcomes in _by_mode([r for r in records if r.config["dtype"] == dtype],
+                                     "default", "peer").items():
+        ratios = [v for v in outcomes if v is not None and not isinstance(v, str)]
+        if ratios:
+          out.append(f"- {dtype}, {_mode_word(mode)}: default / best peer {span(ratios)} "
+                     f"over {len(ratios)} points.")
+    out += ["", f"### Where the default takes more than {ratio_text(LOSS_MARGIN)} x the "
+            "best peer's time", ""]
+    losses = attention_losses(suite, records)
+    out += [losses if losses else "Nowhere: the default is within "
+            f"{ratio_text(LOSS_MARGIN)} x the best peer at every point measured.", ""]
+  else:
+    out += [not_measured("The attention grid"), ""]
+  out += ["## MoE layer and grouped matmul", ""]
+  op, layer = moe_grid_records(suite_or_empty(suites, "moe_grid"))
+  if op:
+    out += ["`ops.grouped_matmul` (Pallas) on M = tokens x top-k rows against "
+            "`tokamax.ragged_dot` (its Mosaic GPU kernel) and `jax.lax.ragged_dot`; the "
+            "`MoELayer` with `dropless_impl='auto'` (the default) against the fastest of "
+            "its other paths timed at the point.", "",
+            moe_grid_table(suites["moe_grid"], op, layer), ""]
+  else:
+    out += [not_measured("The MoE grid"), ""]
+  out += ["## Chunked ops", ""]
+  chunked = chunked_grid_records(suite_or_empty(suites, "chunked_grid"))
+  if chunked:
+    out += ["`ops.ssd` and `ops.gated_delta_rule`, bf16: `default runs` is what "
+            "`implementation=None` ran there (the Pallas kernel at its default chunk where "
+            "it takes the shape on an NVIDIA GPU, the chunked XLA form otherwise).", "",
+            chunked_grid_table(suites["chunked_grid"], chunked), ""]
+  else:
+    out += [not_measured("The chunked-op grid"), ""]
+  out += ["## Selective scan", ""]
+  scans = scan_grid_records(suite_or_empty(suites, "scan_grid"))
+  if scans:
+    out += ["`ops.selective_scan`, float32: the Pallas kernel (the default on an NVIDIA "
+            "GPU at every state size) against `lax.associative_scan`.", "",
+            scan_grid_table(suites["scan_grid"], scans), ""]
+  else:
+    out += [not_measured("The selective-scan grid"), ""]
+  out += ["## How to reproduce", ""] + reproduce_section(dict(manifest, suites={
+      n: e for n, e in manifest["suites"].items() if n in _GRID_SUITES}))
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
 # Setup and index.
 
 
@@ -1082,7 +1715,8 @@ def setup_page(manifest: dict, suites: dict[str, Suite]) -> str:
   return "\n".join(out)
 
 
-def index_page(manifest: dict, suites: dict[str, Suite]) -> str:
+def index_page(manifest: dict, suites: dict[str, Suite], pages: list[str]) -> str:
+  """The index: headlines of every suite present and a contents list of `pages`."""
   out = ["# Performance", "",
          "Measured on one GPU, this library beside the peers timed in the same run. "
          "These pages are generated from the JSON in `docs/benchmarks/` by "
@@ -1097,9 +1731,13 @@ def index_page(manifest: dict, suites: dict[str, Suite]) -> str:
   headlines += scan_headlines(scan_records(suites["ssm_scans"]))
   headlines += chunked_headlines(chunked_records(suites["chunked_ops"]))
   headlines += gmm_section(suites["moe"])[0]
+  if "decoding" in pages:
+    headlines += decoding_headlines(suites["decode"])
+  if "grid" in pages:
+    headlines += grid_headlines(grid_targets(suites))
   out += headlines if headlines else [not_measured("The benchmarks")]
   out += ["", "Machines, timing and the files behind each page are on the setup page.", "",
-          "```{toctree}", ":maxdepth: 1", ""] + [p for p in PAGES if p != "index"] + ["```", ""]
+          "```{toctree}", ":maxdepth: 1", ""] + [p for p in pages if p != "index"] + ["```", ""]
   return "\n".join(out)
 
 
@@ -1121,8 +1759,12 @@ def _mode_word(mode: str) -> str:
   return {"fwd": "forward", "train_step": "train step"}.get(mode, mode)
 
 
-def figures(suites: dict[str, Suite]) -> dict[str, Figure]:
-  """The figure of each page that has one, from the same records as its tables."""
+def figures(suites: dict[str, Suite]) -> dict[str, "Figure | HeatMap"]:
+  """The figure of each page that has one, from the same records as its tables.
+
+  Args:
+    suites: every suite the manifest names, an absent one empty (`with_empty`).
+  """
   out = {}
   bars = []
   for r in attention_records(suites["attention"]):
@@ -1178,15 +1820,61 @@ def figures(suites: dict[str, Suite]) -> dict[str, Figure]:
                      value))
   if bars:
     out["models"] = Figure("Models with their default kernels against a peer", _AXIS, bars)
+  heat_map = attention_heat_map(attention_grid_records(
+      suite_or_empty(suites, "attention_grid")))
+  if heat_map:
+    out["grid"] = heat_map
   return out
 
 
-def draw(figure: Figure, path: str) -> None:
+@dataclasses.dataclass(frozen=True)
+class HeatMap:
+  """Panels of cells coloured by a ratio on a log scale centred at 1.
+
+  `cells` are (panel, row, column, ratio, text): the ratio is None where there is
+  none (the cell is grey), and the text is written on the cell.
+  """
+  title: str
+  axis: str
+  row_name: str
+  column_name: str
+  cells: list[tuple[str, int, int, float | None, str]]
+
+  @property
+  def panels(self) -> list[str]:
+    return list(dict.fromkeys(panel for panel, *_ in self.cells))
+
+
+def attention_heat_map(records: list[Record]) -> HeatMap | None:
+  """The default's bf16 fwd+bwd time over the best peer's, head size x length per
+  variant (None where no point has a peer's time)."""
+  cells = []
+  for r in records:
+    c = r.config
+    if c["dtype"] != "bfloat16" or c["mode"] != "fwd+bwd":
+      continue
+    value = judge(r, "default", "peer")
+    if value is None:
+      continue
+    failed = isinstance(value, str)
+    cells.append((c["variant"].replace("_", " "), c["H"], c["S"], None if failed else value,
+                  value if failed else ratio_text(value)))
+  if not cells:
+    return None
+  return HeatMap("Attention, bf16 fwd+bwd: the default's time / the fastest of cuDNN and "
+                 "tokamax", "default / best peer (log scale; below 1, blue: the default is "
+                 "faster)", "head size H", "length L (keys)", cells)
+
+
+def draw(figure: "Figure | HeatMap", path: str) -> None:
   """Writes `figure` as a PNG (no timestamp or version in it: reruns give the same file).
 
   Each bar runs from 1 (parity with the peer) to the ratio, on a log axis, so that
   twice as fast and twice as slow are bars of one length.
   """
+  if isinstance(figure, HeatMap):
+    draw_heat_map(figure, path)
+    return
   import matplotlib  # Imported here: the pages' Markdown needs no plotting library.
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
@@ -1222,7 +1910,59 @@ def draw(figure: Figure, path: str) -> None:
   plt.close(fig)
 
 
-def figure_link(figure: Figure | None, file: str | None) -> list[str]:
+def draw_heat_map(heat_map: HeatMap, path: str) -> None:
+  """Writes `heat_map` as a PNG: one panel per variant, rows and columns the values
+  seen in any panel, a diverging colour map whose ends are equally far from 1 on a
+  log scale, each cell annotated with its ratio."""
+  import math
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import colors
+  from matplotlib import pyplot as plt
+  import numpy as np
+  rows = sorted({row for _, row, _, _, _ in heat_map.cells})
+  columns = sorted({column for _, _, column, _, _ in heat_map.cells})
+  values = [v for *_, v, _ in heat_map.cells if v is not None]
+  reach = max([1.25] + [max(v, 1 / v) for v in values])
+  norm = colors.LogNorm(vmin=1 / reach, vmax=reach)
+  cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#d9d9d9")  # grey: no ratio
+  panels = heat_map.panels
+  ncols = min(len(panels), 3)
+  nrows = -(-len(panels) // ncols)
+  fig, axes = plt.subplots(nrows, ncols, squeeze=False, layout="constrained",
+                           figsize=(ncols * (0.62 * len(columns) + 1.2) + 1.2,
+                                    nrows * (0.36 * len(rows) + 1.1) + 0.6))
+  image = None
+  for ax, panel in zip(axes.flat, panels):
+    grid = np.full((len(rows), len(columns)), np.nan)
+    for name, row, column, value, text in heat_map.cells:
+      if name != panel:
+        continue
+      i, j = rows.index(row), columns.index(column)
+      if value is not None:
+        grid[i, j] = value
+      dark = value is not None and abs(math.log(value)) > 0.6 * math.log(reach)
+      ax.text(j, i, text, ha="center", va="center", fontsize=7,
+              color="white" if dark else "black")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+    ax.set_xticks(range(len(columns)), [str(c) for c in columns], fontsize=7)
+    ax.set_yticks(range(len(rows)), [str(r) for r in rows], fontsize=7)
+    ax.set_xlabel(heat_map.column_name, fontsize=8)
+    ax.set_ylabel(heat_map.row_name, fontsize=8)
+    ax.set_title(panel, fontsize=9)
+  for ax in list(axes.flat)[len(panels):]:
+    ax.axis("off")
+  bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
+  ticks = [t for t in (0.5, 0.67, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2) if 1 / reach <= t <= reach]
+  bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+  bar.ax.minorticks_off()
+  bar.set_label(heat_map.axis, fontsize=8)
+  fig.suptitle(heat_map.title, fontsize=10)
+  fig.savefig(path, dpi=100, metadata={"Software": None})
+  plt.close(fig)
+
+
+def figure_link(figure: "Figure | HeatMap | None", file: str | None) -> list[str]:
   """The Markdown that shows a page's figure, drawn into docs/benchmarks/`file`."""
   if figure is None or file is None:
     return []
@@ -1230,19 +1970,34 @@ def figure_link(figure: Figure | None, file: str | None) -> list[str]:
 
 
 def render_pages(directory: str) -> dict[str, str]:
-  """Every performance page's Markdown, from the manifest's files in `directory`."""
-  manifest, suites = load_suites(directory)
+  """The performance pages' Markdown, from the manifest's files in `directory`:
+  index, setup and every page a present suite feeds (`pages_of`)."""
+  manifest, present = load_suites(directory)
+  shown = dict(manifest, suites={n: e for n, e in manifest["suites"].items() if n in present})
+  suites = with_empty(manifest, present)
+  names = pages_of(manifest, present)
   drawn, files = figures(suites), manifest.get("figures", {})
-  pages = {
-      "index": index_page(manifest, suites),
-      "setup": setup_page(manifest, suites),
-      "attention": attention_page(suites, drawn.get("attention"), files.get("attention")),
-      "kernels": kernels_page(suites, drawn.get("kernels"), files.get("kernels")),
-      "models": models_page(manifest, suites, drawn.get("models"), files.get("models")),
+  writers = {
+      "index": lambda: index_page(shown, suites, names),
+      "setup": lambda: setup_page(shown, present),
+      "attention": lambda: attention_page(suites, drawn.get("attention"),
+                                          files.get("attention")),
+      "kernels": lambda: kernels_page(suites, drawn.get("kernels"), files.get("kernels")),
+      "models": lambda: models_page(shown, suites, drawn.get("models"), files.get("models")),
+      "decoding": lambda: decoding_page(shown, suites),
+      "grid": lambda: grid_page(shown, suites, drawn.get("grid"), files.get("grid")),
   }
   # Sections that end in a blank line meet the next one's: one blank line between blocks.
-  return {f"{name}.md": re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n"
-          for name, text in pages.items()}
+  return {f"{name}.md": re.sub(r"\n{3,}", "\n\n", writers[name]()).rstrip("\n") + "\n"
+          for name in names}
+
+
+def drawn_figures(directory: str) -> dict[str, "Figure | HeatMap"]:
+  """The figures of the pages `render_pages` writes, by the manifest's file name."""
+  manifest, present = load_suites(directory)
+  drawn, names = figures(with_empty(manifest, present)), pages_of(manifest, present)
+  return {file: drawn[page] for page, file in manifest.get("figures", {}).items()
+          if page in drawn and page in names}
 
 
 def main(argv):
@@ -1253,13 +2008,10 @@ def main(argv):
     with open(path, "w") as f:
       f.write(text)
     print(f"wrote {path}")
-  manifest, suites = load_suites(_BENCHMARKS.value)
-  drawn = figures(suites)
-  for page, file in manifest.get("figures", {}).items():
-    if page in drawn:
-      path = os.path.join(_BENCHMARKS.value, file)
-      draw(drawn[page], path)
-      print(f"wrote {path}")
+  for file, figure in drawn_figures(_BENCHMARKS.value).items():
+    path = os.path.join(_BENCHMARKS.value, file)
+    draw(figure, path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
