@@ -436,7 +436,7 @@ class MultiHeadAttention(hk.Module):
     """An empty cache for `decode`.
 
     Args:
-      batch_size: B.
+      batch_size: B, the number of sequences.
       max_length: S, the most tokens the cache holds (prompt and generated).
       model_dim: D, the width of the inputs (sets H when `head_dim` is None).
       dtype: the dtype the model computes in (its inputs' dtype).

@@ -12,7 +12,7 @@ Glossary of shapes: B batch; `...` the shape of one example ([H, W, C] for
 NHWC images, [T, D] for tokens).
 
 Time is continuous, t in [0, 1] (t = 0 clean data, t = 1 pure noise). A
-schedule maps t to `alpha_bar(t)`, the fraction of signal variance left:
+schedule maps t to `alpha_bar(t)`, the fraction of signal variance left::
 
     x_t = sqrt(alpha_bar(t)) * x_0 + sqrt(1 - alpha_bar(t)) * noise.
 
@@ -235,7 +235,7 @@ def ddim_sample(apply_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     time_scale: the model's time unit (positive).
 
   Returns:
-    Samples [shape] float32: the last step's prediction of x0 (the
+    Samples [shape] float32, the last step's prediction of x0 (the
     schedule's last x_s still holds the noise of alpha_bar(0) where that is
     below 1; the prediction does not).
 

@@ -49,6 +49,8 @@ def _check_token_array(name: str, tokens, ndim: int) -> None:
 class TokenModel(hk.Module):
   """A sequence model over discrete tokens: an embedding in, logits out.
 
+  ::
+
       logits = Linear(vocab_size)(body(embedding[tokens]))
 
   `body` is any sequence model of the library (a causal `Transformer`, an
@@ -102,7 +104,7 @@ class TokenModel(hk.Module):
     """The body's decoding state before the first token.
 
     Args:
-      batch_size: B.
+      batch_size: B, the number of sequences.
       max_length: the most tokens a sequence holds, prompt included (the
         Transformer's cache size; an SSM ignores it).
 

@@ -325,7 +325,7 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10_000
     base: the rotation base.
 
   Returns:
-    [B, T, N, H], the pairs (x[..., :H/2], x[..., H/2:]) rotated by position.
+    [B, T, N, H], the pairs ``(x[..., :H/2], x[..., H/2:])`` rotated by position.
   """
   if x.ndim != 4:
     raise ValueError(f"`x` must be [B, T, N, H], got shape {x.shape}")

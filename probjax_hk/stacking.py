@@ -178,7 +178,7 @@ def stack_layer_params(params: hk.Params) -> hk.Params:
       are. The tree is not modified.
 
   Returns:
-    A new tree in the scanned layout: each stacked parameter of shape
+    A new tree in the scanned layout; each stacked parameter of shape
     [...] becomes [num_layers, ...].
 
   Raises:

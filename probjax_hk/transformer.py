@@ -133,7 +133,7 @@ class Transformer(hk.Module):
   `hk.layer_stack` (convert checkpoints with `stack_layer_params` /
   `unstack_layer_params`).
 
-  A causal Transformer decodes (see the module docstring): for example,
+  A causal Transformer decodes (see the module docstring): for example::
 
       model = Transformer(64, 4, 2, is_causal=True, use_rope=True)
       y, state = model.prefill(prompt, max_length=T + steps)   # [B, T, D_in]
@@ -223,7 +223,7 @@ class Transformer(hk.Module):
     """The decoding state before the first token: empty caches.
 
     Args:
-      batch_size: B.
+      batch_size: B, the number of sequences.
       max_length: S, the most tokens a sequence holds (prompt and generated).
       dtype: the dtype the model computes in (its inputs' dtype).
 

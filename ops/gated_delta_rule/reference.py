@@ -48,7 +48,8 @@ def gated_delta_rule_reference(q, k, v, log_decay, beta, *, scale=None,
     chunk_size: ignored (one signature for every tier).
 
   Returns:
-    y: [B, T, N, V] in `v`'s dtype; final_state: [B, N, K, V] float32.
+    y: [B, T, N, V] in `v`'s dtype.
+    final_state: [B, N, K, V] float32.
   """
   del chunk_size
   batch, _, heads, value = v.shape

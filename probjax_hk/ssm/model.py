@@ -222,12 +222,12 @@ class SSMModel(hk.Module):
     """The decoding state before the first step.
 
     Args:
-      batch_size: B.
+      batch_size: B, the number of sequences.
       max_length: unused (the state's size does not grow with the sequence);
         taken so that every sequence model decodes through one interface.
 
     Returns:
-      Per-layer cell states: a list of num_layers, or one pytree stacked on a
+      Per-layer cell states, a list of num_layers or one pytree stacked on a
       leading num_layers axis when `scan_layers`.
     """
     del max_length

@@ -281,7 +281,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       (a list), evaluated with the same loss and a fixed key.
     eval_every: evaluate every this many steps (default: each epoch for
       in-memory data, else only at the end; always also at the end).
-    callbacks: `Callback`s or functions `(step, metrics) -> bool | None`;
+    callbacks: `Callback` objects or functions `(step, metrics) -> bool | None`;
       True stops the fit (see callbacks.py for the timing). A `Callback`'s
       `on_eval_params(step, params, state)` also sees copies of the
       parameters at every validation pass.
