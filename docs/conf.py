@@ -10,6 +10,8 @@ import os
 import re
 import sys
 
+from sphinx.util.docstrings import prepare_docstring
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)  # `probjax_hk` and `ops` from this checkout
 # Importing the packages must not claim a GPU the build does not need.
@@ -127,6 +129,28 @@ def _named_defaults(app, what, name, obj, options, signature, return_annotation)
   return _OBJECT_REPR.sub(lambda m: m.group(1).rsplit(".", 1)[-1], signature), return_annotation
 
 
+_NAMEDTUPLE_NEW = re.compile(r"Create new instance of \w+\(.*\)")
+
+
+def _drop_python_docstrings(app, what, name, obj, options, lines):
+  """Drops the docstrings that Python writes rather than the library.
+
+  A NamedTuple's `__new__` says "Create new instance of KVCache(key, value)",
+  which `autoclass_content = "both"` would append to the class docstring; a
+  module constant such as `FSDP_MIN_SIZE` has only its type's docstring
+  (`int`'s), so its page gives the description instead.
+  """
+  del app, name, options
+  if what == "class":
+    lines[:] = [l for l in lines if not _NAMEDTUPLE_NEW.fullmatch(l.strip())]
+  elif what == "data" and type(obj).__doc__:
+    own = [l.strip() for l in lines if l.strip()]
+    inherited = [l.strip() for l in prepare_docstring(type(obj).__doc__) if l.strip()]
+    if own == inherited:
+      lines.clear()
+
+
 def setup(app):
   app.connect("autodoc-process-docstring", _named_returns_as_list, priority=400)
+  app.connect("autodoc-process-docstring", _drop_python_docstrings)
   app.connect("autodoc-process-signature", _named_defaults)
