@@ -2,14 +2,17 @@
 
 Each op's `api.py` owns its dispatch rule; this file holds the pieces they all
 need: the valid `implementation` values, whether Pallas compiles on this
-platform (else it runs in interpret mode), and the one error message format for
-an input the kernel cannot take.
+platform (else it runs in interpret mode), the one error message format for
+an input the kernel cannot take, and the measured table that settles
+`implementation=None` where the kernel and XLA both take a call.
 """
 
 import functools
 from typing import Callable, Literal
 
 import jax
+
+from ops import _measured
 
 Implementation = Literal["pallas", "xla"] | None
 IMPLEMENTATIONS = (None, "pallas", "xla")
@@ -31,23 +34,24 @@ def pallas_interpret() -> bool:
 
 
 def choose(op: str, implementation: Implementation,
-           kernel_limit: Callable[[], str | None], *,
-           default_on_gpu: bool = True) -> str:
+           kernel_limit: Callable[[], str | None], **call: int) -> str:
   """Resolves `implementation` to 'pallas' or 'xla' for one call of `op`.
 
   Args:
-    op: the op's public name, for messages.
+    op: the op's public name, for messages (and its table's name).
     implementation: the user's choice (None, 'pallas' or 'xla').
     kernel_limit: returns None when the kernel takes these inputs, otherwise
       a sentence naming the argument and the limit it breaks. Only called when
       the answer matters.
-    default_on_gpu: False keeps `None` on XLA even on NVIDIA GPUs, for a
-      kernel not measured faster than XLA there; 'pallas' still selects it.
+    **call: the call's sizes on the axes of `op`'s measured dispatch table
+      (`ops/_measured.py`; key_dim and length for ssd, say).
 
   Returns:
-    'pallas' or 'xla'. None picks the kernel on NVIDIA GPUs when it fits and
-    XLA otherwise, and never raises for a valid input; 'pallas' raises a
-    ValueError when the kernel cannot take the input.
+    'pallas' or 'xla'. None picks, on NVIDIA GPUs where the kernel fits, the
+    faster of the two at the measured point that judges the call (the kernel
+    where nothing was measured), and XLA elsewhere; it never raises for a
+    valid input. 'pallas' raises a ValueError when the kernel cannot take the
+    input.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{op}: `implementation` must be one of {IMPLEMENTATIONS}, "
@@ -59,6 +63,6 @@ def choose(op: str, implementation: Implementation,
     if limit is not None:
       raise ValueError(f"{op}(implementation='pallas'): {limit}")
     return "pallas"
-  if default_on_gpu and on_nvidia_gpu() and kernel_limit() is None:
-    return "pallas"
+  if on_nvidia_gpu() and kernel_limit() is None:
+    return _measured.fastest(op, ("pallas", "xla"), **call) or "pallas"
   return "xla"

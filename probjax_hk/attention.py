@@ -17,10 +17,12 @@ Which kernel runs is decided in one place, `choose_attention_implementation`:
 * `None`: the fastest implementation that takes the inputs on this platform,
   never an error for a valid input. On an NVIDIA GPU: the split-K decode
   kernel (`ops.decode_attention`) for one query per sequence (T = 1, not
-  causal, no bias, mask or window: a decoding step against a cache); else
-  'flex' when it takes the inputs and either H <= 64 (where it was measured
-  faster than cuDNN) or cuDNN cannot take them; else cuDNN where it fits;
-  else XLA. Always XLA on a CPU.
+  causal, no bias, mask or window: a decoding step against a cache); else,
+  of 'flex', 'cudnn' and 'xla', those that take the inputs, and of them the
+  one measured fastest (fwd+bwd) at the point of the shape grid that judges
+  the call: the table `ops/dispatch_tables/attention.json` (dtype, variant,
+  head size, key length; `ops._measured`). Where nothing was measured, flex,
+  then cuDNN, then XLA. Always XLA on a CPU.
 
 Decoding attends to a cache with per-sequence lengths: one new token per
 sequence through the model's `attention_fn` (non-causal, the cache's valid
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
+from ops import _measured
 from ops.decode_attention import api as decode_api
 from ops.flex_attention import api as flex_api
 from probjax_hk import arguments
@@ -45,14 +48,6 @@ from probjax_hk import layers
 
 AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
 IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
-
-# Where both fit, `None` picks flex over cuDNN only up to this head size: on
-# the H200, with the Mosaic GPU backward, flex's fwd+bwd beats cuDNN's at
-# H = 32 (0.71-0.77 x) and H = 64 (0.87-0.95 x); at H = 128 it is at parity
-# (1.00-1.04 x, forward 0.96-1.03 x), and head sizes between 64 and 128 pad to
-# 128, so cuDNN keeps those; BUILD_NOTES.md, "## flex_attention". Above it
-# flex still runs where cuDNN cannot (f32, H > 128, a window looking right).
-FLEX_PREFERRED_MAX_HEAD_DIM = 64
 
 
 def _normalize_window(local_window_size):
@@ -129,9 +124,11 @@ def choose_attention_implementation(
   explicit choices are honoured or raise; `None` on a CPU (or any non-NVIDIA
   backend) is 'xla'; on an NVIDIA GPU it is 'decode' (`ops.decode_attention`'s
   split-K kernel) for a single non-causal query per sequence with no bias,
-  mask, window or query lengths when the kernel takes it; else 'flex' when the
-  kernel takes the inputs and H <= FLEX_PREFERRED_MAX_HEAD_DIM (or cuDNN
-  cannot take them), else 'cudnn' when cuDNN does, else 'xla'.
+  mask, window or query lengths when the kernel takes it; else the fastest of
+  'flex', 'cudnn' and 'xla' that take the inputs, as measured at the grid
+  point that judges the call (`ops/dispatch_tables/attention.json`; variant
+  from `grid_variant`), and where nothing was measured the first of them
+  that takes the inputs.
 
   Args:
     query: [B, T, N, H].
@@ -162,15 +159,32 @@ def choose_attention_implementation(
                         query_seq_lengths, key_value_seq_lengths, scale) is None):
     return "decode"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
-  if (implementation is None and _backend.on_nvidia_gpu()
-      and _flex_limit(query, bias, mask, query_seq_lengths, scale) is None
-      and (query.shape[-1] <= FLEX_PREFERRED_MAX_HEAD_DIM or cudnn_limit is not None)):
-    return "flex"
   if implementation == "cudnn":
     if cudnn_limit is not None:
       raise ValueError(f"implementation='cudnn' is not available: {cudnn_limit}")
     return "cudnn"
-  return "cudnn" if cudnn_limit is None else "xla"
+  if not _backend.on_nvidia_gpu():
+    return "xla"
+  flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale)
+  fits = [name for name, limit in (("flex", flex_limit), ("cudnn", cudnn_limit), ("xla", None))
+          if limit is None]
+  dtype = "float32" if query.dtype == jnp.float32 else "bfloat16"  # f16 runs as bf16 does
+  measured = _measured.fastest(
+      "attention", fits, dtype=dtype, variant=grid_variant(query, key, is_causal, local_window_size),
+      head_dim=query.shape[-1], length=key.shape[1])
+  return measured or fits[0]
+
+
+def grid_variant(query, key, is_causal, local_window_size) -> str:
+  """The shape grid's attention variant a call belongs to: 'sliding_window',
+  'cross' (T != S), 'gqa' (K < N), 'causal' or 'full'."""
+  if local_window_size is not None:
+    return "sliding_window"
+  if query.shape[1] != key.shape[1]:
+    return "cross"
+  if key.shape[2] < query.shape[2]:
+    return "gqa"
+  return "causal" if is_causal else "full"
 
 
 def _check_shapes(query, key, value):

@@ -20,7 +20,8 @@ Every `dropless_impl` computes the same function:
   matmul over blocks with each block's expert weights gathered.
 - 'gmm': sort, `ops.grouped_mlp`: both grouped matmuls with the activation in
   their kernels (Pallas on NVIDIA GPUs, `ragged_dot` elsewhere).
-- 'auto': `choose_dropless_impl` (the rule is in BUILD_NOTES.md, "## MoE").
+- 'auto': `choose_dropless_impl`: on NVIDIA GPUs the path measured fastest
+  (ops/dispatch_tables/moe.json), elsewhere 'ragged_dot'.
 """
 
 import dataclasses
@@ -36,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import ops
 from ops import _backend
+from ops import _measured
 from ops import _shapes
 from ops import _sharding
 from ops.grouped_mlp.reference import Activation
@@ -51,15 +53,20 @@ _EXPERTS = ("experts", None, None)  # [E, D, F']: split over `expert_axis` only
 _EXPERT_WEIGHTS = ("w_in", "w_out")  # the parameters `expert_parameter_sharding` splits
 
 
-def choose_dropless_impl(num_assignments: int, num_experts: int) -> str:
+def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model: int,
+                         d_hidden: int) -> str:
   """The 'auto' rule: the fastest measured path for the platform.
 
-  On NVIDIA GPUs the Pallas grouped matmul ('gmm') beat 'dense' and
-  'ragged_dot' at every size measured (BUILD_NOTES.md, "## MoE"). Elsewhere
-  the Pallas kernel would run interpreted, so XLA's 'ragged_dot' is used.
+  On NVIDIA GPUs, the path timed fastest (fwd+bwd) at the measured layer that
+  judges this one (`ops/dispatch_tables/moe.json`, read by `ops._measured`),
+  'gmm' where nothing was measured. Elsewhere the Pallas kernel would run
+  interpreted, so XLA's 'ragged_dot' is used.
   """
-  del num_assignments, num_experts  # One rule for every size measured so far.
-  return "gmm" if _backend.on_nvidia_gpu() else "ragged_dot"
+  if not _backend.on_nvidia_gpu():
+    return "ragged_dot"
+  return _measured.fastest("moe", ("gmm", "ragged_dot", "sort", "dense"), experts=num_experts,
+                           top_k=top_k, d_model=d_model, d_hidden=d_hidden,
+                           tokens=num_tokens) or "gmm"
 
 
 class Routing(NamedTuple):
@@ -674,7 +681,7 @@ class MoELayer(hk.Module):
     gates = routing.gates
     impl = self.dropless_impl
     if impl == "auto":
-      impl = choose_dropless_impl(num_tokens * self.top_k, e)
+      impl = choose_dropless_impl(num_tokens, e, self.top_k, d_model, f)
     if impl == "dense" or self.capacity_factor is not None:
       w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
     # else the sorted paths cast in `_grouped_experts` ('gmm' inside its op).

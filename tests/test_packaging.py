@@ -74,6 +74,9 @@ def test_wheel_installs_and_serves_the_public_api(tmp_path):
   top_level = {n.split("/")[0] for n in names}
   assert top_level == set(_PACKAGES) | {dist_info}, top_level
   assert f"{dist_info}/licenses/LICENSE" in names
+  # The measured dispatch tables the defaults read.
+  tables = {p.relative_to(_REPO).as_posix() for p in (_REPO / "ops/dispatch_tables").glob("*.json")}
+  assert tables and tables <= set(names), sorted(tables - set(names))
   for field in ("License-Expression: Apache-2.0", "Description-Content-Type: text/markdown",
                 "Requires-Python: >=3.12"):
     assert field in metadata, field
@@ -116,6 +119,8 @@ def test_wheel_installs_and_serves_the_public_api(tmp_path):
         for module in found[name]:
           importlib.import_module(module)
       not_installed = [n for n in {_NOT_INSTALLED!r} if importlib.util.find_spec(n)]
+      from ops import _measured
+      assert _measured.load("attention")["points"], "the installed tables are not found"
       meta = importlib.metadata.metadata("probjax_hk")
       print(json.dumps({{"modules": found, "not_installed": not_installed,
                         "license": meta["License-Expression"]}}))

@@ -40,7 +40,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
     chunk_size: tokens per chunk (default 32 on the kernel, measured faster
       than 64 on an H200; 64 on the XLA form; the kernel takes a power of
       two >= 16).
-    implementation: None (the Pallas kernels on NVIDIA GPUs, else XLA),
+    implementation: None (on NVIDIA GPUs the faster of the Pallas kernels and
+      XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`; XLA
+      elsewhere),
       'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
       WY form of xla.py).
 
@@ -60,9 +62,9 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
                                 "a chunk's [K, V] state and gradients live in registers")
 
-  # Measured on an H200 (BUILD_NOTES.md, "SSD and the gated delta rule"): the
-  # kernels beat the chunked XLA form at every measured shape.
-  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit)
+  # The measured table decides (ops/dispatch_tables/gated_delta_rule.json).
+  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit,
+                            key_dim=q.shape[-1], length=q.shape[1])
   if backend == "xla":
     return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
                                 initial_state=initial_state, chunk_size=chunk_size)

@@ -18,10 +18,6 @@ from ops.linear_scan.xla import linear_scan_xla
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 _VALID_DTYPES = _KERNEL_DTYPES + (jnp.float64, jnp.complex128)
 
-# The kernel beats `lax.associative_scan` on an H200 for both forms of `a`, per
-# step and shared (BUILD_NOTES.md, "SSM scans"), so `None` picks it on NVIDIA GPUs.
-_PALLAS_IS_GPU_DEFAULT = True
-
 
 def _validate(a, b, initial_state, reverse):
   _shapes.check_arrays(None, (("a", a), ("b", b), ("initial_state", initial_state)))
@@ -56,8 +52,8 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     initial_state: [B, D], the state before the first step processed (zeros
       when None).
     reverse: run from the last time step to the first.
-    implementation: None (the kernel on NVIDIA GPUs, as measured on an H200;
-      XLA elsewhere),
+    implementation: None (on NVIDIA GPUs the faster of the kernel and XLA
+      where measured, `ops/dispatch_tables/linear_scan.json`; XLA elsewhere),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
       (`lax.associative_scan`).
 
@@ -74,8 +70,8 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
     return None
 
-  backend = _backend.choose("linear_scan", implementation, kernel_limit,
-                            default_on_gpu=_PALLAS_IS_GPU_DEFAULT)
+  # The measured table decides (ops/dispatch_tables/linear_scan.json).
+  backend = _backend.choose("linear_scan", implementation, kernel_limit, length=b.shape[1])
   if backend == "xla":
     return linear_scan_xla(a, b, initial_state=initial_state, reverse=reverse)
   token = ("batch", "seq", "channels")

@@ -79,7 +79,8 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
     delta_softplus: apply softplus to the biased `delta`.
     initial_state: [B, D, S], the state before the first step processed.
     reverse: scan from the last time step to the first (bidirectional models).
-    implementation: None (the kernel on NVIDIA GPUs, else XLA),
+    implementation: None (on NVIDIA GPUs the faster of the kernel and XLA
+      where measured, `ops/dispatch_tables/selective_scan.json`; XLA elsewhere),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
       (`lax.associative_scan`, materializes [B, T, D, S]).
 
@@ -98,9 +99,9 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
         return f"`{name}` dtype {dtype} is not one of float32, bfloat16, float16"
     return None
 
-  # Faster than the associative XLA path at every measured shape on an H200
-  # (BUILD_NOTES.md, "SSM scans").
-  backend = _backend.choose("selective_scan", implementation, kernel_limit)
+  # The measured table decides (ops/dispatch_tables/selective_scan.json).
+  backend = _backend.choose("selective_scan", implementation, kernel_limit,
+                            state=A.shape[-1], length=u.shape[1])
   if backend == "xla":
     return selective_scan_xla(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
                               delta_softplus=delta_softplus,

@@ -98,7 +98,8 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
     initial_state: [B, N, K, V] state before the first token, or None (zeros).
     chunk_size: tokens per chunk (None: 64 for the kernel, 128 for XLA); the
       kernel takes a power of two >= 16.
-    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
+    implementation: None (on NVIDIA GPUs the faster of the Pallas kernel and
+      XLA where measured, `ops/dispatch_tables/ssd.json`; XLA elsewhere),
       'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
       einsum algorithm of xla.py).
 
@@ -113,9 +114,9 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
                                 "the state tile lives in registers")
 
-  # Measured on an H200 (BUILD_NOTES.md, "SSD and the gated delta rule"): the
-  # kernels beat the chunked XLA form at every measured shape.
-  backend = _backend.choose("ssd", implementation, kernel_limit)
+  # The measured table decides (ops/dispatch_tables/ssd.json).
+  backend = _backend.choose("ssd", implementation, kernel_limit, key_dim=q.shape[-1],
+                            length=q.shape[1])
   if backend == "xla":
     return ssd_xla(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)
   return run_chunked_per_shard(

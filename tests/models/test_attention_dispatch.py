@@ -3,6 +3,9 @@
 `choose_attention_implementation` is the one dispatch rule; the platform is
 faked by patching `ops._backend.on_nvidia_gpu` (the rule reads nothing else
 about the machine), so every row of the BUILD_NOTES.md table runs on a CPU.
+Where several implementations take a call the measured table decides; the
+`gpu` fixture hides it (the fixed preference: flex, cuDNN, XLA), and the
+table's own tests give one.
 """
 
 import jax
@@ -12,6 +15,7 @@ import pytest
 
 import probjax_hk as pk
 from ops import _backend
+from ops import _measured
 from ops import flex_attention_reference
 from probjax_hk import attention
 
@@ -25,6 +29,11 @@ def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2, s=16):
 @pytest.fixture
 def gpu(monkeypatch):
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setattr(_measured, "load", lambda table: None)
+
+
+def _table(points, keys=("dtype", "variant"), axes=("head_dim", "length")):
+  return dict(keys=list(keys), axes=list(axes), points=points)
 
 
 # (inputs, options) -> the choice of `implementation=None` on an NVIDIA GPU.
@@ -32,10 +41,8 @@ _GPU_CASES = [
     ("plain bf16", dict(), {}, "flex"),
     ("causal f32", dict(dtype=jnp.float32), dict(is_causal=True), "flex"),
     ("head size 256", dict(head_dim=256), {}, "flex"),
-    ("head size 64 bf16: flex measured faster", dict(head_dim=64), {}, "flex"),
-    ("head size 80 bf16: cuDNN (flex would pad to 128)", dict(head_dim=80), {}, "cudnn"),
-    ("head size 128 bf16: cuDNN measured faster", dict(head_dim=128), dict(is_causal=True),
-     "cudnn"),
+    ("head size 128 bf16, nothing measured: flex first", dict(head_dim=128),
+     dict(is_causal=True), "flex"),
     ("head size 64 f32: cuDNN cannot", dict(head_dim=64, dtype=jnp.float32), {}, "flex"),
     ("head size 64, right window: cuDNN cannot", dict(head_dim=64),
      dict(local_window_size=(4, 4)), "flex"),
@@ -107,6 +114,51 @@ def test_traced_scale_on_nvidia_gpu_is_not_flex(gpu):
       q, k, v, scale=scale)))(0.5)
   assert chosen == ["cudnn"]
   assert attention.choose_attention_implementation(q, k, v, scale=0.5) == "flex"
+
+
+@pytest.mark.parametrize("times, shapes, expected", [
+    (dict(flex=2.0, cudnn=1.0, xla=3.0), dict(), "cudnn"),
+    (dict(flex=2.0, cudnn=3.0, xla=1.0), dict(), "xla"),
+    # cuDNN, the fastest, cannot take float32: the fastest that can.
+    (dict(flex=2.0, cudnn=1.0, xla=3.0), dict(dtype=jnp.float32), "flex"),
+    # H 80 is judged by the H 128 point (the smallest measured that covers it).
+    (dict(flex=2.0, cudnn=1.0), dict(head_dim=80), "cudnn"),
+    # H 256: cuDNN cannot, and the table timed only it and flex there.
+    (dict(flex=2.0, cudnn=1.0), dict(head_dim=256), "flex"),
+])
+def test_default_on_nvidia_gpu_follows_the_measured_table(gpu, monkeypatch, times, shapes,
+                                                          expected):
+  del gpu
+  dtype = "float32" if shapes.get("dtype") == jnp.float32 else "bfloat16"
+  points = [dict(dtype=dtype, variant="full", head_dim=h, length=16, ms=ms)
+            for h, ms in ((32, dict(flex=1.0, cudnn=9.0, xla=9.0)), (128, times))]
+  monkeypatch.setattr(_measured, "load", lambda table: _table(points))
+  q, k, v = _qkv(n=2, **{"head_dim": 128, **shapes})  # n = k: the 'full' variant
+  assert attention.choose_attention_implementation(q, k, v) == expected
+  q, k, v = _qkv(n=2, head_dim=32)
+  assert attention.choose_attention_implementation(q, k, v) == "flex"
+
+
+def test_committed_table_picks_the_fastest_at_each_measured_point(monkeypatch):
+  """At each point of ops/dispatch_tables/attention.json (inputs of that
+  dtype, variant, head size and length), `None` picks the fastest timed
+  implementation among those that take the inputs."""
+  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  table = _measured.load("attention")
+  assert table is not None and table["points"]
+  for point in table["points"]:
+    n, kv = (8, 1) if point["variant"] == "gqa" else (2, 2)
+    t = max(1, point["length"] // 16) if point["variant"] == "cross" else point["length"]
+    q = jax.ShapeDtypeStruct((1, t, n, point["head_dim"]), jnp.dtype(point["dtype"]))
+    k = jax.ShapeDtypeStruct((1, point["length"], kv, point["head_dim"]), q.dtype)
+    options = dict(is_causal=point["variant"] in ("causal", "gqa", "sliding_window"),
+                   local_window_size=(256, 0) if point["variant"] == "sliding_window" else None)
+    fits = [name for name in point["ms"] if name == "xla" or
+            (name == "flex" and attention._flex_limit(q, None, None, None) is None) or
+            (name == "cudnn" and attention._cudnn_limit(q, k, None, options["local_window_size"],
+                                                        options["is_causal"]) is None)]
+    want = min(fits, key=point["ms"].get)
+    assert attention.choose_attention_implementation(q, k, k, **options) == want, point
 
 
 @pytest.mark.parametrize("options", [{}, dict(is_causal=True),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ops import _backend
-from ops.linear_scan import api
+from ops import _measured
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
@@ -142,15 +142,17 @@ def test_default_backend_on_cpu_is_xla():
 
 
 
-@pytest.mark.parametrize("gpu_default", [False, True])
-def test_default_backend_on_gpu_follows_the_flag(monkeypatch, gpu_default):
-  # A per-step decay and a shared one [D] (the LRU's) both follow
-  # `_PALLAS_IS_GPU_DEFAULT` (the kernel, as measured) on NVIDIA GPUs only.
+@pytest.mark.parametrize("winner", ["xla", "pallas"])
+def test_default_backend_on_gpu_follows_the_measured_table(monkeypatch, winner):
+  # A per-step decay and a shared one [D] (the LRU's) both take the winner of
+  # the measured table on NVIDIA GPUs only.
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
-  monkeypatch.setattr(api, "_PALLAS_IS_GPU_DEFAULT", gpu_default)
+  ms = {"pallas": 2.0, "xla": 2.0, winner: 1.0}
+  table = dict(keys=[], axes=["length"], points=[dict(length=8, ms=ms)])
+  monkeypatch.setattr(_measured, "load", lambda name: table if name == "linear_scan" else None)
   a, b, _ = _inputs(1, 8, 4, "float32")
-  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a, b) == gpu_default
-  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b) == gpu_default
+  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a, b) == (winner == "pallas")
+  assert _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b) == (winner == "pallas")
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: False)
   assert not _has_pallas_call(lambda a, b: linear_scan(a, b), a, b)
   assert not _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b)
