@@ -124,9 +124,6 @@ _GRID = shape_grid.define_flags()
 _GRID_IMPLS = flags.DEFINE_list(
     "grid_impls", ["flex", "cudnn", "xla", *TOKAMAX_IMPLEMENTATIONS],
     "With --grid: the implementations, any of " + ", ".join(GRID_IMPLS) + ".")
-_GRID_CHECK = flags.DEFINE_bool(
-    "grid_check", False, "With --grid: check every implementation at every point "
-    "against the f32 reference (forward and gradients) before timing it there.")
 
 # name: (B, N, T, H, causal values); keys = queries, K = N.
 SHAPES = {
@@ -525,7 +522,7 @@ def grid_main():
   start = time.time()
   rows = []
   for point in points:
-    if _GRID_CHECK.value:
+    if _GRID.check.value:
       rows += grid_check_rows([point], _GRID_IMPLS.value)
     size = point.shape
     for mode in _MODES.value:

@@ -294,6 +294,7 @@ class GridFlags(NamedTuple):
   subset: flags.FlagHolder
   stride: flags.FlagHolder
   offset: flags.FlagHolder
+  check: flags.FlagHolder
 
   def points(self, op: str, subset: str | None = None) -> tuple:
     """The points of `op` ('attention', 'chunked', 'moe', 'scan') the flags
@@ -303,8 +304,8 @@ class GridFlags(NamedTuple):
 
 
 def define_flags() -> GridFlags:
-  """Defines --grid, --grid_subset, --grid_stride and --grid_offset for the
-  calling program (once, at its import)."""
+  """Defines --grid, --grid_subset, --grid_stride, --grid_offset and
+  --grid_check for the calling program (once, at its import)."""
   holders = GridFlags(
       flags.DEFINE_bool("grid", False, "Time the shape grid (experiments/shape_grid.py) "
                         "instead of the headline shapes."),
@@ -313,7 +314,10 @@ def define_flags() -> GridFlags:
       flags.DEFINE_integer("grid_stride", 1, "With --grid: every n-th point of the subset.",
                            lower_bound=1),
       flags.DEFINE_integer("grid_offset", 0, "With --grid: the first point taken "
-                           "(0 <= offset < --grid_stride).", lower_bound=0))
+                           "(0 <= offset < --grid_stride).", lower_bound=0),
+      flags.DEFINE_bool("grid_check", False, "With --grid: check every implementation timed "
+                        "at every point against the float32 reference (forward, final "
+                        "state where there is one, gradients) before timing it there."))
   flags.register_multi_flags_validator(
       ["grid_stride", "grid_offset"], lambda v: v["grid_offset"] < v["grid_stride"],
       message="--grid_offset must be less than --grid_stride")
