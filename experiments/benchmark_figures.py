@@ -1562,6 +1562,50 @@ def scan_grid_table(suite: Suite, records: list[Record]) -> str:
 _GRID_SUITES = ("attention_grid", "moe_grid", "chunked_grid", "scan_grid")
 
 
+def _relative_errors(row: dict) -> list[float]:
+  """A check row's error fields (`fwd_rel`, `y_err`, `err_grads`, `rel`, ...)."""
+  return [v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+          and (k == "rel" or k.endswith(("_rel", "_err")) or k.startswith("err_"))]
+
+
+def grid_checks(suites: dict[str, Suite]) -> str | None:
+  """The on-device checks run at the grid's points (`--grid_check`): per op and
+  implementation the points checked, skipped and failed and the largest
+  relative error; then every failure with its message."""
+  counts, failures, sources = {}, [], []
+  for name in _GRID_SUITES:
+    if name not in suites:
+      continue
+    suite = suites[name]
+    source, rows = newest_rows(suite, lambda r: r.get("grid") and "check" in (
+        r.get("kind"), r.get("section")))
+    if rows:
+      sources.append(runs_line(suite, [source]))
+    for r in rows:
+      key = (r.get("op") or r["grid"], r.get("impl") or r.get("implementation") or r.get("case"))
+      count = counts.setdefault(key, dict(ok=0, unsup=0, failed=0, worst=[]))
+      if r.get("status") == "ok":
+        count["ok"] += 1
+        count["worst"] += _relative_errors(r)
+      elif r.get("status") == "unsup":
+        count["unsup"] += 1
+      else:
+        count["failed"] += 1
+        failures.append([f"`{key[0]}`", str(key[1]), str(r.get("point")), str(r.get("status")),
+                         str(r.get("message", ""))[:200].replace("|", "/").replace("\n", " ")])
+  if not counts:
+    return None
+  body = [[f"`{op}`", str(impl), str(c["ok"]), str(c["unsup"]), str(c["failed"]),
+           number(max(c["worst"]), 2) if c["worst"] else ""]
+          for (op, impl), c in counts.items()]
+  out = [table(["op", "implementation", "points checked", "not supported", "failed",
+                "largest relative error"], body)]
+  if failures:
+    out += ["", "Failures:", "",
+            table(["op", "implementation", "point", "status", "message"], failures)]
+  return "\n".join(out + [""] + sources)
+
+
 def grid_page(manifest: dict, suites: dict[str, Suite], figure: "HeatMap | None",
               figure_file: str | None) -> str:
   """The grid page, from the grid suites' rows (a section says "not measured" where
@@ -1639,6 +1683,12 @@ def grid_page(manifest: dict, suites: dict[str, Suite], figure: "HeatMap | None"
             scan_grid_table(suites["scan_grid"], scans), ""]
   else:
     out += [not_measured("The selective-scan grid"), ""]
+  out += ["## Checks", "",
+          "With `--grid_check` every implementation timed at a point is first checked "
+          "there against the float32 reference: outputs, final states where the op has "
+          "one, and gradients, as relative errors.", ""]
+  checks = grid_checks(suites)
+  out += [checks if checks else not_measured("The grid check"), ""]
   out += ["## How to reproduce", ""] + reproduce_section(dict(manifest, suites={
       n: e for n, e in manifest["suites"].items() if n in _GRID_SUITES}))
   return "\n".join(out)

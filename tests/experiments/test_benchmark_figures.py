@@ -387,3 +387,31 @@ def test_grid_page_counts_the_targets_on_a_hand_made_grid(tmp_path):
     benchmark_figures.draw(heat_map, str(tmp_path / name))
   first = (tmp_path / "1.png").read_bytes()
   assert first.startswith(b"\x89PNG") and first == (tmp_path / "2.png").read_bytes()
+
+
+def test_grid_page_lists_the_checks_at_the_grid_points(tmp_path):
+  check = dict(_ATTENTION_POINT, kind="check", status="ok", fwd_rel=0.002, dq_rel=0.004,
+               dk_rel=0.003, dv_rel=0.001)
+  attention = [_like(check, impl="flex"), _like(check, impl="cudnn", dq_rel=0.02),
+               _like(check, impl="tokamax_triton", status="unsup", message="no tokamax"),
+               _like(check, impl="flex", point="h32_l512_full", fwd_rel=0.001),
+               _like(_ATTENTION_TIME)]
+  chunked_check = {"kind": "check", "op": "ssd", "grid": "chunked", "point": "k32_t100",
+                   "dtype": "bfloat16"}
+  chunked = [_like(_CHUNKED_OP), dict(chunked_check, implementation="pallas", status="ok",
+                                      y_err=1e-3, final_err=2e-3, grad_err=5e-3),
+             dict(chunked_check, implementation="xla", status="error",
+                  message="ValueError: bad | thing\nsecond line")]
+  pages = benchmark_figures.render_pages(_benchmarks(
+      tmp_path, **{"attention_grid.json": attention, "chunked_grid.json": chunked}))
+  checks = pages["grid.md"].split("## Checks")[1].split("## How to reproduce")[0]
+  assert _table_rows(checks, "`attention`") == [
+      ["`attention`", "flex", "2", "0", "0", "0.0040"],
+      ["`attention`", "cudnn", "1", "0", "0", "0.020"],
+      ["`attention`", "tokamax_triton", "0", "1", "0", ""]]
+  assert _table_rows(checks, "`ssd`") == [
+      ["`ssd`", "pallas", "1", "0", "0", "0.0050"], ["`ssd`", "xla", "0", "0", "1", ""],
+      ["`ssd`", "xla", "k32_t100", "error", "ValueError: bad / thing second line"]]
+  empty = benchmark_figures.render_pages(_benchmarks(
+      tmp_path / "none", **{"attention_grid.json": [_like(_ATTENTION_TIME)]}))
+  assert "The grid check: not measured" in empty["grid.md"]
