@@ -1,7 +1,7 @@
 """SSD and the gated delta rule on a GPU: Pallas kernels vs the chunked XLA tier.
 
     python -m experiments.benchmark_kernel_ssd    # docs/benchmarks/chunked_ops.json
-    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssd --quick \\
         --output /tmp/kernel_ssd_cpu.json
     python -m experiments.benchmark_kernel_ssd --grid --output /tmp/chunked_grid.json
 
@@ -13,11 +13,13 @@ as 'pallas' (default chunk 64, and chunk 128) and 'xla' (the pure-JAX chunked
 SSD, chunk 128); `ops.gated_delta_rule` as 'pallas' (default chunk 32, and
 chunk 64) and 'xla' (the chunked WY form, chunk 64). The Pallas rows carry
 `ratio_vs_xla`, from this same run; the Triton peers (flash-linear-attention)
-are not run here. Before timing, the kernels are checked
-against the step-by-step reference on this device (`check` rows). `--models`
-adds SSMModel(16, 128, 16, 4) train steps (SGD) with each of the three cells,
-default implementation vs 'xla'. `--quick`: tiny shapes, two timed calls (a
-CPU smoke test; the kernels run in Pallas interpret mode there).
+are not run here. Before timing, both tiers are checked against the
+step-by-step reference on this device (`check` rows: y, the final state and
+the gradient w.r.t. each input, float32 and bfloat16 inputs, the reference run
+in float32). `--models` adds SSMModel(16, 128, 16, 4) train steps (SGD) with
+each of the three cells, default implementation vs 'xla'. `--quick`: tiny
+shapes, two timed calls (a CPU smoke test; the kernels run in Pallas interpret
+mode there).
 
 `--grid` times every implementation at the chunked-op points of `shape_grid`
 (K = V in {32, 64, 96, 128, 256} x T in {100, 1000, 5000}, about 16,384
@@ -26,8 +28,19 @@ headline shapes, without the models; each (op, point, mode) gets a summary
 row with what the default (`implementation=None`) runs there (the kernel where
 it takes the shape on an NVIDIA GPU, else XLA) and its time over XLA's
 (`default_vs_xla`) and over the fastest row (`default_vs_best`).
+
+`--grid --grid_check` also checks, at every point before timing it, every
+implementation timed there against the op's float32 reference on this device
+(bfloat16 inputs, as timed; y, final state and the gradient w.r.t. each
+input): one `check` row per (point, implementation) with `grid` and `point`.
+The reference is a step per token; it runs in slices of the (sequence, head)
+pairs so its saved states stay within `REFERENCE_STATE_BYTES`.
+
+    python -m experiments.benchmark_kernel_ssd --grid --grid_check \\
+        --output /tmp/chunked_grid.json
 """
 
+import json
 
 from absl import app
 from absl import flags
@@ -67,6 +80,17 @@ IMPLEMENTATIONS = {
     "gated_delta_rule/pallas_chunk64": ("gated_delta_rule", "pallas", 64),
     "gated_delta_rule/xla": ("gated_delta_rule", "xla", 64),
 }
+# The --check cases: both tiers of both ops at one chunk size.
+CHECK_CASES = {f"{op}/{impl}_chunk64": (op, impl, 64)
+               for op in ("ssd", "gated_delta_rule") for impl in ("pallas", "xla")}
+# The inputs each op reads (ssd takes no beta), and its float32 reference.
+INPUTS = {"ssd": ("q", "k", "v", "log_decay"),
+          "gated_delta_rule": ("q", "k", "v", "log_decay", "beta")}
+REFERENCES = {"ssd": lambda q, k, v, g, beta: ssd_reference(q, k, v, g),
+              "gated_delta_rule": gated_delta_rule_reference}
+# The reference's gradient keeps every step's [K, V] state of every (sequence,
+# head): 34 GB at a grid point with K = V = 256. It runs in slices of at most this.
+REFERENCE_STATE_BYTES = 2**32
 
 
 def _rel(x, ref):
@@ -74,42 +98,136 @@ def _rel(x, ref):
   return float(np.abs(x - ref).max() / max(1.0, np.abs(ref).max()))
 
 
-def check_rows(quick):
-  """Pallas and XLA against the lax.scan reference on this device."""
+def _outputs_and_grads(fn, num_inputs):
+  """jit of `args -> (y, final_state, grads)`: `fn(*args)` and the gradients of
+  `workloads.chunked_loss(fn)` w.r.t. the first `num_inputs` args."""
+  def run(*args):
+    grads = jax.grad(workloads.chunked_loss(fn), argnums=tuple(range(num_inputs)))(*args)
+    return (*fn(*args), grads)
+  return jax.jit(run)
+
+
+def reference_outputs(op, args, state_bytes=REFERENCE_STATE_BYTES):
+  """The op's step-by-step reference on float32 copies of `args`, with float32
+  matmuls: `_outputs_and_grads` of it, gradients w.r.t. each of `INPUTS[op]`.
+
+  Sequences and heads are independent, so the B x N (sequence, head) pairs run
+  in slices whose saved states (T x K x V float32 a pair) take at most
+  `state_bytes`: the gradient of the scan keeps every step's state.
+
+  Args:
+    op: 'ssd' or 'gated_delta_rule'.
+    args: q, k [B, T, N, K], v [B, T, N, V], log_decay, beta [B, T, N].
+    state_bytes: the saved states' bytes a slice may take.
+
+  Returns:
+    y [B, T, N, V], final_state [B, N, K, V] and the gradients (the inputs'
+    shapes), float32.
+  """
+  batch, time, heads, key = args[0].shape
+  value = args[2].shape[-1]
+  pairs = batch * heads
+  rows = max(1, min(pairs, state_bytes // (time * key * value * 4)))
+
+  def fold(x):  # [B, T, N, ...] -> [B * N, T, 1, ...]: a (sequence, head) pair a row
+    x = jnp.swapaxes(x.astype(jnp.float32), 1, 2)
+    return x.reshape(pairs, time, 1, *x.shape[3:])
+
+  def unfold(x):  # [B * N, T, 1, ...] -> [B, T, N, ...]
+    return jnp.swapaxes(x.reshape(batch, heads, time, *x.shape[3:]), 1, 2)
+
+  run = _outputs_and_grads(REFERENCES[op], len(INPUTS[op]))
+  folded = [fold(x) for x in args]
+  parts = []
+  with jax.default_matmul_precision("highest"):
+    for start in range(0, pairs, rows):
+      parts.append(run(*(x[start:start + rows] for x in folded)))
+  y = unfold(jnp.concatenate([p[0] for p in parts]))
+  final = jnp.concatenate([p[1] for p in parts]).reshape(batch, heads, key, value)
+  grads = tuple(unfold(jnp.concatenate([p[2][i] for p in parts]))
+                for i in range(len(INPUTS[op])))
+  return y, final, grads
+
+
+def check_shape(shape, dtype, cases, fields=None):
+  """Each case at `shape` against its op's float32 reference on this device.
+
+  Args:
+    shape: (B, T, N, K, V).
+    dtype: the inputs' dtype (`workloads.ssd_inputs`, seed 1).
+    cases: name -> (op, implementation, chunk_size), as `IMPLEMENTATIONS`.
+    fields: more fields for every row (a grid point's).
+
+  Returns:
+    A row per case, kind 'check': the relative errors (`_rel`) of y
+    (`y_err`), of the final state (`final_err`) and of the gradient of
+    `workloads.chunked_loss` w.r.t. each input the op reads (`dq_err`, ...;
+    `grad_err` is their largest), status 'ok'; 'unsup' where the op declines
+    the shape, 'error' with the message where it (or the reference) fails.
+  """
+  args = workloads.ssd_inputs(*shape, dtype, seed=1)
+  references = {}
+
+  def reference(op):
+    """The op's reference outputs, computed once; a failure is every row's."""
+    if op not in references:
+      try:
+        references[op] = reference_outputs(op, args)
+      except Exception as exc:  # Each of the op's rows reports it.
+        references[op] = RuntimeError(f"the float32 reference failed: "
+                                      f"{type(exc).__name__}: {exc}")
+    if isinstance(references[op], Exception):
+      raise references[op]
+    return references[op]
+
   rows = []
-  shape = (1, 64, 2, 16, 16) if quick else (2, 300, 4, 64, 64)
-  for op, reference in (("ssd", ssd_reference), ("gated_delta_rule",
-                                                  gated_delta_rule_reference)):
-    for dtype in (jnp.float32, jnp.bfloat16):
-      args = workloads.ssd_inputs(*shape, dtype, seed=1)
-      ref_args = args if op == "gated_delta_rule" else args[:4]
-      ref = jax.jit(reference)(*ref_args)
-      ref_grads = jax.jit(jax.grad(workloads.chunked_loss(reference), argnums=(0, 1, 2, 3)))(*ref_args)
-      for impl in ("pallas", "xla"):
-        row = dict(kind="check", op=op, implementation=impl, dtype=jnp.dtype(dtype).name,
-                   shape=shape)
-        try:
-          fn = workloads.chunked_op(op, impl, 64)
-          y, final = jax.jit(fn)(*args)
-          grads = jax.jit(jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3)))(*args)
-          row.update(status="ok", y_err=_rel(y, ref[0]), final_err=_rel(final, ref[1]),
-                     grad_err=max(_rel(a, b) for a, b in zip(grads, ref_grads)))
-        except ValueError as exc:
-          row.update(status="unsup", message=str(exc)[:300])
-        except Exception as exc:  # A failing kernel is a result: record it, go on.
-          row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
-        logging.info("%s", row)
-        rows.append(row)
+  for name, (op, impl, chunk) in cases.items():
+    row = dict(kind="check", op=op, implementation=impl, name=name, chunk_size=chunk,
+               dtype=jnp.dtype(dtype).name, shape=shape, **dict(zip("BTNKV", shape)),
+               **(fields or {}))
+    try:
+      fn = workloads.chunked_op(op, impl, chunk)
+      try:
+        jax.eval_shape(fn, *args)
+      except ValueError as exc:
+        raise harness.Unsupported(str(exc)) from exc
+      want_y, want_final, want_grads = reference(op)
+      y, final, grads = _outputs_and_grads(fn, len(INPUTS[op]))(*args)
+      errors = {f"d{n}_err": _rel(g, w) for n, g, w in zip(INPUTS[op], grads, want_grads)}
+      row.update(status="ok", y_err=_rel(y, want_y), final_err=_rel(final, want_final),
+                 grad_err=max(errors.values()), **errors)
+    except harness.Unsupported as exc:
+      row.update(status="unsup", message=str(exc)[:300])
+    except Exception as exc:  # A failing kernel is a result: record it, go on.
+      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    print(json.dumps({k: row.get(k) for k in ("point", "name", "dtype", "shape", "status",
+                                               "y_err", "final_err", "grad_err", "message")}),
+          flush=True)
+    rows.append(row)
   return rows
 
 
-def kernel_rows(shapes, iters, warmup, sink, points=None):
+def check_rows(quick):
+  """`CHECK_CASES` against the float32 reference on this device, float32 and
+  bfloat16 inputs."""
+  shape = (1, 64, 2, 16, 16) if quick else (2, 300, 4, 64, 64)
+  return [row for dtype in (jnp.float32, jnp.bfloat16)
+          for row in check_shape(shape, dtype, CHECK_CASES)]
+
+
+def kernel_rows(shapes, iters, warmup, sink, points=None, check=False):
   """Times every implementation at every shape; `sink` takes each row. With
-  `points` (grid points, one per shape) the rows carry the point's name."""
+  `points` (grid points, one per shape) the rows carry the point's name, and
+  with `check` too every implementation is first checked at each point
+  (`check_shape`, bfloat16 as timed)."""
   rows = []
   names = _IMPLS.value or list(IMPLEMENTATIONS)
   for i, shape in enumerate(shapes):
     batch, time, heads, key, value = shape
+    if check:
+      for row in check_shape(shape, jnp.bfloat16, {n: IMPLEMENTATIONS[n] for n in names},
+                             dict(grid="chunked", point=points[i].name)):
+        sink(row)
     for name in names:
       op, impl, chunk = IMPLEMENTATIONS[name]
       for mode in ("fwd", "fwd+bwd"):
@@ -229,6 +347,8 @@ def main(argv):
     raise app.UsageError(f"--impls: unknown {sorted(unknown)}; known: {list(IMPLEMENTATIONS)}")
   if grid and _SHAPES.value:
     raise app.UsageError("--shapes and --grid name different shapes: give one")
+  if _GRID.check.value and not grid:
+    raise app.UsageError("--grid_check checks the grid's points: give --grid too")
   output = _OUTPUT.value
   if grid and not flags.FLAGS["output"].present:
     output = "/tmp/chunked_grid.json"
@@ -248,7 +368,8 @@ def main(argv):
   if grid:
     points = _GRID.points("chunked", "smoke" if quick else None)
     shapes = [p.shape for p in points]
-  kernel_rows(shapes, iters, warmup, sink, points)  # Adds the ratios to the rows in place.
+  # Adds the ratios to the rows in place.
+  kernel_rows(shapes, iters, warmup, sink, points, check=grid and _GRID.check.value)
   if grid:
     for row in grid_summary(rows):
       sink(row)
@@ -256,8 +377,8 @@ def main(argv):
     model_rows(quick, iters, warmup, sink)
   harness.write_rows(rows, output)
   print(harness.format_table([r for r in rows if r["kind"] == "check"],
-                             ["op", "implementation", "dtype", "status", "y_err",
-                              "final_err", "grad_err"]))
+                             ["point", "name", "dtype", "status", "y_err", "final_err",
+                              "grad_err"]))
   print(harness.format_table([r for r in rows if r["kind"] == "op"],
                              ["name", "mode", "B", "T", "N", "K", "status", "median_ms",
                               "ratio_vs_xla", "compile_s"]))

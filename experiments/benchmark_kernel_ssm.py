@@ -1,16 +1,18 @@
 """SSM scan kernels (and SSMModel) on a GPU: Pallas vs `lax.associative_scan`.
 
     python -m experiments.benchmark_kernel_ssm --models    # docs/benchmarks/ssm_scans.json
-    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \
+    JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_ssm --small \\
         --output /tmp/kernel_ssm_cpu.json
-    python -m experiments.benchmark_kernel_ssm --grid --ops selective_scan \
+    python -m experiments.benchmark_kernel_ssm --grid --ops selective_scan \\
         --output /tmp/ssm_grid.json
 
 Shapes, the kernels performance page's: the selective scan at B 8, T 4096,
 D 256, S 16 and 128 (float32), the complex64 linear scan at B 8, T 4096 and
 16384, D 256; `lax.scan` (the reference) only at a small T. Every case times
 the forward and the gradient of a scalar sum w.r.t. every input ("fwd+bwd").
-After the timings, each kernel is checked against the reference on this device.
+After the timings, each kernel is checked against the reference on this device
+(`check` rows: y, final state and the gradient w.r.t. each input, forward and
+reverse).
 Rows are printed and the JSON rewritten as each case completes.
 `--sweep` adds a few block-size variants of the Pallas kernels; `--models`
 times SSMModel(16, 128, 16, 4) forward and Adam train step per cell.
@@ -26,6 +28,16 @@ D 512; with --small its 'smoke' subset) instead of the headline cases, without
 the memory case, the models and the sweep; the chunked ops in `--ops` run
 `benchmark_kernel_ssd --grid` with the same grid flags, writing
 `chunked_grid.json` beside `--output` (default /tmp/ssm_grid.json).
+
+`--grid --grid_check` also checks, at every point before timing it, the
+selective scan's implementations timed there (Pallas, XLA) against
+`selective_scan_reference` on this device (float32: y, final state and the
+gradient w.r.t. each input), one `check` row per (point, implementation) with
+`grid` and `point`; the flag goes on to `benchmark_kernel_ssd --grid`, which
+does the same for the chunked ops:
+
+    python -m experiments.benchmark_kernel_ssm --grid --grid_check \\
+        --ops selective_scan,ssd,gated_delta_rule --output /tmp/ssm_grid.json
 """
 
 import functools
@@ -68,6 +80,10 @@ _SELECTIVE = {"pallas": selective_scan_pallas, "xla": selective_scan_xla,
               "lax.scan": selective_scan_reference}
 _LINEAR = {"pallas": linear_scan_pallas, "xla": linear_scan_xla,
            "lax.scan": linear_scan_reference}
+# op -> (implementations by name, the inputs' builder, the inputs' names).
+_SCANS = {"selective_scan": (_SELECTIVE, workloads.selective_inputs,
+                             ("u", "delta", "A", "B", "C")),
+          "linear_scan": (_LINEAR, workloads.linear_inputs, ("a", "b"))}
 
 
 def _case_fns(fn, num_args):
@@ -95,38 +111,74 @@ def _relerr(x, y):
   return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
 
-def check_numerics(small):
-  """Pallas vs the step reference on this device: forward and gradients."""
+def _outputs_and_grads(fn, num_args):
+  """jit of `args -> (y, final_state, grads)`: `fn(*args)` and the gradients of
+  `workloads.scan_loss(fn)` w.r.t. every arg."""
+  def run(*args):
+    grads = jax.grad(workloads.scan_loss(fn), argnums=tuple(range(num_args)))(*args)
+    return (*fn(*args), grads)
+  return jax.jit(run)
+
+
+def check_scan(op, shape, reverse=False, impls=("pallas", "xla"), fields=None):
+  """`impls` of `op` at `shape` against its step-by-step reference ('lax.scan',
+  float32; complex64 for the linear scan) on this device.
+
+  Args:
+    op: 'selective_scan' (shape (B, T, D, S)) or 'linear_scan' (shape (B, T, D)).
+    shape: the inputs' sizes (`workloads.selective_inputs` or `linear_inputs`,
+      seed 1).
+    reverse: scan from the last step to the first.
+    impls: names in `_SELECTIVE` / `_LINEAR`.
+    fields: more fields for every row (a grid point's).
+
+  Returns:
+    A row per implementation, kind 'check': relative L2 errors of y (`err_y`),
+    of the final state (`err_final`) and of the gradient of
+    `workloads.scan_loss` w.r.t. each input (`err_du`, ...; `err_grads` is
+    their largest), status 'ok'; 'unsup' where the implementation declines
+    the shape, 'error' with the message where it (or the reference) fails.
+  """
+  fns, inputs, names = _SCANS[op]
+  args = inputs(*shape, seed=1)
+  want = None
   rows = []
-  shape = (2, 64, 16, 8) if small else (2, 1000, 64, 16)
-  args = workloads.selective_inputs(*shape, seed=1)
-  for reverse in ((False, True) if "selective_scan" in _OPS.value else ()):
-    fns = {name: functools.partial(f, reverse=reverse) for name, f in _SELECTIVE.items()}
-    ref_out = fns["lax.scan"](*args)
-    ref_grad = jax.grad(workloads.scan_loss(fns["lax.scan"]), argnums=tuple(range(5)))(*args)
-    for name in ("pallas", "xla"):
-      out = fns[name](*args)
-      grad = jax.grad(workloads.scan_loss(fns[name]), argnums=tuple(range(5)))(*args)
-      rows.append({"kind": "check", "op": "selective_scan", "impl": name,
-                   "shape": shape, "reverse": reverse,
-                   "err_y": _relerr(out[0], ref_out[0]),
-                   "err_final": _relerr(out[1], ref_out[1]),
-                   "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
-  shape = (2, 64, 16) if small else (2, 1000, 64)
-  args = workloads.linear_inputs(*shape, seed=1)
-  for reverse in ((False, True) if "linear_scan" in _OPS.value else ()):
-    fns = {name: functools.partial(f, reverse=reverse) for name, f in _LINEAR.items()}
-    ref_out = fns["lax.scan"](*args)
-    ref_grad = jax.grad(workloads.scan_loss(fns["lax.scan"]), argnums=(0, 1))(*args)
-    for name in ("pallas", "xla"):
-      out = fns[name](*args)
-      grad = jax.grad(workloads.scan_loss(fns[name]), argnums=(0, 1))(*args)
-      rows.append({"kind": "check", "op": "linear_scan", "impl": name,
-                   "shape": shape, "reverse": reverse,
-                   "err_y": _relerr(out[0], ref_out[0]),
-                   "err_final": _relerr(out[1], ref_out[1]),
-                   "err_grads": max(_relerr(g, r) for g, r in zip(grad, ref_grad))})
+  for impl in impls:
+    row = {"kind": "check", "op": op, "impl": impl, "shape": shape, "reverse": reverse,
+           **(fields or {})}
+    try:
+      fn = functools.partial(fns[impl], reverse=reverse)
+      try:
+        jax.eval_shape(fn, *args)
+      except ValueError as exc:
+        raise harness.Unsupported(str(exc)) from exc
+      if want is None:  # once for every implementation; a failure is each one's row
+        try:
+          want = _outputs_and_grads(functools.partial(fns["lax.scan"], reverse=reverse),
+                                    len(args))(*args)
+        except Exception as exc:
+          want = RuntimeError(f"the reference failed: {type(exc).__name__}: {exc}")
+      if isinstance(want, Exception):
+        raise want
+      y, final, grads = _outputs_and_grads(fn, len(args))(*args)
+      errors = {f"err_d{n}": _relerr(g, w) for n, g, w in zip(names, grads, want[2])}
+      row.update(status="ok", err_y=_relerr(y, want[0]), err_final=_relerr(final, want[1]),
+                 err_grads=max(errors.values()), **errors)
+    except harness.Unsupported as exc:
+      row.update(status="unsup", message=str(exc)[:300])
+    except Exception as exc:  # A failing kernel is a result: record it, go on.
+      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    rows.append(row)
   return rows
+
+
+def check_numerics(small):
+  """Pallas and XLA vs the step reference on this device: forward and
+  gradients, forward and reverse, of each scan in --ops."""
+  shapes = {"selective_scan": (2, 64, 16, 8) if small else (2, 1000, 64, 16),
+            "linear_scan": (2, 64, 16) if small else (2, 1000, 64)}
+  return [row for op, shape in shapes.items() if op in _OPS.value
+          for reverse in (False, True) for row in check_scan(op, shape, reverse)]
 
 
 def _time(config, fn, args, iters):
@@ -292,9 +344,17 @@ def main(argv):
     harness.write_rows(rows, output)
     return row
 
+  if _GRID.check.value and not grid:
+    raise app.UsageError("--grid_check checks the grid's points: give --grid too")
   if grid:
-    points = _GRID.points("scan", "smoke" if small else None)
-    time_kernels(grid_cases(points), _ITERS.value, sink, {p.shape: p.name for p in points})
+    for point in _GRID.points("scan", "smoke" if small else None):
+      cases = grid_cases([point])
+      if _GRID.check.value and cases:  # what is timed at the point, before timing it
+        for row in check_scan("selective_scan", point.shape,
+                              impls=[impl for _, _, impl, _ in cases],
+                              fields={"grid": "scan", "point": point.name}):
+          sink(row)
+      time_kernels(cases, _ITERS.value, sink, {point.shape: point.name})
   elif _KERNELS.value:
     time_kernels(kernel_cases(small, sweep=False), _ITERS.value, sink)
   if _MEMORY.value and "selective_scan" in _OPS.value and not grid:
@@ -310,7 +370,8 @@ def main(argv):
   for row in summarize(rows):
     sink(row)
   print(harness.format_table([r for r in rows if r["kind"] == "check"],
-                             ["op", "impl", "reverse", "err_y", "err_final", "err_grads"]))
+                             ["op", "point", "impl", "reverse", "status", "err_y", "err_final",
+                              "err_grads"]))
   print(harness.format_table([r for r in rows if r["kind"] in ("time", "memory", "model")],
                              ["op", "cell", "shape", "impl", "mode", "blocks", "status",
                               "median_ms", "temp_mb"]))
@@ -323,7 +384,8 @@ def main(argv):
     if grid:
       name = "chunked_grid.json"
       flags_ += ["--grid", f"--grid_subset={_GRID.subset.value}",
-                 f"--grid_stride={_GRID.stride.value}", f"--grid_offset={_GRID.offset.value}"]
+                 f"--grid_stride={_GRID.stride.value}", f"--grid_offset={_GRID.offset.value}",
+                 "--grid_check" if _GRID.check.value else "--nogrid_check"]
     harness.run_program("experiments.benchmark_kernel_ssd",
                         os.path.join(os.path.dirname(output), name), flags_)
 

@@ -1,0 +1,155 @@
+"""`--grid --grid_check` of benchmark_kernel_ssm and benchmark_kernel_ssd on the CPU.
+
+At every grid point each implementation the programs time there is first
+checked against its op's float32 reference: the selective scan's Pallas and
+XLA tiers by benchmark_kernel_ssm, and, in the benchmark_kernel_ssd process it
+launches with the flag passed on, every ssd and gated-delta-rule
+implementation. The programs run as subprocesses (they define absl flags at
+import, some with the same names).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from experiments import harness
+from experiments import shape_grid
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+
+
+def _rows(path):
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  assert all(r["status"] in harness.STATUSES for r in rows if "status" in r)
+  return rows
+
+
+def _python(*args):
+  """Runs `python *args` in the repository on the CPU; returns (returncode, output)."""
+  proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_ENV, capture_output=True,
+                        text=True, timeout=600)
+  return proc.returncode, proc.stdout + proc.stderr
+
+
+def _checked_before_timed(rows, point, check_kind, time_kind):
+  """Whether every check row of `point` precedes its first timed row."""
+  kinds = [r["kind"] for r in rows if r.get("point") == point]
+  return check_kind in kinds and time_kind in kinds and (
+      max(i for i, k in enumerate(kinds) if k == check_kind)
+      < kinds.index(time_kind))
+
+
+def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
+  output = tmp_path / "ssm_grid.json"
+  code, text = _python("-m", "experiments.benchmark_kernel_ssm", "--small", "--grid",
+                       "--grid_check", "--ops=selective_scan,ssd", "--iters=2",
+                       f"--output={output}")
+  assert code == 0, text[-3000:]
+
+  # The selective scan: Pallas and XLA at each scan point, float32.
+  rows = _rows(output)
+  points = [p.name for p in shape_grid.scan_grid("smoke")]
+  timed = {(r["point"], r["impl"]) for r in rows if r["kind"] == "time"}
+  checks = [r for r in rows if r["kind"] == "check" and r.get("grid") == "scan"]
+  assert timed == {(p, i) for p in points for i in ("pallas", "xla")}
+  assert sorted((r["point"], r["impl"]) for r in checks) == sorted(timed)
+  for r in checks:
+    assert r["status"] == "ok", r
+    errors = [r[f"err_d{n}"] for n in ("u", "delta", "A", "B", "C")]
+    assert max(r["err_y"], r["err_final"], *errors) < 1e-5, r
+    assert r["err_grads"] == max(errors)
+  assert all(_checked_before_timed(rows, p, "check", "time") for p in points)
+
+  # The chunked ops, in benchmark_kernel_ssd's process: every implementation it
+  # times (all of them by default), bfloat16 against the float32 reference.
+  rows = _rows(tmp_path / "chunked_grid.json")
+  points = {p.name: p.shape for p in shape_grid.chunked_grid("smoke")}
+  timed = {(r["point"], r["name"]) for r in rows if r["kind"] == "op"}
+  names = {name for _, name in timed}
+  assert len(names) == 6 and {"ssd/pallas", "gated_delta_rule/xla"} <= names
+  assert timed == {(p, n) for p in points for n in names}
+  checks = [r for r in rows if r["kind"] == "check" and r.get("grid") == "chunked"]
+  assert sorted((r["point"], r["name"]) for r in checks) == sorted(timed)
+  for r in checks:
+    assert r["status"] == "ok" and r["dtype"] == "bfloat16", r
+    assert (r["B"], r["T"], r["N"], r["K"], r["V"]) == points[r["point"]]
+    inputs = ["q", "k", "v", "log_decay"] + (["beta"] if r["op"] == "gated_delta_rule" else [])
+    assert sorted(k for k in r if k.startswith("d") and k.endswith("_err")) == sorted(
+        f"d{n}_err" for n in inputs)
+    errors = [r[f"d{n}_err"] for n in inputs]
+    # bfloat16 rounding, not zero: the reference ran in float32.
+    assert 1e-4 < max(r["y_err"], r["final_err"], *errors) < 2e-2, r
+    assert r["grad_err"] == max(errors)
+  assert all(_checked_before_timed(rows, p, "check", "op") for p in points)
+  assert f'"point": "{next(iter(points))}", "name": "ssd/pallas"' in text  # a line a row
+
+
+_CHECK_SCRIPT = textwrap.dedent("""
+    import json
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from experiments import benchmark_kernel_ssd as b
+    from experiments import workloads
+
+    shape = (2, 24, 2, 8, 8)
+    args = workloads.ssd_inputs(*shape, jnp.float32, seed=1)
+    for op, inputs in b.INPUTS.items():
+      # Three (sequence, head) pairs a slice: slices of 3 and 1 of the 4 pairs.
+      got = b.reference_outputs(op, args, state_bytes=3 * 24 * 8 * 8 * 4)
+      ref = b.REFERENCES[op]
+      want = (*ref(*args), jax.grad(workloads.chunked_loss(ref),
+                                    argnums=tuple(range(len(inputs))))(*args))
+      for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.float32 and g.shape == w.shape, (op, g.shape, w.shape)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+    real = workloads.chunked_op
+
+    def chunked_op(op, impl, chunk):
+      fn = real(op, "xla", chunk)
+      if impl == "wrong":
+        return lambda *a: (lambda y, final: (y * 1.05, final))(*fn(*a))
+      if impl in ("broken", "declines"):
+        def fail(*a):
+          raise (RuntimeError("the kernel broke") if impl == "broken"
+                 else ValueError("the kernel declines K 8"))
+        return fail
+      return fn
+
+    workloads.chunked_op = chunked_op
+    b.REFERENCES["gated_delta_rule"] = lambda *a: 1 / 0
+    cases = {n: ("ssd", n, 8) for n in ("xla", "wrong", "broken", "declines")}
+    cases["gdr"] = ("gated_delta_rule", "xla", 8)
+    rows = b.check_shape(shape, jnp.float32, cases, dict(grid="chunked", point="p"))
+    print("ROWS", json.dumps(rows))
+""")
+
+
+def test_check_reports_wrong_failing_and_declining_implementations():
+  code, text = _python("-c", _CHECK_SCRIPT)
+  assert code == 0, text[-3000:]
+  rows = {r["name"]: r for r in json.loads(text.split("ROWS ", 1)[1].splitlines()[0])}
+  assert all(r["kind"] == "check" and r["point"] == "p" for r in rows.values())
+  assert rows["xla"]["status"] == "ok" and rows["xla"]["y_err"] < 1e-5
+  assert rows["wrong"]["status"] == "ok" and rows["wrong"]["y_err"] > 1e-2
+  assert rows["wrong"]["final_err"] < 1e-5
+  assert rows["broken"]["status"] == "error"
+  assert "RuntimeError: the kernel broke" in rows["broken"]["message"]
+  assert rows["declines"]["status"] == "unsup"
+  assert "declines K 8" in rows["declines"]["message"]
+  assert rows["gdr"]["status"] == "error"
+  assert "the float32 reference failed: ZeroDivisionError" in rows["gdr"]["message"]
+
+
+@pytest.mark.parametrize("module", ["experiments.benchmark_kernel_ssd",
+                                    "experiments.benchmark_kernel_ssm"])
+def test_grid_check_without_grid_is_refused(tmp_path, module):
+  code, text = _python("-m", module, "--grid_check", f"--output={tmp_path / 'rows.json'}")
+  assert code != 0 and "--grid_check checks the grid's points: give --grid too" in text
