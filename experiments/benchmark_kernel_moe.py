@@ -9,7 +9,7 @@
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --sections capacity \
         --capacity_start 64 --capacity_max 256 --output /tmp/kernel_moe_capacity_cpu.json
     python -m experiments.benchmark_kernel_moe --grid --grid_subset quick \
-        --output /tmp/moe_grid.json
+        --grid_check --output /tmp/moe_grid.json
     JAX_PLATFORMS=cpu python -m experiments.benchmark_kernel_moe --smoke --grid \
         --sections op,moe --output /tmp/moe_grid_cpu.json
 
@@ -65,8 +65,16 @@ JSON row each, `section` says which):
 `shape_grid` instead: (experts, top-k) x d_model x d_hidden, 16,384 tokens
 (the op's M = 16,384 x top-k); the op without the every-expert einsum, the
 layer for `--grid_moe_impls`. Each (point, mode) gets a summary row: Pallas
-over tokamax's time, and 'auto' over the fastest layer path. `--smoke`: CPU
-sizes (and the grid's 'smoke' subset), two timed calls.
+over tokamax's time, and 'auto' over the fastest layer path. `--grid_check`
+checks every implementation at every point before timing it there, on the
+point's inputs as timed, one `section="check"`, `grid="moe"` row (and printed
+line) each: the op's grouped matmuls (all but the dense-matmul yardstick)
+against `grouped_matmul_reference` in float32 (`case="op"`: `rel_err_out`,
+`_dlhs`, `_drhs`) and the layer's paths against 'dense' in float32
+(`case="moe"`: `rel_err_out`, `_dparams`, `_dx`), each the largest error over
+the largest reference value; status ok, unsup (tokamax missing, say) or
+error with the message. `--smoke`: CPU sizes (and the grid's 'smoke'
+subset), two timed calls.
 """
 
 import contextlib
@@ -188,18 +196,79 @@ def _over_budget() -> bool:
   return time.perf_counter() - _budget_start > _BUDGET.value
 
 
-def _rel_err(a, b) -> float:
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.abs(a - b).max() / max(1e-6, np.abs(b).max()))
+def _rel_err(got, want) -> float:
+  """max |got - want| / max |want| (at least 1e-6), in float32 on the device;
+  for pytrees (a layer's parameters) the largest over their leaves, NaN if
+  any leaf's is."""
+  def one(a, b):
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return jnp.max(jnp.abs(a - b)) / jnp.maximum(1e-6, jnp.max(jnp.abs(b)))
+  return float(np.max(np.asarray(jax.tree.leaves(jax.tree.map(one, got, want)))))
+
+
+def _float32(tree):
+  """`tree` with its floating-point leaves in float32 (bf16 values exactly)."""
+  return jax.tree.map(
+      lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+
+
+def _vjp_outputs(fn, args: tuple, cotangent) -> tuple:
+  """(fn(*args), its gradient in each of `args` against `cotangent`), one jit."""
+  def run(*args):
+    out, pullback = jax.vjp(fn, *args)
+    return (out, *pullback(cotangent))
+  return jax.jit(run)(*args)
+
+
+def _errors(got: tuple, want: tuple, names) -> dict:
+  """`rel_err_<name>` of each of `got` against `want` (`_vjp_outputs`)."""
+  return {f"rel_err_{name}": _rel_err(g, w) for name, g, w in zip(names, got, want)}
 
 
 def _vjp_errors(fn, reference, args, cotangent, names) -> dict:
   """`rel_err_<name>` of fn's output and input gradients against reference's."""
-  def run(f):
-    out, pullback = jax.vjp(f, *args)
-    return (out, *pullback(cotangent))
-  got, want = jax.jit(lambda: run(fn))(), jax.jit(lambda: run(reference))()
-  return {f"rel_err_{name}": _rel_err(g, r) for name, g, r in zip(names, got, want)}
+  return _errors(_vjp_outputs(fn, args, cotangent), _vjp_outputs(reference, args, cotangent),
+                 names)
+
+
+def _checked(row: dict, errors: Callable[[], dict]) -> dict:
+  """`row` with status 'ok' and the fields of `errors()`; where that raises,
+  status 'unsup' (`harness.Unsupported`) or 'error', with the message: a
+  failing implementation is a result, not the end of the run."""
+  try:
+    row.update(status="ok", **errors())
+  except harness.Unsupported as exc:
+    row.update(status="unsup", message=str(exc)[:500])
+  except Exception as exc:  # A failing implementation is a result: record it, go on.
+    row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+  return row
+
+
+def _check_against(config: dict, impls: dict[str, Callable], reference: Callable,
+                   args: tuple, cotangent, names) -> list[dict]:
+  """One check row per implementation in `impls`, each `fn(*args)`: `config`,
+  `impl`, status and `rel_err_<name>` of its output and gradients (in each of
+  `args`, against `cotangent`) against `reference` run once on float32 copies
+  of `args` and `cotangent` at full matmul precision; prints each row's
+  line. Where the reference fails, every row says error with its message."""
+  try:
+    with jax.default_matmul_precision("highest"):
+      want = _vjp_outputs(reference, _float32(args), _float32(cotangent))
+    failed = None
+  except Exception as exc:  # Out of memory, say: the rows say so, the run goes on.
+    failed = f"the float32 reference failed: {type(exc).__name__}: {str(exc)[:2000]}"
+  rows = []
+  for name, fn in impls.items():
+    row = dict(config, impl=name)
+    if failed:
+      row.update(status="error", message=failed)
+    else:
+      _checked(row, lambda fn=fn: _errors(_vjp_outputs(fn, args, cotangent), want, names))
+    print(json.dumps({k: row.get(k) for k in (
+        "point", "case", "impl", "status", *(f"rel_err_{n}" for n in names), "message")}),
+          flush=True)
+    rows.append(row)
+  return rows
 
 
 def tokamax_ragged_dot(lhs, rhs, group_sizes):
@@ -245,18 +314,13 @@ def check_rows(small: bool = False) -> list[dict]:
         (lhs, rhs), cot, ("out", "dlhs", "drhs"))
     rows.append(dict(section="check", case="grouped_matmul_vs_reference",
                      dtype=jnp.dtype(dtype).name, shape=[m, k, n], **errors))
-    row = dict(section="check", case="tokamax_ragged_dot_vs_reference",
-               dtype=jnp.dtype(dtype).name, shape=[m, k, n])
-    try:
-      row.update(status="ok", **_vjp_errors(
-          lambda a, b: tokamax_ragged_dot(a, b, sizes),
-          lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
-          (lhs, rhs), cot, ("out", "dlhs", "drhs")))
-    except harness.Unsupported as exc:
-      row.update(status="unsup", message=str(exc)[:500])
-    except Exception as exc:  # A peer's failure is a result, not the end of the run.
-      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
-    rows.append(row)
+    rows.append(_checked(
+        dict(section="check", case="tokamax_ragged_dot_vs_reference",
+             dtype=jnp.dtype(dtype).name, shape=[m, k, n]),
+        lambda: _vjp_errors(
+            lambda a, b: tokamax_ragged_dot(a, b, sizes),
+            lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
+            (lhs, rhs), cot, ("out", "dlhs", "drhs"))))
   for activation in ("gelu", "swiglu"):
     f_in = (2 if activation == "swiglu" else 1) * n
     k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
@@ -282,8 +346,7 @@ def check_rows(small: bool = False) -> list[dict]:
     outs[impl] = jax.jit(jax.value_and_grad(loss))(params, x)
   rows.append(dict(section="check", case="moe_gmm_vs_dense", dtype="bfloat16",
                    rel_err_loss=_rel_err(outs["gmm"][0], outs["dense"][0]),
-                   rel_err_grads=max(jax.tree.leaves(jax.tree.map(
-                       _rel_err, outs["gmm"][1], outs["dense"][1])))))
+                   rel_err_grads=_rel_err(outs["gmm"][1], outs["dense"][1])))
   return rows
 
 
@@ -391,21 +454,20 @@ def _layer_fields(layer: shape_grid.MoePoint) -> dict:
               d_model=layer.d_model, d_hidden=layer.d_hidden)
 
 
-def op_rows(rows: int, layer: shape_grid.MoePoint | None = None) -> list[dict]:
-  """The grouped matmul at M = `rows` on the headline layer's weights, or on
-  the grid point `layer`'s (then without the every-expert einsum, E / top-k
-  times the work)."""
-  grid = layer is not None
-  layer = layer or HEADLINE
-  lhs, rhs, sizes = gmm_inputs(rows, layer)
-  # A random cotangent: with ones, XLA rewrites a dense matmul's gradient.
-  cotangent = jax.random.normal(jax.random.key(5), (rows, layer.d_hidden), jnp.bfloat16)
-  flops = 2 * rows * layer.d_model * layer.d_hidden
-  group_of_row = jnp.repeat(jnp.arange(layer.experts), sizes, total_repeat_length=rows)
+# The op section's yardstick: one dense matmul of the same work, not a grouped
+# matmul (its values differ, so the checks leave it out).
+OP_YARDSTICK = "dense_matmul_same_flops"
 
+
+def op_impls(grid: bool = False) -> dict[str, Callable]:
+  """The op section's implementations, each (lhs [M, K], rhs [G, K, N],
+  group_sizes [G]) -> [M, N] in lhs's dtype: ours, the peers and
+  `OP_YARDSTICK`; with `grid`, without the every-expert einsum (G / top-k
+  times the work)."""
   def every_expert(a, b, s):
+    group_of_row = jnp.repeat(jnp.arange(b.shape[0]), s, total_repeat_length=a.shape[0])
     y = jnp.einsum("mk,gkn->gmn", a, b, preferred_element_type=jnp.float32)
-    select = jax.nn.one_hot(group_of_row, layer.experts, dtype=jnp.float32)
+    select = jax.nn.one_hot(group_of_row, b.shape[0], dtype=jnp.float32)
     return jnp.einsum("mg,gmn->mn", select, y).astype(a.dtype)
 
   def triton(a, b, s):
@@ -413,17 +475,34 @@ def op_rows(rows: int, layer: shape_grid.MoePoint | None = None) -> list[dict]:
     return gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=False,
                                             mosaic_tgmm=False)
 
-  peers = {
+  impls = {
       "pallas": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="pallas"),
       "pallas_triton": triton,
       "ragged_dot": lambda a, b, s: ops.grouped_matmul(a, b, s, implementation="xla"),
       "tokamax_ragged_dot": tokamax_ragged_dot,
       "every_expert_einsum": every_expert,
-      "dense_matmul_same_flops": lambda a, b, s: jnp.matmul(a, b[0]),
+      OP_YARDSTICK: lambda a, b, s: jnp.matmul(a, b[0]),
   }
   if grid:
-    del peers["every_expert_einsum"]
-  out = _forward_and_vjp_rows("op", peers, (lhs, rhs), (sizes,), cotangent, flops,
+    del impls["every_expert_einsum"]
+  return impls
+
+
+def _op_cotangent(rows: int, layer: shape_grid.MoePoint) -> jax.Array:
+  """[rows, d_hidden] bf16, random: with ones, XLA rewrites a dense matmul's gradient."""
+  return jax.random.normal(jax.random.key(5), (rows, layer.d_hidden), jnp.bfloat16)
+
+
+def op_rows(rows: int, layer: shape_grid.MoePoint | None = None) -> list[dict]:
+  """The grouped matmul at M = `rows` on the headline layer's weights, or on
+  the grid point `layer`'s (then without the every-expert einsum, E / top-k
+  times the work)."""
+  grid = layer is not None
+  layer = layer or HEADLINE
+  lhs, rhs, sizes = gmm_inputs(rows, layer)
+  flops = 2 * rows * layer.d_model * layer.d_hidden
+  out = _forward_and_vjp_rows("op", op_impls(grid), (lhs, rhs), (sizes,),
+                              _op_cotangent(rows, layer), flops,
                               rows=rows, **(_layer_fields(layer) if grid else {}))
   for peer, field in (("dense_matmul_same_flops", "fraction_of_dense_matmul_tflops"),
                       ("tokamax_ragged_dot", "ratio_vs_tokamax_ragged_dot")):
@@ -433,6 +512,42 @@ def op_rows(rows: int, layer: shape_grid.MoePoint | None = None) -> list[dict]:
         ratio = r["median_ms"] / base[r["mode"]]["median_ms"]
         r[field] = 1 / ratio if field.startswith("fraction") else ratio
   return out
+
+
+def _grid_check_fields(layer: shape_grid.MoePoint, case: str, reference: str) -> dict:
+  """The fields of a grid check row of `case` ('op' or 'moe') at `layer`."""
+  return dict(section="check", grid="moe", case=case, **_layer_fields(layer),
+              tokens=layer.tokens, rows=layer.rows, dtype="bfloat16", reference=reference)
+
+
+def op_check_rows(layer: shape_grid.MoePoint,
+                  impls: dict[str, Callable] | None = None) -> list[dict]:
+  """The grouped matmul at the grid point `layer` (M = tokens x top-k, its
+  inputs as the op section times them) against `grouped_matmul_reference`
+  in float32: `rel_err_out`, `rel_err_dlhs`, `rel_err_drhs`, one row per
+  implementation of `impls` (name -> (lhs, rhs, group_sizes) -> out; by
+  default the grid's `op_impls` but `OP_YARDSTICK`)."""
+  if impls is None:
+    impls = {k: v for k, v in op_impls(grid=True).items() if k != OP_YARDSTICK}
+  lhs, rhs, sizes = gmm_inputs(layer.rows, layer)
+  return _check_against(
+      _grid_check_fields(layer, "op", "grouped_matmul_reference, float32"),
+      {name: (lambda a, b, fn=fn: fn(a, b, sizes)) for name, fn in impls.items()},
+      lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
+      (lhs, rhs), _op_cotangent(layer.rows, layer), ("out", "dlhs", "drhs"))
+
+
+def moe_check_rows(layer: shape_grid.MoePoint, impls: tuple[str, ...]) -> list[dict]:
+  """MoELayer at the grid point `layer` (its inputs as the moe section times
+  them: bf16 tokens, f32 parameters), one row per `dropless_impl` in
+  `impls`, against the 'dense' path in float32: `rel_err_out`,
+  `rel_err_dparams` (the largest over the parameters) and `rel_err_dx`."""
+  params, state, x, cotangent = _moe_inputs(layer.tokens, layer)
+  forward = lambda impl: _moe_case(impl, "forward", params, state, x, cotangent,
+                                   layer=layer)[0]
+  return _check_against(_grid_check_fields(layer, "moe", "dense, float32"),
+                        {impl: forward(impl) for impl in impls}, forward("dense"),
+                        (params, x), cotangent, ("out", "dparams", "dx"))
 
 
 def mlp_rows(rows: int) -> list[dict]:
@@ -742,7 +857,8 @@ def grid_summary(rows: list[dict], points) -> list[dict]:
 
 
 def grid_main(sections: list[str]) -> None:
-  """--grid: check once, then the op and moe sections at every MoE grid point."""
+  """--grid: check once, then the op and moe sections at every MoE grid point
+  (with --grid_check, each checked there before it is timed)."""
   if flags.FLAGS["sections"].present and set(sections) - set(GRID_SECTIONS):
     raise app.UsageError(f"--grid runs the sections {list(GRID_SECTIONS)}, got --sections="
                          f"{','.join(sections)}")
@@ -754,16 +870,26 @@ def grid_main(sections: list[str]) -> None:
   logging.info("%d MoE grid points, writing %s", len(points), output)
   rows = check_rows(small=_SMOKE.value) if "check" in sections else []
   for layer in points:
+    check = _GRID.check.value and not _over_budget()
     if "op" in sections:
+      if check:
+        rows += op_check_rows(layer)
       rows += op_rows(layer.rows, layer)
     if "moe" in sections:
+      if check:
+        rows += moe_check_rows(layer, tuple(_GRID_MOE_IMPLS.value))
       rows += moe_rows(layer.tokens, layer, tuple(_GRID_MOE_IMPLS.value))
     harness.write_rows(rows, output)  # a run cut short keeps its points
   rows += grid_summary(rows, points)
   harness.write_rows(rows, output)
   if "check" in sections:
-    print(harness.format_table([r for r in rows if r["section"] == "check"],
+    print(harness.format_table([r for r in rows if r["section"] == "check" and "grid" not in r],
                                _TABLE_COLUMNS["check"] + ["status", "message"]))
+  if _GRID.check.value:
+    print(harness.format_table(
+        [r for r in rows if r["section"] == "check" and "grid" in r],
+        ["point", "case", "impl", "status", "rel_err_out", "rel_err_dlhs", "rel_err_drhs",
+         "rel_err_dparams", "rel_err_dx"]))
   print(harness.format_table(
       [r for r in rows if r["section"] == "grid_summary"],
       ["point", "mode", "op_pallas_ms", "op_tokamax_ragged_dot_ms", "op_ragged_dot_ms",

@@ -1,0 +1,97 @@
+"""benchmark_kernel_moe --grid --grid_check on the CPU: every implementation
+timed at a MoE grid point is first checked there against float32.
+
+The program defines absl flags at import, so it runs in a subprocess: once
+from its command line, once as a module whose check functions a script calls
+with implementations that fail, give wrong values, or a reference that fails.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from experiments import shape_grid
+from tests.experiments.test_benchmark_grid import MISSING
+from tests.experiments.test_benchmark_grid import ROOT
+from tests.experiments.test_benchmark_grid import _run
+
+# bf16 against float32 at the smoke point: about 2e-3 to 8e-3 on the CPU.
+_BF16_ERR = 3e-2
+
+
+def _errors(row: dict) -> dict:
+  """A check row's `rel_err_*` fields."""
+  return {k: v for k, v in row.items() if k.startswith("rel_err_")}
+
+
+def test_grid_check_rows_at_every_point_for_every_timed_implementation(tmp_path):
+  rows, text = _run(tmp_path, "experiments.benchmark_kernel_moe", "--smoke", "--grid",
+                    "--grid_check", "--sections=check,op,moe")
+  checks = [r for r in rows if r["section"] == "check" and r.get("grid") == "moe"]
+  for point in shape_grid.moe_grid("smoke"):
+    for case, names in (("op", ("out", "dlhs", "drhs")), ("moe", ("out", "dparams", "dx"))):
+      timed = {r["impl"] for r in rows if r["section"] == case and r["point"] == point.name}
+      timed.discard("dense_matmul_same_flops")  # the op's yardstick: another product
+      mine = [r for r in checks if r["case"] == case and r["point"] == point.name]
+      assert sorted(r["impl"] for r in mine) == sorted(timed)  # one row each
+      for r in mine:
+        assert (r["experts"], r["top_k"], r["d_model"], r["d_hidden"], r["tokens"],
+                r["rows"]) == (point.experts, point.top_k, point.d_model, point.d_hidden,
+                               point.tokens, point.tokens * point.top_k)
+        assert f'"case": "{case}", "impl": "{r["impl"]}", "status": ' in text  # its line
+        if r["impl"] == "tokamax_ragged_dot":
+          assert r["status"] == "unsup" and MISSING in r["message"]
+          continue
+        assert r["status"] == "ok", r.get("message")
+        assert sorted(_errors(r)) == sorted(f"rel_err_{n}" for n in names)
+        assert all(0 < e < _BF16_ERR for e in _errors(r).values()), r  # bf16 vs float32
+  assert {r["impl"] for r in checks if r["case"] == "moe"} == {
+      "dense", "ragged_dot", "sort", "gmm", "auto"}
+  assert {r["impl"] for r in checks if r["case"] == "op"} == {
+      "pallas", "pallas_triton", "ragged_dot", "tokamax_ragged_dot"}
+  # Checked before timed; the check section still runs once.
+  order = [(r["section"], r.get("case")) for r in rows]
+  assert order.index(("check", "op")) < order.index(("op", None))
+  assert order.index(("check", "moe")) < order.index(("moe", None))
+  assert order.count(("check", "grouped_matmul_vs_reference")) == 2  # f32, bf16
+
+
+_SCRIPT = '''
+import json
+import jax
+from experiments import benchmark_kernel_moe as bench
+from experiments import shape_grid
+from ops.grouped_matmul import reference
+
+point = shape_grid.MoePoint(4, 2, 32, 16, tokens=24)
+
+def broken(a, b, s):
+  raise RuntimeError("broken on purpose")
+
+impls = {"ragged_dot": bench.op_impls(grid=True)["ragged_dot"], "broken": broken,
+         "doubled": lambda a, b, s: 2 * jax.lax.ragged_dot(a, b, s)}
+rows = bench.op_check_rows(point, impls) + bench.moe_check_rows(point, ("sort", "no_such_path"))
+reference.grouped_matmul_reference = broken
+rows += bench.op_check_rows(point, {"ragged_dot": impls["ragged_dot"]})
+print(json.dumps(rows))
+'''
+
+
+def test_a_failing_or_wrong_implementation_is_a_result():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  rows = json.loads(proc.stdout.strip().splitlines()[-1])
+  (ok, broken, doubled, moe_ok, moe_bad, no_reference) = rows
+  assert ok["status"] == "ok" and all(0 < e < _BF16_ERR for e in _errors(ok).values())
+  assert (ok["point"], ok["rows"], ok["grid"]) == ("e4_k2_d32_f16", 48, "moe")
+  assert broken["status"] == "error" and "RuntimeError: broken on purpose" in broken["message"]
+  assert doubled["status"] == "ok"  # the errors say it is wrong: 2x is 100 % off
+  assert 0.9 < doubled["rel_err_out"] < 1.1 and 0.9 < doubled["rel_err_dlhs"] < 1.1
+  assert moe_ok["status"] == "ok" and all(0 < e < _BF16_ERR for e in _errors(moe_ok).values())
+  assert moe_bad["status"] == "error" and "dropless_impl" in moe_bad["message"]
+  assert no_reference["status"] == "error"
+  assert "the float32 reference failed: RuntimeError: broken on purpose" in (
+      no_reference["message"])
