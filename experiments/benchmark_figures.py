@@ -1582,7 +1582,10 @@ def grid_checks(suites: dict[str, Suite]) -> str | None:
     if rows:
       sources.append(runs_line(suite, [source]))
     for r in rows:
-      key = (r.get("op") or r["grid"], r.get("impl") or r.get("implementation") or r.get("case"))
+      # A chunked op's `name` tells its configurations apart (ssd/pallas_chunk128).
+      impl = (str(r.get("name", "")).split("/")[-1] or r.get("impl") or r.get("implementation")
+              or r.get("case"))
+      key = (r.get("op") or r["grid"], impl)
       count = counts.setdefault(key, dict(ok=0, unsup=0, failed=0, worst=[]))
       if r.get("status") == "ok":
         count["ok"] += 1

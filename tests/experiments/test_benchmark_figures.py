@@ -400,6 +400,8 @@ def test_grid_page_lists_the_checks_at_the_grid_points(tmp_path):
                    "dtype": "bfloat16"}
   chunked = [_like(_CHUNKED_OP), dict(chunked_check, implementation="pallas", status="ok",
                                       y_err=1e-3, final_err=2e-3, grad_err=5e-3),
+             dict(chunked_check, implementation="pallas", name="ssd/pallas_chunk128",
+                  status="ok", y_err=1e-3, final_err=2e-3, grad_err=9e-3),
              dict(chunked_check, implementation="xla", status="error",
                   message="ValueError: bad | thing\nsecond line")]
   pages = benchmark_figures.render_pages(_benchmarks(
@@ -410,7 +412,8 @@ def test_grid_page_lists_the_checks_at_the_grid_points(tmp_path):
       ["`attention`", "cudnn", "1", "0", "0", "0.020"],
       ["`attention`", "tokamax_triton", "0", "1", "0", ""]]
   assert _table_rows(checks, "`ssd`") == [
-      ["`ssd`", "pallas", "1", "0", "0", "0.0050"], ["`ssd`", "xla", "0", "0", "1", ""],
+      ["`ssd`", "pallas", "1", "0", "0", "0.0050"],
+      ["`ssd`", "pallas_chunk128", "1", "0", "0", "0.0090"], ["`ssd`", "xla", "0", "0", "1", ""],
       ["`ssd`", "xla", "k32_t100", "error", "ValueError: bad / thing second line"]]
   empty = benchmark_figures.render_pages(_benchmarks(
       tmp_path / "none", **{"attention_grid.json": [_like(_ATTENTION_TIME)]}))
