@@ -9,7 +9,7 @@ benchmark, docs/benchmarks/*_grid.json). Where several runs timed the same
 point and implementation, the median of their medians is kept.
 
     python -m experiments.dispatch_tables            # from docs/benchmarks
-    python -m experiments.dispatch_tables --check    # exit 1 when a table is stale
+    python -m experiments.dispatch_tables --verify   # exit 1 when a table is stale
 """
 
 import collections
@@ -26,12 +26,13 @@ from absl import flags
 
 from experiments import workloads
 
-_BENCHMARKS = flags.DEFINE_string("benchmarks", "docs/benchmarks",
+# Names of their own: tests import several programs into one process.
+_BENCHMARKS = flags.DEFINE_string("benchmark_dir", "docs/benchmarks",
                                   "Folder of the benchmark JSON files read.")
-_OUTPUT_DIR = flags.DEFINE_string("output_dir", "ops/dispatch_tables",
+_OUTPUT_DIR = flags.DEFINE_string("tables_dir", "ops/dispatch_tables",
                                   "Folder the tables are written to.")
-_CHECK = flags.DEFINE_bool("check", False, "Write nothing; exit 1 when a table in "
-                           "--output_dir differs from what the benchmarks give.")
+_CHECK = flags.DEFINE_bool("verify", False, "Write nothing; exit 1 when a table in "
+                           "--tables_dir differs from what the benchmarks give.")
 
 MODE = "fwd+bwd"  # training: what the defaults are chosen for
 _ATTENTION_SHAPE = re.compile(r"b\d+_n\d+_t(\d+)_h(\d+)$")

@@ -107,24 +107,7 @@ def test_attention_grid_times_and_checks_every_implementation_at_a_point(tmp_pat
   assert "default_vs_best_peer" in text
 
 
-def test_moe_grid_smoke_gives_unsup_tokamax_rows_and_a_summary(tmp_path):
-  rows, _ = _run(tmp_path, "experiments.benchmark_kernel_moe", "--smoke", "--grid",
-                 "--sections=check,op,moe", "--grid_moe_impls=ragged_dot,auto")
-  point = shape_grid.moe_grid("smoke")[0]
-  for mode in ("forward", "fwd+bwd"):
-    assert _status(rows, section="op", mode=mode) == {
-        "pallas": "ok", "pallas_triton": "ok", "ragged_dot": "ok",
-        "tokamax_ragged_dot": "unsup", "dense_matmul_same_flops": "ok"}
-    assert _status(rows, section="moe", mode=mode) == {"ragged_dot": "ok", "auto": "ok"}
-  op = [r for r in rows if r["section"] == "op"]
-  assert {r["rows"] for r in op} == {point.rows} and {r["point"] for r in op} == {point.name}
-  assert all(MISSING in r["message"] for r in op if r["impl"] == "tokamax_ragged_dot")
-  checks = {(r["case"], r["dtype"]): r for r in rows if r["section"] == "check"}
-  assert checks[("grouped_matmul_vs_reference", "float32")]["rel_err_out"] < 1e-5
-  assert checks[("tokamax_ragged_dot_vs_reference", "bfloat16")]["status"] == "unsup"
-  summary = [r for r in rows if r["section"] == "grid_summary"]
-  assert [r["mode"] for r in summary] == ["forward", "fwd+bwd"]
-  assert all(r["best_layer_impl"] == "ragged_dot" and r["auto_vs_best"] > 0 for r in summary)
+# The MoE grid's smoke run is tests/experiments/test_grid_check_moe.py's (with --grid_check).
 
 
 def test_moe_stand_in_tokamax_is_unsup_off_nvidia_gpus(tmp_path):
@@ -147,15 +130,7 @@ def test_ssd_grid_smoke_rows_and_summary(tmp_path):
   assert all(r["default_vs_xla"] == 1.0 for r in summary)
 
 
-def test_ssm_grid_smoke_times_the_selective_scan_at_the_grid_state_size(tmp_path):
-  rows, _ = _run(tmp_path, "experiments.benchmark_kernel_ssm", "--small", "--grid",
-                 "--ops=selective_scan", "--iters=2")
-  point = shape_grid.scan_grid("smoke")[0]
-  timed = [r for r in rows if r["kind"] == "time"]
-  assert {(r["impl"], r["mode"]) for r in timed} == {
-      (i, m) for i in ("pallas", "xla") for m in ("fwd", "fwd+bwd")}
-  assert all(r["status"] == "ok" and tuple(r["shape"]) == point.shape for r in timed)
-  assert not [r for r in rows if r["kind"] in ("memory", "model")]
+# The scan grid's smoke run is tests/experiments/test_grid_check_chunked.py's (with --grid_check).
 
 
 def test_tuner_sweeps_at_grid_points(tmp_path):

@@ -58,6 +58,12 @@ def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
   timed = {(r["point"], r["impl"]) for r in rows if r["kind"] == "time"}
   checks = [r for r in rows if r["kind"] == "check" and r.get("grid") == "scan"]
   assert timed == {(p, i) for p in points for i in ("pallas", "xla")}
+  shapes = {p.name: p.shape for p in shape_grid.scan_grid("smoke")}
+  times = [r for r in rows if r["kind"] == "time"]
+  assert {(r["impl"], r["mode"]) for r in times} == {
+      (i, m) for i in ("pallas", "xla") for m in ("fwd", "fwd+bwd")}
+  assert all(r["status"] == "ok" and tuple(r["shape"]) == shapes[r["point"]] for r in times)
+  assert not [r for r in rows if r["kind"] in ("memory", "model")]  # the grid alone
   assert sorted((r["point"], r["impl"]) for r in checks) == sorted(timed)
   for r in checks:
     assert r["status"] == "ok", r

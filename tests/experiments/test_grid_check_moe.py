@@ -15,6 +15,7 @@ from experiments import shape_grid
 from tests.experiments.test_benchmark_grid import MISSING
 from tests.experiments.test_benchmark_grid import ROOT
 from tests.experiments.test_benchmark_grid import _run
+from tests.experiments.test_benchmark_grid import _status
 
 # bf16 against float32 at the smoke point: about 2e-3 to 8e-3 on the CPU.
 _BF16_ERR = 3e-2
@@ -55,6 +56,23 @@ def test_grid_check_rows_at_every_point_for_every_timed_implementation(tmp_path)
   assert order.index(("check", "op")) < order.index(("op", None))
   assert order.index(("check", "moe")) < order.index(("moe", None))
   assert order.count(("check", "grouped_matmul_vs_reference")) == 2  # f32, bf16
+  # The grid's timings: every implementation at the point's sizes, tokamax 'unsup'.
+  point = shape_grid.moe_grid("smoke")[0]
+  for mode in ("forward", "fwd+bwd"):
+    assert _status(rows, section="op", mode=mode) == {
+        "pallas": "ok", "pallas_triton": "ok", "ragged_dot": "ok",
+        "tokamax_ragged_dot": "unsup", "dense_matmul_same_flops": "ok"}
+    assert _status(rows, section="moe", mode=mode) == {
+        i: "ok" for i in ("dense", "ragged_dot", "sort", "gmm", "auto")}
+  op = [r for r in rows if r["section"] == "op"]
+  assert {r["rows"] for r in op} == {point.rows} and {r["point"] for r in op} == {point.name}
+  checks = {(r["case"], r["dtype"]): r for r in rows if r["section"] == "check"}
+  assert checks[("grouped_matmul_vs_reference", "float32")]["rel_err_out"] < 1e-5
+  assert checks[("tokamax_ragged_dot_vs_reference", "bfloat16")]["status"] == "unsup"
+  summary = [r for r in rows if r["section"] == "grid_summary"]
+  assert [r["mode"] for r in summary] == ["forward", "fwd+bwd"]
+  assert all(r["best_layer_impl"] in ("dense", "ragged_dot", "sort", "gmm")
+             and r["auto_vs_best"] > 0 for r in summary)
 
 
 _SCRIPT = '''
