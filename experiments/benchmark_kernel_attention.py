@@ -469,13 +469,9 @@ def grid_check_rows(points, names) -> list[dict]:
         flex_api.flex_attention, implementation="xla", is_causal=point.is_causal,
         local_window_size=point.window), w, q, k, v)
     for name in names:
-      row = dict(kind="check", impl=name, **_point_fields(point))
-      try:
-        row.update(status="ok", **_errors(grid_attention(name, point, q, k), want, q, k, v, w))
-      except harness.Unsupported as exc:
-        row.update(status="unsup", message=str(exc)[:1500])
-      except Exception as exc:  # A wrong or failing implementation is a result.
-        row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:1500]}")
+      row = harness.check_row(
+          dict(kind="check", impl=name, **_point_fields(point)),
+          lambda name=name: _errors(grid_attention(name, point, q, k), want, q, k, v, w))
       print(json.dumps({f: row.get(f) for f in ("point", "impl", "status", "fwd_rel", "dq_rel",
                                                  "dk_rel", "dv_rel", "message")}), flush=True)
       rows.append(row)

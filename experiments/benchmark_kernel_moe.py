@@ -231,19 +231,6 @@ def _vjp_errors(fn, reference, args, cotangent, names) -> dict:
                  names)
 
 
-def _checked(row: dict, errors: Callable[[], dict]) -> dict:
-  """`row` with status 'ok' and the fields of `errors()`; where that raises,
-  status 'unsup' (`harness.Unsupported`) or 'error', with the message: a
-  failing implementation is a result, not the end of the run."""
-  try:
-    row.update(status="ok", **errors())
-  except harness.Unsupported as exc:
-    row.update(status="unsup", message=str(exc)[:500])
-  except Exception as exc:  # A failing implementation is a result: record it, go on.
-    row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
-  return row
-
-
 def _check_against(config: dict, impls: dict[str, Callable], reference: Callable,
                    args: tuple, cotangent, names) -> list[dict]:
   """One check row per implementation in `impls`, each `fn(*args)`: `config`,
@@ -251,19 +238,19 @@ def _check_against(config: dict, impls: dict[str, Callable], reference: Callable
   `args`, against `cotangent`) against `reference` run once on float32 copies
   of `args` and `cotangent` at full matmul precision; prints each row's
   line. Where the reference fails, every row says error with its message."""
-  try:
+  def reference_outputs():
     with jax.default_matmul_precision("highest"):
-      want = _vjp_outputs(reference, _float32(args), _float32(cotangent))
-    failed = None
-  except Exception as exc:  # Out of memory, say: the rows say so, the run goes on.
-    failed = f"the float32 reference failed: {type(exc).__name__}: {str(exc)[:2000]}"
+      return _vjp_outputs(reference, _float32(args), _float32(cotangent))
+
+  want = harness.computed_once(reference_outputs, "the float32 reference")
+
+  def errors(fn):
+    reference_out = want()  # before the implementation: a failed reference is the row
+    return _errors(_vjp_outputs(fn, args, cotangent), reference_out, names)
+
   rows = []
   for name, fn in impls.items():
-    row = dict(config, impl=name)
-    if failed:
-      row.update(status="error", message=failed)
-    else:
-      _checked(row, lambda fn=fn: _errors(_vjp_outputs(fn, args, cotangent), want, names))
+    row = harness.check_row(dict(config, impl=name), lambda fn=fn: errors(fn))
     print(json.dumps({k: row.get(k) for k in (
         "point", "case", "impl", "status", *(f"rel_err_{n}" for n in names), "message")}),
           flush=True)
@@ -314,7 +301,7 @@ def check_rows(small: bool = False) -> list[dict]:
         (lhs, rhs), cot, ("out", "dlhs", "drhs"))
     rows.append(dict(section="check", case="grouped_matmul_vs_reference",
                      dtype=jnp.dtype(dtype).name, shape=[m, k, n], **errors))
-    rows.append(_checked(
+    rows.append(harness.check_row(
         dict(section="check", case="tokamax_ragged_dot_vs_reference",
              dtype=jnp.dtype(dtype).name, shape=[m, k, n]),
         lambda: _vjp_errors(

@@ -166,40 +166,29 @@ def check_shape(shape, dtype, cases, fields=None):
     the shape, 'error' with the message where it (or the reference) fails.
   """
   args = workloads.ssd_inputs(*shape, dtype, seed=1)
-  references = {}
+  # Each op's reference, computed once; a failure is each of its rows'.
+  references = {op: harness.computed_once(lambda op=op: reference_outputs(op, args),
+                                          "the float32 reference") for op in INPUTS}
 
-  def reference(op):
-    """The op's reference outputs, computed once; a failure is every row's."""
-    if op not in references:
-      try:
-        references[op] = reference_outputs(op, args)
-      except Exception as exc:  # Each of the op's rows reports it.
-        references[op] = RuntimeError(f"the float32 reference failed: "
-                                      f"{type(exc).__name__}: {exc}")
-    if isinstance(references[op], Exception):
-      raise references[op]
-    return references[op]
+  def errors(op, impl, chunk):
+    fn = workloads.chunked_op(op, impl, chunk)
+    try:
+      jax.eval_shape(fn, *args)
+    except ValueError as exc:
+      raise harness.Unsupported(str(exc)) from exc
+    want_y, want_final, want_grads = references[op]()
+    y, final, grads = _outputs_and_grads(fn, len(INPUTS[op]))(*args)
+    grad_errors = {f"d{n}_err": _rel(g, w) for n, g, w in zip(INPUTS[op], grads, want_grads)}
+    return dict(y_err=_rel(y, want_y), final_err=_rel(final, want_final),
+                grad_err=max(grad_errors.values()), **grad_errors)
 
   rows = []
   for name, (op, impl, chunk) in cases.items():
-    row = dict(kind="check", op=op, implementation=impl, name=name, chunk_size=chunk,
-               dtype=jnp.dtype(dtype).name, shape=shape, **dict(zip("BTNKV", shape)),
-               **(fields or {}))
-    try:
-      fn = workloads.chunked_op(op, impl, chunk)
-      try:
-        jax.eval_shape(fn, *args)
-      except ValueError as exc:
-        raise harness.Unsupported(str(exc)) from exc
-      want_y, want_final, want_grads = reference(op)
-      y, final, grads = _outputs_and_grads(fn, len(INPUTS[op]))(*args)
-      errors = {f"d{n}_err": _rel(g, w) for n, g, w in zip(INPUTS[op], grads, want_grads)}
-      row.update(status="ok", y_err=_rel(y, want_y), final_err=_rel(final, want_final),
-                 grad_err=max(errors.values()), **errors)
-    except harness.Unsupported as exc:
-      row.update(status="unsup", message=str(exc)[:300])
-    except Exception as exc:  # A failing kernel is a result: record it, go on.
-      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+    row = harness.check_row(
+        dict(kind="check", op=op, implementation=impl, name=name, chunk_size=chunk,
+             dtype=jnp.dtype(dtype).name, shape=shape, **dict(zip("BTNKV", shape)),
+             **(fields or {})),
+        lambda op=op, impl=impl, chunk=chunk: errors(op, impl, chunk))
     print(json.dumps({k: row.get(k) for k in ("point", "name", "dtype", "shape", "status",
                                                "y_err", "final_err", "grad_err", "message")}),
           flush=True)

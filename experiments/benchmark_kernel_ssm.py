@@ -141,35 +141,25 @@ def check_scan(op, shape, reverse=False, impls=("pallas", "xla"), fields=None):
   """
   fns, inputs, names = _SCANS[op]
   args = inputs(*shape, seed=1)
-  want = None
-  rows = []
-  for impl in impls:
-    row = {"kind": "check", "op": op, "impl": impl, "shape": shape, "reverse": reverse,
-           **(fields or {})}
+  # Once for every implementation; a failure is each one's row.
+  want = harness.computed_once(lambda: _outputs_and_grads(
+      functools.partial(fns["lax.scan"], reverse=reverse), len(args))(*args), "the reference")
+
+  def errors(impl):
+    fn = functools.partial(fns[impl], reverse=reverse)
     try:
-      fn = functools.partial(fns[impl], reverse=reverse)
-      try:
-        jax.eval_shape(fn, *args)
-      except ValueError as exc:
-        raise harness.Unsupported(str(exc)) from exc
-      if want is None:  # once for every implementation; a failure is each one's row
-        try:
-          want = _outputs_and_grads(functools.partial(fns["lax.scan"], reverse=reverse),
-                                    len(args))(*args)
-        except Exception as exc:
-          want = RuntimeError(f"the reference failed: {type(exc).__name__}: {exc}")
-      if isinstance(want, Exception):
-        raise want
-      y, final, grads = _outputs_and_grads(fn, len(args))(*args)
-      errors = {f"err_d{n}": _relerr(g, w) for n, g, w in zip(names, grads, want[2])}
-      row.update(status="ok", err_y=_relerr(y, want[0]), err_final=_relerr(final, want[1]),
-                 err_grads=max(errors.values()), **errors)
-    except harness.Unsupported as exc:
-      row.update(status="unsup", message=str(exc)[:300])
-    except Exception as exc:  # A failing kernel is a result: record it, go on.
-      row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
-    rows.append(row)
-  return rows
+      jax.eval_shape(fn, *args)
+    except ValueError as exc:
+      raise harness.Unsupported(str(exc)) from exc
+    want_y, want_final, want_grads = want()
+    y, final, grads = _outputs_and_grads(fn, len(args))(*args)
+    grad_errors = {f"err_d{n}": _relerr(g, w) for n, g, w in zip(names, grads, want_grads)}
+    return dict(err_y=_relerr(y, want_y), err_final=_relerr(final, want_final),
+                err_grads=max(grad_errors.values()), **grad_errors)
+
+  return [harness.check_row({"kind": "check", "op": op, "impl": impl, "shape": shape,
+                             "reverse": reverse, **(fields or {})},
+                            lambda impl=impl: errors(impl)) for impl in impls]
 
 
 def check_numerics(small):

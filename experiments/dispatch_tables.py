@@ -73,8 +73,8 @@ def _op_point(op: str, sizes: Callable[[dict], dict]) -> Callable[[dict], dict |
     if row.get("kind") not in ("op", "time") or row.get("op") != op:
       return None
     # Only the default configuration: not a chunk size or block table set by hand.
-    by_hand = (row.get("name", f"{op}/{_implementation(row)}") != f"{op}/{_implementation(row)}"
-               or row.get("default_blocks") is False)
+    default_name = f"{op}/{_implementation(row)}"
+    by_hand = row.get("name", default_name) != default_name or row.get("default_blocks") is False
     return None if by_hand else sizes(row)
   return point
 

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import traceback
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -25,6 +25,39 @@ STATUSES = ("ok", "OOM", "fail", "unsup", "error")
 
 class Unsupported(Exception):
   """Raised by a case whose configuration this platform cannot run."""
+
+
+def check_row(row: dict, errors: Callable[[], dict]) -> dict:
+  """`row` with status 'ok' and the fields `errors()` returns (a check's
+  errors against its reference); where that raises, status 'unsup'
+  (`Unsupported`) or 'error', with the message: a failing implementation is
+  a result, not the end of the run."""
+  try:
+    row.update(status="ok", **errors())
+  except Unsupported as exc:
+    row.update(status="unsup", message=str(exc)[:500])
+  except Exception as exc:  # pylint: disable=broad-except
+    row.update(status="error", message=f"{type(exc).__name__}: {str(exc)[:2000]}")
+  return row
+
+
+def computed_once(compute: Callable[[], Any], what: str) -> Callable[[], Any]:
+  """A thunk returning `compute()`, run at its first call only. Where that
+  raised, every call raises a RuntimeError naming `what`: a reference shared
+  by several check rows fails each of them (`check_row`), not the run."""
+  result = []
+
+  def get():
+    if not result:
+      try:
+        result.append((compute(), None))
+      except Exception as exc:  # pylint: disable=broad-except
+        result.append((None, f"{what} failed: {type(exc).__name__}: {exc}"))
+    value, failure = result[0]
+    if failure is not None:
+      raise RuntimeError(failure)
+    return value
+  return get
 
 
 def looks_like_oom(text: str) -> bool:
