@@ -43,10 +43,10 @@ demo: $(STAMP)
 test: test-suite test-jax-next
 
 test-suite: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 -q tests
+	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile -q tests
 
 test-jax-next: $(STAMP_NEXT)
-	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 -q $(NEXT_TESTS)
+	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 --dist loadfile -q $(NEXT_TESTS)
 
 # make docs: the documentation site into docs/_build/html, warnings as errors.
 DOCS_STAMP := $(VENV)/.docs-installed

@@ -45,11 +45,30 @@ def _checked_before_timed(rows, point, check_kind, time_kind):
       < kinds.index(time_kind))
 
 
+# Runs benchmark_kernel_ssm with the given flags, its launch of
+# benchmark_kernel_ssd recorded rather than run; prints what it would launch.
+_LAUNCH_SCRIPT = textwrap.dedent("""
+    import json
+    import sys
+    from absl import app
+    from experiments import benchmark_kernel_ssm
+    from experiments import harness
+
+    launched = []
+    harness.run_program = lambda *call: launched.append(call)
+    sys.argv = ["benchmark_kernel_ssm", *sys.argv[1:]]
+    try:
+      app.run(benchmark_kernel_ssm.main)
+    except SystemExit as e:
+      assert not e.code, e.code
+    print("LAUNCHED", json.dumps(launched))
+""")
+
+
 def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
   output = tmp_path / "ssm_grid.json"
-  code, text = _python("-m", "experiments.benchmark_kernel_ssm", "--small", "--grid",
-                       "--grid_check", "--ops=selective_scan,ssd", "--iters=2",
-                       f"--output={output}")
+  code, text = _python("-c", _LAUNCH_SCRIPT, "--small", "--grid", "--grid_check",
+                       "--ops=selective_scan,ssd", "--iters=2", f"--output={output}")
   assert code == 0, text[-3000:]
 
   # The selective scan: Pallas and XLA at each scan point, float32.
@@ -72,13 +91,20 @@ def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
     assert r["err_grads"] == max(errors)
   assert all(_checked_before_timed(rows, p, "check", "time") for p in points)
 
-  # The chunked ops, in benchmark_kernel_ssd's process: every implementation it
-  # times (all of them by default), bfloat16 against the float32 reference.
-  rows = _rows(tmp_path / "chunked_grid.json")
+  # The chunked ops, in the benchmark_kernel_ssd process it launches with the
+  # flag passed on: every implementation timed there (two of them here, one a
+  # kernel, one per op), bfloat16 against the float32 reference.
+  [(module, chunked_output, flags)] = json.loads(text.split("LAUNCHED ", 1)[1].splitlines()[0])
+  assert module == "experiments.benchmark_kernel_ssd" and "--grid_check" in flags
+  assert chunked_output == str(tmp_path / "chunked_grid.json")
+  code, text = _python("-m", module, f"--output={chunked_output}", *flags,
+                       "--impls=ssd/pallas,gated_delta_rule/xla")
+  assert code == 0, text[-3000:]
+  rows = _rows(chunked_output)
   points = {p.name: p.shape for p in shape_grid.chunked_grid("smoke")}
   timed = {(r["point"], r["name"]) for r in rows if r["kind"] == "op"}
   names = {name for _, name in timed}
-  assert len(names) == 6 and {"ssd/pallas", "gated_delta_rule/xla"} <= names
+  assert names == {"ssd/pallas", "gated_delta_rule/xla"}
   assert timed == {(p, n) for p in points for n in names}
   checks = [r for r in rows if r["kind"] == "check" and r.get("grid") == "chunked"]
   assert sorted((r["point"], r["name"]) for r in checks) == sorted(timed)
