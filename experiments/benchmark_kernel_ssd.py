@@ -172,10 +172,7 @@ def check_shape(shape, dtype, cases, fields=None):
 
   def errors(op, impl, chunk):
     fn = workloads.chunked_op(op, impl, chunk)
-    try:
-      jax.eval_shape(fn, *args)
-    except ValueError as exc:
-      raise harness.Unsupported(str(exc)) from exc
+    harness.require_supported(fn, *args)
     want_y, want_final, want_grads = references[op]()
     y, final, grads = _outputs_and_grads(fn, len(INPUTS[op]))(*args)
     grad_errors = {f"d{n}_err": _rel(g, w) for n, g, w in zip(INPUTS[op], grads, want_grads)}
@@ -229,10 +226,7 @@ def kernel_rows(shapes, iters, warmup, sink, points=None, check=False):
         def build(op=op, impl=impl, chunk=chunk, mode=mode):
           args = workloads.ssd_inputs(*shape, jnp.bfloat16)
           fn = workloads.chunked_op(op, impl, chunk)
-          try:
-            jax.eval_shape(fn, *args)
-          except ValueError as exc:
-            raise harness.Unsupported(str(exc)) from exc
+          harness.require_supported(fn, *args)
           if mode == "fwd":
             return jax.jit(fn), args
           return jax.jit(jax.grad(workloads.chunked_loss(fn), argnums=(0, 1, 2, 3, 4))), args

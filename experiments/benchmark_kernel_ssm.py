@@ -147,10 +147,7 @@ def check_scan(op, shape, reverse=False, impls=("pallas", "xla"), fields=None):
 
   def errors(impl):
     fn = functools.partial(fns[impl], reverse=reverse)
-    try:
-      jax.eval_shape(fn, *args)
-    except ValueError as exc:
-      raise harness.Unsupported(str(exc)) from exc
+    harness.require_supported(fn, *args)
     want_y, want_final, want_grads = want()
     y, final, grads = _outputs_and_grads(fn, len(args))(*args)
     grad_errors = {f"err_d{n}": _relerr(g, w) for n, g, w in zip(names, grads, want_grads)}

@@ -27,6 +27,15 @@ class Unsupported(Exception):
   """Raised by a case whose configuration this platform cannot run."""
 
 
+def require_supported(fn: Callable, *args) -> None:
+  """Traces `fn(*args)` abstractly (nothing compiles or runs): a ValueError,
+  an op refusing these shapes, becomes `Unsupported`."""
+  try:
+    jax.eval_shape(fn, *args)
+  except ValueError as exc:
+    raise Unsupported(str(exc)) from exc
+
+
 def check_row(row: dict, errors: Callable[[], dict]) -> dict:
   """`row` with status 'ok' and the fields `errors()` returns (a check's
   errors against its reference); where that raises, status 'unsup'
