@@ -18,6 +18,7 @@ from typing import NamedTuple
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from probjax_hk import arguments
 from probjax_hk import attention
@@ -58,11 +59,24 @@ class TransformerState(NamedTuple):
     caches: one `KVCache` per layer ([B, S, K, H] key and value in the
       model's compute dtype), a list of L; with `scan_layers`, one `KVCache`
       of [L, B, S, K, H] arrays.
-    lengths: [B] int32, the tokens each sequence holds so far (the next
-      token's position).
+    lengths: [B] int32, the tokens each sequence was given so far (the next
+      token's position); above `max_length` once its cache overflowed.
   """
   caches: list[attention.KVCache] | attention.KVCache
   lengths: jax.Array
+
+  @property
+  def max_length(self) -> int:
+    """S, the cache slots per sequence."""
+    caches = self.caches if isinstance(self.caches, attention.KVCache) else self.caches[0]
+    return caches.key.shape[-3]                                       # [(L,) B, S, K, H]
+
+  @property
+  def overflowed(self) -> jax.Array:
+    """[B] bool: the sequences given more tokens than their cache holds
+    (under `jit`; eagerly the overflowing call raises). Their outputs are NaN
+    from the overflowing call on."""
+    return self.lengths > self.max_length
 
 
 class TransformerBlock(hk.Module):
@@ -268,7 +282,9 @@ class Transformer(hk.Module):
 
     Raises:
       ValueError: for a model that is not causal, x that is not [B, T, D_in],
-        a missing or too short `max_length`, or a state that does not fit x.
+        a missing or too short `max_length`, or a state that does not fit x,
+        or whose concrete lengths leave fewer than T free slots. Under `jit`
+        a sequence x overflows gets NaN outputs and `state.overflowed`.
     """
     self._check_decodable()
     layers.check_tokens(x)
@@ -299,15 +315,16 @@ class Transformer(hk.Module):
     Args:
       x_t: [B, D_in], each sequence's next token.
       state: a `TransformerState` (`initial_state`, `prefill` or `step`);
-        its sequences must have room (lengths < S: later tokens are not
-        cached).
+        its sequences must have room (lengths < S).
 
     Returns:
       (y_t [B, D] in x_t's dtype, the state after x_t).
 
     Raises:
       ValueError: for a model that is not causal, x_t that is not [B, D_in],
-        or a state that does not fit x_t.
+        or a state that does not fit x_t, or whose concrete lengths fill its
+        cache. Under `jit` a sequence with a full cache gets a NaN y_t and
+        `state.overflowed`.
     """
     self._check_decodable()
     if x_t.ndim != 2:
@@ -318,14 +335,20 @@ class Transformer(hk.Module):
 
   @hk.transparent
   def _decode(self, x, state):
-    """x [B, T, D_in] after the state's tokens -> (y [B, T, D], state)."""
+    """x [B, T, D_in] after the state's tokens -> (y [B, T, D], state); NaN
+    rows for the sequences whose cache x overflows."""
+    time, slots = x.shape[1], state.max_length
+    overflow = state.lengths + time > slots                            # [B]
+    # An overflowing sequence writes its last slots instead, so every attention
+    # implementation gets lengths it supports; its outputs are NaN below.
+    lengths = jnp.where(overflow, slots - time, state.lengths)
     h = self._input_projection(x)
     h, caches = stacking.apply_stack_with_states(
-        lambda name: _with_lengths(self._block(name, False).decode, state.lengths),
+        lambda name: _with_lengths(self._block(name, False).decode, lengths),
         self.num_layers, h, state.caches, scan_layers=self.scan_layers,
         unroll=self.scan_unroll)
-    lengths = state.lengths + x.shape[1]
-    return layers.LayerNorm(name="final_norm")(h), TransformerState(caches, lengths)
+    y = jnp.where(overflow[:, None, None], jnp.nan, layers.LayerNorm(name="final_norm")(h))
+    return y, TransformerState(caches, state.lengths + time)
 
   @hk.transparent
   def _input_projection(self, x):
@@ -383,7 +406,23 @@ class Transformer(hk.Module):
     if any(a.dtype != x.dtype for a in arrays):
       raise ValueError(f"`state` caches are {arrays[0].dtype} but the input is {x.dtype}; "
                        f"build the state with `initial_state(..., dtype={x.dtype})`")
+    _check_room(state.lengths, x.shape[1], slots)
     return slots
+
+
+def _check_room(lengths, time: int, slots: int) -> None:
+  """Concrete `lengths` [B] must leave `time` of the `slots` free (a traced
+  overflow shows in `TransformerState.overflowed`)."""
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  lengths = np.asarray(lengths)
+  if lengths.min() < 0:
+    raise ValueError(f"`state.lengths` must be >= 0, got {lengths.tolist()}")
+  if lengths.max() + time > slots:
+    raise ValueError(
+        f"the cache of `state` is full: {time} new token(s) per sequence after "
+        f"`state.lengths` up to {lengths.max()} exceed its max_length={slots} slots; "
+        f"start from a state with a larger `max_length`")
 
 
 def _ignore_state(block_fn, *args):

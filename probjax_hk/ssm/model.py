@@ -45,6 +45,15 @@ _MLP_RATIO = 2  # swiglu hidden width / model width
 _PASSED_BY_MODEL = ("model_dim", "name")
 
 
+def _check_max_length(max_length: int | None, time: int) -> None:
+  """`max_length`, when given, must be an int that holds `time` tokens (the
+  Transformer's contract, so that either body takes the same calls)."""
+  if max_length is not None:
+    check_positive_ints(max_length=max_length)
+    if max_length < time:
+      raise ValueError(f"`max_length` must be >= the prompt's T={time}, got {max_length=}")
+
+
 def _check_cell_kwargs(cell: Callable[..., hk.Module], cell_kwargs: dict[str, Any]) -> None:
   """ValueError naming `cell_kwargs` for an argument that the cell's
   constructor requires and `cell_kwargs` lacks, or one it does not take."""
@@ -223,14 +232,15 @@ class SSMModel(hk.Module):
 
     Args:
       batch_size: B, the number of sequences.
-      max_length: unused (the state's size does not grow with the sequence);
-        taken so that every sequence model decodes through one interface.
+      max_length: None or a positive int, otherwise unused (the state's size
+        does not grow with the sequence); taken so that every sequence model
+        decodes through one interface.
 
     Returns:
       Per-layer cell states, a list of num_layers or one pytree stacked on a
       leading num_layers axis when `scan_layers`.
     """
-    del max_length
+    _check_max_length(max_length, 1)
     self._check_decodable()
     if self.scan_layers:
       state = self._block(stacking.SCANNED_BLOCK_NAME).initial_state(batch_size)
@@ -250,7 +260,8 @@ class SSMModel(hk.Module):
       x: [B, T, input_dim], the next T inputs of each sequence.
       state: None (x starts the sequences) or the state of `initial_state`,
         `prefill` or `step`.
-      max_length: unused, as for `initial_state`.
+      max_length: None, or at least T and otherwise unused, as for
+        `initial_state`.
 
     Returns:
       (y [B, T, output_dim] in x's dtype, the state after x's last step, in
@@ -258,12 +269,12 @@ class SSMModel(hk.Module):
 
     Raises:
       ValueError: for a bidirectional model, x that is not [B, T, input_dim],
-        or a state that does not fit.
+        a `max_length` below T, or a state that does not fit.
     """
-    del max_length
     self._check_decodable()
     if x.ndim != 3 or x.shape[-1] != self.input_dim:
       raise ValueError(f"`x` must be [B, T, input_dim={self.input_dim}], got {x.shape}")
+    _check_max_length(max_length, x.shape[1])
     if state is not None:
       self._check_layer_states(state)
     h = Linear(self.model_dim, name="input_proj")(x)                  # [B, T, H]
