@@ -61,8 +61,10 @@ class NonFiniteLossError(FloatingPointError):
   """A step's loss, gradient or update was NaN or infinite.
 
   Attributes:
-    step: the first such step (1-based).
-    result: the `FitResult` with the last finite parameters.
+    step: the first such step k (1-based).
+    result: the `FitResult` with the last finite parameters: its `step` is
+      theirs (k - 1, as is the checkpoint's) and its history ends with step
+      k's row, whose loss is the non-finite one.
   """
 
   def __init__(self, message: str, step: int, result: FitResult):
@@ -78,6 +80,27 @@ class Call(NamedTuple):
   metrics: Any         # device metrics [steps, M]
   check: Any           # optimistic calls: (input state, final-state ok, replay)
   undo: Any            # streams: hands the call's batches back (else None)
+
+
+# History entries with one value per validation pass (the others: one per
+# step, except `nonfinite_steps`, a list of steps).
+_EVAL_KEYS = ("val_step", "val_loss")
+
+
+def _history_until(history: dict[str, list], step: int,
+                  eval_step: int | None = None) -> dict[str, list]:
+  """The rows of `history` of the steps up to `step`, and of the validation
+  passes up to `eval_step` (default `step`)."""
+  eval_step = step if eval_step is None else eval_step
+  rows = sum(1 for s in history["step"] if s <= step)  # ascending
+  evals = sum(1 for s in history.get("val_step", ()) if s <= eval_step)
+  out = {}
+  for key, values in history.items():
+    if key == "nonfinite_steps":
+      out[key] = [s for s in values if s <= step]
+    else:
+      out[key] = list(values[:evals if key in _EVAL_KEYS else rows])
+  return out
 
 
 def _jsonable(history: dict[str, list]) -> dict[str, list]:
@@ -124,6 +147,7 @@ class Runner:
     self.stop = False
     self.stopped_early = False
     self.nonfinite_step = None
+    self.rewound = False
     self.last_eval_step = None
     self.timer_start = None  # after the first processed step (compile)
     self.timer_steps = 0
@@ -248,10 +272,32 @@ class Runner:
           self._flush()
           self._save()
       self._flush()
+      self._rewind_nonfinite()
       if validation is not None and self.last_eval_step != self.step:
         self._evaluate(validation)
       self._save()
     return run
+
+  def _rewind_nonfinite(self):
+    """After a non-finite stop at step k (on_nonfinite='raise'), labels the
+    state with the step of the parameters it holds, k - 1: the step and the
+    rejected steps k and later (the one in flight) are undone in its
+    counters, the history keeps the steps up to k (k's non-finite row
+    explains the stop; a checkpoint keeps those up to k - 1) and the
+    validation passes up to k - 1, so that a resumed fit runs step k again
+    and skips no batch. Idempotent."""
+    if self.nonfinite_step is None or self.rewound:
+      return
+    self.rewound = True
+    first = int(self.ts["first_nonfinite"])
+    self.nonfinite_step, self.step = first, first - 1
+    put = lambda value, like: jax.device_put(np.int32(value), like.sharding)
+    self.ts = dict(self.ts, step=put(first - 1, self.ts["step"]),
+                   nonfinite=put(0, self.ts["nonfinite"]),
+                   first_nonfinite=put(-1, self.ts["first_nonfinite"]))
+    self.history = _history_until(self.history, first, first - 1)
+    evals = self.history.get("val_step")
+    self.last_eval_step = evals[-1] if evals else None
 
   def _flush(self):
     while self.pending:
@@ -368,6 +414,9 @@ class Runner:
       total += float(loss) * n
       rows += n
     val_loss = total / max(rows, 1)
+    if not math.isfinite(val_loss):
+      logging.warning("fit: step %d: the validation loss is %s (a non-finite"
+                      " loss on some validation batch)", self.step, val_loss)
     self.last_eval_step = self.step
     self.history.setdefault("val_step", []).append(self.step)
     self.history.setdefault("val_loss", []).append(val_loss)
@@ -388,8 +437,10 @@ class Runner:
   def _save(self):
     if self.checkpointer is None:
       return
+    self._rewind_nonfinite()
+    history = _history_until(self.history, self.step)
     self.checkpointer.save(self.step, self.ts, {
-        "step": self.step, "history": _jsonable(self.history),
+        "step": self.step, "history": _jsonable(history),
         "has_state": self.spec.has_state})  # an empty Haiku state is not None
 
   def finish(self):
@@ -398,6 +449,7 @@ class Runner:
       callback.on_train_end(self.step)
 
   def result(self, checkpoint_dir) -> FitResult:
+    self._rewind_nonfinite()
     history = {k: np.asarray(v) for k, v in self.history.items()}
     history["steps_per_sec"] = np.asarray([self._rate()])
     result = FitResult(
@@ -406,10 +458,11 @@ class Runner:
         step=self.step, history=history, stopped_early=self.stopped_early,
         checkpoint_dir=checkpoint_dir)
     if self.nonfinite_step is not None:
-      first = int(self.ts["first_nonfinite"])
+      first = self.nonfinite_step
       raise NonFiniteLossError(
           f"fit: non-finite loss, gradient or update at step {first}; its"
           f" update was rejected and the fit stopped. The error's `result` (and"
-          f" the checkpoint, if any) holds the last finite parameters.",
+          f" the checkpoint, if any) holds the last finite parameters, those"
+          f" of step {first - 1}; a resumed fit runs step {first} again.",
           first, result)
     return result

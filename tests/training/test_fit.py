@@ -282,14 +282,17 @@ def test_nonfinite_update_inside_a_multi_step_call_keeps_last_finite_params(
         checkpoint_dir=str(tmp_path), **kwargs)
   result = info.value.result
   assert info.value.step == bad
+  assert result.step == bad - 1  # the step of the parameters it holds
   np.testing.assert_array_equal(result.history["step"], np.arange(1, bad + 1))
   np.testing.assert_array_equal(result.history["finite"][-1], 0)
   np.testing.assert_array_equal(result.history["loss"][:-1], clean.history["loss"])
   _assert_trees_equal(result.params, clean.params)
+  # The checkpoint of the stop is step bad - 1: nothing left to run.
   restored = fit(common.loss_fn, common.init_params(), source(),
                  optimizer=_nan_update_at(-1), checkpoint_dir=str(tmp_path),
-                 **dict(kwargs, num_steps=bad))  # the checkpoint of the stop
-  assert restored.step == bad
+                 **dict(kwargs, num_steps=bad - 1))
+  assert restored.step == bad - 1
+  np.testing.assert_array_equal(restored.history["step"], np.arange(1, bad))
   _assert_trees_equal(restored.params, clean.params)
 
 
