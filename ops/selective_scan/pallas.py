@@ -28,9 +28,11 @@ next step in forward order, read from a copy of `delta` shifted by one):
    each tile (last first) recomputes its states from its checkpoint
    (forward over its rows), walks its rows backward with the adjoint and
    forms du, ddelta, dB and dC (per channel block, summed outside) and dA
-   (per program, summed outside) from the two; `a_t h_{t-1} = h_t - delta_t
-   u_t B_t` needs neither a shift nor a division. The adjoint of the
-   initial state is `a_first c_first`, formed outside.
+   (per program, summed outside) from the two. Each row's decay `a_t` serves
+   twice: in `a_t h_{t-1}` (a product, not `h_t - delta_t u_t B_t`, which
+   cancels under strong decay) and as the adjoint's multiplier one row
+   earlier, so only a chunk's last row reads the shifted `delta`. The adjoint
+   of the initial state is `a_first c_first`, formed outside.
 
 With a single chunk the summary launches are skipped.
 
@@ -101,15 +103,21 @@ def _rows(ref, steps):
   return [ref[t, :].astype(_F32) for t in steps]
 
 
-def _walk_states(deltas, xs, vs, A, h):
-  """`h <- exp(delta A) h + x v` over a tile's rows, in processing order.
+def _decays(deltas, A):
+  """`exp(delta A)` per row: [bd, S] each."""
+  return [jnp.exp(delta[:, None] * A) for delta in deltas]
 
-  deltas, xs: per row [bd]; vs: per row [S]; A, h: [bd, S]. Returns the
-  state after every row; each row is elementwise on the state.
+
+def _walk_states(decays, xs, vs, h):
+  """`h <- a h + x v` over a tile's rows, in processing order.
+
+  decays (`a = exp(delta A)`), h: [bd, S]; xs: per row [bd]; vs: per row
+  [S]. Returns the state after every row; each row is elementwise on the
+  state.
   """
   states = []
-  for delta, x, v in zip(deltas, xs, vs):
-    h = jnp.exp(delta[:, None] * A) * h + x[:, None] * v[None, :]
+  for a, x, v in zip(decays, xs, vs):
+    h = a * h + x[:, None] * v[None, :]
     states.append(h)
   return states
 
@@ -147,7 +155,8 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
       ckpt_ref[j] = h
     deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
     Cs = _rows(C_ref, steps) if mode == "apply" else None
-    states = _walk_states(deltas, [d * u for d, u in zip(deltas, us)], Bs, A, h)
+    states = _walk_states(_decays(deltas, A), [d * u for d, u in zip(deltas, us)],
+                          Bs, h)
     if mode == "apply":
       for t, state, C in zip(steps, states, Cs):
         y_ref[t, :] = jnp.sum(state * C[None, :], axis=1)
@@ -177,7 +186,8 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
     c, dsum = carry
     steps = tile_steps(j, chunk, unroll, not reverse)
     deltas_next = _rows(delta_next_ref, steps)
-    cs = _walk_states(deltas_next, _rows(dy_ref, steps), _rows(C_ref, steps), A, c)
+    cs = _walk_states(_decays(deltas_next, A), _rows(dy_ref, steps),
+                      _rows(C_ref, steps), c)
     return cs[-1], dsum + sum(deltas_next)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
@@ -203,32 +213,40 @@ def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_r
     c = dfinal_ref[...]
   du_ref, ddelta_ref, dB_ref, dC_ref, dA_ref, c_ref = refs
   num_tiles = chunk // unroll
+  # The decay of the step after the chunk (forward order): the adjoint's
+  # first multiplier. Inside the chunk each row hands its own decay on.
+  last = tile_steps(num_tiles - 1, chunk, unroll, reverse)[-1]
+  a_next = jnp.exp(delta_next_ref[last, :].astype(_F32)[:, None] * A)
 
   def body(jb, carry):
-    c, dA_acc = carry
+    c, a_next, dA_acc = carry
     # The tile's rows in forward processing order; the walk below goes back.
     j = num_tiles - 1 - jb
     steps = tile_steps(j, chunk, unroll, reverse)
     deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
     Cs, dys = _rows(C_ref, steps), _rows(dy_ref, steps)
-    deltas_next = _rows(delta_next_ref, steps)
     xs = [d * u for d, u in zip(deltas, us)]
-    hs = _walk_states(deltas, xs, Bs, A, ckpt_ref[j])
+    decays = _decays(deltas, A)
+    h_start = ckpt_ref[j]
+    hs = _walk_states(decays, xs, Bs, h_start)
     for r in reversed(range(unroll)):
       t = steps[r]
       delta, x, B, dy = deltas[r], xs[r], Bs[r], dys[r]
-      c = jnp.exp(deltas_next[r][:, None] * A) * c + dy[:, None] * Cs[r][None, :]
-      # dL/d(delta A) = c_t a_t h_{t-1}, with a_t h_{t-1} = h_t - x_t B_t.
-      g = c * (hs[r] - x[:, None] * B[None, :])
+      c = a_next * c + dy[:, None] * Cs[r][None, :]
+      # dL/d(delta A) = c_t a_t h_{t-1}, formed as a product: h_t - x_t B_t
+      # cancels when the decay is strong and lost every digit of a_t h_{t-1}.
+      g = c * (decays[r] * (hs[r - 1] if r else h_start))
       dx = jnp.sum(c * B[None, :], axis=1)                              # [bd]
       dC_ref[t, :] = jnp.sum(dy[:, None] * hs[r], axis=0)                # [S]
       dB_ref[t, :] = jnp.sum(c * x[:, None], axis=0)
       du_ref[t, :] = dx * delta
       ddelta_ref[t, :] = dx * us[r] + jnp.sum(g * A, axis=1)
       dA_acc = dA_acc + g * delta[:, None]
-    return c, dA_acc
+      a_next = decays[r]
+    return c, a_next, dA_acc
 
-  c, dA_acc = jax.lax.fori_loop(0, num_tiles, body, (c, jnp.zeros(A.shape, _F32)))
+  c, _, dA_acc = jax.lax.fori_loop(0, num_tiles, body,
+                                   (c, a_next, jnp.zeros(A.shape, _F32)))
   dA_ref[...] = dA_acc
   c_ref[...] = c
 
