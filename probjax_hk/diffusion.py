@@ -25,8 +25,6 @@ the loss takes the untransformed `f(x_t, t)` directly.
 """
 
 from collections.abc import Callable, Sequence
-import math
-import numbers
 from typing import Any
 
 import jax
@@ -40,20 +38,9 @@ DEFAULT_TIME_SCALE = 1000.0  # the model sees t * this: DDPM's step numbers
 
 
 def _check_floor(min_alpha_bar: float) -> None:
-  if not 0 < min_alpha_bar < 1:
+  arguments.check_positive_numbers(min_alpha_bar=min_alpha_bar)
+  if not min_alpha_bar < 1:
     raise ValueError(f"`min_alpha_bar` must be in (0, 1), got {min_alpha_bar=}")
-
-
-def _check_time_scale(time_scale: float) -> None:
-  if not (isinstance(time_scale, numbers.Real) and math.isfinite(time_scale)
-          and time_scale > 0):
-    raise ValueError(f"`time_scale` must be a positive number, got {time_scale=}")
-
-
-def _check_callable(**functions) -> None:
-  for arg, fn in functions.items():
-    if not callable(fn):
-      raise ValueError(f"`{arg}` must be callable, got {arg}={fn!r}")
 
 
 def _check_batched(x: jax.Array, name: str) -> None:
@@ -85,9 +72,9 @@ def cosine_schedule(t: jax.Array, *, offset: float = 0.008,
 
   Raises:
     ValueError: `offset` is not positive or `min_alpha_bar` not in (0, 1).
+    TypeError: either is not a number.
   """
-  if not offset > 0:
-    raise ValueError(f"`offset` must be positive, got {offset=}")
+  arguments.check_positive_numbers(offset=offset)
   _check_floor(min_alpha_bar)
   t = jnp.asarray(t, jnp.float32)
   f = lambda u: jnp.cos((u + offset) / (1.0 + offset) * (jnp.pi / 2)) ** 2
@@ -117,7 +104,9 @@ def linear_schedule(t: jax.Array, *, beta_min: float = 0.1,
   Raises:
     ValueError: `beta_min < 0`, `beta_max < beta_min`, `beta_max` 0, or
       `min_alpha_bar` not in (0, 1).
+    TypeError: one of them is not a number.
   """
+  arguments.check_nonnegative_numbers(beta_min=beta_min, beta_max=beta_max)
   if not 0 <= beta_min <= beta_max or not beta_max > 0:
     raise ValueError(f"`beta_min` and `beta_max` must satisfy 0 <= beta_min <="
                      f" beta_max and beta_max > 0, got {beta_min=} {beta_max=}")
@@ -144,7 +133,9 @@ def q_sample(x0: jax.Array, t: jax.Array, noise: jax.Array, *,
   Raises:
     ValueError: `x0` has no batch axis, `noise` is not the shape of `x0`, or
       `t` is neither a scalar nor [B].
+    TypeError: `schedule` is not callable.
   """
+  arguments.check_callables(schedule=schedule)
   _check_batched(x0, "x0")
   if noise.shape != x0.shape:
     raise ValueError(f"`noise` must have the shape of `x0`, got"
@@ -181,15 +172,18 @@ def ddpm_loss(predict_noise: Callable[[jax.Array, jax.Array], jax.Array],
     The loss, a float32 scalar (about 1 for a model that predicts zeros).
 
   Raises:
-    ValueError: `predict_noise` is not callable, `x0` has no batch axis or is
-      not floating point, or `time_scale` is not positive; or the
-      prediction does not have the shape of `x0`.
+    ValueError: `x0` has no batch axis or is not floating point, or
+      `time_scale` is not positive; or the prediction does not have the
+      shape of `x0`.
+    TypeError: `predict_noise` or `schedule` is not callable, `rng` is not a
+      key, or `time_scale` is not a number.
   """
-  _check_callable(predict_noise=predict_noise)
+  arguments.check_callables(predict_noise=predict_noise, schedule=schedule)
   _check_batched(x0, "x0")
   if not jnp.issubdtype(x0.dtype, jnp.floating):
     raise ValueError(f"`x0` must be floating point, got {x0.dtype=}")
-  _check_time_scale(time_scale)
+  arguments.check_key(rng=rng)
+  arguments.check_positive_numbers(time_scale=time_scale)
   t_key, noise_key = jax.random.split(rng)
   t = jax.random.uniform(t_key, x0.shape[:1])  # [B]
   noise = jax.random.normal(noise_key, x0.shape, x0.dtype)  # [B, ...]
@@ -240,23 +234,26 @@ def ddim_sample(apply_fn: Callable[[Any, jax.Array, jax.Array], jax.Array],
     below 1; the prediction does not).
 
   Raises:
-    ValueError: `apply_fn` is not callable, `shape` is empty or holds a
-      non-positive size, `num_steps` < 1, `eta` < 0, `clip_x0` not positive,
-      or `time_scale` not positive; or `apply_fn` returns another shape.
-    TypeError: `num_steps` or a size in `shape` is not an integer.
+    ValueError: `shape` is empty or holds a non-positive size, `num_steps`
+      < 1, `eta` < 0, `clip_x0` not positive, or `time_scale` not positive;
+      or `apply_fn` returns another shape.
+    TypeError: `apply_fn` or `schedule` is not callable, `rng` is not a key,
+      `shape` is not a sequence, `num_steps` or a size in `shape` is not an
+      integer, or `eta`, `clip_x0` or `time_scale` is not a number.
   """
-  _check_callable(apply_fn=apply_fn)
+  arguments.check_callables(apply_fn=apply_fn, schedule=schedule)
+  arguments.check_key(rng=rng)
+  if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+    raise TypeError(f"`shape` must be a sequence (B, ...) of sizes, got {shape=}")
   shape = tuple(shape)
   if not shape:
     raise ValueError("`shape` must be (B, ...), a batch size first, got ()")
   for size in shape:
     arguments.check_positive_ints(shape=size)
   arguments.check_positive_ints(num_steps=num_steps)
-  if not eta >= 0:
-    raise ValueError(f"`eta` must be >= 0, got {eta=}")
-  if clip_x0 is not None and not clip_x0 > 0:
-    raise ValueError(f"`clip_x0` must be positive or None, got {clip_x0=}")
-  _check_time_scale(time_scale)
+  arguments.check_nonnegative_numbers(eta=eta)
+  arguments.check_positive_numbers_or_none(clip_x0=clip_x0)
+  arguments.check_positive_numbers(time_scale=time_scale)
 
   times = jnp.linspace(1.0, 0.0, num_steps + 1)  # [num_steps + 1]
   start_key, step_key = jax.random.split(rng)

@@ -16,6 +16,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
+from probjax_hk import arguments
 from probjax_hk import attention
 from probjax_hk import layers
 from probjax_hk import stacking
@@ -81,10 +82,21 @@ class DiffusionTransformer(hk.Module):
       scan_unroll: `hk.layer_stack`'s unroll with `scan_layers`.
       use_rope: rotary position embedding (tokens are ordered).
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer, a flag that is not a bool, a
+        `dropout_rate` that is not a number or an `attention_fn` that is not
+        callable.
+      ValueError: a size below 1, `num_heads` not dividing `model_dim` (or
+        `num_kv_heads` not dividing `num_heads`), `dropout_rate` outside
+        [0, 1), or an unknown `remat_policy`.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     transformer.check_model_args(model_dim, num_heads, num_layers, num_kv_heads,
-                                 dropout_rate, remat_policy, scan_unroll, widening_factor)
+                                 dropout_rate, remat_policy, scan_unroll, widening_factor,
+                                 attention_fn=attention_fn, scan_layers=scan_layers,
+                                 use_rope=use_rope)
     self.model_dim = model_dim
     self.num_heads = num_heads
     self.num_layers = num_layers

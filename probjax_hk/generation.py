@@ -90,10 +90,14 @@ class TokenModel(hk.Module):
       name: module name.
 
     Raises:
-      ValueError: for a size that is not a positive int, or no `embed_dim`
-        for a body that has neither `input_dim` nor `model_dim`.
+      TypeError: for a size that is not an integer or a `body` that is not
+        callable.
+      ValueError: for a size below 1, or no `embed_dim` for a body that has
+        neither `input_dim` nor `model_dim`.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
+    arguments.check_callables(body=body)
     if embed_dim is None:
       embed_dim = getattr(body, "input_dim", None) or getattr(body, "model_dim", None)
       if embed_dim is None:

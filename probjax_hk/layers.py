@@ -12,17 +12,25 @@ from typing import Literal
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from probjax_hk import arguments
 from probjax_hk import lean_backward
 
 Activation = Literal["gelu", "swiglu"]
+ACTIVATIONS = ("gelu", "swiglu")
 
 
 def check_tokens(x: jax.Array, name: str = "x") -> None:
-  """A sequence model's input must be [B, T, D] (a ValueError naming `name`)."""
+  """A sequence model's input must be [B, T, D] with no empty axis (a
+  ValueError naming `name` and the axis), as the ops and `initial_state`
+  require B >= 1 and T >= 1."""
   if x.ndim != 3:
     raise ValueError(f"`{name}` must be [B, T, D], got rank {x.ndim} with shape {x.shape}")
+  for axis, size in zip("BTD", x.shape):
+    if size < 1:
+      raise ValueError(f"`{name}` must be [B, T, D] with {axis} >= 1, got {axis}={size} "
+                       f"in shape {x.shape}")
 
 
 class Linear(hk.Module):
@@ -47,11 +55,15 @@ class Linear(hk.Module):
       name: module name.
 
     Raises:
-      TypeError: `output_size` is not an integer.
+      TypeError: `output_size` is not an integer, `with_bias` not a bool, or
+        an initializer neither None nor callable.
       ValueError: `output_size` is below 1.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     arguments.check_positive_ints(output_size=output_size)
+    arguments.check_bools(with_bias=with_bias)
+    arguments.check_callables_or_none(w_init=w_init, b_init=b_init)
     self.output_size = output_size
     self.with_bias = with_bias
     self.w_init = w_init
@@ -88,8 +100,15 @@ class RMSNorm(hk.Module):
       create_scale: learn a per-feature scale of shape [D], initialized to
         ones; False leaves `x / rms(x)` unscaled.
       name: module name.
+
+    Raises:
+      TypeError: `eps` is not a number or `create_scale` not a bool.
+      ValueError: `eps` is negative or not finite.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
+    arguments.check_nonnegative_numbers(eps=eps)
+    arguments.check_bools(create_scale=create_scale)
     self.eps = eps
     self.create_scale = create_scale
 
@@ -125,8 +144,15 @@ class LayerNorm(hk.Module):
       create_offset: learn a per-feature offset of shape [D], initialized to
         zeros.
       name: module name.
+
+    Raises:
+      TypeError: `eps` is not a number, or a `create_*` flag not a bool.
+      ValueError: `eps` is negative or not finite.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
+    arguments.check_nonnegative_numbers(eps=eps)
+    arguments.check_bools(create_scale=create_scale, create_offset=create_offset)
     self.eps = eps
     self.create_scale = create_scale
     self.create_offset = create_offset
@@ -168,9 +194,9 @@ class MLP(hk.Module):
       ValueError: `activation` is neither 'gelu' nor 'swiglu', or
         `hidden_dim` or `output_dim` is below 1.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
-    if activation not in ("gelu", "swiglu"):
-      raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
+    arguments.check_choice("activation", activation, ACTIVATIONS)
     arguments.check_positive_ints(hidden_dim=hidden_dim)
     arguments.check_positive_ints_or_none(output_dim=output_dim)
     self.hidden_dim = hidden_dim
@@ -216,6 +242,7 @@ class AdaLNModulation(hk.Module):
       TypeError: `model_dim` or `num_chunks` is not an integer.
       ValueError: `model_dim` or `num_chunks` is below 1.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     arguments.check_positive_ints(model_dim=model_dim, num_chunks=num_chunks)
     self.model_dim = model_dim
@@ -249,7 +276,21 @@ def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
 
   Returns:
     [B, T, D] in `x`'s dtype (`shift` and `scale` are cast to it).
+
+  Raises:
+    ValueError: `x` is not floating point, or `shift` or `scale` does not
+      broadcast to its shape.
   """
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(f"`x` must be a floating-point array, got dtype {jnp.result_type(x)}")
+  for arg, a in (("shift", shift), ("scale", scale)):
+    try:
+      fits = np.broadcast_shapes(jnp.shape(a), jnp.shape(x)) == jnp.shape(x)
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f"`{arg}` must broadcast to x's shape {jnp.shape(x)}, got shape "
+                       f"{jnp.shape(a)}")
   return x * (1 + scale.astype(x.dtype)) + shift.astype(x.dtype)
 
 
@@ -263,9 +304,16 @@ def sinusoidal_embedding(t: jax.Array, dim: int, *, max_period: float = 10_000.0
 
   Returns:
     [B, dim] float32 embedding, cosines then sines.
+
+  Raises:
+    TypeError: `dim` is not an integer or `max_period` not a number.
+    ValueError: `dim` is odd or below 2, `max_period` not positive, or `t`
+      not [B].
   """
+  arguments.check_positive_ints(dim=dim)
   if dim < 2 or dim % 2:
     raise ValueError(f"`dim` must be even and >= 2, got {dim=}")
+  arguments.check_positive_numbers(max_period=max_period)
   if t.ndim != 1:
     raise ValueError(f"`t` must be [B], got shape {t.shape}")
   half = dim // 2
@@ -291,6 +339,7 @@ class TimestepEmbedding(hk.Module):
       TypeError: `dim` or `frequency_dim` is not an integer.
       ValueError: `dim` is below 1, or `frequency_dim` is odd or below 2.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     arguments.check_positive_ints(dim=dim, frequency_dim=frequency_dim)
     if frequency_dim < 2 or frequency_dim % 2:
@@ -326,12 +375,18 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, *, base: float = 10_000
 
   Returns:
     [B, T, N, H], the pairs ``(x[..., :H/2], x[..., H/2:])`` rotated by position.
+
+  Raises:
+    ValueError: `x` is not [B, T, N, H] with H even, `positions` not [T] or
+      [B, T], or `base` not a positive number (a TypeError if not a number).
   """
   if x.ndim != 4:
     raise ValueError(f"`x` must be [B, T, N, H], got shape {x.shape}")
   head_dim = x.shape[-1]
   if head_dim % 2:
-    raise ValueError(f"rotary embedding needs an even head size, got {head_dim=}")
+    raise ValueError(f"`x` must have an even head size H for the rotary embedding, "
+                     f"got {head_dim=}")
+  arguments.check_positive_numbers(base=base)
   batch, seq_len = x.shape[:2]
   if positions.shape not in ((seq_len,), (1, seq_len), (batch, seq_len)):
     raise ValueError(f"`positions` must be [T]=({seq_len},) or [B, T]=({batch}, {seq_len}), "

@@ -43,6 +43,7 @@ from ops import _sharding
 from ops.grouped_mlp.reference import Activation
 from ops.grouped_mlp.reference import activate
 from probjax_hk import arguments
+from probjax_hk import layers
 
 DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
 DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
@@ -624,18 +625,31 @@ class MoELayer(hk.Module):
       grouped_matmul_implementation: `implementation` of `ops.grouped_mlp`
         on the 'gmm' path (None: Pallas on NVIDIA GPUs, XLA elsewhere).
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer, a factor or weight that is
+        not a number, or an `expert_axis` that is not a string.
+      ValueError: a size below 1, `top_k` above `num_experts`, a factor or
+        weight out of range, an unknown `activation`, `dropless_impl` or
+        `grouped_matmul_implementation`, or `capacity_factor` with
+        `expert_axis`.
     """
+    arguments.check_name(name)
     super().__init__(name=name or "moe_layer")
     arguments.check_positive_ints(num_experts=num_experts, top_k=top_k, d_hidden=d_hidden)
     if top_k > num_experts:
       raise ValueError(f"`top_k` must be in [1, num_experts], got {top_k=} {num_experts=}")
-    if activation not in ("gelu", "swiglu"):
-      raise ValueError(f"`activation` must be 'gelu' or 'swiglu', got {activation!r}")
-    if dropless_impl not in DROPLESS_IMPLS:
-      raise ValueError(f"`dropless_impl` must be one of {DROPLESS_IMPLS}, got "
-                       f"{dropless_impl!r}")
-    if capacity_factor is not None and not capacity_factor > 0:
-      raise ValueError(f"`capacity_factor` must be > 0 or None, got {capacity_factor}")
+    arguments.check_choice("activation", activation, layers.ACTIVATIONS)
+    arguments.check_choice("dropless_impl", dropless_impl, DROPLESS_IMPLS)
+    arguments.check_positive_numbers_or_none(capacity_factor=capacity_factor)
+    arguments.check_nonnegative_numbers(router_z_loss_weight=router_z_loss_weight,
+                                        load_balance_loss_weight=load_balance_loss_weight)
+    if expert_axis is not None and not isinstance(expert_axis, str):
+      raise TypeError(f"`expert_axis` must be a mesh axis name or None, got {expert_axis!r}")
+    if expert_axis == "":
+      raise ValueError("`expert_axis` must be a mesh axis name or None, got ''")
+    arguments.check_choice("grouped_matmul_implementation", grouped_matmul_implementation,
+                           _backend.IMPLEMENTATIONS)
     if capacity_factor is not None and expert_axis is not None:
       raise ValueError("`capacity_factor` with `expert_axis` is not supported: the "
                        "expert-parallel path is dropless")

@@ -14,7 +14,7 @@ Every model with a stack of identical blocks goes through `apply_stack`, so
 """
 
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import haiku as hk
 import jax
@@ -161,6 +161,13 @@ def _layout_error(e: ValueError, scan_layers: bool) -> ValueError | None:
                     f"match scan_layers={scan_layers}. Call probjax_hk.{hint}. ({e})")
 
 
+def _check_params(params) -> None:
+  if not (isinstance(params, Mapping) and all(isinstance(k, str) and isinstance(v, Mapping)
+                                              for k, v in params.items())):
+    raise TypeError(f"`params` must be a Haiku parameter tree {{module path: {{name: "
+                    f"array}}}}, got {type(params).__name__}")
+
+
 _UNROLLED_SEGMENT = re.compile(r"(^|/)block_(\d+)(/|$)")
 _SCANNED_SEGMENT = f"{SCANNED_STACK_NAME}/{SCANNED_BLOCK_NAME}"
 
@@ -182,9 +189,11 @@ def stack_layer_params(params: hk.Params) -> hk.Params:
     [...] becomes [num_layers, ...].
 
   Raises:
+    TypeError: `params` is not a Haiku parameter tree.
     ValueError: the block indices of a stack are not 0, 1, ..., n - 1 (a
       block is missing).
   """
+  _check_params(params)
   groups: dict[tuple[str, str], dict[int, Any]] = {}
   out = {}
   for module, leaves in params.items():
@@ -222,9 +231,11 @@ def unstack_layer_params(params: hk.Params) -> hk.Params:
     A new tree in the unrolled layout, each block's arrays [...].
 
   Raises:
+    TypeError: `params` is not a Haiku parameter tree.
     ValueError: the arrays of one stacked module disagree on `num_layers`
       (their leading axis).
   """
+  _check_params(params)
   out = {}
   for module, leaves in params.items():
     parts = module.split("/")

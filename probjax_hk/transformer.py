@@ -29,7 +29,9 @@ from probjax_hk import stacking
 def check_model_args(model_dim: int, num_heads: int, num_layers: int,
                      num_kv_heads: int | None, dropout_rate: float,
                      remat_policy: stacking.RematPolicy, scan_unroll: int,
-                     widening_factor: int = 4) -> None:
+                     widening_factor: int = 4, *,
+                     attention_fn: attention.AttentionFn = attention.dot_product_attention,
+                     scan_layers: bool = False, use_rope: bool = False) -> None:
   """The constructor checks the Transformer and DiffusionTransformer share."""
   arguments.check_positive_ints(model_dim=model_dim, num_heads=num_heads,
                                 num_layers=num_layers, widening_factor=widening_factor,
@@ -39,9 +41,10 @@ def check_model_args(model_dim: int, num_heads: int, num_layers: int,
     raise ValueError(f"`num_heads` must divide `model_dim`, got {num_heads=} {model_dim=}")
   if num_kv_heads is not None and num_heads % num_kv_heads:
     raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_kv_heads=} {num_heads=}")
-  if not 0.0 <= dropout_rate < 1.0:
-    raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
+  arguments.check_rates(dropout_rate=dropout_rate)
   stacking.validate_remat_policy(remat_policy)
+  arguments.check_callables(attention_fn=attention_fn)
+  arguments.check_bools(scan_layers=scan_layers, use_rope=use_rope)
 
 
 def dropout(x: jax.Array, rate: float, is_training: bool) -> jax.Array:
@@ -187,10 +190,22 @@ class Transformer(hk.Module):
         token t attends to tokens in [t - left, t + right] (causal: [t - w, t]).
         None attends to all.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer, a flag that is not a bool, a
+        `dropout_rate` that is not a number or an `attention_fn` that is not
+        callable.
+      ValueError: a size below 1, `num_heads` not dividing `model_dim` (or
+        `num_kv_heads` not dividing `num_heads`), `dropout_rate` outside
+        [0, 1), or an unknown `remat_policy`, `mlp_activation` or window.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     check_model_args(model_dim, num_heads, num_layers, num_kv_heads, dropout_rate,
-                     remat_policy, scan_unroll, widening_factor)
+                     remat_policy, scan_unroll, widening_factor, attention_fn=attention_fn,
+                     scan_layers=scan_layers, use_rope=use_rope)
+    arguments.check_bools(is_causal=is_causal)
+    arguments.check_choice("mlp_activation", mlp_activation, layers.ACTIVATIONS)
     attention.check_window(local_window_size)
     self.model_dim = model_dim
     self.num_heads = num_heads

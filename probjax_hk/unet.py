@@ -24,8 +24,9 @@ residual block. Parameters are float32 and every layer computes in the input's
 dtype (bf16 in, bf16 out); GroupNorm statistics are accumulated in float32.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 import math
+import numbers
 from typing import Any
 
 import haiku as hk
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from probjax_hk import arguments
 from probjax_hk import attention
 from probjax_hk import layers
 from probjax_hk import stacking
@@ -216,36 +218,49 @@ class UNet(hk.Module):
       attention_fn: `jax.nn.dot_product_attention`-style callable (default
         `probjax_hk.dot_product_attention`, which picks the fastest kernel).
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer, `channels` or
+        `attention_levels` that is not a sequence, a `dropout_rate` that is
+        not a number, or an `attention_fn` that is not callable.
+      ValueError: a size below 1, no `channels`, `norm_groups` or
+        `num_heads` not dividing the channels they must, a level that is not
+        an integer index into `channels`, a `dropout_rate` outside [0, 1),
+        or an unknown `remat_policy`.
     """
+    arguments.check_name(name)
     super().__init__(name=name or "unet")
+    if isinstance(channels, (str, bytes)) or not isinstance(channels, Iterable):
+      raise TypeError(f"`channels` must be a sequence of positive ints, got {channels=}")
     channels = tuple(channels)
-    if in_channels < 1:
-      raise ValueError(f"`in_channels` must be >= 1, got {in_channels=}")
-    if not channels or any(c < 1 for c in channels):
+    if not channels:
       raise ValueError(f"`channels` must be a non-empty sequence of positive ints, got {channels=}")
-    if num_res_blocks < 1:
-      raise ValueError(f"`num_res_blocks` must be >= 1, got {num_res_blocks=}")
-    if norm_groups < 1 or any(c % norm_groups for c in channels):
+    arguments.check_positive_ints(in_channels=in_channels, num_res_blocks=num_res_blocks,
+                                  num_heads=num_heads, norm_groups=norm_groups,
+                                  **{f"channels[{i}]": c for i, c in enumerate(channels)})
+    arguments.check_positive_ints_or_none(out_channels=out_channels,
+                                          time_embedding_dim=time_embedding_dim,
+                                          context_dim=context_dim)
+    if any(c % norm_groups for c in channels):
       raise ValueError(f"`norm_groups` must divide every channel count, got {norm_groups=} "
                        f"and {channels=}")
     if attention_levels is None:
       attention_levels = (len(channels) - 1,)
-    attention_levels = tuple(sorted(set(attention_levels)))
-    if any(not 0 <= level < len(channels) for level in attention_levels):
+    if isinstance(attention_levels, (str, bytes)) or not isinstance(attention_levels, Iterable):
+      raise TypeError(f"`attention_levels` must be a sequence of indices into `channels` "
+                      f"or None, got {attention_levels=}")
+    attention_levels = tuple(attention_levels)
+    if any(not isinstance(level, numbers.Integral) or isinstance(level, bool)
+           or not 0 <= level < len(channels) for level in attention_levels):
       raise ValueError(f"`attention_levels` must be indices into `channels` "
                        f"(0..{len(channels) - 1}), got {attention_levels=}")
-    if num_heads < 1 or any(channels[level] % num_heads for level in attention_levels):
+    attention_levels = tuple(sorted(set(attention_levels)))
+    if any(channels[level] % num_heads for level in attention_levels):
       raise ValueError(f"`num_heads` must divide the channels of every attention level, "
                        f"got {num_heads=}, {channels=}, {attention_levels=}")
-    if not 0.0 <= dropout_rate < 1.0:
-      raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
-    if time_embedding_dim is not None and time_embedding_dim < 1:
-      raise ValueError(f"`time_embedding_dim` must be >= 1, got {time_embedding_dim=}")
-    if out_channels is not None and out_channels < 1:
-      raise ValueError(f"`out_channels` must be >= 1 or None, got {out_channels=}")
-    if context_dim is not None and context_dim < 1:
-      raise ValueError(f"`context_dim` must be >= 1 or None, got {context_dim=}")
+    arguments.check_rates(dropout_rate=dropout_rate)
     stacking.validate_remat_policy(remat_policy)
+    arguments.check_callables(attention_fn=attention_fn)
     self.in_channels = in_channels
     self.channels = channels
     self.out_channels = out_channels or in_channels
@@ -265,9 +280,9 @@ class UNet(hk.Module):
     return 2 ** (len(self.channels) - 1)
 
   def _check_inputs(self, x, t, context):
-    if x.ndim != 4 or x.shape[-1] != self.in_channels:
-      raise ValueError(f"`x` must be [B, H, W, C_in={self.in_channels}] (NHWC), "
-                       f"got shape {x.shape}")
+    if x.ndim != 4 or x.shape[-1] != self.in_channels or 0 in x.shape:
+      raise ValueError(f"`x` must be [B, H, W, C_in={self.in_channels}] (NHWC) with B, H, "
+                       f"W >= 1, got shape {x.shape}")
     batch, height, width, _ = x.shape
     m = self.size_multiple
     for axis, size in (("height", height), ("width", width)):

@@ -1,13 +1,33 @@
 """The argument checks the SSM cells and model share.
 
-The constructor checks (`probjax_hk.arguments`, shared with the other models)
-run at construction, before any parameter exists; the step checks here at the
-start of `step`, from static shapes only. Each raises an error naming the
-argument and its value.
+The constructor checks (`probjax_hk.arguments`, shared with the other models,
+and the chunked cells' here) run at construction, before any parameter
+exists; the step checks at the start of `step`, from static shapes only. Each
+raises an error naming the argument and its value.
 """
 
 import jax
 import jax.numpy as jnp
+
+from ops import _backend
+from probjax_hk import arguments
+
+
+def check_chunked_cell_args(name: str | None, *, model_dim: int | None,
+                            chunk_size: int | None, implementation: _backend.Implementation,
+                            num_heads: int | None = None, head_dim: int | None = None) -> None:
+  """The constructor checks the cells on the chunked ops share (`num_heads`
+  and `head_dim` for the multi-head cells, which split the model width)."""
+  arguments.check_name(name)
+  arguments.check_positive_ints_or_none(model_dim=model_dim, chunk_size=chunk_size)
+  arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
+  if num_heads is None:
+    return
+  arguments.check_positive_ints(num_heads=num_heads)
+  arguments.check_positive_ints_or_none(head_dim=head_dim)
+  if head_dim is None and model_dim is not None and model_dim % num_heads:
+    raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
+                     f"got {num_heads=} {model_dim=}")
 
 
 def check_step(name: str, x_t: jax.Array, state, state_shapes) -> None:

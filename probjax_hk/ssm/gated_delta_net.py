@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from ops.gated_delta_rule.reference import gated_delta_step
+from probjax_hk.arguments import check_bools
 from probjax_hk.arguments import check_positive_ints
-from probjax_hk.arguments import check_positive_or_none
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
@@ -69,13 +70,18 @@ class GatedDeltaNetCell(ChunkedSequenceCell):
       chunk_size: `ops.gated_delta_rule`'s chunk (None: its default).
       implementation: `ops.gated_delta_rule`'s backend for the sequence path.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer or a flag that is not a bool.
+      ValueError: a size below 1, `num_heads` not dividing `model_dim`
+        (without `head_dim`), or an unknown `implementation`.
     """
+    check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
+                            model_dim=model_dim, chunk_size=chunk_size,
+                            implementation=implementation)
     super().__init__(name=name)
-    check_positive_ints(num_heads=num_heads, conv_width=conv_width)
-    check_positive_or_none(head_dim=head_dim)
-    if head_dim is None and model_dim is not None and model_dim % num_heads:
-      raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
-                       f"got {num_heads=} {model_dim=}")
+    check_positive_ints(conv_width=conv_width)
+    check_bools(use_output_gate=use_output_gate)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.conv_width = conv_width

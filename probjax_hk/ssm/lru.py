@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
-from probjax_hk.arguments import check_positive_or_none
+from probjax_hk import arguments
 from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
@@ -61,14 +61,22 @@ class LRUCell(hk.Module):
       max_phase: the largest initial phase of lambda.
       implementation: `ops.linear_scan`'s backend for the sequence path.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer or a radius or phase that is
+        not a number.
+      ValueError: a size below 1, radii outside `0 <= r_min < r_max <= 1`, a
+        `max_phase` that is not positive, or an unknown `implementation`.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
-    check_positive_or_none(state_dim=state_dim, model_dim=model_dim)
+    arguments.check_positive_ints_or_none(state_dim=state_dim, model_dim=model_dim)
+    arguments.check_nonnegative_numbers(r_min=r_min, r_max=r_max)
+    arguments.check_positive_numbers(max_phase=max_phase)
+    arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
     if not 0.0 <= r_min < r_max <= 1.0:
       raise ValueError(f"`r_min`/`r_max` must satisfy 0 <= r_min < r_max <= 1, "
                        f"got {r_min=} {r_max=}")
-    if max_phase <= 0:
-      raise ValueError(f"`max_phase` must be positive, got {max_phase=}")
     self.state_dim = state_dim
     self.model_dim = model_dim
     self.r_min, self.r_max, self.max_phase = r_min, r_max, max_phase

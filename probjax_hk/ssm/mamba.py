@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from ops.selective_scan.reference import finish_output
-from probjax_hk.arguments import check_positive_or_none
+from probjax_hk import arguments
 from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_prefill
@@ -56,15 +56,21 @@ class MambaCell(hk.Module):
       dt_min, dt_max: the range of the initial step sizes (log-uniform).
       implementation: `ops.selective_scan`'s backend for the sequence path.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer (`dt_rank`: nor 'auto') or a
+        step size that is not a number.
+      ValueError: a size below 1, step sizes outside
+        `0 < dt_min <= dt_max`, or an unknown `implementation`.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
-    check_positive_or_none(state_dim=state_dim, model_dim=model_dim)
-    if not isinstance(expand, int) or expand < 1:
-      raise ValueError(f"`expand` must be an integer >= 1, got {expand=}")
-    if conv_width < 1:
-      raise ValueError(f"`conv_width` must be >= 1, got {conv_width=}")
-    if dt_rank != "auto" and (not isinstance(dt_rank, int) or dt_rank < 1):
-      raise ValueError(f"`dt_rank` must be 'auto' or a positive integer, got {dt_rank=}")
+    arguments.check_positive_ints_or_none(state_dim=state_dim, model_dim=model_dim)
+    arguments.check_positive_ints(expand=expand, conv_width=conv_width)
+    if dt_rank != "auto":
+      arguments.check_positive_ints(dt_rank=dt_rank)
+    arguments.check_positive_numbers(dt_min=dt_min, dt_max=dt_max)
+    arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
     if not 0 < dt_min <= dt_max:
       raise ValueError(f"`dt_min`/`dt_max` must satisfy 0 < dt_min <= dt_max, "
                        f"got {dt_min=} {dt_max=}")

@@ -23,6 +23,7 @@ from ops import _backend
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
+from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.ssd import decay_params
@@ -95,7 +96,15 @@ class Mamba2Cell(ChunkedSequenceCell):
       chunk_size: `ops.ssd`'s chunk (None: its default).
       implementation: `ops.ssd`'s backend for the sequence path.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer.
+      ValueError: a size below 1, `head_dim` or `ngroups` not dividing the
+        inner width or the heads (given `model_dim`), or an unknown
+        `implementation`.
     """
+    check_chunked_cell_args(name, model_dim=model_dim, chunk_size=chunk_size,
+                            implementation=implementation)
     super().__init__(name=name)
     check_positive_ints(expand=expand, head_dim=head_dim, state_dim=state_dim,
                         conv_width=conv_width, ngroups=ngroups)

@@ -28,14 +28,18 @@ Glossary of shapes: B batch, T time, I input width, H model width, O output widt
 """
 
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
 from probjax_hk import stacking
+from probjax_hk.arguments import check_bools
+from probjax_hk.arguments import check_callables
+from probjax_hk.arguments import check_name
 from probjax_hk.arguments import check_positive_ints
+from probjax_hk.arguments import check_rates
 from probjax_hk.layers import Linear
 from probjax_hk.layers import MLP
 from probjax_hk.layers import RMSNorm
@@ -171,15 +175,23 @@ class SSMModel(hk.Module):
       name: module name.
 
     Raises:
+      TypeError: a width or depth that is not an integer, a flag that is not
+        a bool, a `cell` that is not callable or `cell_kwargs` that is not a
+        dict.
       ValueError: for a width, depth or dropout rate out of range, and for
         `cell_kwargs` that lack an argument the cell requires, name one it
         does not take, or that the cell itself refuses.
     """
+    check_name(name)
     super().__init__(name=name)
     check_positive_ints(input_dim=input_dim, model_dim=model_dim,
                         output_dim=output_dim, num_layers=num_layers)
-    if not 0.0 <= dropout_rate < 1.0:
-      raise ValueError(f"`dropout_rate` must be in [0, 1), got {dropout_rate=}")
+    check_rates(dropout_rate=dropout_rate)
+    check_bools(bidirectional=bidirectional, scan_layers=scan_layers)
+    check_callables(cell=cell)
+    if cell_kwargs is not None and not isinstance(cell_kwargs, Mapping):
+      raise TypeError(f"`cell_kwargs` must be a dict of the cell's keyword arguments or "
+                      f"None, got {cell_kwargs=}")
     cell_kwargs = dict(cell_kwargs or {})
     for passed in _PASSED_BY_MODEL:
       if passed in cell_kwargs:

@@ -21,10 +21,10 @@ import ops
 from ops import _backend
 from ops.ssd.reference import expand_groups
 from ops.ssd.reference import ssd_step
-from probjax_hk.arguments import check_positive_ints
-from probjax_hk.arguments import check_positive_or_none
+from probjax_hk import arguments
 from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
+from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import zeros
@@ -144,13 +144,17 @@ class SSDCell(ChunkedSequenceCell):
       chunk_size: `ops.ssd`'s chunk (None: its default).
       implementation: `ops.ssd`'s backend for the sequence path.
       name: module name.
+
+    Raises:
+      TypeError: a size that is not an integer.
+      ValueError: a size below 1, `num_heads` not dividing `model_dim`
+        (without `head_dim`), or an unknown `implementation`.
     """
+    check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
+                            model_dim=model_dim, chunk_size=chunk_size,
+                            implementation=implementation)
     super().__init__(name=name)
-    check_positive_ints(num_heads=num_heads, state_dim=state_dim)
-    if head_dim is None and model_dim is not None and model_dim % num_heads:
-      raise ValueError(f"`num_heads` must divide `model_dim` when `head_dim` is None, "
-                       f"got {num_heads=} {model_dim=}")
-    check_positive_or_none(head_dim=head_dim)
+    arguments.check_positive_ints(state_dim=state_dim)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.state_dim = state_dim

@@ -30,6 +30,8 @@ from typing import Callable, Mapping
 
 from absl import logging
 
+from probjax_hk import arguments
+
 Metrics = Mapping[str, float]
 
 
@@ -109,14 +111,22 @@ class EarlyStopping(Callback):
       pass) or a training metric such as 'loss' (checked after each step).
     min_delta: an improvement must lower the best value by more than this.
     mode: 'min' (lower is better) or 'max'.
+
+  Raises:
+    TypeError: `patience` is not an integer, `monitor` not a string or
+      `min_delta` not a number.
+    ValueError: `patience` is below 1, `min_delta` negative, or `mode`
+      neither 'min' nor 'max'.
   """
 
   def __init__(self, patience: int, *, monitor: str = "val_loss",
                min_delta: float = 0.0, mode: str = "min"):
-    if patience < 1:
-      raise ValueError(f"`patience` must be >= 1, got {patience=}")
-    if mode not in ("min", "max"):
-      raise ValueError(f"`mode` must be 'min' or 'max', got {mode=}")
+    arguments.check_positive_ints(patience=patience)
+    if not isinstance(monitor, str) or not monitor:
+      raise TypeError(f"`monitor` must be a metric's name ('val_loss', 'loss', ...), "
+                      f"got {monitor=}")
+    arguments.check_nonnegative_numbers(min_delta=min_delta)
+    arguments.check_choice("mode", mode, ("min", "max"))
     self.patience = patience
     self.monitor = monitor
     self.min_delta = min_delta

@@ -25,7 +25,8 @@ Glossary of shapes: B global batch, P number of processes, D devices in the mesh
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+import numbers
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,23 @@ def fsdp_spec(shape: tuple[int, ...], mesh: Mesh,
   `scan_layers` stack [L, ...] stays whole where a layer's own dimension is as
   large: the scan slices it one layer at a time). A leaf of fewer than
   `min_size` elements, or with no such dimension, is replicated (P()).
+
+  Raises:
+    TypeError: `shape` is not a sequence of integers, `mesh` not a
+      `jax.sharding.Mesh`, or `min_size` not an integer.
+    ValueError: a size in `shape` or `min_size` is negative.
   """
+  is_count = lambda n: isinstance(n, numbers.Integral) and not isinstance(n, bool)
+  if (isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence)
+      or not all(is_count(n) for n in shape)):
+    raise TypeError(f"`shape` must be a sequence of integers >= 0, got {shape=}")
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"`mesh` must be a jax.sharding.Mesh, got {mesh!r}")
+  if not is_count(min_size):
+    raise TypeError(f"`min_size` must be an integer >= 0, got {min_size=}")
+  for arg, value in (("shape", min(shape, default=0)), ("min_size", min_size)):
+    if value < 0:
+      raise ValueError(f"`{arg}` must hold integers >= 0, got {shape=} {min_size=}")
   if mesh.size == 1 or math.prod(shape) < min_size:
     return PartitionSpec()
   candidates = [d for d, n in enumerate(shape) if n % mesh.size == 0]

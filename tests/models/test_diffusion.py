@@ -146,15 +146,16 @@ def test_ddpm_loss_inside_hk_transform_trains_a_haiku_model():
   assert value != net.apply(params, jax.random.key(3), x0)
 
 
-@pytest.mark.parametrize("args, kwargs, match", [
-    (("not callable", jnp.zeros((2, 3))), {}, "`predict_noise`"),
-    ((jnp.zeros_like, jnp.zeros(())), {}, "`x0`"),
-    ((jnp.zeros_like, jnp.zeros((2, 3), jnp.int32)), {}, "floating"),
-    ((jnp.zeros_like, jnp.zeros((2, 3))), dict(time_scale=0.0), "`time_scale`"),
-    ((lambda x, t: x[:, :1], jnp.zeros((2, 3))), {}, "`predict_noise` must return"),
+@pytest.mark.parametrize("args, kwargs, error, match", [
+    (("not callable", jnp.zeros((2, 3))), {}, TypeError, "`predict_noise`"),
+    ((jnp.zeros_like, jnp.zeros(())), {}, ValueError, "`x0`"),
+    ((jnp.zeros_like, jnp.zeros((2, 3), jnp.int32)), {}, ValueError, "floating"),
+    ((jnp.zeros_like, jnp.zeros((2, 3))), dict(time_scale=0.0), ValueError, "`time_scale`"),
+    ((lambda x, t: x[:, :1], jnp.zeros((2, 3))), {}, ValueError,
+     "`predict_noise` must return"),
 ])
-def test_ddpm_loss_rejects_bad_arguments(args, kwargs, match):
-  with pytest.raises(ValueError, match=match):
+def test_ddpm_loss_rejects_bad_arguments(args, kwargs, error, match):
+  with pytest.raises(error, match=match):
     diffusion.ddpm_loss(*args, jax.random.key(0), **kwargs)
 
 
@@ -219,7 +220,7 @@ def test_ddim_with_the_exact_denoiser_of_two_points_lands_on_them():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(apply_fn=None), ValueError, "`apply_fn`"),
+    (dict(apply_fn=None), TypeError, "`apply_fn`"),
     (dict(shape=()), ValueError, "`shape`"),
     (dict(shape=(2, 0)), ValueError, "`shape`"),
     (dict(shape=(2, 3.0)), TypeError, "`shape`"),
