@@ -41,6 +41,7 @@ from probjax_hk.arguments import check_name
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.arguments import check_rates
 from probjax_hk.layers import Linear
+from probjax_hk.layers import check_tokens
 from probjax_hk.layers import MLP
 from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.lru import LRUCell
@@ -225,7 +226,8 @@ class SSMModel(hk.Module):
     Returns:
       [B, T, output_dim] in `x`'s dtype.
     """
-    if x.ndim != 3 or x.shape[-1] != self.input_dim:
+    check_tokens(x)
+    if x.shape[-1] != self.input_dim:
       raise ValueError(f"`x` must be [B, T, input_dim={self.input_dim}], got {x.shape}")
     h = Linear(self.model_dim, name="input_proj")(x)          # [B, T, H]
 

@@ -78,6 +78,37 @@ def test_bad_function_arguments_raise(fn, argument):
     fn()
 
 
+_SEQUENCE_MODELS = {
+    "transformer": lambda x: pk.Transformer(D, 4, 1)(x),
+    "dit": lambda x: pk.DiffusionTransformer(D, 4, 1)(x, 0.0),
+    "lru": lambda x: pk.SSMModel(D, D, D, 1)(x),
+    "ssd": lambda x: pk.SSMModel(D, D, D, 1, cell=pk.SSDCell, cell_kwargs={"num_heads": 2})(x),
+}
+
+
+@pytest.mark.parametrize("model", list(_SEQUENCE_MODELS))
+@pytest.mark.parametrize("shape, axis", [((0, T, D), "B"), ((B, 0, D), "T")])
+def test_empty_batch_or_time_axes_raise_naming_the_axis(model, shape, axis):
+  """A ZeroDivisionError from a reshape inside the attention (or an op's
+  `v needs T >= 1`), before."""
+  with pytest.raises(ValueError, match=f"`x` must be .*{axis} >= 1"):
+    _init(_SEQUENCE_MODELS[model], jnp.ones(shape))
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 4, 3), (B, 0, 4, 3)])
+def test_unet_empty_axes_raise(shape):
+  with pytest.raises(ValueError, match="`x` must be .*B, H, W >= 1"):
+    _init(lambda x: pk.UNet(3, (8,), norm_groups=4, num_heads=2)(x, 0.0), jnp.ones(shape))
+
+
+def test_token_wise_layers_map_an_empty_batch_to_an_empty_output():
+  model = hk.transform_with_state(
+      lambda x: (pk.MLP(8)(pk.Linear(D)(x)), pk.MoELayer(4, 2, 8)(pk.RMSNorm()(x))))
+  params, state = jax.eval_shape(model.init, jax.random.key(0), X[0])
+  (mlp, moe), _ = jax.eval_shape(model.apply, params, state, None, X[0, :0])
+  assert mlp.shape == moe.shape == (0, D)
+
+
 def test_good_rotary_positions_still_run():
   q = X.reshape(B, T, 2, 8)
   for positions in (jnp.arange(T), jnp.arange(T)[None], jnp.tile(jnp.arange(T), (B, 1))):
