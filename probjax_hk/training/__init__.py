@@ -3,6 +3,7 @@
 from probjax_hk.training.callbacks import Callback
 from probjax_hk.training.callbacks import EarlyStopping
 from probjax_hk.training.checkpoints import Checkpoint
+from probjax_hk.training.checkpoints import CheckpointReadError
 from probjax_hk.training.checkpoints import load_checkpoint
 from probjax_hk.training.loop import fit
 from probjax_hk.training.loop import fit_model
@@ -15,6 +16,7 @@ from probjax_hk.training.sharding import fsdp_spec
 __all__ = (
     "Callback",
     "Checkpoint",
+    "CheckpointReadError",
     "default_mesh",
     "EarlyStopping",
     "FSDP_MIN_SIZE",

@@ -278,7 +278,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     rng: an int seed or a JAX key; drives the data order and the loss's key.
     state: the initial Haiku state, for a `loss_fn` that takes one.
     validation_data: in-memory arrays, or a re-iterable collection of batches
-      (a list), evaluated with the same loss and a fixed key.
+      (a list), evaluated with the same loss and a fixed key (a non-finite
+      validation loss is logged as a warning).
     eval_every: evaluate every this many steps (default: each epoch for
       in-memory data, else only at the end; always also at the end).
     callbacks: `Callback` objects or functions `(step, metrics) -> bool | None`;
@@ -289,8 +290,14 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     checkpoint_every: also save every this many steps (the end, a stop and
       Ctrl-C always save when `checkpoint_dir` is set).
     keep_checkpoints: how many of the newest checkpoints to keep.
-    resume: continue from the newest checkpoint in `checkpoint_dir` (its
-      state, step and key replace `params`, `state` and `rng`).
+    resume: True: continue from the newest checkpoint in `checkpoint_dir`
+      that can be read (its state, step and key replace `params`, `state`
+      and `rng`; a newer one that cannot is skipped with a warning and moved
+      into `<checkpoint_dir>/unreadable/`). False: start a fresh run from
+      `params`; the checkpoints already in `checkpoint_dir` belong to an
+      earlier run, which this one replaces (a warning says so): they stay
+      until this run's first save and are deleted once it is written, so
+      the directory never mixes two runs.
     mesh: the device mesh; the batch is split over all its axes (and the
       compiled steps run under `jax.set_mesh(mesh)`, so that the Pallas
       kernels run per shard). Default: one axis over `jax.devices()`.
@@ -323,8 +330,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     log_every: `absl.logging.info` a line every this many steps.
     last_batch: 'drop' or 'pad' the last partial batch (pad: a row mask).
     on_nonfinite: 'raise': the first step with a non-finite loss, gradient or
-      update ends the fit with `NonFiniteLossError` (naming the step; its
-      `result` and the checkpoint hold the last finite parameters). 'skip':
+      update ends the fit with `NonFiniteLossError` (naming the step k; its
+      `result` and the checkpoint hold the last finite parameters, those of
+      step k - 1, and are labelled with that step, so that a resumed fit runs
+      step k again). 'skip':
       such steps are rejected (parameters unchanged), logged, listed in
       `history['nonfinite_steps']`, and the fit goes on.
     steps_per_call: run up to this many steps in one compiled call (a
@@ -354,7 +363,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     ValueError: a bad argument, before anything is compiled (among them a
       `parameter_sharding` that is not a mode or a callable, or a spec it
       returns naming an axis not in `mesh` or not dividing its dimension:
-      the message names the parameter's path).
+      the message names the parameter's path); a checkpoint to resume from
+      that is from another model or optimizer, or none of whose steps can be
+      read (the message names the directory and the ways out).
     NonFiniteLossError: see `on_nonfinite`.
   """
   _check_unknown(unknown, _FIT_ARGUMENTS, "fit()")
@@ -442,14 +453,20 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
   shardings = layout.shardings(mesh)
 
   history: dict[str, list] = {"step": []}
-  checkpointer, latest = None, None
+  checkpointer, restored = None, None
   if checkpoint_dir is not None:
-    checkpointer = checkpoints_lib.Checkpointer(checkpoint_dir,
-                                                keep=keep_checkpoints)
-    latest = checkpointer.latest_step() if resume else None
-  if latest is not None:  # restored straight into this run's shardings
+    checkpointer = checkpoints_lib.Checkpointer(
+        checkpoint_dir, keep=keep_checkpoints, replace=not resume)
+  if checkpointer is not None and resume:
+    # The newest readable step, restored straight into this run's shardings.
     template = dict(jax.eval_shape(lambda t: t, initial), opt_state=opt_shapes)
-    ts, meta = checkpointer.restore(latest, template, shardings)
+    try:
+      restored = checkpointer.restore_newest(template, shardings)
+    except BaseException:
+      checkpointer.close()
+      raise
+  if restored is not None:
+    ts, meta = restored
     history = {k: [np.nan if v is None else v for v in values]
                for k, values in meta["history"].items()}
   else:
