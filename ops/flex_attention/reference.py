@@ -129,6 +129,6 @@ def flex_attention_reference(
                    precision=jax.lax.Precision.HIGHEST)
   out = out.reshape(batch, seq_q, num_heads, head_dim).astype(q.dtype)
   if return_lse:
-    lse = jnp.where(total[..., 0] == 0, -jnp.inf, row_max[..., 0] + jnp.log(total[..., 0]))
-    return out, lse
+    # logsumexp of a row of -inf is -inf: an empty row's lse, as documented.
+    return out, jax.nn.logsumexp(jnp.where(mask, logits, -jnp.inf), axis=-1)
   return out
