@@ -20,6 +20,7 @@ Glossary of shapes: N in-memory examples, B batch size.
 
 import difflib
 import inspect
+import numbers
 import os
 from typing import Any, Callable, Iterable, Sequence
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from probjax_hk import arguments
 from probjax_hk.training import callbacks as callbacks_lib
 from probjax_hk.training import checkpoints as checkpoints_lib
 from probjax_hk.training import data as data_lib
@@ -58,6 +60,9 @@ AUTO_STREAM_ITEM_BYTES = 64 * 2**20
 _POSITIVE_ARGUMENTS = (
     "batch_size", "num_steps", "epochs", "eval_every", "checkpoint_every",
     "keep_checkpoints", "log_every", "steps_per_call")
+
+# fit()'s arguments that must be bools.
+_FLAG_ARGUMENTS = ("resume", "donate", "progress")
 
 _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
@@ -118,6 +123,23 @@ def _check_types(loss_fn, optimizer, callbacks, mesh) -> None:
     raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {mesh!r}")
 
 
+def _check_trees(params, state) -> None:
+  """`params` must be a non-empty pytree of floating-point arrays (the
+  gradient is taken of them), `state` None or a pytree of numeric arrays."""
+  for arg, tree in (("params", params), ("state", state)):
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if arg == "params" and not leaves:
+      raise ValueError(f"`params` must be a pytree of floating-point arrays, got {params!r}")
+    for path, leaf in leaves:
+      dtype = _dtype(leaf) if isinstance(leaf, (np.ndarray, jax.Array, numbers.Number)) else None
+      fits = dtype is not None and (jnp.issubdtype(dtype, jnp.inexact) if arg == "params"
+                                    else jnp.issubdtype(dtype, jnp.number) or dtype == jnp.bool_)
+      if not fits:
+        kind = "floating-point" if arg == "params" else "numeric"
+        raise TypeError(f"`{arg}` must be a pytree of {kind} arrays, got leaf "
+                        f"{jax.tree_util.keystr(path) or '<root>'} = {leaf!r}")
+
+
 def _auto_steps_per_call(params, state, optimizer, callbacks, checkpoint_dir) -> int:
   """`steps_per_call=None`: several steps per call for a small state, unless
   callbacks are given (a stop they ask for would take effect only at a call's
@@ -137,7 +159,10 @@ def _as_raw_key(rng) -> jax.Array:
     rng = 0
   if isinstance(rng, (int, np.integer)):
     return jax.random.PRNGKey(int(rng))
-  rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  try:
+    rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
+  except TypeError:
+    raise TypeError(f"`rng` must be an int seed or a JAX key, got {rng!r}") from None
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
     return jax.random.key_data(rng)
   if rng.dtype != jnp.uint32 or rng.shape != (2,):
@@ -379,7 +404,9 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                   eval_every=eval_every, checkpoint_every=checkpoint_every,
                   keep_checkpoints=keep_checkpoints, log_every=log_every,
                   steps_per_call=steps_per_call)
+  arguments.check_bools(resume=resume, donate=donate, progress=progress)
   _check_types(loss_fn, optimizer, callbacks, mesh)
+  _check_trees(params, state)
   sharding_lib.check_parameter_sharding(parameter_sharding)
   _check_checkpoint_dir(checkpoint_dir)
   if last_batch == "pad" and not _accepts_mask(loss_fn):
@@ -525,12 +552,19 @@ def fit_model(transformed: hk.Transformed | hk.TransformedWithState, data, *,
   # The arguments fit() checks cheaply, checked before `transformed.init` runs.
   _check_positive(**{k: fit_kwargs[k] for k in _POSITIVE_ARGUMENTS
                      if k in fit_kwargs})
+  arguments.check_bools(**{k: fit_kwargs[k] for k in _FLAG_ARGUMENTS if k in fit_kwargs})
   _check_checkpoint_dir(fit_kwargs.get("checkpoint_dir"))
   parameter_sharding = fit_kwargs.get("parameter_sharding", "replicated")
   sharding_lib.check_parameter_sharding(parameter_sharding)
   mesh = fit_kwargs.get("mesh")
   if mesh is not None and not isinstance(mesh, jax.sharding.Mesh):
     raise TypeError(f"`mesh` must be a jax.sharding.Mesh or None, got {mesh!r}")
+  if state is not None and not with_state:
+    raise ValueError("`state` is for hk.transform_with_state(...) functions; "
+                     "`transformed` is hk.transform(...), which keeps no state")
+  if not (data_lib.is_in_memory(data) or isinstance(data, Iterable)):
+    raise ValueError(f"`data` must be a pytree of arrays or an iterable of"
+                     f" batches, got {type(data)}")
   key = _as_raw_key(rng)
   if params is None or (with_state and state is None):
     if data_lib.is_in_memory(data):
