@@ -3,21 +3,29 @@
 Glossary of shapes: B batch, T query tokens, S key/value tokens, N query
 heads, K key/value heads (N % K == 0: GQA/MQA), H head size, D model width.
 
-`dot_product_attention` has the signature of `jax.nn.dot_product_attention`.
-Which kernel runs is decided in one place, `choose_attention_implementation`:
+`dot_product_attention` takes every argument of `jax.nn.dot_product_attention`
+(JAX 0.11.2) with the same meaning: rank-4 `[B, T, N, H]` or rank-3 `[T, N, H]`
+inputs (so it runs under `jax.vmap` over the batch), `bias` and `mask`
+broadcastable to `[B, N, T, S]`, query and key lengths, windows, GQA and
+`return_residual`; it adds `implementation='flex'`. Which kernel runs is
+decided in one place, `choose_attention_implementation`:
 
-* `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere.
+* `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere;
+  float16 inputs compute in float32 where XLA cannot compile the float16 dot
+  jax.nn asks for (a CPU under `jax.jit`), and return float16.
 * `'cudnn'`: cuDNN's fused attention; needs an NVIDIA GPU and f16/bf16 inputs
   with H a multiple of 8 up to 128, and a window that does not look right.
 * `'flex'`: this library's Pallas flash kernel (`ops.flex_attention`); takes
   f32/bf16/f16, H <= 256, causal, any window, GQA and key lengths, but no
-  dense `bias`/`mask` array and no `query_seq_lengths`. Compiled on NVIDIA
-  GPUs, Pallas interpret mode elsewhere (slow; for tests). A query row that
-  sees no key returns zeros (jax.nn's XLA path returns the mean of v there).
+  dense `bias`/`mask` array, no `query_seq_lengths` and no
+  `return_residual`. Compiled on NVIDIA GPUs, Pallas interpret mode
+  elsewhere (slow; for tests). A query row that sees no key returns zeros
+  (jax.nn's XLA path returns the mean of v there).
 * `None`: the fastest implementation that takes the inputs on this platform,
   never an error for a valid input. On an NVIDIA GPU: the split-K decode
   kernel (`ops.decode_attention`) for one query per sequence (T = 1, not
-  causal, no bias, mask or window: a decoding step against a cache); else,
+  causal, no bias, mask, window or residual: a decoding step against a
+  cache); else,
   of 'flex', 'cudnn' and 'xla', those that take the inputs, and of them the
   one measured fastest (fwd+bwd) at the point of the shape grid that judges
   the call: the table `ops/dispatch_tables/attention.json` (dtype, variant,
@@ -32,6 +40,7 @@ several new tokens or a window through `cached_attention`
 `MultiHeadAttention.decode` extends it).
 """
 
+import functools
 from typing import Callable, Literal, NamedTuple
 
 import haiku as hk
@@ -73,8 +82,11 @@ def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
   return None
 
 
-def _flex_limit(query, bias, mask, query_seq_lengths, scale=None) -> str | None:
+def _flex_limit(query, bias, mask, query_seq_lengths, scale=None,
+                return_residual=False) -> str | None:
   """None when the Pallas flex kernel takes these inputs, else why not."""
+  if return_residual:
+    return "the flex kernel does not return the log-sum-exp (`return_residual=True`)"
   if isinstance(scale, jax.core.Tracer):
     return "the flex kernel needs a static `scale` (a Python or NumPy number)"
   if bias is not None or mask is not None:
@@ -88,7 +100,8 @@ def _flex_limit(query, bias, mask, query_seq_lengths, scale=None) -> str | None:
 
 
 def _decode_limit(query, key, bias, mask, is_causal, local_window_size,
-                  query_seq_lengths, key_value_seq_lengths, scale) -> str | None:
+                  query_seq_lengths, key_value_seq_lengths, scale,
+                  return_residual) -> str | None:
   """None when `ops.decode_attention` computes this call exactly, else why not.
 
   Its query t sees the keys up to position lengths - T + t; for T = 1 and
@@ -100,6 +113,8 @@ def _decode_limit(query, key, bias, mask, is_causal, local_window_size,
     return "the decode kernel takes no causal mask or window here"
   if bias is not None or mask is not None or query_seq_lengths is not None:
     return "the decode kernel takes no `bias`, `mask` or `query_seq_lengths`"
+  if return_residual:
+    return "the decode kernel does not return the log-sum-exp (`return_residual=True`)"
   if isinstance(scale, jax.core.Tracer):
     return "the decode kernel needs a static `scale`"
   lengths = key_value_seq_lengths
@@ -117,7 +132,8 @@ def choose_attention_implementation(
     local_window_size: int | tuple[int, int] | None = None,
     implementation: AttentionImplementation = None,
     query_seq_lengths: jax.Array | None = None,
-    key_value_seq_lengths: jax.Array | None = None, scale=None) -> str:
+    key_value_seq_lengths: jax.Array | None = None, scale=None,
+    return_residual: bool = False) -> str:
   """The implementation `dot_product_attention` runs for these arguments.
 
   The one dispatch rule (table in BUILD_NOTES.md, "## flex_attention"):
@@ -131,12 +147,13 @@ def choose_attention_implementation(
   that takes the inputs.
 
   Args:
-    query: [B, T, N, H].
-    key, value: [B, S, K, H].
+    query: [B, T, N, H] or [T, N, H].
+    key, value: [B, S, K, H] or [S, K, H].
     bias: optional, broadcastable to [B, N, T, S].
     mask: optional boolean, broadcastable to [B, N, T, S].
-    is_causal, local_window_size, query_seq_lengths, key_value_seq_lengths, scale: as
-      for `dot_product_attention`.
+    is_causal, scale, local_window_size, return_residual: as for
+      `dot_product_attention`.
+    query_seq_lengths, key_value_seq_lengths: likewise.
     implementation: None, 'xla', 'cudnn' or 'flex'.
 
   Returns:
@@ -145,18 +162,20 @@ def choose_attention_implementation(
     the reason); never raises for `None`.
   """
   del value  # Every implementation takes it.
+  query, key = _with_batch_axis(query=query, key=key)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "xla":
     return "xla"
   if implementation == "flex":
-    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale)
+    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale, return_residual)
     if flex_limit is not None:
       raise ValueError(f"implementation='flex' is not available: {flex_limit}")
     return "flex"
   if (implementation is None and _backend.on_nvidia_gpu()
       and _decode_limit(query, key, bias, mask, is_causal, local_window_size,
-                        query_seq_lengths, key_value_seq_lengths, scale) is None):
+                        query_seq_lengths, key_value_seq_lengths, scale,
+                        return_residual) is None):
     return "decode"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
   if implementation == "cudnn":
@@ -165,7 +184,7 @@ def choose_attention_implementation(
     return "cudnn"
   if not _backend.on_nvidia_gpu():
     return "xla"
-  flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale)
+  flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale, return_residual)
   fits = [name for name, limit in (("flex", flex_limit), ("cudnn", cudnn_limit), ("xla", None))
           if limit is None]
   dtype = "float32" if query.dtype == jnp.float32 else "bfloat16"  # f16 runs as bf16 does
@@ -185,6 +204,18 @@ def grid_variant(query, key, is_causal, local_window_size) -> str:
   if key.shape[2] < query.shape[2]:
     return "gqa"
   return "causal" if is_causal else "full"
+
+
+def _with_batch_axis(**arrays) -> list:
+  """Each array [B, T, N, H], or [T, N, H] given a leading B = 1 (jax.nn's
+  rank-3 form: one sequence, as `jax.vmap` over the batch hands it)."""
+  batched = []
+  for name, x in arrays.items():
+    if np.ndim(x) not in (3, 4):
+      raise ValueError(f"`{name}` must be [B, T, N, H] or [T, N, H] (keys and values "
+                       f"[B, S, K, H] or [S, K, H]), got shape {np.shape(x)}")
+    batched.append(x if np.ndim(x) == 4 else x[None])
+  return batched
 
 
 def _check_shapes(query, key, value):
@@ -210,6 +241,58 @@ def check_window(local_window_size) -> None:
                      f"of ints >= 0, got {local_window_size=}")
 
 
+def _checked_lengths(name, lengths, batch):
+  """`lengths` (None or array-like) as int32 [B]; a ValueError naming it unless
+  it is [B] integers (a float is refused, not truncated)."""
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be [B]=({batch},) integers, got shape "
+                     f"{lengths.shape} and dtype {lengths.dtype}")
+  return lengths.astype(jnp.int32)
+
+
+# The dot algorithm jax.nn's XLA path asks for with 16-bit inputs.
+_DOT_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+                   jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32}
+
+
+@functools.cache
+def _xla_compiles_dot_algorithm(dtype: np.dtype) -> bool:
+  """Whether XLA on the default backend compiles `_DOT_ALGORITHMS[dtype]`.
+
+  jax.nn's XLA path falls back to the default precision when an eager dot
+  raises, but under `jax.jit` the error comes at lowering (float16 on a CPU,
+  JAX 0.11.2), so it is checked once on a 2 x 2 dot.
+  """
+  algorithm = _DOT_ALGORITHMS.get(dtype)
+  if algorithm is None:
+    return True
+  x = jax.ShapeDtypeStruct((2, 2), dtype)
+  dot = lambda a, b: jnp.einsum("ij,jk->ik", a, b, precision=algorithm,
+                                preferred_element_type=jnp.float32)
+  try:
+    jax.jit(dot).lower(x, x).compile()
+  except (ValueError, jax.errors.JaxRuntimeError):
+    return False
+  return True
+
+
+def _jax_nn_attention(query, key, value, bias, mask, *, implementation, **options):
+  """`jax.nn.dot_product_attention` on rank-4 inputs; 'xla' runs in float32
+  (cast back to the inputs' dtype) where XLA cannot compile its 16-bit dot."""
+  dtype = query.dtype
+  # Mixed dtypes are left to jax.nn, which refuses them.
+  upcast = (implementation == "xla" and query.dtype == key.dtype == value.dtype
+            and not _xla_compiles_dot_algorithm(jnp.dtype(dtype)))
+  if upcast:
+    query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
+  out = jax.nn.dot_product_attention(query, key, value, bias, mask,
+                                     implementation=implementation, **options)
+  return jax.tree.map(lambda x: x.astype(dtype), out) if upcast else out
+
+
 def dot_product_attention(
     query: jax.Array, key: jax.Array, value: jax.Array,
     bias: jax.Array | None = None, mask: jax.Array | None = None, *,
@@ -217,52 +300,79 @@ def dot_product_attention(
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: AttentionImplementation = None) -> jax.Array:
+    implementation: AttentionImplementation = None,
+    return_residual: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Scaled dot-product attention, `jax.nn.dot_product_attention`'s contract.
 
+  Rank-3 inputs are one sequence (B = 1 below, and the outputs drop it), as
+  `jax.vmap` over the batch hands them.
+
   Args:
-    query: [B, T, N, H].
-    key, value: [B, S, K, H], N a multiple of K (GQA/MQA without repeating K/V).
-    bias: optional, broadcastable to [B, N, T, S], added to the logits.
-    mask: optional boolean, broadcastable to [B, N, T, S]; False masks out.
+    query: [B, T, N, H] or [T, N, H].
+    key, value: [B, S, K, H] or [S, K, H], N a multiple of K (GQA/MQA without
+      repeating K/V).
+    bias: optional, broadcastable to [B, N, T, S] (rank <= 4), added to the
+      scaled logits.
+    mask: optional boolean, broadcastable to [B, N, T, S] (rank <= 4); False
+      masks out.
     scale: logit scale, default `H ** -0.5`.
     is_causal: query t attends to keys s <= t.
-    query_seq_lengths: optional [B] valid query lengths.
-    key_value_seq_lengths: optional [B] valid key lengths (key padding).
+    query_seq_lengths: optional [B] ints; query rows t >= length return zeros.
+    key_value_seq_lengths: optional [B] ints: keys s >= length are padding.
     local_window_size: `w` or `(left, right)`: t attends to s in [t-left, t+right].
     implementation: see the module docstring.
+    return_residual: also return the log-sum-exp of each query's masked
+      logits (FlashAttention-2's residual), as jax.nn does: [B, T, N] in the
+      key's dtype, no gradient through it.
 
   Returns:
-    [B, T, N, H] in the query's dtype.
+    [B, T, N, H] (the query's shape) in the query's dtype; with
+    `return_residual`, the pair (output, residual [B, T, N] or [T, N]).
+
+  Raises:
+    ValueError: naming the argument, for shapes that do not fit together,
+      a `bias` or `mask` that does not broadcast to [B, N, T, S], a `mask`
+      that is not boolean, lengths that are not [B] integers, a bad window,
+      or an explicit `implementation` that cannot take the inputs.
   """
+  unbatched = np.ndim(query) == 3
+  query, key, value = _with_batch_axis(query=query, key=key, value=value)
   _check_shapes(query, key, value)
+  batch, seq_q, num_heads = query.shape[:3]
+  bias, mask = (None if x is None else jnp.asarray(x) for x in (bias, mask))
+  for name, x in (("bias", bias), ("mask", mask)):
+    _check_logits_operand(name, x, (batch, num_heads, seq_q, key.shape[1]))  # [B, N, T, S]
+  if mask is not None and mask.dtype != jnp.bool_:
+    raise ValueError(f"`mask` must be boolean (True attends), got {mask.dtype}")
+  query_seq_lengths = _checked_lengths("query_seq_lengths", query_seq_lengths, batch)
+  key_value_seq_lengths = _checked_lengths("key_value_seq_lengths", key_value_seq_lengths,
+                                           batch)
   check_window(local_window_size)
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
       local_window_size=local_window_size, implementation=implementation,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      scale=scale)
-  as_int32 = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
+      scale=scale, return_residual=return_residual)
   if chosen == "decode":
-    batch, seq_kv = key.shape[:2]
+    seq_kv = key.shape[1]
     lengths = (jnp.full((batch,), seq_kv, jnp.int32) if key_value_seq_lengths is None
-               else jnp.clip(as_int32(key_value_seq_lengths), 0, seq_kv))
-    return decode_api.decode_attention(
+               else jnp.clip(key_value_seq_lengths, 0, seq_kv))
+    out = decode_api.decode_attention(
         query, key, value, lengths, scale=None if scale is None else float(scale),
         implementation="pallas")
-  if chosen == "flex":
-    return flex_api.flex_attention(
+  elif chosen == "flex":
+    out = flex_api.flex_attention(
         query, key, value, is_causal=bool(is_causal),
         scale=None if scale is None else float(scale),
         local_window_size=_normalize_window(local_window_size),
-        key_value_seq_lengths=as_int32(key_value_seq_lengths), implementation="pallas")
-  return jax.nn.dot_product_attention(
-      query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=as_int32(query_seq_lengths),
-      key_value_seq_lengths=as_int32(key_value_seq_lengths),
-      local_window_size=_normalize_window(local_window_size),
-      implementation=chosen)
-
+        key_value_seq_lengths=key_value_seq_lengths, implementation="pallas")
+  else:
+    out = _jax_nn_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=_normalize_window(local_window_size),
+        implementation=chosen, return_residual=return_residual)
+  return jax.tree.map(lambda x: x[0], out) if unbatched else out
 
 
 class KVCache(NamedTuple):
@@ -381,12 +491,19 @@ class MultiHeadAttention(hk.Module):
       name: module name.
 
     Raises:
-      ValueError: for a head count that is not a positive int, or
-        `num_kv_heads` that does not divide `num_heads`.
+      TypeError: a size that is not an integer, a flag that is not a bool,
+        a `rope_base` that is not a number or an `attention_fn` that is not
+        callable.
+      ValueError: a size below 1, `num_kv_heads` that does not divide
+        `num_heads`, or a `rope_base` that is not positive.
     """
+    arguments.check_name(name)
     super().__init__(name=name)
     arguments.check_positive_ints(num_heads=num_heads)
     arguments.check_positive_ints_or_none(num_kv_heads=num_kv_heads, head_dim=head_dim)
+    arguments.check_bools(use_rope=use_rope, qk_norm=qk_norm, with_bias=with_bias)
+    arguments.check_positive_numbers(rope_base=rope_base)
+    arguments.check_callables(attention_fn=attention_fn)
     num_kv_heads = num_kv_heads or num_heads
     if num_heads % num_kv_heads:
       raise ValueError(f"`num_kv_heads` must divide `num_heads`, got {num_heads=} {num_kv_heads=}")
@@ -426,8 +543,9 @@ class MultiHeadAttention(hk.Module):
         `mask` that is not boolean.
     """
     layers.check_tokens(x)
-    if context is not None and (context.ndim != 3 or context.shape[0] != x.shape[0]):
-      raise ValueError(f"`context` must be [B, S, D_c] with B={x.shape[0]}, "
+    if context is not None and (context.ndim != 3 or context.shape[0] != x.shape[0]
+                                or 0 in context.shape):
+      raise ValueError(f"`context` must be [B, S, D_c] with B={x.shape[0]} and S, D_c >= 1, "
                        f"got shape {context.shape}")
     logits_shape = (x.shape[0], self.num_heads, x.shape[1],
                     (x if context is None else context).shape[1])  # [B, N, T, S]
