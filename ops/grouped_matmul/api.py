@@ -7,6 +7,7 @@ are sorted by expert (MegaBlocks, https://arxiv.org/abs/2211.15841).
 Glossary of shapes: M rows, K contraction, N output columns, G groups.
 """
 
+import functools
 from typing import Sequence
 
 import jax
@@ -19,11 +20,14 @@ from ops import _sharding
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 
-_DTYPES = (jnp.float32, jnp.bfloat16)
-# The algorithm the kernels run, per input dtype: exact products of the
-# input dtype (float32 without TF32), accumulated in float32.
-_KERNEL_ALGORITHM = {jnp.dtype(jnp.float32): jax.lax.DotAlgorithmPreset.F32_F32_F32,
-                     jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32}
+# The dtypes the kernels multiply and write.
+_KERNEL_DTYPES = tuple(map(jnp.dtype, (jnp.float32, jnp.bfloat16, jnp.float16)))
+_PRESET = jax.lax.DotAlgorithmPreset
+# The algorithm the kernels run, per operand dtype: exact products of the
+# operand dtype (float32 without TF32), accumulated in float32.
+_KERNEL_ALGORITHM = {jnp.dtype(jnp.float32): _PRESET.F32_F32_F32,
+                     jnp.dtype(jnp.bfloat16): _PRESET.BF16_BF16_F32,
+                     jnp.dtype(jnp.float16): _PRESET.F16_F16_F32}
 
 
 def validate_group_sizes(group_sizes, num_rows: int, num_groups: int) -> None:
@@ -111,38 +115,74 @@ def canonical_precision(precision):
       f"name, got {precision!r}")
 
 
-def precision_limit(precision, dtype) -> str | None:
-  """None when the kernels honour `precision` (canonical) for `dtype` inputs.
+def operand_dtype(lhs_dtype, rhs_dtype) -> jnp.dtype:
+  """The dtype the kernels multiply in: the operands' own when they agree,
+  else float32, which holds each of the kernels' input dtypes exactly."""
+  if jnp.dtype(lhs_dtype) == jnp.dtype(rhs_dtype):
+    return jnp.dtype(lhs_dtype)
+  return jnp.dtype(jnp.float32)
 
-  The kernels multiply exactly in the input dtype and accumulate in float32,
-  which meets every `lax.Precision`; of the algorithms they run only their
-  own (`DotAlgorithmPreset.F32_F32_F32` for float32 inputs, `BF16_BF16_F32`
-  for bfloat16) and `DEFAULT`.
+
+def dtype_limit(lhs_dtype, rhs_dtype, out_dtype) -> str | None:
+  """None when the kernels take these operand and result dtypes, else the
+  reason (`implementation=None` then runs XLA, which takes every dtype
+  `jax.lax.ragged_dot` takes)."""
+  for name, dtype in (("lhs", lhs_dtype), ("rhs", rhs_dtype),
+                      ("preferred_element_type", out_dtype)):
+    if jnp.dtype(dtype) not in _KERNEL_DTYPES:
+      return (f"the kernels take float32, bfloat16 or float16 `{name}`, got "
+              f"{jnp.dtype(dtype)}; use implementation='xla' for other dtypes")
+  return None
+
+
+def precision_limit(precision, dtype) -> str | None:
+  """None when the kernels honour `precision` (canonical) on operands of
+  `dtype` (`operand_dtype`).
+
+  The kernels multiply exactly in the operand dtype and accumulate in float32,
+  which meets every `lax.Precision`; of the algorithms they run `DEFAULT`,
+  their own (`F32_F32_F32` for float32 operands, `BF16_BF16_F32` for
+  bfloat16, `F16_F16_F32` for float16) and `F32_F32_F32`, which computes the
+  same as their own on 16-bit operands (whose products float32 holds exactly).
   """
   if precision is None or isinstance(precision, tuple):
     return None
   own = _KERNEL_ALGORITHM[jnp.dtype(dtype)]
-  if precision in (jax.lax.DotAlgorithmPreset.DEFAULT, own):
+  if precision in (_PRESET.DEFAULT, own, _PRESET.F32_F32_F32):
     return None
-  return (f"the kernels run `precision`={own} (or DEFAULT) for {jnp.dtype(dtype)} "
-          f"inputs, got {precision}; use implementation='xla' for other algorithms")
+  return (f"the kernels run `precision`={own} (or DEFAULT, F32_F32_F32) for "
+          f"{jnp.dtype(dtype)} operands, got {precision}; use implementation='xla' "
+          "for other algorithms")
 
 
-def output_dtype(preferred_element_type, input_dtype) -> jnp.dtype:
-  """The result dtype: `preferred_element_type`, by default the input's."""
-  if preferred_element_type is None:
-    return jnp.dtype(input_dtype)
+def output_dtype(lhs_dtype, rhs_dtype, precision, preferred_element_type) -> jnp.dtype:
+  """The result dtype, by `jax.lax.ragged_dot`'s own rule: `preferred_element_type`,
+  by default the wider of the operand dtypes (bfloat16 for float16 with bfloat16).
+
+  Raises:
+    ValueError: naming `preferred_element_type` when it is not a dtype, and
+      the dtypes when ragged_dot refuses them together.
+  """
+  if preferred_element_type is not None:
+    try:
+      preferred_element_type = jnp.dtype(preferred_element_type)
+    except TypeError:
+      raise ValueError("`preferred_element_type` must be None or a dtype, got "
+                       f"{preferred_element_type!r}") from None
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   try:
-    dtype = jnp.dtype(preferred_element_type)
-  except TypeError:
-    dtype = None
-  if dtype not in _DTYPES:
-    raise ValueError("`preferred_element_type` must be None, float32 or bfloat16, "
-                     f"got {preferred_element_type!r}")
-  return dtype
+    out = jax.eval_shape(
+        functools.partial(jax.lax.ragged_dot, precision=precision,
+                          preferred_element_type=preferred_element_type),
+        spec((1, 1), lhs_dtype), spec((1, 1, 1), rhs_dtype), spec((1,), jnp.int32))
+  except TypeError as e:
+    raise ValueError(f"`lhs` {jnp.dtype(lhs_dtype)}, `rhs` {jnp.dtype(rhs_dtype)} and "
+                     f"`preferred_element_type` {preferred_element_type}: "
+                     f"jax.lax.ragged_dot refuses them ({e})") from None
+  return jnp.dtype(out.dtype)
 
 
-def _validate(lhs, rhs, group_sizes) -> None:
+def _validate(lhs, rhs, group_sizes, group_offset) -> None:
   _shapes.check_arrays("grouped_matmul", (("lhs", lhs), ("rhs", rhs),
                                           ("group_sizes", group_sizes)))
   if lhs.ndim != 2:
@@ -152,69 +192,82 @@ def _validate(lhs, rhs, group_sizes) -> None:
   if lhs.shape[1] != rhs.shape[1]:
     raise ValueError(f"`lhs` [M, K] and `rhs` [G, K, N] must share K, got "
                      f"{lhs.shape=} {rhs.shape=}")
-  if lhs.dtype not in _DTYPES or rhs.dtype != lhs.dtype:
-    raise ValueError(f"`lhs` and `rhs` must both be float32 or both bfloat16, got "
-                     f"{lhs.dtype=} {rhs.dtype=}")
   validate_group_sizes(group_sizes, lhs.shape[0], rhs.shape[0])
+  if group_offset is not None:
+    raise ValueError("`group_offset` must be None: jax.lax.ragged_dot implements "
+                     f"no other value (it raises for any array), got {group_offset!r}")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   precision=None, preferred_element_type=None,
+                   precision=None, preferred_element_type=None, group_offset=None,
                    implementation: _backend.Implementation = None) -> jax.Array:
   """Grouped matmul: row i of group g is `lhs[i] @ rhs[g]`.
 
-  `jax.lax.ragged_dot`'s contract (the same arguments, result and gradients),
-  with a Pallas kernel behind it.
+  `jax.lax.ragged_dot`'s contract (the same arguments, result dtype, values
+  and gradients), with Pallas kernels behind it. The options are keyword-only.
 
   Args:
-    lhs: [M, K] float32 or bfloat16.
-    rhs: [G, K, N], same dtype as `lhs`.
+    lhs: [M, K], any dtype `jax.lax.ragged_dot` takes.
+    rhs: [G, K, N], the same dtype as `lhs` or another: their result dtype is
+      ragged_dot's (the wider of the two; bfloat16 for float16 with bfloat16).
     group_sizes: [G] non-negative integers; group g is the rows
       `sum(group_sizes[:g]) .. sum(group_sizes[:g+1]) - 1`. Rows after the last
       group are zero in the output (and get zero gradient).
     precision: as for `jax.lax.ragged_dot`: None, a `lax.Precision` (or its
       name), a pair of them, or a `lax.DotAlgorithm(Preset)`. The XLA path
-      passes it on. The kernels multiply exactly in the input dtype (float32
+      passes it on. The kernels multiply exactly in the operand dtype (float32
       without TF32) and accumulate in float32, which meets every
-      `lax.Precision`; of the algorithms they run `DotAlgorithmPreset.DEFAULT`
-      and their own, `F32_F32_F32` for float32 inputs and `BF16_BF16_F32` for
-      bfloat16. Another algorithm raises a ValueError with
-      implementation='pallas' and runs on XLA with None.
-    preferred_element_type: the output dtype, float32 or bfloat16 (default
-      `lhs.dtype`). Both paths accumulate in float32; the XLA path rounds the
-      accumulator once to this dtype, the kernels store it in the input dtype
-      and cast, so float32 output from bfloat16 inputs carries bfloat16
-      rounding on the Pallas path.
-    implementation: None (the Pallas kernel on NVIDIA GPUs, else XLA),
-      'pallas' (the kernel; interpret mode off GPU), or 'xla'
-      (`jax.lax.ragged_dot`).
+      `lax.Precision`; of the algorithms they run `DEFAULT`, `F32_F32_F32` and
+      the operand dtype's own (`BF16_BF16_F32`, `F16_F16_F32`). Another
+      algorithm raises a ValueError with implementation='pallas' and runs on
+      XLA with None.
+    preferred_element_type: the output dtype, any that ragged_dot takes
+      (default: ragged_dot's result dtype of `lhs` and `rhs`). Floating
+      results are accumulated in float32 (or wider) and rounded once to it,
+      on both paths.
+    group_offset: None, as `jax.lax.ragged_dot` implements no other value.
+    implementation: None (the Pallas kernel on NVIDIA GPUs where it takes the
+      input, else XLA), 'pallas' (the kernel; interpret mode off GPU), or
+      'xla' (`jax.lax.ragged_dot`). The kernels take float32, bfloat16 and
+      float16 operands and results; operands of two dtypes are multiplied in
+      float32.
 
   Returns:
-    [M, N] in `preferred_element_type` (default `lhs.dtype`). Differentiable
-    in `lhs` and `rhs`; their gradients come back in their own dtype.
+    [M, N] in `preferred_element_type` (default ragged_dot's result dtype).
+    Differentiable in `lhs` and `rhs`; their gradients come back in their own
+    dtype. The kernels' backward multiplies in the operand dtype, so with
+    16-bit operands and a float32 result it rounds the cotangent to 16 bits
+    first (ragged_dot multiplies the float32 cotangent).
 
   Raises:
-    ValueError: for bad shapes, dtypes, `precision` or
-      `preferred_element_type`, and when concrete `group_sizes` are negative
-      or sum to more than M. Traced `group_sizes` cannot be checked: both
-      backends then cut the groups at row M (a group running past M is
-      truncated, later groups are empty), so the result stays defined.
+    ValueError: for bad shapes, dtypes ragged_dot refuses, a bad `precision`,
+      `preferred_element_type` or `group_offset`, and when concrete
+      `group_sizes` are negative or sum to more than M. Traced `group_sizes`
+      cannot be checked: both backends then cut the groups at row M (a group
+      running past M is truncated, later groups are empty), so the result
+      stays defined.
   """
-  _validate(lhs, rhs, group_sizes)
+  _validate(lhs, rhs, group_sizes, group_offset)
   precision = canonical_precision(precision)
-  out_dtype = output_dtype(preferred_element_type, lhs.dtype)
+  out_dtype = output_dtype(lhs.dtype, rhs.dtype, precision, preferred_element_type)
+  dtype = operand_dtype(lhs.dtype, rhs.dtype)
 
   def kernel_limit_here():
     return (kernel_limit("lhs", lhs.shape[0], "rhs", rhs.shape[0])
-            or precision_limit(precision, lhs.dtype))
+            or dtype_limit(lhs.dtype, rhs.dtype, out_dtype)
+            or precision_limit(precision, dtype))
   backend = _backend.choose("grouped_matmul", implementation, kernel_limit_here)
   if backend == "pallas":
-    out = run_rows_per_shard("grouped_matmul", pallas.grouped_matmul_pallas,
-                             ("lhs", lhs), (("rhs", rhs),), group_sizes)
-    return out.astype(out_dtype)
+    kernel_path = functools.partial(pallas.grouped_matmul_pallas, out_dtype=out_dtype)
+    return run_rows_per_shard("grouped_matmul", kernel_path, ("lhs", lhs.astype(dtype)),
+                              (("rhs", rhs.astype(dtype)),), group_sizes)
   starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
-  # Accumulate in float32 unless an algorithm fixes the accumulation type.
-  algorithm = isinstance(precision, (jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset))
+  # Floating results accumulate in float32 (or wider) unless an algorithm
+  # fixes the accumulation type.
+  accumulate = out_dtype
+  if jnp.issubdtype(out_dtype, jnp.inexact) and not isinstance(
+      precision, (jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset)):
+    accumulate = jnp.promote_types(out_dtype, jnp.float32)
   out = jax.lax.ragged_dot(lhs, rhs, ends - starts, precision=precision,
-                           preferred_element_type=out_dtype if algorithm else jnp.float32)
+                           preferred_element_type=accumulate)
   return out.astype(out_dtype)

@@ -92,13 +92,16 @@ class MosaicConfig:
     if self.store_slots not in (1, 2):
       raise ValueError(f"`store_slots` must be 1 or 2, got {self.store_slots}")
 
-  def smem_bytes(self, *, num_accs: int, num_extras: int, itemsize: int = 2) -> int:
-    """Shared memory the kernel allocates (the pipeline's slots, the epilogue's
-    chunk buffers), barriers aside."""
+  def smem_bytes(self, *, num_accs: int, num_extras: int, itemsize: int = 2,
+                 out_itemsize: int = 2) -> int:
+    """Shared memory the kernel allocates (the pipeline's slots and the extra
+    tiles in the inputs' `itemsize`, the store buffers in the outputs'),
+    barriers aside."""
     step = self.block_m * self.block_k + num_accs * self.block_k * self.block_n
     chunk = NUM_COMPUTE_WGS * self.wg_tile[0] * self.epilogue_n
-    chunks = self.store_slots + 1 + num_extras  # + the straddling tiles' buffer
-    return itemsize * (self.max_concurrent_steps * step + chunks * chunk)
+    stores = self.store_slots + 1  # + the straddling tiles' buffer
+    return (itemsize * (self.max_concurrent_steps * step + num_extras * chunk)
+            + out_itemsize * stores * chunk)
 
   @property
   def wg_tile(self) -> tuple[int, int]:
@@ -378,9 +381,10 @@ def _waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
 
 
 def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
-                  rows: int | None = None, num_groups: int = 0,
+                  rows: int | None = None, num_groups: int = 0, out_itemsize: int = 2,
                   preferred: Sequence[MosaicConfig] | None = None) -> MosaicConfig:
-  """The first preferred tiles that fit a kernel with these epilogue needs.
+  """The first preferred tiles that fit a kernel with these epilogue needs
+  (`out_itemsize`: bytes per element of the outputs).
 
   A tile wider than N (padded to 128) is skipped, and with two accumulators
   (SwiGLU) a warpgroup tile of more than 64 x 128: two [128, 128] float32
@@ -391,15 +395,17 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
   """
   if preferred is None:
     preferred = _PREFERRED
-  first = _fitting(preferred, n, num_accs=num_accs, num_extras=num_extras)
+  first = _fitting(preferred, n, num_accs=num_accs, num_extras=num_extras,
+                   out_itemsize=out_itemsize)
   if rows is not None and num_accs == 1 and num_extras == 0 and _FEW_WAVES.block_n <= n:
     shape = dict(rows=rows, n=n, num_groups=num_groups)
     if _waves(_FEW_WAVES, **shape) <= _FEW_WAVES_MAX_RATIO * _waves(first, **shape):
-      return _fitting((_FEW_WAVES,), n, num_accs=1, num_extras=0)
+      return _fitting((_FEW_WAVES,), n, num_accs=1, num_extras=0,
+                      out_itemsize=out_itemsize)
   return first
 
 
-def _fitting(preferred, n, *, num_accs, num_extras) -> MosaicConfig:
+def _fitting(preferred, n, *, num_accs, num_extras, out_itemsize) -> MosaicConfig:
   """The first of `preferred` that `choose_config`'s limits allow, with as many
   stages and store buffers as fit in shared memory."""
   for config in preferred:
@@ -411,8 +417,8 @@ def _fitting(preferred, n, *, num_accs, num_extras) -> MosaicConfig:
       for slots in range(config.store_slots, 0, -1):
         candidate = dataclasses.replace(config, max_concurrent_steps=steps,
                                         store_slots=slots)
-        if candidate.smem_bytes(num_accs=num_accs,
-                                num_extras=num_extras) <= SMEM_BUDGET:
+        if candidate.smem_bytes(num_accs=num_accs, num_extras=num_extras,
+                                out_itemsize=out_itemsize) <= SMEM_BUDGET:
           return candidate
   raise ValueError(f"no Mosaic GPU tile fits {num_accs} accumulators and "
                    f"{num_extras} extra tiles")
@@ -472,9 +478,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
     outputs = [jax.ShapeDtypeStruct((num_rows, n), lhs.dtype)] * len(col_offsets)
   if epilogue is None:
     epilogue = Epilogue(None, (), tuple((i, 0) for i in range(len(col_offsets))))
-  config = config or choose_config(n, num_accs=len(col_offsets),
-                                   num_extras=len(epilogue.extras),
-                                   rows=num_rows, num_groups=num_groups)
+  config = config or choose_config(
+      n, num_accs=len(col_offsets), num_extras=len(epilogue.extras), rows=num_rows,
+      num_groups=num_groups, out_itemsize=max(jnp.dtype(o.dtype).itemsize for o in outputs))
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   for name, size, multiple in (("K", k, bk), ("N", n, bn)):
     if size % multiple:

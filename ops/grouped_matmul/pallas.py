@@ -156,7 +156,7 @@ def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_r
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
-        transpose_rhs: bool = False, block_sizes: BlockSizes | None = None,
+        transpose_rhs: bool = False, out_dtype=None, block_sizes: BlockSizes | None = None,
         interpret: bool | None = None) -> jax.Array:
   """Grouped matmul kernel.
 
@@ -165,11 +165,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
     rhs: [G, K, N], or [G, N, K] with `transpose_rhs=True`.
     starts, ends: [G] int32 row bounds of each group.
     transpose_rhs: multiply by `rhs[g]^T` (the input gradient).
+    out_dtype: the result's dtype (default `lhs.dtype`), the float32
+      accumulator rounded once to it.
     block_sizes: tile sizes; defaults from `BlockSizes.get_default`.
     interpret: Pallas interpret mode; default `ops._backend.pallas_interpret()`.
 
   Returns:
-    [M, N] in `lhs.dtype`.
+    [M, N] in `out_dtype`.
   """
   num_rows, k = lhs.shape
   num_groups = rhs.shape[0]
@@ -191,7 +193,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
   grid = (steps, padded_n // bn)
   out = _pallas.pallas_call(
       kernel,
-      out_shape=jax.ShapeDtypeStruct((padded_rows, padded_n), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((padded_rows, padded_n), out_dtype or lhs.dtype),
       grid=grid[::-1] if bs.columns_fastest else grid,
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps,
                                            num_stages=bs.num_stages),
@@ -282,40 +284,44 @@ class _Kernels(NamedTuple):
   mosaic_tgmm: bool  # the weight gradient on Mosaic GPU
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _grouped_matmul(lhs, rhs, starts, ends, block_sizes, kernels):
-  return _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_matmul(lhs, rhs, starts, ends, block_sizes, kernels, out_dtype):
+  return _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic, out_dtype)
 
 
-def _forward(lhs, rhs, starts, ends, block_sizes, mosaic):
+def _forward(lhs, rhs, starts, ends, block_sizes, mosaic, out_dtype):
   if mosaic:
-    return _mosaic_gmm(lhs, rhs, ends, transpose_rhs=False)
-  return gmm(lhs, rhs, starts, ends, block_sizes=block_sizes)
+    return _mosaic_gmm(lhs, rhs, ends, transpose_rhs=False, out_dtype=out_dtype)
+  return gmm(lhs, rhs, starts, ends, out_dtype=out_dtype, block_sizes=block_sizes)
 
 
-def _mosaic_gmm(lhs, rhs, ends, *, transpose_rhs):
+def _mosaic_gmm(lhs, rhs, ends, *, transpose_rhs, out_dtype):
   """`mosaic_gmm.gmm`, with K and N padded to its tiles."""
   multiple = mosaic_gmm.WIDTH_MULTIPLE
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   lhs_p = _shapes.pad_axis(lhs, 1, multiple)
   rhs_p = _shapes.pad_axis(_shapes.pad_axis(rhs, 1, multiple), 2, multiple)
+  n_p = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
   [out] = mosaic_gmm.gmm(lhs_p, rhs_p, ends, transpose_rhs=transpose_rhs,
+                         outputs=[jax.ShapeDtypeStruct((lhs.shape[0], n_p), out_dtype)],
                          interpret=_backend.pallas_interpret())
   return out[:, :n]
 
 
-def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes, kernels):
-  out = _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic)
+def _grouped_matmul_fwd(lhs, rhs, starts, ends, block_sizes, kernels, out_dtype):
+  out = _forward(lhs, rhs, starts, ends, block_sizes, kernels.mosaic, out_dtype)
   return out, (lhs, rhs, starts, ends)
 
 
-def _grouped_matmul_bwd(block_sizes, kernels, residuals, dout):
+def _grouped_matmul_bwd(block_sizes, kernels, out_dtype, residuals, dout):
+  del out_dtype
   lhs, rhs, starts, ends = residuals
+  # The backward multiplies in the operands' dtype, as the forward does.
   dout = dout.astype(lhs.dtype)
   # Rows outside every group got no weight: their lhs gradient is zero, which
   # the pseudo-group of gmm writes.
   if kernels.mosaic:
-    dlhs = _mosaic_gmm(dout, rhs, ends, transpose_rhs=True)
+    dlhs = _mosaic_gmm(dout, rhs, ends, transpose_rhs=True, out_dtype=lhs.dtype)
   else:
     dlhs = gmm(dout, rhs, starts, ends, transpose_rhs=True, block_sizes=block_sizes)
   drhs = weight_gradient(lhs, dout, starts, ends, mosaic=kernels.mosaic_tgmm,
@@ -324,19 +330,23 @@ def _grouped_matmul_bwd(block_sizes, kernels, residuals, dout):
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
-_grouped_matmul_shared = _pallas.shared_lowering(_grouped_matmul, static_argnums=(4, 5))
+_grouped_matmul_shared = _pallas.shared_lowering(_grouped_matmul, static_argnums=(4, 5, 6))
 
 
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
-                          ends: jax.Array, *, block_sizes: BlockSizes | None = None,
+                          ends: jax.Array, *, out_dtype=None,
+                          block_sizes: BlockSizes | None = None,
                           mosaic: bool | None = None,
                           mosaic_tgmm: bool | None = None) -> jax.Array:
   """Differentiable grouped matmul on the Pallas kernels.
 
   Args:
-    lhs: [M, K].
+    lhs: [M, K] float32, bfloat16 or float16.
     rhs: [G, K, N] (same dtype as `lhs`).
     starts, ends: [G] int32 contiguous row bounds (`reference.group_bounds`).
+    out_dtype: the result's dtype (default `lhs.dtype`): the kernels round
+      their float32 accumulator once to it. The gradients come back in the
+      operands' dtype, computed from the cotangent rounded to it.
     block_sizes: tile sizes of the Triton kernels; defaults from
       `BlockSizes.get_default`.
     mosaic: run the matmuls over rows (forward, input gradient) on the Mosaic
@@ -346,8 +356,12 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
       `mosaic_tgmm_default(lhs.dtype)`.
 
   Returns:
-    [M, N] in `lhs.dtype`.
+    [M, N] in `out_dtype`.
   """
+  if rhs.dtype != lhs.dtype:
+    raise ValueError(f"grouped_matmul_pallas: `rhs` must have lhs's dtype {lhs.dtype}, "
+                     f"got {rhs.dtype}")
+  out_dtype = jnp.dtype(out_dtype or lhs.dtype)
   if mosaic is None:
     mosaic = mosaic_gmm.preferred(lhs.dtype)
   if mosaic_tgmm is None:
@@ -355,7 +369,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
   if mosaic or mosaic_tgmm:
     mosaic_gmm.check_dtype(lhs.dtype, "grouped_matmul", "lhs")
   bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
-  return _grouped_matmul_shared(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm))
+  return _grouped_matmul_shared(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm),
+                                out_dtype)
 
 
 def mosaic_tgmm_default(dtype) -> bool:

@@ -179,9 +179,11 @@ def test_config_validation_and_choice():
   with pytest.raises(ValueError, match="store_slots"):
     mosaic.MosaicConfig(store_slots=3)
   budget = mosaic.SMEM_BUDGET
-  for accs, extras in ((1, 0), (1, 1), (2, 0), (1, 2)):
-    config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras)
-    assert config.smem_bytes(num_accs=accs, num_extras=extras) <= budget
+  for accs, extras, out_itemsize in ((1, 0, 2), (1, 1, 2), (2, 0, 2), (1, 2, 2), (1, 0, 4)):
+    config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras,
+                                  out_itemsize=out_itemsize)
+    assert config.smem_bytes(num_accs=accs, num_extras=extras,
+                             out_itemsize=out_itemsize) <= budget
     if accs == 2:  # SwiGLU: two accumulators of at most 64 x 128 per warpgroup
       assert config.wg_tile[0] * config.wg_tile[1] <= 64 * 128
   # A narrow N skips the 256-wide tile.
@@ -220,15 +222,19 @@ def _spec(shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("op", ["grouped_matmul", "grouped_mlp_swiglu"])
+@pytest.mark.parametrize("op", ["grouped_matmul", "grouped_matmul_float32_result",
+                                "grouped_mlp_swiglu"])
 def test_lowers_to_mosaic_gpu_for_hopper(op, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
-  does (shared memory budget, layouts, TMA shapes), without a GPU."""
+  does (shared memory budget, layouts, TMA shapes), without a GPU. A float32
+  result doubles the epilogue's store buffers."""
   del hopper_lowering
   sizes = jnp.array([100, 0, 300, 112], jnp.int32)
   bounds = reference.group_bounds(sizes, 512)
-  if op == "grouped_matmul":
-    fn = lambda x, w: gmm_pallas.grouped_matmul_pallas(x, w, *bounds, mosaic=True)
+  if op.startswith("grouped_matmul"):
+    out_dtype = jnp.float32 if op.endswith("float32_result") else None
+    fn = lambda x, w: gmm_pallas.grouped_matmul_pallas(x, w, *bounds, mosaic=True,
+                                                       out_dtype=out_dtype)
     specs = (_spec((512, 256)), _spec((4, 256, 384)))
   else:
     fn = lambda x, w1, w2: mlp_pallas.grouped_mlp_pallas(
