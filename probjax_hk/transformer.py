@@ -76,9 +76,11 @@ class TransformerState(NamedTuple):
 
   @property
   def overflowed(self) -> jax.Array:
-    """[B] bool: the sequences given more tokens than their cache holds
-    (under `jit`; eagerly the overflowing call raises). Their outputs are NaN
-    from the overflowing call on."""
+    """Which sequences were given more tokens than their cache holds ([B] bool).
+
+    Set under `jit`; eagerly the overflowing call raises. Those sequences'
+    outputs are NaN from the overflowing call on.
+    """
     return self.lengths > self.max_length
 
 
