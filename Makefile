@@ -2,6 +2,7 @@
 #   make demo   train a small model on CPU and print the loss falling
 #   make test   the whole test suite on JAX_VERSION, then the tests that a JAX
 #               release can break on JAX_NEXT (a second venv; both set below)
+# and, on a CUDA machine, make gpu-check (below).
 # `.python-version` makes pyenv's python3 a 3.12; python3.12 is tried first.
 BOOT_PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
 VENV := .venv
@@ -47,6 +48,16 @@ test-suite: $(STAMP)
 
 test-jax-next: $(STAMP_NEXT)
 	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 --dist loadfile -q $(NEXT_TESTS)
+
+# make gpu-check: every kernel path checked on this machine's GPU, the first
+# command on a new GPU (BUILD_NOTES.md, "Running the benchmarks on a CUDA
+# machine"). It runs GPU_PYTHON, a Python with JAX for CUDA and this package
+# installed, not the CPU-only .venv that `make test` builds.
+GPU_PYTHON ?= python3
+.PHONY: gpu-check
+
+gpu-check:
+	$(GPU_PYTHON) -m experiments.gpu_check
 
 # make docs: the documentation site into docs/_build/html, warnings as errors.
 DOCS_STAMP := $(VENV)/.docs-installed

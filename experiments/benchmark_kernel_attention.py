@@ -44,7 +44,6 @@ import dataclasses
 import functools
 import json
 import time
-from unittest import mock
 
 from absl import app
 from absl import flags
@@ -53,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import checks
 from experiments import harness
 from experiments import shape_grid
 from experiments import workloads
@@ -213,36 +213,6 @@ ATTENTION = {**workloads.ATTENTION,
              **{name: Tokamax(impl) for name, impl in TOKAMAX_IMPLEMENTATIONS.items()}}
 
 
-def _rel(a, r) -> float:
-  """Relative L2 error of `a` against the reference `r`."""
-  a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-  return float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30))
-
-
-def _output_and_grads(attend, cotangent, q, k, v):
-  """attend(q, k, v) and its q, k, v gradients against `cotangent`, one jit."""
-  def run(q, k, v):
-    out, pullback = jax.vjp(attend, q, k, v)
-    return (out, *pullback(cotangent.astype(out.dtype)))
-  return jax.jit(run)(q, k, v)
-
-
-def _reference_outputs(reference, cotangent, q, k, v):
-  """`_output_and_grads` of `reference` run on f32 copies of q, k, v."""
-  f32 = lambda x: x.astype(jnp.float32)
-  return _output_and_grads(lambda q, k, v: reference(f32(q), f32(k), f32(v)), cotangent,
-                           q, k, v)
-
-
-def _errors(attend, want, q, k, v, w) -> dict:
-  """`attend` against the reference's `want` (`_reference_outputs`): forward
-  and gradient errors with cotangent `w` [B, T, N, H]."""
-  got = _output_and_grads(attend, w, q, k, v)
-  return dict(fwd_rel=_rel(got[0], want[0]), nan=bool(np.isnan(np.asarray(got[0])).any()),
-              dq_rel=_rel(got[1], want[1]), dk_rel=_rel(got[2], want[2]),
-              dv_rel=_rel(got[3], want[3]))
-
-
 def _tokamax_for_check(implementation: str):
   """A check case's options -> tokamax's attention on them (harness.Unsupported
   for the segment ids, which it does not take)."""
@@ -289,11 +259,8 @@ def _check_rows():
   if _CHECK_REFRESH.value:
     variants.append((workloads.FlexRefresh(_CHECK_REFRESH.value).name,
                      dict(refresh=_CHECK_REFRESH.value)))
-  table = flex_configs.get_config
   for name, changes in variants:  # The table's config with these fields replaced.
-    patched = lambda *a, changes=changes, **kw: workloads.with_changes(
-        table(*a, **kw), **changes)
-    with mock.patch.object(flex_configs, "get_config", patched):
+    with workloads.flex_config_changes(**changes):
       rows += _check_cases(cases, name)
   for name, implementation in TOKAMAX_IMPLEMENTATIONS.items():
     rows += _check_cases(cases, name, _tokamax_for_check(implementation))
@@ -310,18 +277,14 @@ def _check_cases(cases, variant, attend_for=_flex_for_check):
   rows = []
   for b, t, s, n, kh, h, dtype, opts in cases:
     opts = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in opts.items()}
-    keys = jax.random.split(jax.random.PRNGKey(1), 4)
-    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
-    k = jax.random.normal(keys[1], (b, s, kh, h), dtype)
-    v = jax.random.normal(keys[2], (b, s, kh, h), dtype)
-    w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    q, k, v, w = workloads.attention_inputs(b, t, s, n, kh, h, dtype)
     ref = functools.partial(flex_api.flex_attention, implementation="xla", **opts)
     row = dict(kind="check", variant=variant, shape=[b, t, s, n, kh, h],
                dtype=jnp.dtype(dtype).name, options=sorted(opts))
     try:
       attend = attend_for(opts)
-      want = _reference_outputs(ref, w, q, k, v)
-      row.update(status="ok", **_errors(attend, want, q, k, v, w))
+      want = checks.attention_reference_outputs(ref, w, q, k, v)
+      row.update(status="ok", **checks.attention_errors(attend, want, q, k, v, w))
     except harness.Unsupported as exc:
       row.update(status="unsup", message=str(exc)[:1500])
     except Exception as exc:  # Record and go on: the timing still matters.
@@ -465,13 +428,14 @@ def grid_check_rows(points, names) -> list[dict]:
   for point in points:
     q, k, v = grid_inputs(point, seed=1)
     w = jax.random.normal(jax.random.PRNGKey(2), q.shape, jnp.float32)
-    want = _reference_outputs(functools.partial(
+    want = checks.attention_reference_outputs(functools.partial(
         flex_api.flex_attention, implementation="xla", is_causal=point.is_causal,
         local_window_size=point.window), w, q, k, v)
     for name in names:
       row = harness.check_row(
           dict(kind="check", impl=name, **_point_fields(point)),
-          lambda name=name: _errors(grid_attention(name, point, q, k), want, q, k, v, w))
+          lambda name=name: checks.attention_errors(grid_attention(name, point, q, k), want,
+                                                   q, k, v, w))
       print(json.dumps({f: row.get(f) for f in ("point", "impl", "status", "fwd_rel", "dq_rel",
                                                  "dk_rel", "dv_rel", "message")}), flush=True)
       rows.append(row)

@@ -93,6 +93,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import checks
 from experiments import harness
 from experiments import shape_grid
 from experiments import workloads
@@ -146,7 +147,7 @@ _CAPACITY_CASE = flags.DEFINE_string(
     "Internal: run the capacity case 'impl:mode:tokens' here, print its row as one JSON line.")
 
 IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
-MODES = ("forward", "fwd+bwd")
+MODES = workloads.MOE_MODES
 # The layer of the headline sections: 8 experts, top-2, d_model 512, d_hidden 1024.
 HEADLINE = shape_grid.MoePoint(workloads.NUM_EXPERTS, workloads.TOP_K, workloads.D_MODEL,
                                workloads.D_HIDDEN)
@@ -196,68 +197,6 @@ def _over_budget() -> bool:
   return time.perf_counter() - _budget_start > _BUDGET.value
 
 
-def _rel_err(got, want) -> float:
-  """max |got - want| / max |want| (at least 1e-6), in float32 on the device;
-  for pytrees (a layer's parameters) the largest over their leaves, NaN if
-  any leaf's is."""
-  def one(a, b):
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    return jnp.max(jnp.abs(a - b)) / jnp.maximum(1e-6, jnp.max(jnp.abs(b)))
-  return float(np.max(np.asarray(jax.tree.leaves(jax.tree.map(one, got, want)))))
-
-
-def _float32(tree):
-  """`tree` with its floating-point leaves in float32 (bf16 values exactly)."""
-  return jax.tree.map(
-      lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
-def _vjp_outputs(fn, args: tuple, cotangent) -> tuple:
-  """(fn(*args), its gradient in each of `args` against `cotangent`), one jit."""
-  def run(*args):
-    out, pullback = jax.vjp(fn, *args)
-    return (out, *pullback(cotangent))
-  return jax.jit(run)(*args)
-
-
-def _errors(got: tuple, want: tuple, names) -> dict:
-  """`rel_err_<name>` of each of `got` against `want` (`_vjp_outputs`)."""
-  return {f"rel_err_{name}": _rel_err(g, w) for name, g, w in zip(names, got, want)}
-
-
-def _vjp_errors(fn, reference, args, cotangent, names) -> dict:
-  """`rel_err_<name>` of fn's output and input gradients against reference's."""
-  return _errors(_vjp_outputs(fn, args, cotangent), _vjp_outputs(reference, args, cotangent),
-                 names)
-
-
-def _check_against(config: dict, impls: dict[str, Callable], reference: Callable,
-                   args: tuple, cotangent, names) -> list[dict]:
-  """One check row per implementation in `impls`, each `fn(*args)`: `config`,
-  `impl`, status and `rel_err_<name>` of its output and gradients (in each of
-  `args`, against `cotangent`) against `reference` run once on float32 copies
-  of `args` and `cotangent` at full matmul precision; prints each row's
-  line. Where the reference fails, every row says error with its message."""
-  def reference_outputs():
-    with jax.default_matmul_precision("highest"):
-      return _vjp_outputs(reference, _float32(args), _float32(cotangent))
-
-  want = harness.computed_once(reference_outputs, "the float32 reference")
-
-  def errors(fn):
-    reference_out = want()  # before the implementation: a failed reference is the row
-    return _errors(_vjp_outputs(fn, args, cotangent), reference_out, names)
-
-  rows = []
-  for name, fn in impls.items():
-    row = harness.check_row(dict(config, impl=name), lambda fn=fn: errors(fn))
-    print(json.dumps({k: row.get(k) for k in (
-        "point", "case", "impl", "status", *(f"rel_err_{n}" for n in names), "message")}),
-          flush=True)
-    rows.append(row)
-  return rows
-
-
 def tokamax_ragged_dot(lhs, rhs, group_sizes):
   """`tokamax.ragged_dot` on its Mosaic GPU kernel (implementation 'mosaic'),
   `jax.lax.ragged_dot`'s contract.
@@ -295,7 +234,7 @@ def check_rows(small: bool = False) -> list[dict]:
     lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(dtype)
     rhs = (jax.random.normal(k2, (8, k, n), jnp.float32) / np.sqrt(k)).astype(dtype)
     cot = jax.random.normal(k3, (m, n), jnp.float32).astype(dtype)
-    errors = _vjp_errors(
+    errors = checks.vjp_errors(
         lambda a, b: ops.grouped_matmul(a, b, sizes, implementation="pallas"),
         lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
         (lhs, rhs), cot, ("out", "dlhs", "drhs"))
@@ -304,7 +243,7 @@ def check_rows(small: bool = False) -> list[dict]:
     rows.append(harness.check_row(
         dict(section="check", case="tokamax_ragged_dot_vs_reference",
              dtype=jnp.dtype(dtype).name, shape=[m, k, n]),
-        lambda: _vjp_errors(
+        lambda: checks.vjp_errors(
             lambda a, b: tokamax_ragged_dot(a, b, sizes),
             lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
             (lhs, rhs), cot, ("out", "dlhs", "drhs"))))
@@ -315,7 +254,7 @@ def check_rows(small: bool = False) -> list[dict]:
     w_in = jax.random.normal(k2, (8, k, f_in), jnp.float32) / np.sqrt(k)
     w_out = jax.random.normal(k3, (8, n, k), jnp.float32) / np.sqrt(n)
     cot = jax.random.normal(k4, (m, k), jnp.bfloat16)
-    errors = _vjp_errors(
+    errors = checks.vjp_errors(
         lambda *w, activation=activation: ops.grouped_mlp(
             *w, sizes, activation=activation, implementation="pallas"),
         lambda *w, activation=activation: ops.grouped_mlp_reference(
@@ -327,13 +266,13 @@ def check_rows(small: bool = False) -> list[dict]:
                         jnp.bfloat16)
   outs = {}
   for impl in ("dense", "gmm"):
-    model = _moe_model(impl)
+    model = workloads.moe_layer(impl, HEADLINE)
     params, state = model.init(jax.random.key(1), x)
     loss = lambda p, x: jnp.sum(model.apply(p, state, None, x)[0].astype(jnp.float32))
     outs[impl] = jax.jit(jax.value_and_grad(loss))(params, x)
   rows.append(dict(section="check", case="moe_gmm_vs_dense", dtype="bfloat16",
-                   rel_err_loss=_rel_err(outs["gmm"][0], outs["dense"][0]),
-                   rel_err_grads=_rel_err(outs["gmm"][1], outs["dense"][1])))
+                   rel_err_loss=checks.rel_err(outs["gmm"][0], outs["dense"][0]),
+                   rel_err_grads=checks.rel_err(outs["gmm"][1], outs["dense"][1])))
   return rows
 
 
@@ -389,7 +328,7 @@ def tile_rows(rows: int) -> list[dict]:
                            lambda fn=fn, args=args: (fn, args), **_timing())
     if row["status"] == "ok":
       row["tflops"] = flops / row["median_ms"] / 1e9
-      row["rel_err"] = _rel_err(jax.jit(fn)(*args), _tiles_reference(kernel, *args))
+      row["rel_err"] = checks.rel_err(jax.jit(fn)(*args), _tiles_reference(kernel, *args))
     out.append(row)
     logging.info("%s", {k: row.get(k) for k in ("tiles", "kernel", "median_ms", "tflops",
                                                  "rel_err")})
@@ -517,7 +456,7 @@ def op_check_rows(layer: shape_grid.MoePoint,
   if impls is None:
     impls = {k: v for k, v in op_impls(grid=True).items() if k != OP_YARDSTICK}
   lhs, rhs, sizes = gmm_inputs(layer.rows, layer)
-  return _check_against(
+  return checks.check_against(
       _grid_check_fields(layer, "op", "grouped_matmul_reference, float32"),
       {name: (lambda a, b, fn=fn: fn(a, b, sizes)) for name, fn in impls.items()},
       lambda a, b: gmm_reference.grouped_matmul_reference(a, b, sizes),
@@ -529,10 +468,10 @@ def moe_check_rows(layer: shape_grid.MoePoint, impls: tuple[str, ...]) -> list[d
   them: bf16 tokens, f32 parameters), one row per `dropless_impl` in
   `impls`, against the 'dense' path in float32: `rel_err_out`,
   `rel_err_dparams` (the largest over the parameters) and `rel_err_dx`."""
-  params, state, x, cotangent = _moe_inputs(layer.tokens, layer)
-  forward = lambda impl: _moe_case(impl, "forward", params, state, x, cotangent,
-                                   layer=layer)[0]
-  return _check_against(_grid_check_fields(layer, "moe", "dense, float32"),
+  params, state, x, cotangent = workloads.moe_inputs(layer.tokens, layer)
+  forward = lambda impl: workloads.moe_case(impl, "forward", params, state, x, cotangent,
+                                             layer)[0]
+  return checks.check_against(_grid_check_fields(layer, "moe", "dense, float32"),
                         {impl: forward(impl) for impl in impls}, forward("dense"),
                         (params, x), cotangent, ("out", "dparams", "dx"))
 
@@ -582,11 +521,6 @@ def _timing() -> dict:
   return dict(iters=_ITERS.value, sample_ms=_SAMPLE_MS.value)
 
 
-def _moe_model(impl: str, layer: shape_grid.MoePoint = HEADLINE):
-  return hk.transform_with_state(lambda x: moe.MoELayer(
-      layer.experts, layer.top_k, layer.d_hidden, activation="gelu", dropless_impl=impl)(x))
-
-
 def part_rows(tokens: int) -> list[dict]:
   """Pieces of the sorted paths at `tokens`: router, the two sorts."""
   x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
@@ -606,38 +540,6 @@ def part_rows(tokens: int) -> list[dict]:
   return out
 
 
-def _moe_inputs(tokens: int, layer: shape_grid.MoePoint = HEADLINE) -> tuple:
-  """(params, state, x, cotangent) of the MoE cases at `tokens`.
-
-  x [tokens, d_model] bf16 and the cotangent (like x) are random; params (f32)
-  and state come from an init on x's first 8 rows: they do not depend on the
-  token count, and an eager init on all of x would run the dense path (and its
-  memory peak) at every size.
-  """
-  x = jax.random.normal(jax.random.key(0), (tokens, layer.d_model), jnp.bfloat16)
-  params, state = _moe_model("dense", layer).init(jax.random.key(1), x[:8])
-  cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
-  return params, state, x, cotangent
-
-
-def _moe_case(impl: str, mode: str, params, state, x, cotangent,
-              layer: shape_grid.MoePoint = HEADLINE) -> tuple:
-  """(fn, args) of one MoE case for `harness.run_case`.
-
-  'forward': (params, x) -> y [T, d_model]. 'fwd+bwd': (params, x, cotangent)
-  -> the cotangents of (params, x), one `jax.vjp`.
-  """
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-  model = _moe_model(impl, layer)
-  if mode == "forward":
-    return (lambda p, x: model.apply(p, state, None, x)[0]), (params, x)
-
-  def fn(p, x, cot):
-    return jax.vjp(lambda p, x: model.apply(p, state, None, x)[0], p, x)[1](cot)
-  return fn, (params, x, cotangent)
-
-
 def moe_rows(tokens: int, layer: shape_grid.MoePoint | None = None,
              impls: tuple[str, ...] = IMPLS + tuple(workloads.GROUPED_MLP_VARIANTS)
              ) -> list[dict]:
@@ -645,7 +547,7 @@ def moe_rows(tokens: int, layer: shape_grid.MoePoint | None = None,
   `tokens`, on the headline layer or the grid point `layer`."""
   fields = {} if layer is None else _layer_fields(layer)
   layer = layer or HEADLINE
-  inputs = _moe_inputs(tokens, layer)
+  inputs = workloads.moe_inputs(tokens, layer)
   out = []
   for mode in MODES:
     for impl in impls:
@@ -657,8 +559,8 @@ def moe_rows(tokens: int, layer: shape_grid.MoePoint | None = None,
             else contextlib.nullcontext()):
         row = harness.run_case(
             dict(section="moe", impl=impl, mode=mode, tokens=tokens, **fields),
-            lambda layer_impl=layer_impl, mode=mode: _moe_case(layer_impl, mode, *inputs,
-                                                               layer=layer),
+            lambda layer_impl=layer_impl, mode=mode: workloads.moe_case(layer_impl, mode,
+                                                                      *inputs, layer),
             **_timing())
       out.append(row)
       logging.info("%s", {k: row.get(k) for k in ("impl", "mode", "tokens", "median_ms")})
@@ -676,7 +578,8 @@ def moe_rows(tokens: int, layer: shape_grid.MoePoint | None = None,
 def capacity_case(impl: str, mode: str, tokens: int) -> dict:
   """Runs one capacity case in this process: its row, with the device's peak."""
   row = harness.run_case(dict(section="capacity", impl=impl, mode=mode, tokens=tokens),
-                         lambda: _moe_case(impl, mode, *_moe_inputs(tokens)),
+                         lambda: workloads.moe_case(
+                             impl, mode, *workloads.moe_inputs(tokens, HEADLINE), HEADLINE),
                          warmup=1, iters=_CAPACITY_ITERS.value)
   row["peak_mb"] = harness.peak_memory_mb()
   device = jax.devices()[0]

@@ -38,11 +38,12 @@ def require_supported(fn: Callable, *args) -> None:
 
 def check_row(row: dict, errors: Callable[[], dict]) -> dict:
   """`row` with status 'ok' and the fields `errors()` returns (a check's
-  errors against its reference); where that raises, status 'unsup'
-  (`Unsupported`) or 'error', with the message: a failing implementation is
-  a result, not the end of the run."""
+  errors against its reference, and a status of its own where it judged
+  them: 'fail'); where that raises, status 'unsup' (`Unsupported`) or
+  'error', with the message: a failing implementation is a result, not the
+  end of the run."""
   try:
-    row.update(status="ok", **errors())
+    row.update(dict(dict(status="ok"), **errors()))
   except Unsupported as exc:
     row.update(status="unsup", message=str(exc)[:500])
   except Exception as exc:  # pylint: disable=broad-except

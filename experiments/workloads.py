@@ -1,9 +1,9 @@
 """Inputs and functions the benchmark programs share.
 
 The benchmark programs define absl flags at import, so they cannot import one
-another; what more than one program times lives here: the scan inputs, the
-SSD / gated-delta-rule inputs and ops, the grouped-matmul inputs and the
-attention implementations.
+another; what more than one program times or checks lives here: the scan
+inputs, the SSD / gated-delta-rule inputs and ops, the grouped-matmul inputs,
+the MoE layer's cases and the attention inputs and implementations.
 """
 
 import contextlib
@@ -11,8 +11,10 @@ import dataclasses
 import functools
 import json
 from typing import NamedTuple
+from unittest import mock
 import warnings
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 
@@ -24,6 +26,7 @@ from ops.flex_attention import pallas as flex_pallas
 from ops.gated_delta_rule import gated_delta_rule
 from ops.grouped_mlp import pallas as grouped_mlp_pallas
 from ops.ssd import ssd
+from probjax_hk import moe
 
 # ---------------------------------------------------------------------------
 # Selective scan and linear scan ([B, T, D], f32; the linear scan complex64).
@@ -66,11 +69,12 @@ def scan_loss(fn):
 SSD_SHAPES = ((8, 4096, 4, 64, 64), (8, 4096, 16, 128, 128), (8, 16384, 4, 64, 64))
 
 
-def ssd_inputs(batch, time, heads, key, value, dtype, seed=0):
-  """q, k (unit norm), v, log_decay, beta."""
+def ssd_inputs(batch, time, heads, key, value, dtype, seed=0, groups=None):
+  """q, k (unit norm) [B, T, G, K], v [B, T, N, V], log_decay, beta [B, T, N]:
+  G = `groups` query/key groups shared by N // G heads (default N)."""
   ks = jax.random.split(jax.random.key(seed), 5)
-  q = jax.random.normal(ks[0], (batch, time, heads, key), jnp.float32)
-  k = jax.random.normal(ks[1], (batch, time, heads, key), jnp.float32)
+  q = jax.random.normal(ks[0], (batch, time, groups or heads, key), jnp.float32)
+  k = jax.random.normal(ks[1], (batch, time, groups or heads, key), jnp.float32)
   k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
   v = jax.random.normal(ks[2], (batch, time, heads, value), jnp.float32)
   g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 2.0)
@@ -114,6 +118,47 @@ def gmm_inputs(rows: int):
   lhs = jax.random.normal(k1, (rows, D_MODEL), jnp.bfloat16)
   rhs = (jax.random.normal(k2, (NUM_EXPERTS, D_MODEL, D_HIDDEN)) / 20).astype(jnp.bfloat16)
   return lhs, rhs, balanced_sizes(rows, NUM_EXPERTS, k3)
+
+
+MOE_MODES = ("forward", "fwd+bwd")
+
+
+def moe_layer(impl: str, layer):
+  """MoELayer with `dropless_impl=impl` on `layer` (a `shape_grid.MoePoint`:
+  experts, top_k, d_model, d_hidden), GELU, transformed with its state."""
+  return hk.transform_with_state(lambda x: moe.MoELayer(
+      layer.experts, layer.top_k, layer.d_hidden, activation="gelu", dropless_impl=impl)(x))
+
+
+def moe_inputs(tokens: int, layer) -> tuple:
+  """(params, state, x, cotangent) of a MoE layer case at `tokens`.
+
+  x [tokens, d_model] bf16 and the cotangent (like x) are random; params (f32)
+  and state come from an init on x's first 8 rows: they do not depend on the
+  token count, and an eager init on all of x would run the dense path (and its
+  memory peak) at every size.
+  """
+  x = jax.random.normal(jax.random.key(0), (tokens, layer.d_model), jnp.bfloat16)
+  params, state = moe_layer("dense", layer).init(jax.random.key(1), x[:8])
+  cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
+  return params, state, x, cotangent
+
+
+def moe_case(impl: str, mode: str, params, state, x, cotangent, layer) -> tuple:
+  """(fn, args) of one MoE layer case for `harness.run_case`.
+
+  'forward': (params, x) -> y [T, d_model]. 'fwd+bwd': (params, x, cotangent)
+  -> the cotangents of (params, x), one `jax.vjp`.
+  """
+  if mode not in MOE_MODES:
+    raise ValueError(f"mode must be one of {MOE_MODES}, got {mode!r}")
+  model = moe_layer(impl, layer)
+  if mode == "forward":
+    return (lambda p, x: model.apply(p, state, None, x)[0]), (params, x)
+
+  def fn(p, x, cot):
+    return jax.vjp(lambda p, x: model.apply(p, state, None, x)[0], p, x)[1](cot)
+  return fn, (params, x, cotangent)
 
 
 class GroupedMlpKernels(NamedTuple):
@@ -190,6 +235,27 @@ def _flex_on(config_changes: dict, causal: bool):
         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
         interpret=False, config=config)
   return fn
+
+
+@contextlib.contextmanager
+def flex_config_changes(**changes):
+  """Within this block (while a call is traced), `ops.flex_attention`'s kernel
+  path runs the table's config for each call with these fields replaced
+  (`with_changes`): `mosaic_fwd=None, mosaic_bwd=None` keeps it on Triton."""
+  table = flex_configs.get_config
+  patched = lambda *a, **kw: with_changes(table(*a, **kw), **changes)
+  with mock.patch.object(flex_configs, "get_config", patched):
+    yield
+
+
+def attention_inputs(b, t, s, n, kh, h, dtype, seed=1):
+  """q [B, T, N, H], k and v [B, S, K, H] in `dtype`, and a float32 output
+  cotangent [B, T, N, H]: standard normal."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+  k = jax.random.normal(keys[1], (b, s, kh, h), dtype)
+  v = jax.random.normal(keys[2], (b, s, kh, h), dtype)
+  return q, k, v, jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
 
 
 def with_changes(config: flex_configs.FlexConfig, **changes) -> flex_configs.FlexConfig:

@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 from ops import _backend
 from ops import flex_attention, flex_attention_reference
 from ops.flex_attention import api
 
-# Relative L2 error bounds, by input dtype (the reference runs in f32 on the
-# same, upcast inputs).
-_TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2.5e-2}
+# Relative L2 error bounds, by input dtype.
+_TOL = tolerances.FLEX_ATTENTION
 
 
 def _rel(a, b):

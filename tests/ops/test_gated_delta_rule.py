@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 import ops
 from ops import _backend
 from ops.gated_delta_rule import api
@@ -16,7 +17,7 @@ from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
-_TOL = {jnp.float32: (2e-5, 2e-4), jnp.bfloat16: (3e-2, 6e-2)}
+_TOL = tolerances.GATED_DELTA_RULE
 _NAMES = ("q", "k", "v", "log_decay", "beta", "initial_state")
 
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 import ops
 from ops.grouped_matmul import BlockSizes
 from ops.grouped_matmul import grouped_matmul_reference
@@ -16,7 +17,7 @@ from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 
 # Absolute tolerances relative to the largest reference magnitude, by dtype.
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+TOLERANCE = tolerances.GROUPED_MATMUL
 
 M, K, N, G = 70, 40, 36, 4
 # Tiles of 16 rows: groups span several tiles, tiles straddle group

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 import ops
 from ops.grouped_matmul import BlockSizes
 from ops.grouped_matmul.reference import group_bounds
@@ -16,7 +17,7 @@ from ops.grouped_mlp import grouped_mlp_reference
 from ops.grouped_mlp import pallas
 
 # Absolute tolerances relative to the largest reference magnitude, by x dtype.
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+TOLERANCE = tolerances.GROUPED_MLP
 
 # M = 70 is not a tile multiple, D = 40 and D' = 36 not block multiples, and
 # F = 20 pads to 32 (each SwiGLU half separately).

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 from ops import _backend
 from ops import _measured
 from ops.linear_scan import linear_scan
@@ -15,7 +16,7 @@ from ops.linear_scan import linear_scan_reference
 from ops.linear_scan import LinearScanBlocks
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
-_TOL = {"float32": (1e-5, 1e-4), "complex64": (1e-5, 1e-4), "bfloat16": (2e-2, 5e-2)}
+_TOL = tolerances.LINEAR_SCAN
 
 
 def _rel(x, ref):

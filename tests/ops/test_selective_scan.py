@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import tolerances
 from ops import _backend
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_pallas
@@ -14,7 +15,7 @@ from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import SelectiveScanBlocks
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
-_TOL = {"float32": (1e-5, 1e-4), "bfloat16": (3e-2, 6e-2)}
+_TOL = tolerances.SELECTIVE_SCAN
 _NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state")
 
 
