@@ -18,7 +18,7 @@ _KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.flo
 
 
 def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
-              reverse):
+              reverse, return_final_state):
   named = (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C), ("D", D),
            ("z", z), ("delta_bias", delta_bias), ("initial_state", initial_state))
   _shapes.check_arrays(None, named)
@@ -32,14 +32,14 @@ def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus
     raise ValueError(f"`A` must be [D, S] with D = {width}, got shape {A.shape}")
   state = A.shape[1]
   for name, x in (("B", B), ("C", C)):
-    if x.ndim not in (3, 4) or x.shape[:2] != (batch, time) or x.shape[-1] != state:
-      raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)} or per "
-                       f"group [B, T, G, S], got {x.shape} (T must match `u`)")
+    per_step = x.ndim in (3, 4) and x.shape[:2] == (batch, time)
+    if not (per_step or x.ndim == 2 and x.shape[0] == width) or x.shape[-1] != state:
+      raise ValueError(f"`{name}` must be [B, T, S] = {(batch, time, state)}, per "
+                       f"group [B, T, G, S] or time-invariant [D, S] = "
+                       f"{(width, state)}, got {x.shape} (T must match `u`)")
     if x.ndim == 4 and (x.shape[2] == 0 or width % x.shape[2]):
       raise ValueError(f"`{name}`: the group count G = {x.shape[2]} must divide "
                        f"D = {width}")
-  if B.shape != C.shape:
-    raise ValueError(f"`B` and `C` must have one shape, got {B.shape} and {C.shape}")
   for name, x in (("D", D), ("delta_bias", delta_bias)):
     if x is not None and x.shape != (width,):
       raise ValueError(f"`{name}` must be [D] = ({width},), got {x.shape}")
@@ -51,6 +51,15 @@ def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus
   _shapes.check_inexact(None, named)
   _shapes.check_bool(None, "delta_softplus", delta_softplus)
   _shapes.check_bool(None, "reverse", reverse)
+  _shapes.check_bool(None, "return_final_state", return_final_state)
+
+
+def _projection_layout(x):
+  """Sharding labels of a projection: time-invariant [D, S] splits with the
+  channels like `A`; a shared [B, T, S] is replicated over them; per-group
+  [B, T, G, S] splits its groups with their channels."""
+  return {2: ("channels", None), 3: ("batch", "seq", None),
+          4: ("batch", "seq", "channels", None)}[x.ndim]
 
 
 def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
@@ -58,8 +67,9 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                    z: jax.Array | None = None, delta_bias: jax.Array | None = None,
                    delta_softplus: bool = False,
                    initial_state: jax.Array | None = None, reverse: bool = False,
+                   return_final_state: bool = True,
                    implementation: _backend.Implementation = None
-                   ) -> tuple[jax.Array, jax.Array]:
+                   ) -> tuple[jax.Array, jax.Array | None]:
   """The selective scan::
 
       delta = softplus(delta + delta_bias)           (each part optional)
@@ -70,15 +80,21 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
     u: [B, T, D] input (float32, bfloat16 or float16).
     delta: [B, T, D] step sizes.
     A: [D, S] state matrix (negative entries decay).
-    B: [B, T, S] input projection, or per group [B, T, G, S] (G divides D;
-      channel d uses group d // (D / G)).
-    C: [B, T, S] output projection, same shape as `B`.
+    B: [B, T, S] input projection, per group [B, T, G, S] (G divides D;
+      channel d uses group d // (D / G)), or time-invariant [D, S] (one
+      projection per channel, the same at every step and batch row).
+    C: [B, T, S] output projection, per group [B, T, G', S] or
+      time-invariant [D, S]; its form and group count are independent of
+      `B`'s.
     D: [D] skip connection, or None.
     z: [B, T, D] gate, or None.
     delta_bias: [D] added to `delta`, or None.
     delta_softplus: apply softplus to the biased `delta`.
     initial_state: [B, D, S], the state before the first step processed.
     reverse: scan from the last time step to the first (bidirectional models).
+    return_final_state: False returns None in place of the final state,
+      which the kernel then neither writes nor differentiates through (the
+      form of mamba_ssm's `return_last_state=False`).
     implementation: None (on NVIDIA GPUs the faster of the kernel and XLA
       where measured, `ops/dispatch_tables/selective_scan.json`; XLA elsewhere),
       'pallas' (the kernel; interpret mode off GPU) or 'xla'
@@ -86,10 +102,11 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
 
   Returns:
     y: [B, T, D] in `u`'s dtype (accumulated in float32).
-    final_state: [B, D, S] float32, the state after the last step processed.
+    final_state: [B, D, S] float32, the state after the last step processed;
+      None when `return_final_state` is False.
   """
   _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
-            reverse)
+            reverse, return_final_state)
   dtypes = {name: jnp.dtype(x.dtype) for name, x in
             (("u", u), ("delta", delta), ("B", B), ("C", C))}
 
@@ -105,21 +122,25 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
   if backend == "xla":
     return selective_scan_xla(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
                               delta_softplus=delta_softplus,
-                              initial_state=initial_state, reverse=reverse)
+                              initial_state=initial_state, reverse=reverse,
+                              return_final_state=return_final_state)
 
   def kernel_path(u, delta, A, B, C, D, z, delta_bias, initial_state):
-    return pallas_impl.selective_scan_pallas(
+    y, final = pallas_impl.selective_scan_pallas(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
-        delta_softplus=delta_softplus, initial_state=initial_state, reverse=reverse)
+        delta_softplus=delta_softplus, initial_state=initial_state, reverse=reverse,
+        return_final_state=return_final_state)
+    return (y, final) if return_final_state else y
 
-  # Per shard: batch, and channels under Explicit axes (a shared B/C [B, T, S]
-  # is replicated over them; per-group B/C split with their channels).
+  # Per shard: batch, and channels under Explicit axes.
   token = ("batch", "seq", "channels")
-  projection = ("batch", "seq", None) if B.ndim == 3 else ("batch", "seq", "channels", None)
   plan = _sharding.plan("selective_scan", (
       ("u", u, token), ("delta", delta, token), ("A", A, ("channels", None)),
-      ("B", B, projection), ("C", C, projection), ("D", D, ("channels",)),
-      ("z", z, token), ("delta_bias", delta_bias, ("channels",)),
+      ("B", B, _projection_layout(B)), ("C", C, _projection_layout(C)),
+      ("D", D, ("channels",)), ("z", z, token),
+      ("delta_bias", delta_bias, ("channels",)),
       ("initial_state", initial_state, ("batch", "channels", None))),
       split=("batch", "channels"))
+  if not return_final_state:
+    return plan.run(kernel_path, token), None
   return plan.run(kernel_path, [token, ("batch", "channels", None)])

@@ -34,7 +34,14 @@ next step in forward order, read from a copy of `delta` shifted by one):
    earlier, so only a chunk's last row reads the shifted `delta`. The adjoint
    of the initial state is `a_first c_first`, formed outside.
 
-With a single chunk the summary launches are skipped.
+With a single chunk the summary launches are skipped. Without a final state
+(`return_final_state=False`) the apply launch writes no end states and the
+backward starts its adjoint from zero instead of reading `dfinal`.
+
+`B` and `C` each come per step ([B, T, S], read as a [1, S] row per step),
+per group ([B, T, G, S], the channel block's group chosen by the index map)
+or time-invariant ([D, S], a [block_d, S] block read once per program, whose
+gradient is summed per program like dA's).
 
 Glossary of shapes: B batch, T time, D channels, S state size, C chunks,
 K checkpoints (= T / unroll).
@@ -108,16 +115,26 @@ def _decays(deltas, A):
   return [jnp.exp(delta[:, None] * A) for delta in deltas]
 
 
+def _projection(ref, fixed):
+  """A projection's values per tile row, shaped to broadcast against the
+  [bd, S] state: `rows(steps)` gives a [1, S] row per step, or the
+  time-invariant [bd, S] block (`fixed`), loaded once, for every step."""
+  if fixed:
+    block = ref[...].astype(_F32)
+    return lambda steps: [block] * len(steps)
+  return lambda steps: [row[None, :] for row in _rows(ref, steps)]
+
+
 def _walk_states(decays, xs, vs, h):
   """`h <- a h + x v` over a tile's rows, in processing order.
 
   decays (`a = exp(delta A)`), h: [bd, S]; xs: per row [bd]; vs: per row
-  [S]. Returns the state after every row; each row is elementwise on the
-  state.
+  [1, S] or [bd, S] (from `_projection`). Returns the state after every row;
+  each row is elementwise on the state.
   """
   states = []
   for a, x, v in zip(decays, xs, vs):
-    h = a * h + x[:, None] * v[None, :]
+    h = a * h + x[:, None] * v
     states.append(h)
   return states
 
@@ -131,9 +148,10 @@ def _fold(h, k_end, end_ref, dsum_ref, A):
 
 
 def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
-                    mode, reverse, chunk, unroll, fold, save):
+                    mode, reverse, chunk, unroll, fold, save, fixed, final):
   """mode 'summary': outputs (end [bd, S], dsum [1, bd]) from a zero state.
-  mode 'apply': inputs [end_all, dsum_all if fold]; outputs y, end, [ckpt]."""
+  mode 'apply': inputs [end_all, dsum_all if fold]; outputs y, [end if
+  final], [ckpt if save]. fixed: whether (B, C) are time-invariant [bd, S]."""
   A = A_ref[...].astype(_F32)                                   # [bd, S]
   if mode == "apply":
     if fold:
@@ -141,37 +159,40 @@ def _forward_kernel(u_ref, delta_ref, A_ref, B_ref, C_ref, h0_ref, *refs,
       h = _fold(h0_ref[...], pl.program_id(2), end_all, dsum_all, A)
     else:
       h = h0_ref[...]
-    y_ref, end_ref = refs[0], refs[1]
-    ckpt_ref = refs[2] if save else None
+    y_ref, refs = refs[0], refs[1:]
+    end_ref, refs = (refs[0], refs[1:]) if final else (None, refs)
+    ckpt_ref = refs[0] if save else None
   else:
     end_ref, dsum_ref = refs
     h = jnp.zeros(A.shape, _F32)
   dsum = jnp.zeros((A.shape[0],), _F32)
+  B_rows, C_rows = _projection(B_ref, fixed[0]), _projection(C_ref, fixed[1])
 
   def body(j, carry):
     h, dsum = carry
     steps = tile_steps(j, chunk, unroll, reverse)
     if save:
       ckpt_ref[j] = h
-    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
-    Cs = _rows(C_ref, steps) if mode == "apply" else None
+    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), B_rows(steps)
+    Cs = C_rows(steps) if mode == "apply" else None
     states = _walk_states(_decays(deltas, A), [d * u for d, u in zip(deltas, us)],
                           Bs, h)
     if mode == "apply":
       for t, state, C in zip(steps, states, Cs):
-        y_ref[t, :] = jnp.sum(state * C[None, :], axis=1)
+        y_ref[t, :] = jnp.sum(state * C, axis=1)
     else:
       dsum = dsum + sum(deltas)
     return states[-1], dsum
 
   h, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (h, dsum))
-  end_ref[...] = h
+  if end_ref is not None:
+    end_ref[...] = h
   if mode == "summary":
     dsum_ref[...] = dsum[None, :]
 
 
 def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
-                             dsum_ref, *, reverse, chunk, unroll):
+                             dsum_ref, *, reverse, chunk, unroll, c_fixed):
   """The chunk's adjoint from zero, walking in backward order.
 
   `reverse` is the forward direction. The adjoint `c_t = dL/dh_t` obeys
@@ -181,13 +202,13 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
   A = A_ref[...].astype(_F32)
   c = jnp.zeros(A.shape, _F32)
   dsum = jnp.zeros((A.shape[0],), _F32)
+  C_rows = _projection(C_ref, c_fixed)
 
   def body(j, carry):
     c, dsum = carry
     steps = tile_steps(j, chunk, unroll, not reverse)
     deltas_next = _rows(delta_next_ref, steps)
-    cs = _walk_states(_decays(deltas_next, A), _rows(dy_ref, steps),
-                      _rows(C_ref, steps), c)
+    cs = _walk_states(_decays(deltas_next, A), _rows(dy_ref, steps), C_rows(steps), c)
     return cs[-1], dsum + sum(deltas_next)
 
   c, dsum = jax.lax.fori_loop(0, chunk // unroll, body, (c, dsum))
@@ -196,58 +217,77 @@ def _backward_summary_kernel(delta_next_ref, A_ref, C_ref, dy_ref, end_ref,
 
 
 def _backward_kernel(u_ref, delta_ref, delta_next_ref, A_ref, B_ref, C_ref, dy_ref,
-                     dfinal_ref, ckpt_ref, *refs, reverse, chunk, unroll, fold):
-  """Per chunk (backward order): du, ddelta, dB/dC partials, dA partial and
-  the adjoint `c` at the chunk's first step (forward order).
+                     *refs, reverse, chunk, unroll, fold, fixed, final):
+  """Per chunk (backward order): du, ddelta, dB and dC (per-step partials per
+  channel block, or per-program sums when time-invariant), the dA partial
+  and the adjoint `c` at the chunk's first step (forward order).
 
   `reverse` is the *forward* direction; this kernel walks the other way.
   Each tile recomputes its states from its checkpoint (forward over its
   rows), then walks its rows backward with the adjoint and forms every
-  gradient of the step from the two.
+  gradient of the step from the two. refs: [dfinal if final], ckpt,
+  [end_all, dsum_all if fold], then the outputs.
   """
   A = A_ref[...].astype(_F32)
+  dfinal_ref, refs = (refs[0], refs[1:]) if final else (None, refs)
+  ckpt_ref, refs = refs[0], refs[1:]
+  c = dfinal_ref[...] if final else jnp.zeros(A.shape, _F32)
   if fold:
     end_all, dsum_all, refs = refs[0], refs[1], refs[2:]
-    c = _fold(dfinal_ref[...], pl.program_id(2), end_all, dsum_all, A)
-  else:
-    c = dfinal_ref[...]
+    c = _fold(c, pl.program_id(2), end_all, dsum_all, A)
   du_ref, ddelta_ref, dB_ref, dC_ref, dA_ref, c_ref = refs
+  B_fixed, C_fixed = fixed
+  B_rows, C_rows = _projection(B_ref, B_fixed), _projection(C_ref, C_fixed)
   num_tiles = chunk // unroll
   # The decay of the step after the chunk (forward order): the adjoint's
   # first multiplier. Inside the chunk each row hands its own decay on.
   last = tile_steps(num_tiles - 1, chunk, unroll, reverse)[-1]
   a_next = jnp.exp(delta_next_ref[last, :].astype(_F32)[:, None] * A)
+  zero = jnp.zeros(A.shape, _F32)
+  # Per-program sums over the chunk: dA, and dB/dC when time-invariant.
+  sums = dict(A=zero, **{name: zero for name, f in (("B", B_fixed), ("C", C_fixed)) if f})
 
   def body(jb, carry):
-    c, a_next, dA_acc = carry
+    c, a_next, sums = carry
     # The tile's rows in forward processing order; the walk below goes back.
     j = num_tiles - 1 - jb
     steps = tile_steps(j, chunk, unroll, reverse)
-    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), _rows(B_ref, steps)
-    Cs, dys = _rows(C_ref, steps), _rows(dy_ref, steps)
+    deltas, us, Bs = _rows(delta_ref, steps), _rows(u_ref, steps), B_rows(steps)
+    Cs, dys = C_rows(steps), _rows(dy_ref, steps)
     xs = [d * u for d, u in zip(deltas, us)]
     decays = _decays(deltas, A)
     h_start = ckpt_ref[j]
     hs = _walk_states(decays, xs, Bs, h_start)
     for r in reversed(range(unroll)):
       t = steps[r]
-      delta, x, B, dy = deltas[r], xs[r], Bs[r], dys[r]
-      c = a_next * c + dy[:, None] * Cs[r][None, :]
+      delta, x, dy = deltas[r], xs[r], dys[r]
+      c = a_next * c + dy[:, None] * Cs[r]
       # dL/d(delta A) = c_t a_t h_{t-1}, formed as a product: h_t - x_t B_t
       # cancels when the decay is strong and lost every digit of a_t h_{t-1}.
       g = c * (decays[r] * (hs[r - 1] if r else h_start))
-      dx = jnp.sum(c * B[None, :], axis=1)                              # [bd]
-      dC_ref[t, :] = jnp.sum(dy[:, None] * hs[r], axis=0)                # [S]
-      dB_ref[t, :] = jnp.sum(c * x[:, None], axis=0)
+      dx = jnp.sum(c * Bs[r], axis=1)                                   # [bd]
+      dC = dy[:, None] * hs[r]                                           # [bd, S]
+      dB = c * x[:, None]
+      if C_fixed:
+        sums["C"] = sums["C"] + dC
+      else:
+        dC_ref[t, :] = jnp.sum(dC, axis=0)                               # [S]
+      if B_fixed:
+        sums["B"] = sums["B"] + dB
+      else:
+        dB_ref[t, :] = jnp.sum(dB, axis=0)
       du_ref[t, :] = dx * delta
       ddelta_ref[t, :] = dx * us[r] + jnp.sum(g * A, axis=1)
-      dA_acc = dA_acc + g * delta[:, None]
+      sums["A"] = sums["A"] + g * delta[:, None]
       a_next = decays[r]
-    return c, a_next, dA_acc
+    return c, a_next, sums
 
-  c, _, dA_acc = jax.lax.fori_loop(0, num_tiles, body,
-                                   (c, a_next, jnp.zeros(A.shape, _F32)))
-  dA_ref[...] = dA_acc
+  c, _, sums = jax.lax.fori_loop(0, num_tiles, body, (c, a_next, sums))
+  dA_ref[...] = sums["A"]
+  if B_fixed:
+    dB_ref[...] = sums["B"]
+  if C_fixed:
+    dC_ref[...] = sums["C"]
   c_ref[...] = c
 
 
@@ -258,32 +298,39 @@ def _layout(batch, time, width, state, blocks):
   return bd, chunk, num_chunks, padded_d, (batch, padded_d // bd, num_chunks)
 
 
-def _per_group(u, B):
-  """Channels per group for [B, T, G, S] projections, else None."""
-  return u.shape[2] // B.shape[2] if B.ndim == 4 else None
-
-
 def _pad_seq(x, chunk, bd=None):
   x = _shapes.pad_axis(x, 1, chunk)
   return x if bd is None else _shapes.pad_axis(x, 2, bd)
 
 
-def _specs(chunk, bd, state, num_chunks, reverse, unroll, per_group=None):
+def _pad_projection(x, chunk, bd):
+  """A time-invariant [D, S] projection padded to whole channel blocks; a
+  per-step one to whole chunks."""
+  return _shapes.pad_axis(x, 0, bd) if x.ndim == 2 else _pad_seq(x, chunk)
+
+
+def _specs(chunk, bd, state, num_chunks, reverse, unroll, width):
   """BlockSpecs over grid (batch, channel block, chunk in processing order).
 
-  per_group: channels per group when B and C are [B, T, G, S] (a multiple of
-  `bd`: each channel block reads its group's row), else None.
+  `proj(x)` is the spec of a projection: a [bd, S] block of a time-invariant
+  [D, S] one, a chunk of rows of a per-step [B, T, S] one, or of a per-group
+  [B, T, G, S] one at the channel block's group (D / G of the `width`
+  channels per group, a multiple of `bd`).
   """
   def phys(c):
     return num_chunks - 1 - c if reverse else c
-  if per_group is None:
-    seq_s = pl.BlockSpec((None, chunk, state), lambda i, d, c: (i, phys(c), 0))
-  else:
-    seq_s = pl.BlockSpec((None, chunk, None, state),
-                         lambda i, d, c: (i, phys(c), d * bd // per_group, 0))
+
+  def proj(x):
+    if x.ndim == 2:
+      return pl.BlockSpec((bd, state), lambda i, d, c: (d, 0))
+    if x.ndim == 3:
+      return pl.BlockSpec((None, chunk, state), lambda i, d, c: (i, phys(c), 0))
+    per_group = width // x.shape[2]
+    return pl.BlockSpec((None, chunk, None, state),
+                        lambda i, d, c: (i, phys(c), d * bd // per_group, 0))
   return dict(
+      proj=proj,
       seq=pl.BlockSpec((None, chunk, bd), lambda i, d, c: (i, phys(c), d)),
-      seq_s=seq_s,
       a=pl.BlockSpec((bd, state), lambda i, d, c: (d, 0)),
       state=pl.BlockSpec((None, bd, state), lambda i, d, c: (i, d, 0)),
       chunk_state=pl.BlockSpec((None, None, bd, state), lambda i, d, c: (i, c, d, 0)),
@@ -299,56 +346,64 @@ def _specs(chunk, bd, state, num_chunks, reverse, unroll, per_group=None):
   )
 
 
-def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save):
-  """Core forward: y [B, T, D] f32, final state, checkpoints (or None)."""
+def _forward(u, delta, A, B, C, h0, *, reverse, blocks, save, final):
+  """Core forward: y [B, T, D] f32, the final state (or None unless
+  `final`), the checkpoints (or None unless `save`)."""
   batch, time, width = u.shape
   state = A.shape[1]
   bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
-  sp = _specs(chunk, bd, state, num_chunks, reverse, blocks.unroll, _per_group(u, B))
+  sp = _specs(chunk, bd, state, num_chunks, reverse, blocks.unroll, width)
   u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
-  B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
+  B_p, C_p = _pad_projection(B, chunk, bd), _pad_projection(C, chunk, bd)
   A_p = _shapes.pad_axis(A, 0, bd)
   h0_p = _shapes.pad_axis(h0, 1, bd)
   params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                 num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
-  kw = dict(reverse=reverse, chunk=chunk, unroll=blocks.unroll)
+  kw = dict(reverse=reverse, chunk=chunk, unroll=blocks.unroll,
+            fixed=(B.ndim == 2, C.ndim == 2))
   ins = (u_p, delta_p, A_p, B_p, C_p, h0_p)
-  in_specs = [sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"], sp["state"]]
+  in_specs = [sp["seq"], sp["seq"], sp["a"], sp["proj"](B), sp["proj"](C), sp["state"]]
   states = jax.ShapeDtypeStruct((batch, num_chunks, padded_d, state), _F32)
   vecs = jax.ShapeDtypeStruct((batch, num_chunks, padded_d), _F32)
   fold = num_chunks > 1
   summaries = ()
   if fold:
     summaries = _pallas.pallas_call(
-        functools.partial(_forward_kernel, mode="summary", fold=False, save=False, **kw),
+        functools.partial(_forward_kernel, mode="summary", fold=False, save=False,
+                          final=True, **kw),
         grid=grid, in_specs=in_specs, out_specs=[sp["chunk_state"], sp["chunk_vec"]],
         out_shape=[states, vecs], compiler_params=params, interpret=interpret,
         name="selective_scan_summary")(*ins)
-  out_specs = [sp["seq"], sp["chunk_state"]]
-  out_shape = [jax.ShapeDtypeStruct(u_p.shape, _F32), states]
+  out_specs = [sp["seq"]]
+  out_shape = [jax.ShapeDtypeStruct(u_p.shape, _F32)]
+  if final:
+    out_specs.append(sp["chunk_state"])
+    out_shape.append(states)
   if save:
     out_specs.append(sp["ckpt"])
     out_shape.append(jax.ShapeDtypeStruct(
         (batch, num_chunks * chunk // blocks.unroll, padded_d, state), _F32))
   outs = _pallas.pallas_call(
-      functools.partial(_forward_kernel, mode="apply", fold=fold, save=save, **kw),
+      functools.partial(_forward_kernel, mode="apply", fold=fold, save=save,
+                        final=final, **kw),
       grid=grid, in_specs=in_specs + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
       out_specs=out_specs, out_shape=out_shape, compiler_params=params,
       interpret=interpret, name="selective_scan")(*ins, *summaries)
-  y, ends = outs[0], outs[1]
-  ckpt = outs[2] if save else None
-  return y[:, :time, :width], ends[:, -1, :width], ckpt
+  y, outs = outs[0], outs[1:]
+  ends, outs = (outs[0][:, -1, :width], outs[1:]) if final else (None, outs)
+  ckpt = outs[0] if save else None
+  return y[:, :time, :width], ends, ckpt
 
 
 def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
-  """Core backward: (du, ddelta, dA, dB, dC, dh0), float32."""
+  """Core backward: (du, ddelta, dA, dB, dC, dh0), float32. `dfinal` is None
+  when the forward returned no final state."""
   batch, time, width = u.shape
   state = A.shape[1]
   bd, chunk, num_chunks, padded_d, grid = _layout(batch, time, width, state, blocks)
   # The backward walks the other way; chunk c of the grid is forward chunk C-1-c.
-  per_group = _per_group(u, B)
-  sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll, per_group)
+  sp = _specs(chunk, bd, state, num_chunks, not reverse, blocks.unroll, width)
   u_p, delta_p = _pad_seq(u, chunk, bd), _pad_seq(delta, chunk, bd)
   # delta of the next step in forward order (0, a decay of 1, past the end):
   # the adjoint's recurrence multiplies by the next step's decay.
@@ -356,9 +411,10 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   delta_next = (jnp.concatenate([zero, delta_p[:, :-1]], axis=1) if reverse
                 else jnp.concatenate([delta_p[:, 1:], zero], axis=1))
   dy_p = _pad_seq(dy.astype(_F32), chunk, bd)
-  B_p, C_p = _pad_seq(B, chunk), _pad_seq(C, chunk)
+  B_p, C_p = _pad_projection(B, chunk, bd), _pad_projection(C, chunk, bd)
   A_p = _shapes.pad_axis(A, 0, bd)
-  dfinal_p = _shapes.pad_axis(dfinal.astype(_F32), 1, bd)
+  final = dfinal is not None
+  dfinal_p = (_shapes.pad_axis(dfinal.astype(_F32), 1, bd),) if final else ()
   params = plgpu.CompilerParams(num_warps=blocks.num_warps,
                                 num_stages=blocks.num_stages)
   interpret = _backend.pallas_interpret()
@@ -369,58 +425,68 @@ def _backward(u, delta, A, B, C, ckpt, dy, dfinal, *, reverse, blocks):
   summaries = ()
   if fold:
     summaries = _pallas.pallas_call(
-        functools.partial(_backward_summary_kernel, reverse=reverse, **kw),
-        grid=grid, in_specs=[sp["seq"], sp["a"], sp["seq_s"], sp["seq"]],
+        functools.partial(_backward_summary_kernel, reverse=reverse,
+                          c_fixed=C.ndim == 2, **kw),
+        grid=grid, in_specs=[sp["seq"], sp["a"], sp["proj"](C), sp["seq"]],
         out_specs=[sp["chunk_state"], sp["chunk_vec"]], out_shape=[states, vecs],
         compiler_params=params, interpret=interpret,
         name="selective_scan_backward_summary")(delta_next, A_p, C_p, dy_p)
   seq = jax.ShapeDtypeStruct(u_p.shape, _F32)
   partial_s = jax.ShapeDtypeStruct((batch, padded_d // bd, u_p.shape[1], state), _F32)
+
+  def projection_grad(x):  # per-program sums when time-invariant, else per-step partials
+    return (sp["chunk_state"], states) if x.ndim == 2 else (sp["partial_s"], partial_s)
+
+  (dB_spec, dB_shape), (dC_spec, dC_shape) = projection_grad(B), projection_grad(C)
   du, ddelta, dB, dC, dA, c = _pallas.pallas_call(
-      functools.partial(_backward_kernel, reverse=reverse, fold=fold, **kw),
+      functools.partial(_backward_kernel, reverse=reverse, fold=fold,
+                        fixed=(B.ndim == 2, C.ndim == 2), final=final, **kw),
       grid=grid,
-      in_specs=[sp["seq"], sp["seq"], sp["seq"], sp["a"], sp["seq_s"], sp["seq_s"],
-                sp["seq"], sp["state"], sp["ckpt_rev"]]
+      in_specs=[sp["seq"], sp["seq"], sp["seq"], sp["a"], sp["proj"](B), sp["proj"](C),
+                sp["seq"]] + ([sp["state"]] if final else []) + [sp["ckpt_rev"]]
       + [sp["all_states"], sp["all_vecs"]][:len(summaries)],
-      out_specs=[sp["seq"], sp["seq"], sp["partial_s"], sp["partial_s"],
+      out_specs=[sp["seq"], sp["seq"], dB_spec, dC_spec,
                  sp["chunk_state"], sp["chunk_state"]],
-      out_shape=[seq, seq, partial_s, partial_s, states, states],
+      out_shape=[seq, seq, dB_shape, dC_shape, states, states],
       compiler_params=params, interpret=interpret,
       name="selective_scan_backward")(u_p, delta_p, delta_next, A_p, B_p, C_p, dy_p,
-                                      dfinal_p, ckpt, *summaries)
+                                      *dfinal_p, ckpt, *summaries)
   # dL/dh0 = a_first c_first: the adjoint at the first step (forward order)
   # times that step's decay.
   first = delta_p[:, -1] if reverse else delta_p[:, 0]                  # [B, Dp]
   dh0 = jnp.exp(first.astype(_F32)[:, :, None] * A_p) * c[:, -1]
-  if per_group is None:
-    dB, dC = jnp.sum(dB, axis=1), jnp.sum(dC, axis=1)          # [B, T, S]
-  else:
-    groups = B.shape[2]
-    def by_group(x):  # [B, D / bd, T, S] -> [B, T, G, S]
-      x = x.reshape(batch, groups, -1, *x.shape[2:]).sum(axis=2)
-      return jnp.swapaxes(x, 1, 2)
-    dB, dC = by_group(dB), by_group(dC)
+
+  def reduce(dx, x):
+    if x.ndim == 2:  # [B, C, Dp, S] per program -> [D, S]
+      return jnp.sum(dx, axis=(0, 1))[:width]
+    if x.ndim == 3:  # [B, Dp / bd, T, S] per channel block -> [B, T, S]
+      return jnp.sum(dx, axis=1)[:, :time]
+    groups = x.shape[2]  # -> [B, T, G, S]: bd divides D / G, so Dp = D
+    dx = dx.reshape(batch, groups, -1, *dx.shape[2:]).sum(axis=2)
+    return jnp.swapaxes(dx, 1, 2)[:, :time]
+
   return (du[:, :time, :width], ddelta[:, :time, :width],
-          jnp.sum(dA, axis=(0, 1))[:width], dB[:, :time], dC[:, :time], dh0[:, :width])
+          jnp.sum(dA, axis=(0, 1))[:width], reduce(dB, B), reduce(dC, C), dh0[:, :width])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks):
-  y, final, _ = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
-                         save=False)
-  return y, final
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _selective_scan_core(u, delta, A, B, C, h0, reverse, blocks, final):
+  """(y, final_state) when `final`, else (y,)."""
+  y, end, _ = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
+                       save=False, final=final)
+  return (y, end) if final else (y,)
 
 
-def _core_fwd(u, delta, A, B, C, h0, reverse, blocks):
-  y, final, ckpt = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
-                            save=True)
-  return (y, final), (u, delta, A, B, C, ckpt,
-                      _pallas.type_tokens(u, delta, A, B, C, h0))
+def _core_fwd(u, delta, A, B, C, h0, reverse, blocks, final):
+  y, end, ckpt = _forward(u, delta, A, B, C, h0, reverse=reverse, blocks=blocks,
+                          save=True, final=final)
+  return ((y, end) if final else (y,)), (u, delta, A, B, C, ckpt,
+                                         _pallas.type_tokens(u, delta, A, B, C, h0))
 
 
-def _core_bwd(reverse, blocks, residuals, cotangents):
+def _core_bwd(reverse, blocks, final, residuals, cotangents):
   u, delta, A, B, C, ckpt, tokens = residuals
-  dy, dfinal = cotangents
+  dy, dfinal = cotangents if final else (cotangents[0], None)
   du, ddelta, dA, dB, dC, dh0 = _backward(u, delta, A, B, C, ckpt, dy, dfinal,
                                           reverse=reverse, blocks=blocks)
   return _pallas.typed_like((du.astype(u.dtype), ddelta.astype(delta.dtype),
@@ -430,28 +496,34 @@ def _core_bwd(reverse, blocks, residuals, cotangents):
 
 _selective_scan_core.defvjp(_core_fwd, _core_bwd)
 _selective_scan_core_shared = _pallas.shared_lowering(
-    _selective_scan_core, static_argnums=(6, 7))
+    _selective_scan_core, static_argnums=(6, 7, 8))
 
 
 def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
                           delta_softplus=False, initial_state=None, reverse=False,
+                          return_final_state=True,
                           blocks: SelectiveScanBlocks | None = None):
   """Same contract as `selective_scan_reference`, on the Pallas kernels.
 
   `delta_bias`/softplus, the skip `D` and the gate `z` are elementwise XLA
   around the kernel (differentiated by JAX); the kernels carry the recurrence.
+  A channel block must not straddle two groups of a per-group `B` or `C`:
+  the default `blocks` shrink `block_d` to fit, an explicit one that does
+  not divide their channels per group is a ValueError.
   """
   batch, time, width = u.shape
   state = A.shape[1]
+  grouped = [(name, width // x.shape[2]) for name, x in (("B", B), ("C", C))
+             if x.ndim == 4]
   if blocks is None:
     blocks = SelectiveScanBlocks.get_default(batch, time, width, state)
-    if B.ndim == 4:  # a channel block must not straddle two groups
-      per_group = width // B.shape[2]
+    for _, per_group in grouped:
       blocks = dataclasses.replace(
           blocks, block_d=min(blocks.block_d, per_group & -per_group))
-  elif B.ndim == 4 and (width // B.shape[2]) % blocks.block_d:
-    raise ValueError(f"`blocks.block_d`={blocks.block_d} must divide the channels per "
-                     f"group, {width // B.shape[2]}")
+  for name, per_group in grouped:
+    if per_group % blocks.block_d:
+      raise ValueError(f"`blocks.block_d`={blocks.block_d} must divide the channels "
+                       f"per group of `{name}`, {per_group}")
   delta = prepare_delta(delta, delta_bias, delta_softplus)
   h0 = (jnp.zeros((batch, width, state), _F32) if initial_state is None
         else initial_state.astype(_F32))
@@ -459,5 +531,7 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   # keeps them at zero and out of y).
   padded = next_pow2(state)
   A, B, C, h0 = (_shapes.pad_axis(x, x.ndim - 1, padded) for x in (A.astype(_F32), B, C, h0))
-  y, final = _selective_scan_core_shared(u, delta, A, B, C, h0, reverse, blocks)
-  return finish_output(y, u, D, z), final[..., :state]
+  outs = _selective_scan_core_shared(u, delta, A, B, C, h0, reverse, blocks,
+                                     return_final_state)
+  final = outs[1][..., :state] if return_final_state else None
+  return finish_output(outs[0], u, D, z), final

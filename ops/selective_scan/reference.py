@@ -40,26 +40,30 @@ def finish_output(y: jax.Array, u: jax.Array, D: jax.Array | None,
 
 def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
                              delta_bias=None, delta_softplus=False,
-                             initial_state=None, reverse=False):
+                             initial_state=None, reverse=False,
+                             return_final_state=True):
   """The selective scan, one step at a time.
 
   Args:
     u: [B, T, D] input.
     delta: [B, T, D] step sizes (before `delta_bias` and softplus).
     A: [D, S] state matrix (diagonal per channel; negative for decay).
-    B: [B, T, S] input projection, or per group [B, T, G, S] (D % G == 0;
-      channel d uses group d // (D / G)).
-    C: [B, T, S] output projection, or per group [B, T, G, S].
+    B: [B, T, S] input projection, per group [B, T, G, S] (D % G == 0;
+      channel d uses group d // (D / G)), or time-invariant [D, S].
+    C: [B, T, S] output projection, per group [B, T, G', S] (its own G'), or
+      time-invariant [D, S].
     D: [D] skip, or None.
     z: [B, T, D] gate, or None.
     delta_bias: [D], or None.
     delta_softplus: apply softplus to `delta + delta_bias`.
     initial_state: [B, D, S] state before the first step processed, or None.
     reverse: scan from the last time step to the first.
+    return_final_state: False returns None in place of the final state.
 
   Returns:
     y: [B, T, D] in `u`'s dtype.
-    final_state: [B, D, S] float32, the state after the last step processed.
+    final_state: [B, D, S] float32, the state after the last step processed
+      (None unless `return_final_state`).
   """
   batch, _, width = u.shape
   state = A.shape[-1]
@@ -68,15 +72,22 @@ def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
   h0 = (jnp.zeros((batch, width, state), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
 
-  def per_channel(x):  # [B, S] or per-group [B, G, S] -> broadcasts to [B, D, S]
-    return jnp.repeat(x, width // x.shape[1], axis=1) if x.ndim == 3 else x[:, None, :]
+  def per_channel(x_t, x):  # this step's projection, broadcasting to [B, D, S]
+    if x.ndim == 2:  # time-invariant [D, S]
+      return x.astype(jnp.float32)
+    if x_t.ndim == 3:  # per group [B, G, S]
+      return jnp.repeat(x_t, width // x_t.shape[1], axis=1)
+    return x_t[:, None, :]
 
   def step(h, xs):
-    u_t, delta_t, b_t, c_t = xs  # [B, D], [B, D], [B, (G,) S], [B, (G,) S]
+    u_t, delta_t, b_t, c_t = xs  # [B, D], [B, D], [B, (G,) S] or None (x2)
     decay = jnp.exp(delta_t[:, :, None] * A)                     # [B, D, S]
-    h = decay * h + (delta_t * u_t)[:, :, None] * per_channel(b_t)
-    return h, jnp.sum(h * per_channel(c_t), axis=-1)
+    h = decay * h + (delta_t * u_t)[:, :, None] * per_channel(b_t, B)
+    return h, jnp.sum(h * per_channel(c_t, C), axis=-1)
 
-  xs = tuple(jnp.swapaxes(x.astype(jnp.float32), 0, 1) for x in (u, delta, B, C))
+  # Time-invariant projections stay out of the scanned sequences.
+  xs = tuple(None if x.ndim == 2 else jnp.swapaxes(x.astype(jnp.float32), 0, 1)
+             for x in (u, delta, B, C))
   final, y = jax.lax.scan(step, h0, xs, reverse=reverse)
-  return finish_output(jnp.swapaxes(y, 0, 1), u, D, z), final
+  return finish_output(jnp.swapaxes(y, 0, 1), u, D, z), (
+      final if return_final_state else None)

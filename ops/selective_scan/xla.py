@@ -21,14 +21,17 @@ def _combine(first, second):
 
 
 def selective_scan_xla(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
-                       delta_softplus=False, initial_state=None, reverse=False):
+                       delta_softplus=False, initial_state=None, reverse=False,
+                       return_final_state=True):
   """Same contract as `selective_scan_reference`, computed associatively."""
   delta = prepare_delta(delta, delta_bias, delta_softplus)              # [B, T, D]
   decay = jnp.exp(delta[..., None] * A.astype(jnp.float32))              # [B, T, D, S]
   width = u.shape[2]
 
-  def per_channel(x):  # [B, T, S] or [B, T, G, S] -> broadcasts to [B, T, D, S]
+  def per_channel(x):  # [B, T, S], [B, T, G, S] or [D, S] -> broadcasts to [B, T, D, S]
     x = x.astype(jnp.float32)
+    if x.ndim == 2:
+      return x
     return jnp.repeat(x, width // x.shape[2], axis=2) if x.ndim == 4 else x[:, :, None, :]
 
   x = (delta * u.astype(jnp.float32))[..., None] * per_channel(B)      # [B, T, D, S]
@@ -37,5 +40,5 @@ def selective_scan_xla(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
     x = x.at[:, first].add(decay[:, first] * initial_state.astype(jnp.float32))
   _, h = jax.lax.associative_scan(_combine, (decay, x), axis=1, reverse=reverse)
   y = jnp.sum(h * per_channel(C), axis=-1)                              # [B, T, D]
-  final = h[:, 0] if reverse else h[:, -1]
+  final = (h[:, 0] if reverse else h[:, -1]) if return_final_state else None
   return finish_output(y, u, D, z), final

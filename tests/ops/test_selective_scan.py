@@ -65,10 +65,9 @@ def _loss(fn):
   return loss
 
 
-def _check(implementation, dtype, time, reverse, full, blocks=None, groups=None,
-           shape=(2, 12, 3)):
+def _check(implementation, dtype, time, reverse, full, blocks=None, shape=(2, 12, 3)):
   batch, width, state = shape
-  args = _inputs(batch, time, width, state, dtype, groups=groups)
+  args = _inputs(batch, time, width, state, dtype)
   if not full:
     args = args[:5] + (None,) * 4
   fn = _impl(implementation, reverse, full, blocks)
@@ -110,13 +109,6 @@ def test_matches_reference(implementation, dtype, time, reverse, full, blocks):
   _check(implementation, dtype, time, reverse, full, blocks)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_per_group_projections(implementation):
-  # B, C: [B, T, G, S] with G 3 over D 12: four channels per group, so the
-  # default 8-channel kernel tile shrinks to 4 (a tile never straddles groups).
-  _check(implementation, "float32", 7, True, True, groups=3)
-
-
 def test_pallas_gradients_under_strong_decay():
   # exp(delta A) down to 1e-7: a_t h_{t-1} recovered as h_t - delta_t u_t B_t
   # lost its digits to cancellation (dA entries 0.35 % off here, up to 100 %
@@ -145,6 +137,49 @@ def test_per_group_equals_repeated_channels():
     y_d = selective_scan_reference(u[:, :, d:d + 1], delta[:, :, d:d + 1], A[d:d + 1],
                                    B[:, :, d // 4], C[:, :, d // 4])[0]
     np.testing.assert_allclose(y[:, :, d:d + 1], y_d, atol=1e-5)
+
+
+def test_time_invariant_projections_are_one_group_per_channel():
+  # [D, S] is the per-group form with G = D, the same at every step and row.
+  u, delta, A, B, C = _inputs(2, 5, 12, 3, "float32")[:5]
+  B_fixed, C_fixed = jax.random.normal(jax.random.key(3), (2, 12, 3))
+  every_step = lambda x: jnp.broadcast_to(x, (2, 5, 12, 3))
+  for b, c in ((B_fixed, C), (B, C_fixed), (B_fixed, C_fixed)):
+    y, final = selective_scan(u, delta, A, b, c, implementation="xla")
+    y_groups, final_groups = selective_scan_reference(
+        u, delta, A, every_step(b) if b.ndim == 2 else b,
+        every_step(c) if c.ndim == 2 else c)
+    np.testing.assert_allclose(y, y_groups, atol=1e-5)
+    np.testing.assert_allclose(final, final_groups, atol=1e-5)
+
+
+def test_without_final_state_the_kernel_writes_none():
+  u, delta, A, B, C = _inputs(1, 8, 4, 2, "float32")[:5]
+
+  def apply_launch_outputs(final):  # the typed outputs of the last pallas_call
+    fn = lambda *a: selective_scan(*a, implementation="pallas", return_final_state=final)
+    lines = str(jax.make_jaxpr(fn)(u, delta, A, B, C)).splitlines()
+    return [line.split("=")[0].split() for line in lines if "pallas_call[" in line][-1]
+
+  assert len(apply_launch_outputs(True)) == 2   # y and the chunks' end states
+  assert len(apply_launch_outputs(False)) == 1  # y alone
+  for implementation in (None, "xla"):
+    assert selective_scan(u, delta, A, B, C, return_final_state=False,
+                          implementation=implementation)[1] is None
+
+
+@pytest.mark.usefixtures("hopper_lowering")
+def test_projection_forms_lower_to_triton():
+  # Time-invariant B ([bd, S] blocks, per-program dB sums), per-group C, no
+  # final state: forward and gradient kernels lower for a Hopper GPU.
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  fn = lambda u, dt, a, b, c: selective_scan(
+      u, dt, a, b, c, return_final_state=False, implementation="pallas")[0].sum()
+  args = (spec(2, 256, 64), spec(2, 256, 64), spec(64, 16), spec(64, 16),
+          spec(2, 256, 4, 16))
+  text = jax.jit(jax.grad(fn, argnums=range(5))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("__gpu$xla.gpu.triton") >= 4  # two forward, two backward launches
 
 
 def _has_pallas_call(fn, *args):
@@ -188,11 +223,13 @@ def test_bad_arguments_raise():
     selective_scan(u, delta, A, B, C[..., None])
   with pytest.raises(ValueError, match="`B`: the group count"):
     selective_scan(u, delta, A, jnp.stack([B] * 3, 2), jnp.stack([C] * 3, 2))
-  with pytest.raises(ValueError, match="`B` and `C`"):
-    selective_scan(u, delta, A, jnp.stack([B] * 2, 2), C)
-  with pytest.raises(ValueError, match="block_d"):
-    selective_scan_pallas(u, delta, A, jnp.stack([B] * 2, 2), jnp.stack([C] * 2, 2),
+  with pytest.raises(ValueError, match="`B`.*time-invariant"):  # [D, S] with D 3
+    selective_scan(u, delta, A, A[:3], C)
+  with pytest.raises(ValueError, match="block_d.*of `C`"):
+    selective_scan_pallas(u, delta, A, B, jnp.stack([C] * 2, 2),
                           blocks=SelectiveScanBlocks(block_d=4))
+  with pytest.raises(TypeError, match="`return_final_state`"):
+    selective_scan(u, delta, A, B, C, return_final_state=None)
   with pytest.raises(ValueError, match="`D`"):
     selective_scan(u, delta, A, B, C, D=D[:3])
   with pytest.raises(ValueError, match="`z`"):
