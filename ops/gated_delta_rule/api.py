@@ -13,15 +13,23 @@ import jax
 from ops import _backend
 from ops import _shapes
 from ops.gated_delta_rule import pallas as pallas_impl
+from ops.gated_delta_rule.reference import l2_normalize
+from ops.gated_delta_rule.reference import no_gate
+from ops.gated_delta_rule.reference import write_strength
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import chunked_kernel_limit
 from ops.ssd.api import run_chunked_per_shard
 from ops.ssd.api import validate
 
-def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array,
-                     beta: jax.Array, *, scale: float | None = None,
+def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
+                     log_decay: jax.Array | None, beta: jax.Array, *,
+                     scale: float | None = None,
                      initial_state: jax.Array | None = None,
                      chunk_size: int | None = None,
+                     cu_seqlens: jax.Array | None = None,
+                     use_qk_l2norm_in_kernel: bool = False,
+                     use_beta_sigmoid_in_kernel: bool = False,
+                     allow_neg_eigval: bool = False,
                      implementation: _backend.Implementation = None
                      ) -> tuple[jax.Array, jax.Array]:
   """The gated delta rule, state `M = S^T` in the [K, V] layout of `ops.ssd`::
@@ -31,15 +39,31 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
 
   Args:
     q: [B, T, N, K] queries, or [B, T, G, K] shared by N // G heads.
-    k: keys, the shape of `q` (L2-normalize them: the rule assumes `|k| = 1`).
+    k: keys, the shape of `q` (L2-normalize them, or pass
+      `use_qk_l2norm_in_kernel`: the rule assumes `|k| = 1`).
     v: [B, T, N, V] values; sets the output dtype.
-    log_decay: [B, T, N] log of the decay gate alpha (<= 0).
-    beta: [B, T, N] write strength in [0, 1].
+    log_decay: [B, T, N] log of the decay gate alpha (<= 0), or None: no gate
+      (the plain delta rule, flash-linear-attention's `g=None`).
+    beta: [B, T, N] write strength in [0, 1] (a logit with
+      `use_beta_sigmoid_in_kernel`).
     scale: output scale, default K ** -0.5.
-    initial_state: [B, N, K, V] state before the first token, or None (zeros).
+    initial_state: [B, N, K, V] state before the first token ([S, N, K, V],
+      one per sequence, with `cu_seqlens`), or None (zeros).
     chunk_size: tokens per chunk (default 32 on the kernel, measured faster
       than 64 on an H200; 64 on the XLA form; the kernel takes a power of
       two >= 16).
+    cu_seqlens: None, or int [S + 1] offsets of S sequences packed on the
+      time axis of a batch of one, as in `ops.ssd` (flash-linear-attention's
+      `cu_seqlens`): each starts from its own initial state and ends in its
+      own final state.
+    use_qk_l2norm_in_kernel: L2-normalize q and k over K inside the op
+      (`x / sqrt(|x|^2 + 1e-6)` in float32, differentiated through), as
+      flash-linear-attention's option of that name.
+    use_beta_sigmoid_in_kernel: `beta` holds logits; the rule uses
+      `sigmoid(beta)` (flash-linear-attention's option of that name).
+    allow_neg_eigval: the rule uses `2 * beta` (after the sigmoid, if any), in
+      [0, 2]: `I - beta k k^T` may have the eigenvalue -1 (flash-linear-attention
+      applies it only together with the sigmoid; here it always doubles).
     implementation: None (on NVIDIA GPUs the faster of the Pallas kernels and
       XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`; XLA
       elsewhere),
@@ -48,27 +72,41 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Ar
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
-    final_state: [B, N, K, V] float32.
+    final_state: [B, N, K, V] float32 ([S, N, K, V] with `cu_seqlens`).
   """
   validate("gated_delta_rule", q, k, v, log_decay, initial_state,
-           extra=(("beta", beta),))
+           extra=(("beta", beta),), optional_decay=True, cu_seqlens=cu_seqlens)
   _shapes.check_chunk_size("gated_delta_rule", chunk_size)
   if scale is not None and (isinstance(scale, bool) or not (
       isinstance(scale, numbers.Real) or getattr(scale, "shape", None) == ())):
     raise TypeError(f"gated_delta_rule: `scale` must be a number (or a scalar "
                     f"array) or None, got {scale!r}")
+  for name, flag in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
+                     ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
+                     ("allow_neg_eigval", allow_neg_eigval)):
+    _shapes.check_bool("gated_delta_rule", name, flag)
 
   def kernel_limit():
     return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
-                                "a chunk's [K, V] state and gradients live in registers")
+                                "a chunk's [K, V] state tiles and gradients live in registers")
 
   # The measured table decides (ops/dispatch_tables/gated_delta_rule.json).
   backend = _backend.choose("gated_delta_rule", implementation, kernel_limit,
                             key_dim=q.shape[-1], length=q.shape[1])
+  # The options act per token before the recurrence; XLA fuses them into one pass.
+  if use_qk_l2norm_in_kernel:
+    q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
+  if use_beta_sigmoid_in_kernel or allow_neg_eigval:
+    beta = write_strength(beta, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                          allow_neg_eigval=allow_neg_eigval)
+  log_decay = no_gate(log_decay, beta)
   if backend == "xla":
     return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
-                                initial_state=initial_state, chunk_size=chunk_size)
+                                initial_state=initial_state, chunk_size=chunk_size,
+                                cu_seqlens=cu_seqlens)
   return run_chunked_per_shard(
-      "gated_delta_rule", lambda q, k, v, g, h0, beta: pallas_impl.gated_delta_rule_pallas(
-          q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size),
-      q, k, v, log_decay, initial_state, extra=(("beta", beta),))
+      "gated_delta_rule",
+      lambda q, k, v, g, h0, beta, cu: pallas_impl.gated_delta_rule_pallas(
+          q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size,
+          cu_seqlens=cu),
+      q, k, v, log_decay, initial_state, extra=(("beta", beta),), cu_seqlens=cu_seqlens)

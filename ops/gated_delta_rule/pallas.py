@@ -67,10 +67,12 @@ from ops._triton import next_pow2
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import mosaic_key_grads
+from ops.gated_delta_rule.reference import no_gate
+from ops.ssd import varlen
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
-MAX_HEAD_SIZE = 128
+MAX_HEAD_SIZE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,15 +134,18 @@ class GatedDeltaBlocks:
     if chunk is None:
       chunk = min(32, max(16, next_pow2(time)))
     big = key * value > 64 * 64
+    huge = key * value > 128 * 128
     # The gradient kernels' warps, key tile and stages, the walks' tiles and
     # the prepare kernel's warps: the best of sweeps on an H200 (BUILD_NOTES.md,
     # "SSD and the gated delta rule"); num_warps is then the output kernel's
-    # alone. At K * V > 64 * 64 each walk program carries the whole [K, V] state.
+    # alone. At K * V > 64 * 64 each walk program carries the whole [K, V]
+    # state, up to 128 * 128 of it (past that, V tiles of it).
     return cls(chunk=chunk, block_v=min(64 if big else 32, value),
-               num_warps=4, state_num_warps=8 if big else 4, prepare_num_warps=2,
-               state_block_v=value if big else None,
+               num_warps=4, state_num_warps=8 if big else 4,
+               prepare_num_warps=4 if huge else 2,
+               state_block_v=min(value, 128 * 128 // key) if big else None,
                value_grad_num_warps=2, key_grad_num_warps=4 if big else 2,
-               grad_block_k=None if big else 32, grad_num_stages=3)
+               grad_block_k=(min(key, 128) if big else 32), grad_num_stages=3)
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -231,14 +236,21 @@ def _prepare_kernel(k_ref, v_ref, b_ref, beta_ref, w_ref, u_ref, *t_ref, chunk,
     t_ref[0][...] = t.T.astype(t_ref[0].dtype)
 
 
-def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, out_ref, u_ref, final_ref, *,
-                   chunk, num_chunks):
+def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
+                   packed):
   """Forward state walk, one [K, bv] tile of M per program. Stores the state
   entering each chunk and the corrected values U that its chain forms anyway
-  (so the output kernel reads U, not W and U~, and skips the `W M0` product)."""
+  (so the output kernel reads U, not W and U~, and skips the `W M0` product).
+  `packed` (`ops/ssd/varlen.py`): h0 and the final state hold one tile per
+  sequence, inputs (starts, ends) [C] follow h0, and each sequence's chunks
+  start from its tile."""
+  starts_ref, ends_ref, out_ref, u_ref, final_ref = (refs if packed else
+                                                     (None, None) + refs)
   dtype = u_tilde_ref.dtype
 
   def body(c, h):
+    if packed:
+      h = varlen.enter(starts_ref, h0_ref, c, h)
     out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     k, w, u_t = k_ref[rows, :], w_ref[rows, :], u_tilde_ref[rows, :]
@@ -247,9 +259,15 @@ def _states_kernel(k_ref, w_ref, u_tilde_ref, b_ref, h0_ref, out_ref, u_ref, fin
     u = (u_t.astype(_F32) - _mm(w, h, dtype)).astype(dtype)      # [L, bv]
     u_ref[rows, :] = u  # every product that reads U rounds it to `dtype` first
     k_end = jnp.exp(b_last - b)[:, None] * k.astype(_F32)       # [L, K]
-    return jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
+    h = jnp.exp(b_last) * h + _mm(k_end, u, dtype, trans_a=True)
+    if packed:
+      varlen.leave(ends_ref, final_ref, c, h)
+    return h
 
-  final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
+  if packed:  # the first chunk restarts the walk
+    jax.lax.fori_loop(0, num_chunks, body, jnp.zeros(h0_ref.shape[1:], _F32))
+  else:
+    final_ref[...] = jax.lax.fori_loop(0, num_chunks, body, h0_ref[...].astype(_F32))
 
 
 def _output_kernel(q_ref, k_ref, u_ref, b_ref, h_ref, y_ref, *scores_t_ref, chunk, scale,
@@ -274,17 +292,23 @@ def _output_kernel(q_ref, k_ref, u_ref, b_ref, h_ref, y_ref, *scores_t_ref, chun
   jax.lax.fori_loop(0, y_ref.shape[-1] // block_v, tile, 0)
 
 
-def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_ref, out_ref,
-                       du_ref, dh0_ref, *, chunk, num_chunks, scale):
+def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_ref, *refs,
+                       chunk, num_chunks, scale, packed):
   """Backward state walk: the adjoint of M, one [K, bv] tile per program. The
   chunks' [L, L] scores come from the forward's output kernel, which keeps
   their product and exponentials off this serial chain. The walk forms each
   chunk's dU on the way and stores it for the chunk gradients (in `dtype`:
-  every product there rounds it to that)."""
+  every product there rounds it to that). `packed`: as the forward walk's,
+  the final states' adjoints entering at the sequences' last chunks and the
+  initial states' leaving at their first."""
+  starts_ref, ends_ref, out_ref, du_ref, dh0_ref = (refs if packed else
+                                                    (None, None) + refs)
   dtype = dy_ref.dtype
 
   def body(step, g):
     c = num_chunks - 1 - step
+    if packed:
+      g = varlen.enter(ends_ref, dfinal_ref, c, g)
     out_ref[c] = g.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     q, k, w, dy = q_ref[rows, :], k_ref[rows, :], w_ref[rows, :], dy_ref[rows, :]
@@ -295,10 +319,16 @@ def _states_bwd_kernel(q_ref, k_ref, w_ref, dy_ref, b_ref, scores_ref, dfinal_re
     du = scale * _mm(scores_t, dy, dtype) + _mm(k_end, g, dtype)
     du_ref[rows, :] = du.astype(du_ref.dtype)
     q_in = jnp.exp(b)[:, None] * q.astype(_F32)
-    return (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
-            - _mm(w, du, dtype, trans_a=True))
+    g = (scale * _mm(q_in, dy, dtype, trans_a=True) + jnp.exp(b_last) * g
+         - _mm(w, du, dtype, trans_a=True))
+    if packed:
+      varlen.leave(starts_ref, dh0_ref, c, g)
+    return g
 
-  dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
+  if packed:  # the last chunk restarts the walk
+    jax.lax.fori_loop(0, num_chunks, body, jnp.zeros(dfinal_ref.shape[1:], _F32))
+  else:
+    dh0_ref[...] = jax.lax.fori_loop(0, num_chunks, body, dfinal_ref[...].astype(_F32))
 
 
 def _value_grad_kernel(q_ref, k_ref, v_ref, u_ref, du_ref, dy_ref, b_ref, beta_ref, tt_ref,
@@ -463,27 +493,42 @@ def _seq_specs(time, key, rep, bv, chunk):
       state=pl.BlockSpec((None, None, key, bv), lambda i, n, e: (i, n, 0, e)))
 
 
-def _states(k, w, u_tilde, b, h0, blocks):
+def _walk_states(sp, h0, packed, num_chunks):
+  """The walks' state BlockSpec and their extra inputs: per (batch, head)
+  tile, or with `packed` one tile per sequence of h0 [S, N, K, V] and the
+  (starts, ends) [C] after it."""
+  if packed is None:
+    return sp["state"], [], ()
+  key, bv = sp["state"].block_shape[2:]
+  state = pl.BlockSpec((h0.shape[0], None, key, bv), lambda i, n, e: (0, n, 0, e))
+  return state, [varlen.per_chunk_spec(num_chunks)] * 2, tuple(packed)
+
+
+def _states(k, w, u_tilde, b, h0, blocks, packed=None):
   """The Triton forward walk (the Mosaic one, `mosaic.walk_forward`, forms Y
   too): the state entering each chunk [B, N, C, K, V] and U [B, T, N, V], both
-  in the input dtype, and the final state (float32)."""
+  in the input dtype, and the final state (float32; one per sequence with
+  `packed`, as h0)."""
   batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
+  state, seq_specs, seq_inputs = _walk_states(sp, h0, packed, num_chunks)
   return _pallas.pallas_call(
-      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks),
+      functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks,
+                        packed=packed is not None),
       grid=(batch, heads, value // bv),
-      in_specs=[sp["qk"], sp["w"], sp["v"], sp["vec"], sp["state"]],
+      in_specs=[sp["qk"], sp["w"], sp["v"], sp["vec"], state] + seq_specs,
       out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
-                              lambda i, n, e: (i, n, 0, 0, e)), sp["v"], sp["state"]],
+                              lambda i, n, e: (i, n, 0, 0, e)), sp["v"], state],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value),
                                       u_tilde.dtype),
                  jax.ShapeDtypeStruct(u_tilde.shape, u_tilde.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+                 jax.ShapeDtypeStruct(h0.shape, _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
-      interpret=_backend.pallas_interpret(), name="gated_delta_states")(k, w, u_tilde, b, h0)
+      interpret=_backend.pallas_interpret(),
+      name="gated_delta_states")(k, w, u_tilde, b, h0, *seq_inputs)
 
 
 def _output(q, k, u, b, states, scale, blocks, *, save_scores):
@@ -510,11 +555,11 @@ def _output(q, k, u, b, states, scale, blocks, *, save_scores):
       name="gated_delta_output")(q, k, u, b, states)
 
 
-def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
+def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks, packed=None):
   """The reversed walk: the adjoint of the state leaving each chunk
   [B, N, C, K, V] and dU [B, T, N, V] in the input dtype, d initial_state
-  (float32). The Triton walk reads the scores the output kernel stored; the
-  Mosaic walk (`scores` None) forms them."""
+  (float32, shaped as dfinal). The Triton walk reads the scores the output
+  kernel stored; the Mosaic walk (`scores` None) forms them."""
   batch, time, groups, key = q.shape
   heads, value = dy.shape[2:]
   chunk, bv = blocks.chunk, blocks.state_block_v
@@ -523,20 +568,21 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks):
                                interpret=_backend.pallas_interpret())
   num_chunks = time // chunk
   sp = _seq_specs(time, key, heads // groups, bv, chunk)
+  state, seq_specs, seq_inputs = _walk_states(sp, dfinal, packed, num_chunks)
   return _pallas.pallas_call(
       functools.partial(_states_bwd_kernel, chunk=chunk, num_chunks=num_chunks,
-                        scale=scale),
+                        scale=scale, packed=packed is not None),
       grid=(batch, heads, value // bv),
       in_specs=[sp["qk"], sp["qk"], sp["w"], sp["v"], sp["vec"], sp["square"],
-                sp["state"]],
+                state] + seq_specs,
       out_specs=[pl.BlockSpec((None, None, num_chunks, key, bv),
-                              lambda i, n, e: (i, n, 0, 0, e)), sp["v"], sp["state"]],
+                              lambda i, n, e: (i, n, 0, 0, e)), sp["v"], state],
       out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
                  jax.ShapeDtypeStruct(dy.shape, dy.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, key, value), _F32)],
+                 jax.ShapeDtypeStruct(dfinal.shape, _F32)],
       compiler_params=_params(blocks.state_num_warps, 2),
       interpret=_backend.pallas_interpret(),
-      name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal)
+      name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal, *seq_inputs)
 
 
 def _value_grads(q, k, v, u, du, dy, b, beta, tt, scale, blocks, *, pairs=False):
@@ -604,7 +650,7 @@ def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, bloc
       name="gated_delta_key_grads")(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates)
 
 
-def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
+def _core_forward(q, k, v, b, beta, h0, packed, scale, blocks, *, residuals):
   """(y, final state, the backward's residuals when `residuals`, else None)."""
   w, u_tilde, *t = _prepare(k, v, b, beta, blocks, save_inverse=residuals)
   if blocks.mosaic_walk:
@@ -617,31 +663,35 @@ def _core_forward(q, k, v, b, beta, h0, scale, blocks, *, residuals):
       return y, final, None
     states, u = saved
     return y, final, (w, u, t[0], states, None)
-  states, u, final = _states(k, w, u_tilde, b, h0, blocks)
+  states, u, final = _states(k, w, u_tilde, b, h0, blocks, packed)
   y, *scores_t = _output(q, k, u, b, states, scale, blocks, save_scores=residuals)
   if not residuals:
     return y, final, None
   return y, final, (w, u, t[0], states, scores_t[0])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _gdr_core(q, k, v, b, beta, h0, scale, blocks):
-  """Padded: q, k [B, T, G, K], v [B, T, N, V], b/beta [B, N, T] f32, h0 f32."""
-  y, final, _ = _core_forward(q, k, v, b, beta, h0, scale, blocks, residuals=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _gdr_core(q, k, v, b, beta, h0, packed, scale, blocks):
+  """Padded: q, k [B, T, G, K], v [B, T, N, V], b/beta [B, N, T] f32, h0 f32
+  ([S, N, K, V] with `packed`, the sequences' (starts, ends) [C] int32, or None)."""
+  y, final, _ = _core_forward(q, k, v, b, beta, h0, packed, scale, blocks,
+                              residuals=False)
   return y, final
 
 
-def _core_fwd(q, k, v, b, beta, h0, scale, blocks):
-  y, final, saved = _core_forward(q, k, v, b, beta, h0, scale, blocks, residuals=True)
-  return (y, final), (q, k, v, b, beta, _pallas.type_tokens(q, k, v, b, beta, h0)) + saved
+def _core_fwd(q, k, v, b, beta, h0, packed, scale, blocks):
+  y, final, saved = _core_forward(q, k, v, b, beta, h0, packed, scale, blocks,
+                                  residuals=True)
+  return (y, final), (q, k, v, b, beta, packed,
+                      _pallas.type_tokens(q, k, v, b, beta, h0)) + saved
 
 
 def _core_bwd(scale, blocks, residuals, cotangents):
-  q, k, v, b, beta, tokens, w, u, tt, states, scores = residuals
+  q, k, v, b, beta, packed, tokens, w, u, tt, states, scores = residuals
   dy, dfinal = cotangents
   dy = dy.astype(v.dtype)
   dstates, du, dh0 = _states_bwd(q, k, w, dy, b, scores, dfinal.astype(_F32), scale,
-                                 blocks)
+                                 blocks, packed)
   if blocks.mosaic_grads:
     dq, dk, dv, db, dbeta = mosaic_grads.chunk_grads(
         q, k, v, u, du, dy, tt, b, beta, states, dstates, scale=scale,
@@ -665,20 +715,25 @@ def _core_bwd(scale, blocks, residuals, cotangents):
     fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
     dq, dk = fold(dq), fold(dk)
   return _pallas.typed_like((dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dbeta, dh0),
-                            tokens)
+                            tokens) + (None,)
 
 
 _gdr_core.defvjp(_core_fwd, _core_bwd)
-_gdr_core_shared = _pallas.shared_lowering(_gdr_core, static_argnums=(6, 7))
+_gdr_core_shared = _pallas.shared_lowering(_gdr_core, static_argnums=(7, 8))
 
 
 def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_state=None,
-                            chunk_size=None, blocks: GatedDeltaBlocks | None = None):
-  """Same contract as `gated_delta_rule_reference`, on the Pallas kernels.
+                            chunk_size=None, cu_seqlens=None,
+                            blocks: GatedDeltaBlocks | None = None):
+  """`gated_delta_rule_reference`'s contract without its input options (the
+  public op applies them), on the Pallas kernels.
 
   Pads T to a multiple of the chunk (log-decay 0, beta 0, zero k and v: the
   padded steps leave the state unchanged) and K, V to powers of two >= 16.
+  With `cu_seqlens` each sequence sits on chunks of its own and the Triton
+  walks restart at each (`ops/ssd/varlen.py`; not the Mosaic walks).
   """
+  log_decay = no_gate(log_decay, beta)
   batch, time, heads, value = v.shape
   key = q.shape[-1]
   scale = float(key ** -0.5 if scale is None else scale)
@@ -696,9 +751,10 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
       grad_block_k=min(blocks.grad_block_k or key_p, key_p))
   dtype = v.dtype
   if blocks.mosaic_walk is None:
-    blocks = dataclasses.replace(blocks,
-                                 mosaic_walk=mosaic.takes(dtype, key_p, value_p, chunk))
-  elif blocks.mosaic_walk and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
+    blocks = dataclasses.replace(blocks, mosaic_walk=cu_seqlens is None and mosaic.takes(
+        dtype, key_p, value_p, chunk))
+  elif blocks.mosaic_walk and (why := "not with `cu_seqlens`" if cu_seqlens is not None
+                               else mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_walk`: {why}")
   if blocks.mosaic_grads is None:
     # Heads sharing keys make its dQ, dK float32 and its row ring half as
@@ -713,14 +769,17 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
                                  mosaic_key_grads=blocks.mosaic_walk and not blocks.mosaic_grads)
   elif blocks.mosaic_key_grads and (why := mosaic.limit(dtype, key_p, value_p, chunk)):
     raise ValueError(f"`blocks.mosaic_key_grads`: {why}")
+  lay, (q, k, v, log_decay, beta) = varlen.on_chunks(cu_seqlens, chunk, q, k, v, log_decay,
+                                                     beta)
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p, k_p = pad(q.astype(dtype), key_p), pad(k.astype(dtype), key_p)
   v_p = pad(v, value_p)
   g = _shapes.pad_axis(log_decay, 1, chunk)                       # [B, Tp, N]
   b = jnp.swapaxes(chunk_cumsum(g, chunk).reshape(g.shape), 1, 2)  # [B, N, Tp] f32
   beta_p = jnp.swapaxes(_shapes.pad_axis(beta.astype(_F32), 1, chunk), 1, 2)
-  h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
+  h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key_p, value_p), _F32) if initial_state is None
         else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
                               3, value_p))
-  y, final = _gdr_core_shared(q_p, k_p, v_p, b, beta_p, h0, scale, blocks)
-  return y[:, :time, :, :value], final[:, :, :key, :value]
+  packed = None if lay is None else (lay.starts, lay.ends)
+  y, final = _gdr_core_shared(q_p, k_p, v_p, b, beta_p, h0, packed, scale, blocks)
+  return varlen.off_chunks(y[..., :value], lay, time), final[:, :, :key, :value]

@@ -9,7 +9,13 @@ Delta Rule", https://arxiv.org/abs/2412.06464. With the state kept as
     y_t = scale * M_t^T q_t
 
 The specification the chunked tier is tested against, float32 throughout, and
-the decode step of GatedDeltaNetCell.
+the decode step of GatedDeltaNetCell. With no gate (`log_decay=None`) it is
+the plain delta rule (Yang et al. 2024, https://arxiv.org/abs/2406.06484).
+The input options of flash-linear-attention's `chunk_gated_delta_rule` act on
+each token: `use_qk_l2norm_in_kernel` (`x / sqrt(|x|^2 + 1e-6)` for q and k),
+`use_beta_sigmoid_in_kernel` (beta given as a logit) and `allow_neg_eigval`
+(beta doubled, into [0, 2]: the transition `I - beta k k^T` may then have a
+negative eigenvalue).
 
 Glossary of shapes: B batch, T time, N heads, K key size, V value size.
 """
@@ -18,51 +24,91 @@ import jax
 import jax.numpy as jnp
 
 from ops.ssd.reference import expand_groups
+from ops.ssd.reference import scan_tokens
 
 _F32 = jnp.float32
+L2NORM_EPS = 1e-6  # flash-linear-attention's, inside the square root
 
 
-def gated_delta_step(state, q, k, v, log_decay, beta, *, scale):
+def l2_normalize(x: jax.Array) -> jax.Array:
+  """`x / sqrt(sum(x^2) + 1e-6)` over the last axis, in float32."""
+  x = x.astype(_F32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+def write_strength(beta: jax.Array, *, use_beta_sigmoid_in_kernel: bool = False,
+                   allow_neg_eigval: bool = False) -> jax.Array:
+  """The beta the rule uses, float32: `sigmoid(beta)` for a logit, doubled
+  with `allow_neg_eigval`."""
+  beta = beta.astype(_F32)
+  if use_beta_sigmoid_in_kernel:
+    beta = jax.nn.sigmoid(beta)
+  return 2.0 * beta if allow_neg_eigval else beta
+
+
+def no_gate(log_decay: jax.Array | None, beta: jax.Array) -> jax.Array:
+  """`log_decay`, or for the plain delta rule (None) float32 zeros like `beta`
+  [B, T, N] (sharded like it)."""
+  return jnp.zeros_like(beta, _F32) if log_decay is None else log_decay
+
+
+def gated_delta_step(state, q, k, v, log_decay, beta, *, scale,
+                     use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                     allow_neg_eigval=False):
   """One token: state [B, N, K, V] f32, q/k [B, N, K], v [B, N, V],
-  log_decay/beta [B, N] -> (y [B, N, V] f32, new state)."""
+  log_decay/beta [B, N] (log_decay None: no gate) -> (y [B, N, V] f32, new
+  state). The options as in `gated_delta_rule_reference`."""
+  if use_qk_l2norm_in_kernel:
+    q, k = l2_normalize(q), l2_normalize(k)
   q, k, v = (x.astype(_F32) for x in (q, k, v))
-  state = jnp.exp(log_decay.astype(_F32))[..., None, None] * state
-  u = beta.astype(_F32)[..., None] * (v - jnp.einsum("bnkv,bnk->bnv", state, k))
+  if log_decay is not None:
+    state = jnp.exp(log_decay.astype(_F32))[..., None, None] * state
+  beta = write_strength(beta, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval=allow_neg_eigval)
+  u = beta[..., None] * (v - jnp.einsum("bnkv,bnk->bnv", state, k))
   state = state + k[..., :, None] * u[..., None, :]
   y = scale * jnp.einsum("bnkv,bnk->bnv", state, q)
   return y, state
 
 
 def gated_delta_rule_reference(q, k, v, log_decay, beta, *, scale=None,
-                               initial_state=None, chunk_size=None):
+                               initial_state=None, chunk_size=None, cu_seqlens=None,
+                               use_qk_l2norm_in_kernel=False,
+                               use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False):
   """The gated delta rule, one token at a time.
 
   Args:
     q: [B, T, N, K] (or [B, T, G, K] shared by N // G heads) queries.
     k: keys, the shape of `q` (the rule assumes unit norm: L2-normalize them).
     v: [B, T, N, V] values; sets the output dtype.
-    log_decay: [B, T, N] log of the gate alpha (<= 0).
-    beta: [B, T, N] write strength (in [0, 1] for a stable rule).
+    log_decay: [B, T, N] log of the gate alpha (<= 0), or None (no gate: the
+      delta rule).
+    beta: [B, T, N] write strength (in [0, 1] for a stable rule, [0, 2] with
+      `allow_neg_eigval`).
     scale: output scale, default K ** -0.5.
-    initial_state: [B, N, K, V] or None (zeros).
+    initial_state: [B, N, K, V] ([S, N, K, V] with `cu_seqlens`) or None (zeros).
     chunk_size: ignored (one signature for every tier).
+    cu_seqlens: None, or int [S + 1]: B = 1 and the time axis packs S
+      sequences, each from its own initial state (`ops/ssd/varlen.py`).
+    use_qk_l2norm_in_kernel: L2-normalize q and k per token and head first.
+    use_beta_sigmoid_in_kernel: `beta` holds logits: the rule uses sigmoid(beta).
+    allow_neg_eigval: the rule uses 2 beta (after the sigmoid, if any).
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype.
-    final_state: [B, N, K, V] float32.
+    final_state: [B, N, K, V] float32 ([S, N, K, V] with `cu_seqlens`).
   """
   del chunk_size
-  batch, _, heads, value = v.shape
   key = q.shape[-1]
   scale = key ** -0.5 if scale is None else scale
-  q, k = expand_groups(q, heads), expand_groups(k, heads)
-  h0 = (jnp.zeros((batch, heads, key, value), _F32) if initial_state is None
-        else initial_state.astype(_F32))
+  q, k = expand_groups(q, v.shape[2]), expand_groups(k, v.shape[2])
 
   def step(state, xs):
-    y, state = gated_delta_step(state, *xs, scale=scale)
+    y, state = gated_delta_step(
+        state, *xs, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval)
     return state, y
 
-  xs = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, log_decay, beta))
-  final, y = jax.lax.scan(step, h0, xs)
-  return jnp.swapaxes(y, 0, 1).astype(v.dtype), final
+  return scan_tokens(step, (q, k, v, no_gate(log_decay, beta), beta), v, key,
+                     initial_state, cu_seqlens)

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from ops import _shapes
+from ops.gated_delta_rule.reference import no_gate
+from ops.ssd import varlen
 from ops.ssd.reference import expand_groups
 from ops.ssd.xla import chunk_cumsum
 from ops.ssd.xla import einsum
@@ -30,14 +32,20 @@ DEFAULT_CHUNK = 64
 
 
 def gated_delta_rule_xla(q, k, v, log_decay, beta, *, scale=None, initial_state=None,
-                         chunk_size=None):
-  """Same contract as `gated_delta_rule_reference`, chunked (default 64)."""
+                         chunk_size=None, cu_seqlens=None):
+  """`gated_delta_rule_reference`'s contract without its input options (the
+  public op applies them), chunked (default 64). With `cu_seqlens` the
+  sequences sit on chunks of their own (`ops/ssd/varlen.py`) and the scan over
+  chunks restarts at each."""
+  log_decay = no_gate(log_decay, beta)
   batch, time, heads, value = v.shape
   key = q.shape[-1]
   dtype = v.dtype
   scale = key ** -0.5 if scale is None else scale
   chunk = min(chunk_size or DEFAULT_CHUNK, time)
   q, k = expand_groups(q, heads), expand_groups(k, heads)
+  lay, (q, k, v, log_decay, beta) = varlen.on_chunks(cu_seqlens, chunk, q, k, v, log_decay,
+                                                     beta)
   q, k, v, log_decay, beta = (_shapes.pad_axis(x, 1, chunk)
                               for x in (q, k, v, log_decay, beta))
   padded = v.shape[1]
@@ -78,9 +86,12 @@ def gated_delta_rule_xla(q, k, v, log_decay, beta, *, scale=None, initial_state=
          + einsum("bnlk,bnlv->bnkv", k_end.astype(dtype), u.astype(dtype)))
     return m, y
 
-  h0 = (jnp.zeros((batch, heads, key, value), _F32) if initial_state is None
+  h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key, value), _F32) if initial_state is None
         else initial_state.astype(_F32))
   xs = tuple(jnp.moveaxis(x, 2, 0) for x in (w, u_tilde, k_end, scores, q_in, b_last))
-  final, y = jax.lax.scan(step, h0, xs)                             # y [C, B, N, L, V]
-  y = jnp.moveaxis(y, 0, 2).reshape(batch, heads, padded, value)
-  return jnp.swapaxes(y, 1, 2)[:, :time].astype(dtype), final
+  if lay is None:
+    final, y = jax.lax.scan(step, h0, xs)                           # y [C, B, N, L, V]
+  else:
+    y, final = varlen.scan_with_resets(step, xs, lay.starts, lay.ends, h0)
+  y = jnp.swapaxes(jnp.moveaxis(y, 0, 2).reshape(batch, heads, padded, value), 1, 2)
+  return varlen.off_chunks(y, lay, time).astype(dtype), final

@@ -13,13 +13,19 @@ from ops import _backend
 from ops import _shapes
 from ops import _sharding
 from ops.ssd import pallas as pallas_impl
+from ops.ssd import varlen
 from ops.ssd.xla import ssd_xla
 
 _DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
-def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
-  """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the argument)."""
+def validate(op, q, k, v, log_decay, initial_state, *, extra=(), optional_decay=False,
+             cu_seqlens=None):
+  """Shared shape checks of `ssd` and `gated_delta_rule` (ValueErrors naming the
+  argument); `log_decay` may be None where `optional_decay`; with `cu_seqlens`
+  B = 1 and `initial_state` is [S, N, K, V]."""
+  if log_decay is None and not optional_decay:
+    raise TypeError(f"{op}: `log_decay` must be an array, got None")
   _shapes.check_arrays(op, (("q", q), ("k", k), ("v", v), ("log_decay", log_decay),
                             ("initial_state", initial_state)) + tuple(extra))
   if v.ndim != 4:
@@ -35,21 +41,22 @@ def validate(op, q, k, v, log_decay, initial_state, *, extra=()):
                      f"groups of `q` ({groups})")
   if k.shape != q.shape:
     raise ValueError(f"{op}: `k` must have the shape of `q` {q.shape}, got {k.shape}")
-  if log_decay.shape != (batch, time, heads):
+  if log_decay is not None and log_decay.shape != (batch, time, heads):
     raise ValueError(f"{op}: `log_decay` must be [B, T, N] = {(batch, time, heads)}, "
                      f"got {log_decay.shape}")
   for name, x in extra:
     if x.shape != (batch, time, heads):
       raise ValueError(f"{op}: `{name}` must be [B, T, N] = {(batch, time, heads)}, "
                        f"got {x.shape}")
-  if initial_state is not None and initial_state.shape != (batch, heads, key, value):
+  if cu_seqlens is not None:
+    varlen.check(op, cu_seqlens, batch, time, initial_state, (heads, key, value))
+  elif initial_state is not None and initial_state.shape != (batch, heads, key, value):
     raise ValueError(f"{op}: `initial_state` must be [B, N, K, V] = "
                      f"{(batch, heads, key, value)}, got {initial_state.shape}")
   for name, x in ((("q", q), ("k", k), ("v", v), ("log_decay", log_decay),
                    ("initial_state", initial_state)) + tuple(extra)):
     if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{op}: `{name}` must be floating point, got {x.dtype}")
-
 
 
 def chunked_kernel_limit(q, k, v, chunk_size: int | None, max_head_size: int,
@@ -68,22 +75,25 @@ def chunked_kernel_limit(q, k, v, chunk_size: int | None, max_head_size: int,
 
 
 def run_chunked_per_shard(op: str, kernel_path, q, k, v, log_decay, initial_state,
-                          extra=()):
-  """`kernel_path(q, k, v, log_decay, initial_state, *extra)` per shard (ssd
-  and gated_delta_rule): batch, and under Explicit axes heads (the query/key
-  groups with them, so each shard keeps whole groups); never time or the
-  key/value sizes."""
+                          extra=(), cu_seqlens=None):
+  """`kernel_path(q, k, v, log_decay, initial_state, *extra, cu_seqlens)` per
+  shard (ssd and gated_delta_rule): batch, and under Explicit axes heads (the
+  query/key groups with them, so each shard keeps whole groups); never time,
+  the key/value sizes or (with `cu_seqlens`) the packed sequences."""
   token = ("batch", "seq", "heads", None)
   per_head = ("batch", "seq", "heads")
+  state = ("batch" if cu_seqlens is None else None, "heads", None, None)
   plan = _sharding.plan(op, (
       ("q", q, token), ("k", k, token), ("v", v, token), ("log_decay", log_decay, per_head),
-      ("initial_state", initial_state, ("batch", "heads", None, None)),
-      *((name, x, per_head) for name, x in extra)), split=("batch", "heads"))
-  return plan.run(kernel_path, [token, ("batch", "heads", None, None)])
+      ("initial_state", initial_state, state),
+      *((name, x, per_head) for name, x in extra),
+      ("cu_seqlens", cu_seqlens, (None,))), split=("batch", "heads"))
+  return plan.run(kernel_path, [token, state])
 
 
 def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         initial_state: jax.Array | None = None, chunk_size: int | None = None,
+        cu_seqlens: jax.Array | None = None,
         implementation: _backend.Implementation = None
         ) -> tuple[jax.Array, jax.Array]:
   """SSD: `y_t = sum_{s<=t} exp(G_t - G_s) (q_t . k_s) v_s`, `G = cumsum(log_decay)`.
@@ -95,9 +105,17 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
     k: keys (Mamba-2's B), the shape of `q`.
     v: [B, T, N, V] values (Mamba-2's dt * x); sets the output dtype.
     log_decay: [B, T, N] log decay per step (Mamba-2's dt * A), <= 0.
-    initial_state: [B, N, K, V] state before the first token, or None (zeros).
+    initial_state: [B, N, K, V] state before the first token ([S, N, K, V],
+      one per sequence, with `cu_seqlens`), or None (zeros).
     chunk_size: tokens per chunk (None: 64 for the kernel, 128 for XLA); the
       kernel takes a power of two >= 16.
+    cu_seqlens: None, or int [S + 1] offsets of S sequences packed on the time
+      axis of a batch of one (B = 1; flash-linear-attention's convention:
+      sequence s is tokens cu_seqlens[s] to cu_seqlens[s + 1] - 1, from 0 to
+      T): each starts from its own initial state and ends in its own final
+      state. Each sequence is computed on chunks of its own, so many
+      sequences much shorter than a chunk waste work: pass a smaller
+      `chunk_size` then.
     implementation: None (on NVIDIA GPUs the faster of the Pallas kernel and
       XLA where measured, `ops/dispatch_tables/ssd.json`; XLA elsewhere),
       'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
@@ -105,9 +123,10 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
-    final_state: [B, N, K, V] float32, the state after the last token.
+    final_state: [B, N, K, V] float32, the state after the last token
+      ([S, N, K, V], each sequence's, with `cu_seqlens`).
   """
-  validate("ssd", q, k, v, log_decay, initial_state)
+  validate("ssd", q, k, v, log_decay, initial_state, cu_seqlens=cu_seqlens)
   _shapes.check_chunk_size("ssd", chunk_size)
 
   def kernel_limit():
@@ -118,8 +137,9 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   backend = _backend.choose("ssd", implementation, kernel_limit, key_dim=q.shape[-1],
                             length=q.shape[1])
   if backend == "xla":
-    return ssd_xla(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size)
+    return ssd_xla(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size,
+                   cu_seqlens=cu_seqlens)
   return run_chunked_per_shard(
-      "ssd", lambda q, k, v, g, h0: pallas_impl.ssd_pallas(
-          q, k, v, g, initial_state=h0, chunk_size=chunk_size),
-      q, k, v, log_decay, initial_state)
+      "ssd", lambda q, k, v, g, h0, cu: pallas_impl.ssd_pallas(
+          q, k, v, g, initial_state=h0, chunk_size=chunk_size, cu_seqlens=cu),
+      q, k, v, log_decay, initial_state, cu_seqlens=cu_seqlens)

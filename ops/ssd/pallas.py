@@ -56,6 +56,7 @@ from ops._triton import causal_decay
 from ops._triton import dot
 from ops._triton import is_pow2
 from ops._triton import next_pow2
+from ops.ssd import varlen
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
@@ -104,7 +105,7 @@ class SSDBlocks:
 
 
 def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
-                   group_size, reverse, mode, fold=False):
+                   group_size, reverse, mode, fold=False, packed=False):
   """Walks one group of `group_size` chunks with a [bk, bv] state tile in
   registers.
 
@@ -116,20 +117,26 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
   `fold`: inputs (ends, decays) after h0), walks the group and writes
   `out_ref[c]`, the tile *before* chunk c is folded in, and the group's end
   tile.
+  `packed` (sequences packed on the chunks, `ops/ssd/varlen.py`): h0 holds
+  one tile per sequence, inputs (resets, exits) [C] follow it, and the walk
+  restarts from `h0[s]` where sequence s enters and (mode 'apply') writes the
+  tile leaving its last chunk to a last output, one tile per sequence.
   """
+  refs = list(refs)
+  resets_ref, exits_ref = (refs.pop(0), refs.pop(0)) if packed else (None, None)
+  ends_ref, decays_ref = (refs.pop(0), refs.pop(0)) if fold else (None, None)
+  out_ref = refs.pop(0) if mode == "apply" else None
+  end_ref = refs.pop(0)
+  seq_out_ref = refs.pop(0) if packed and mode == "apply" else None
   group = pl.program_id(4)
   start = group * group_size
   stop = jnp.minimum(start + group_size, num_chunks)
-  if mode == "apply" and fold:
-    ends_ref, decays_ref, out_ref, end_ref = refs
-  elif mode == "apply":
-    out_ref, end_ref = refs
-  else:
-    (end_ref,) = refs
 
   def body(step, h):
     c = num_chunks - 1 - step if reverse else step
-    if mode == "apply":
+    if packed:
+      h = varlen.enter(resets_ref, h0_ref, c, h)
+    if out_ref is not None:
       out_ref[c] = h.astype(out_ref.dtype)
     rows = pl.ds(c * chunk, chunk)
     x = x_ref[rows, :]                                          # [L, bk]
@@ -138,12 +145,16 @@ def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
     b_last = pick_row(b, chunk - 1)    # the chunk's total log-decay
     w = jnp.exp(b) if reverse else jnp.exp(b_last - b)          # [L]
     xw = (x.astype(_F32) * w[:, None]).astype(y.dtype)
-    return jnp.exp(b_last) * h + dot(xw, y, trans_a=True)      # [bk, bv]
+    h = jnp.exp(b_last) * h + dot(xw, y, trans_a=True)         # [bk, bv]
+    if seq_out_ref is not None:
+      varlen.leave(exits_ref, seq_out_ref, c, h)
+    return h
 
   if mode == "apply":
     def fold_group(k, h):  # the summary of group k < this one
       return jnp.exp(decays_ref[pl.ds(k, 1)]) * h + ends_ref[k]
-    h = h0_ref[...].astype(_F32)
+    # Packed, the first chunk restarts the walk from its sequence's tile.
+    h = jnp.zeros(end_ref.shape, _F32) if packed else h0_ref[...].astype(_F32)
     if fold:
       h = jax.lax.fori_loop(0, group, fold_group, h)
   else:
@@ -205,13 +216,16 @@ def _state_groups(programs: int, num_chunks: int, target: int) -> tuple[int, int
   return _shapes.cdiv(num_chunks, group_size), group_size
 
 
-def _states(x, y, b, h0, *, heads, blocks, reverse):
+def _states(x, y, b, h0, *, heads, blocks, reverse, packed=None):
   """x [B, T, G, K], y [B, T, N, V], b [B, N, T], h0 [B, N, K, V] f32 ->
   (per-chunk tiles [B, N, C, K, V] in y's dtype, end [B, N, K, V] f32).
 
   The chunks are walked in groups (one program per group and state tile),
   two launches as for the scans: each group's end state from zero, then
-  each group again from the fold of the groups before it.
+  each group again from the fold of the groups before it. `packed`: the
+  sequences' (starts, ends) [C] (`ops/ssd/varlen.py`); then B = 1, h0 and the
+  end are [S, N, K, V], one state per sequence (reversed: the final states'
+  adjoints in, the initial states' out).
   """
   batch, time, groups, key = x.shape
   value = y.shape[-1]
@@ -221,12 +235,23 @@ def _states(x, y, b, h0, *, heads, blocks, reverse):
   num_groups, group_size = _state_groups(
       batch * heads * (key // bk) * (value // bv), num_chunks, blocks.state_programs)
   grid = (batch, heads, key // bk, value // bv, num_groups)
+  state_spec = pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c, g: (i, n, a, c))
   in_specs = [
       pl.BlockSpec((None, time, None, bk), lambda i, n, a, c, g: (i, 0, n // rep, a)),
       pl.BlockSpec((None, time, None, bv), lambda i, n, a, c, g: (i, 0, n, c)),
       pl.BlockSpec((None, None, time), lambda i, n, a, c, g: (i, n, 0)),
-      pl.BlockSpec((None, None, bk, bv), lambda i, n, a, c, g: (i, n, a, c)),
+      state_spec,
   ]
+  walk_inputs = (x, y, b, h0)
+  if packed is not None:
+    # Forward a sequence enters at its first chunk; reversed, at its last.
+    seq_starts, seq_ends = packed
+    resets, exits = (seq_ends, seq_starts) if reverse else (seq_starts, seq_ends)
+    num_seqs = h0.shape[0]
+    state_spec = pl.BlockSpec((num_seqs, None, bk, bv), lambda i, n, a, c, g: (0, n, a, c))
+    in_specs[3] = state_spec
+    in_specs += [varlen.per_chunk_spec(num_chunks)] * 2
+    walk_inputs += (resets, exits)
   group_tile = pl.BlockSpec((None, None, None, bk, bv),
                             lambda i, n, a, c, g: (i, n, g, a, c))
   group_tiles = jax.ShapeDtypeStruct((batch, heads, num_groups, key, value), _F32)
@@ -236,15 +261,19 @@ def _states(x, y, b, h0, *, heads, blocks, reverse):
                                            num_stages=2),
       interpret=_backend.pallas_interpret())
   kernel = functools.partial(_states_kernel, chunk=chunk, num_chunks=num_chunks,
-                             group_size=group_size, reverse=reverse)
+                             group_size=group_size, reverse=reverse,
+                             packed=packed is not None)
   name = "ssd_states_reverse" if reverse else "ssd_states"
   extra, extra_specs = (), []
   if num_groups > 1:
     ends = call(functools.partial(kernel, mode="summary"), in_specs=in_specs,
                 out_specs=group_tile, out_shape=group_tiles,
-                name=name + "_summary")(x, y, b, h0)
-    # Each group's decay, exp(sum of its chunks' log-decays), in processing order.
+                name=name + "_summary")(*walk_inputs)
+    # Each group's decay, exp(sum of its chunks' log-decays), in processing
+    # order; a chunk where a sequence enters passes nothing from before it.
     chunk_decay = b.reshape(batch, heads, num_chunks, chunk)[..., -1]
+    if packed is not None:
+      chunk_decay = jnp.where(resets >= 0, -jnp.inf, chunk_decay)
     if reverse:
       chunk_decay = chunk_decay[..., ::-1]
     decays = _shapes.pad_axis(chunk_decay, 2, group_size).reshape(
@@ -254,15 +283,18 @@ def _states(x, y, b, h0, *, heads, blocks, reverse):
         pl.BlockSpec((None, None, num_groups, bk, bv), lambda i, n, a, c, g: (i, n, 0, a, c)),
         pl.BlockSpec((None, None, num_groups), lambda i, n, a, c, g: (i, n, 0)),
     ]
-  tiles, ends = call(
+  out_specs = [pl.BlockSpec((None, None, num_chunks, bk, bv),
+                            lambda i, n, a, c, g: (i, n, 0, a, c)), group_tile]
+  out_shape = [jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), y.dtype),
+               group_tiles]
+  if packed is not None:
+    out_specs.append(state_spec)
+    out_shape.append(jax.ShapeDtypeStruct(h0.shape, _F32))
+  tiles, ends, *seq_states = call(
       functools.partial(kernel, mode="apply", fold=bool(extra)),
-      in_specs=in_specs + extra_specs,
-      out_specs=[pl.BlockSpec((None, None, num_chunks, bk, bv),
-                              lambda i, n, a, c, g: (i, n, 0, a, c)), group_tile],
-      out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), y.dtype),
-                 group_tiles],
-      name=name)(x, y, b, h0, *extra)
-  return tiles, ends[:, :, -1]
+      in_specs=in_specs + extra_specs, out_specs=out_specs, out_shape=out_shape,
+      name=name)(*walk_inputs, *extra)
+  return tiles, (seq_states[0] if seq_states else ends[:, :, -1])
 
 
 def _output(q, k, v, b, states, *, blocks):
@@ -329,51 +361,56 @@ def _chunk_grads(q, k, v, b, states, dstates, dy, *, blocks):
   return dq, dk, dv, db_shares.sum(axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ssd_core(q, k, v, b, h0, blocks):
-  """Padded inputs: q, k [B, T, G, K], v [B, T, N, V], b [B, N, T] f32, h0 f32."""
-  y, final, _ = _core_forward(q, k, v, b, h0, blocks)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ssd_core(q, k, v, b, h0, packed, blocks):
+  """Padded inputs: q, k [B, T, G, K], v [B, T, N, V], b [B, N, T] f32, h0 f32
+  ([S, N, K, V] with `packed`, the sequences' (starts, ends) [C] int32, or None)."""
+  y, final, _ = _core_forward(q, k, v, b, h0, packed, blocks)
   return y, final
 
 
-def _core_forward(q, k, v, b, h0, blocks):
+def _core_forward(q, k, v, b, h0, packed, blocks):
   heads = v.shape[2]
-  states, final = _states(k, v, b, h0, heads=heads, blocks=blocks, reverse=False)
+  states, final = _states(k, v, b, h0, heads=heads, blocks=blocks, reverse=False,
+                          packed=packed)
   y = _output(q, k, v, b, states, blocks=blocks)
   return y, final, states
 
 
-def _core_fwd(q, k, v, b, h0, blocks):
-  y, final, states = _core_forward(q, k, v, b, h0, blocks)
-  return (y, final), (q, k, v, b, states, _pallas.type_tokens(q, k, v, b, h0))
+def _core_fwd(q, k, v, b, h0, packed, blocks):
+  y, final, states = _core_forward(q, k, v, b, h0, packed, blocks)
+  return (y, final), (q, k, v, b, states, packed, _pallas.type_tokens(q, k, v, b, h0))
 
 
 def _core_bwd(blocks, residuals, cotangents):
-  q, k, v, b, states, tokens = residuals
+  q, k, v, b, states, packed, tokens = residuals
   dy, dfinal = cotangents
   heads = v.shape[2]
   groups = q.shape[2]
   dy = dy.astype(v.dtype)
   dstates, dh0 = _states(q, dy, b, dfinal.astype(_F32), heads=heads, blocks=blocks,
-                         reverse=True)
+                         reverse=True, packed=packed)
   dq, dk, dv, db = _chunk_grads(q, k, v, b, states, dstates, dy, blocks=blocks)
   if groups != heads:
     batch, time, _, key = q.shape
     fold = lambda d: d.reshape(batch, time, groups, heads // groups, key).sum(3)
     dq, dk = fold(dq), fold(dk)
-  return _pallas.typed_like((dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dh0), tokens)
+  return _pallas.typed_like((dq.astype(q.dtype), dk.astype(k.dtype), dv, db, dh0),
+                            tokens) + (None,)
 
 
 _ssd_core.defvjp(_core_fwd, _core_bwd)
-_ssd_core_shared = _pallas.shared_lowering(_ssd_core, static_argnums=(5,))
+_ssd_core_shared = _pallas.shared_lowering(_ssd_core, static_argnums=(6,))
 
 
 def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
-               blocks: SSDBlocks | None = None):
+               cu_seqlens=None, blocks: SSDBlocks | None = None):
   """Same contract as `ssd_reference`, on the Pallas kernels.
 
   Pads T to a multiple of the chunk (log-decay 0, zero keys and values: the
   padded steps leave the state unchanged) and K, V to powers of two >= 16.
+  With `cu_seqlens` each sequence sits on chunks of its own and the walks
+  restart at each (`ops/ssd/varlen.py`).
   """
   batch, time, heads, value = v.shape
   key = q.shape[-1]
@@ -390,6 +427,7 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
       grad_block_k=min(blocks.grad_block_k, key_p),
       grad_block_v=min(blocks.grad_block_v, value_p))
   dtype = v.dtype
+  lay, (q, k, v, log_decay) = varlen.on_chunks(cu_seqlens, chunk, q, k, v, log_decay)
   pad = lambda x, size: _shapes.pad_axis(_shapes.pad_axis(x, 1, chunk), 3, size)
   q_p = pad(q.astype(dtype), key_p)
   k_p = pad(k.astype(dtype), key_p)
@@ -397,8 +435,9 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
   g = _shapes.pad_axis(log_decay, 1, chunk)                       # [B, Tp, N]
   b = chunk_cumsum(g, chunk).reshape(g.shape)                     # [B, Tp, N] f32
   b = jnp.swapaxes(b, 1, 2)                                       # [B, N, Tp]
-  h0 = (jnp.zeros((batch, heads, key_p, value_p), _F32) if initial_state is None
+  h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key_p, value_p), _F32) if initial_state is None
         else _shapes.pad_axis(_shapes.pad_axis(initial_state.astype(_F32), 2, key_p),
                               3, value_p))
-  y, final = _ssd_core_shared(q_p, k_p, v_p, b, h0, blocks)
-  return y[:, :time, :, :value], final[:, :, :key, :value]
+  packed = None if lay is None else (lay.starts, lay.ends)
+  y, final = _ssd_core_shared(q_p, k_p, v_p, b, h0, packed, blocks)
+  return varlen.off_chunks(y[..., :value], lay, time), final[:, :, :key, :value]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from ops import _shapes
+from ops.ssd import varlen
 from ops.ssd.reference import expand_groups
 
 _F32 = jnp.float32
@@ -56,13 +57,19 @@ def chunk_cumsum(log_decay: jax.Array, chunk: int) -> jax.Array:
   return jnp.cumsum(g, axis=2)
 
 
-def ssd_xla(q, k, v, log_decay, *, initial_state=None, chunk_size=None):
-  """Same contract as `ssd_reference`, chunked (`chunk_size` default 128)."""
+def ssd_xla(q, k, v, log_decay, *, initial_state=None, chunk_size=None, cu_seqlens=None):
+  """Same contract as `ssd_reference`, chunked (`chunk_size` default 128).
+
+  With `cu_seqlens` the sequences sit on chunks of their own
+  (`ops/ssd/varlen.py`) and the state passing is one `lax.scan` step per
+  chunk, restarting at each sequence.
+  """
   batch, time, heads, value = v.shape
   key = q.shape[-1]
   dtype = v.dtype
   chunk = min(chunk_size or DEFAULT_CHUNK, time)
   q, k = expand_groups(q, heads), expand_groups(k, heads)
+  lay, (q, k, v, log_decay) = varlen.on_chunks(cu_seqlens, chunk, q, k, v, log_decay)
   q, k, v, log_decay = (_shapes.pad_axis(x, 1, chunk) for x in (q, k, v, log_decay))
   padded = v.shape[1]
   num_chunks = padded // chunk
@@ -84,15 +91,24 @@ def ssd_xla(q, k, v, log_decay, *, initial_state=None, chunk_size=None):
   states = einsum("bclnk,bclnv->bcnkv", (kc * weights[..., None]).astype(dtype), vc)             # [B, C, N, K, V]
 
   # 3. State passing across chunks.
-  h0 = (jnp.zeros((batch, heads, key, value), _F32) if initial_state is None
+  h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key, value), _F32) if initial_state is None
         else initial_state.astype(_F32))
-  states = jnp.concatenate([h0[:, None], states], axis=1)          # [B, C + 1, N, K, V]
-  padded_last = jnp.pad(b_last, ((0, 0), (1, 0), (0, 0)))          # [B, C + 1, N]
-  decay_chunk = jnp.exp(segsum(jnp.moveaxis(padded_last, 1, 2)))  # [B, N, C + 1, C + 1]
-  passed = jnp.einsum("bnzc,bcnkv->bznkv", decay_chunk, states)    # [B, C + 1, N, K, V]
-  entering, final = passed[:, :-1], passed[:, -1]
+  if lay is None:
+    states = jnp.concatenate([h0[:, None], states], axis=1)        # [B, C + 1, N, K, V]
+    padded_last = jnp.pad(b_last, ((0, 0), (1, 0), (0, 0)))        # [B, C + 1, N]
+    decay_chunk = jnp.exp(segsum(jnp.moveaxis(padded_last, 1, 2)))  # [B, N, C + 1, C + 1]
+    passed = jnp.einsum("bnzc,bcnkv->bznkv", decay_chunk, states)  # [B, C + 1, N, K, V]
+    entering, final = passed[:, :-1], passed[:, -1]
+  else:
+    def passing(h, xs):  # h: the state entering the chunk [1, N, K, V]
+      chunk_state, chunk_decay = xs
+      return jnp.exp(chunk_decay)[..., None, None] * h + chunk_state, h
+    entering, final = varlen.scan_with_resets(
+        passing, (jnp.moveaxis(states, 1, 0), jnp.moveaxis(b_last, 1, 0)),
+        lay.starts, lay.ends, h0)
+    entering = jnp.moveaxis(entering, 0, 1)                        # [1, C, N, K, V]
 
   # 4. Output: the entering state's contribution.
   y_off = einsum("bclnk,bcnkv->bclnv", qc, entering.astype(dtype)) * jnp.exp(b)[..., None]
-  y = (y_diag + y_off).reshape(batch, padded, heads, value)[:, :time]
-  return y.astype(dtype), final
+  y = (y_diag + y_off).reshape(batch, padded, heads, value)
+  return varlen.off_chunks(y, lay, time).astype(dtype), final

@@ -76,6 +76,21 @@ CASES = {
         lambda q, k, v, g, beta: ops.gated_delta_rule(q, k, v, g, beta, implementation="pallas"),
         (_spec((B, T, N, H)), _spec((B, T, N, H)), _spec((B, T, N, H)), _spec((B, T, N), f32),
          _spec((B, T, N), f32))),
+    "gated_delta_rule_k256": (
+        lambda q, k, v, g, beta: ops.gated_delta_rule(q, k, v, g, beta, implementation="pallas"),
+        (_spec((1, 64, 2, 256)), _spec((1, 64, 2, 256)), _spec((1, 64, 2, 256)),
+         _spec((1, 64, 2), f32), _spec((1, 64, 2), f32))),
+    # Packed sequences: the walks read the offsets' per-chunk entries.
+    "ssd_packed": (
+        lambda q, k, v, g, h0, cu: ops.ssd(q, k, v, g, initial_state=h0, cu_seqlens=cu,
+                                           implementation="pallas"),
+        (_spec((1, T, N, H)), _spec((1, T, N, H)), _spec((1, T, N, H)), _spec((1, T, N), f32),
+         _spec((3, N, H, H), f32), _spec((4,), jnp.int32))),
+    "gated_delta_rule_packed": (
+        lambda q, k, v, g, beta, h0, cu: ops.gated_delta_rule(
+            q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, implementation="pallas"),
+        (_spec((1, T, N, H)), _spec((1, T, N, H)), _spec((1, T, N, H)), _spec((1, T, N), f32),
+         _spec((1, T, N), f32), _spec((3, N, H, H), f32), _spec((4,), jnp.int32))),
 }
 
 
