@@ -86,6 +86,12 @@ def _check_numbers(values: dict[str, Any], limit: str, fits: Callable[[float], b
       raise ValueError(f"`{arg}` must be a number {limit}, got {arg}={value!r}")
 
 
+def check_finite_numbers_or_none(**values) -> None:
+  """Every value must be None (a default chosen later) or a finite number."""
+  _check_numbers({arg: value for arg, value in values.items() if value is not None},
+                 "(finite)", math.isfinite)
+
+
 def check_positive_numbers(**values) -> None:
   """Every value must be a finite number > 0."""
   _check_numbers(values, "> 0 (finite)", lambda x: 0 < x < math.inf)

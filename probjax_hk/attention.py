@@ -21,20 +21,24 @@ decided in one place, `choose_attention_implementation`:
   `return_residual`. Compiled on NVIDIA GPUs, Pallas interpret mode
   elsewhere (slow; for tests). A query row that sees no key returns zeros
   (jax.nn's XLA path returns the mean of v there).
+* `'decode'`: the split-K decode kernel (`ops.decode_attention`) for one
+  query per sequence (T = 1, not causal, no bias, mask, window or residual:
+  a decoding step against a cache).
 * `None`: the fastest implementation that takes the inputs on this platform,
-  never an error for a valid input. On an NVIDIA GPU: the split-K decode
-  kernel (`ops.decode_attention`) for one query per sequence (T = 1, not
-  causal, no bias, mask, window or residual: a decoding step against a
-  cache); else,
-  of 'flex', 'cudnn' and 'xla', those that take the inputs, and of them the
-  one measured fastest (fwd+bwd) at the point of the shape grid that judges
-  the call: the table `ops/dispatch_tables/attention.json` (dtype, variant,
-  head size, key length; `ops._measured`). Where nothing was measured, flex,
-  then cuDNN, then XLA. Always XLA on a CPU.
+  never an error for a valid input, and this library's kernels only where
+  measured: on an NVIDIA GPU whose device kind has, in the committed dispatch
+  tables (`ops._measured`), a passing check of the kernel and a measurement
+  showing it faster. Then 'decode' for a decoding step where
+  `ops/dispatch_tables/decode_attention.json` has it beating cuDNN and XLA;
+  else, of 'flex', 'cudnn' and 'xla', those that take the inputs, the one
+  measured fastest (fwd+bwd) at the point of the shape grid that judges the
+  call (`ops/dispatch_tables/attention.json`: dtype, variant, head size, key
+  length). Where nothing decides, cuDNN if it takes the inputs, else XLA;
+  always XLA on a CPU.
 
 Decoding attends to a cache with per-sequence lengths: one new token per
 sequence through the model's `attention_fn` (non-causal, the cache's valid
-slots as `key_value_seq_lengths`, so the rule above picks the decode kernel),
+slots as `key_value_seq_lengths`, which the decode kernel takes),
 several new tokens or a window through `cached_attention`
 (`MultiHeadAttention.prefill` fills the cache from a prompt,
 `MultiHeadAttention.decode` extends it).
@@ -55,8 +59,8 @@ from ops.flex_attention import api as flex_api
 from probjax_hk import arguments
 from probjax_hk import layers
 
-AttentionImplementation = Literal["xla", "cudnn", "flex"] | None
-IMPLEMENTATIONS = (None, "xla", "cudnn", "flex")
+AttentionImplementation = Literal["xla", "cudnn", "flex", "decode"] | None
+IMPLEMENTATIONS = (None, "xla", "cudnn", "flex", "decode")
 
 
 def _normalize_window(local_window_size):
@@ -140,11 +144,13 @@ def choose_attention_implementation(
   explicit choices are honoured or raise; `None` on a CPU (or any non-NVIDIA
   backend) is 'xla'; on an NVIDIA GPU it is 'decode' (`ops.decode_attention`'s
   split-K kernel) for a single non-causal query per sequence with no bias,
-  mask, window or query lengths when the kernel takes it; else the fastest of
-  'flex', 'cudnn' and 'xla' that take the inputs, as measured at the grid
-  point that judges the call (`ops/dispatch_tables/attention.json`; variant
-  from `grid_variant`), and where nothing was measured the first of them
-  that takes the inputs.
+  mask, window or query lengths when the kernel takes it and this device
+  kind's table (`ops/dispatch_tables/decode_attention.json`) has it checked
+  and fastest; else the fastest of 'flex', 'cudnn' and 'xla' that take the
+  inputs, as measured at the grid point that judges the call
+  (`ops/dispatch_tables/attention.json`; variant from `grid_variant`; flex
+  only where checked on this device kind), and where nothing decides cuDNN
+  if it takes the inputs, else XLA.
 
   Args:
     query: [B, T, N, H] or [T, N, H].
@@ -154,15 +160,17 @@ def choose_attention_implementation(
     is_causal, scale, local_window_size, return_residual: as for
       `dot_product_attention`.
     query_seq_lengths, key_value_seq_lengths: likewise.
-    implementation: None, 'xla', 'cudnn' or 'flex'.
+    implementation: None, 'xla', 'cudnn', 'flex' or 'decode'.
 
   Returns:
-    'xla', 'cudnn', 'flex' or (for `None` only) 'decode'. Raises a
+    'xla', 'cudnn', 'flex' or 'decode'. Raises a
     ValueError when an explicit `implementation` cannot take the inputs (with
     the reason); never raises for `None`.
   """
   del value  # Every implementation takes it.
   query, key = _with_batch_axis(query=query, key=key)
+  arguments.check_bools(is_causal=is_causal, return_residual=return_residual)
+  arguments.check_finite_numbers_or_none(scale=scale)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation == "xla":
@@ -172,10 +180,11 @@ def choose_attention_implementation(
     if flex_limit is not None:
       raise ValueError(f"implementation='flex' is not available: {flex_limit}")
     return "flex"
-  if (implementation is None and _backend.on_nvidia_gpu()
-      and _decode_limit(query, key, bias, mask, is_causal, local_window_size,
-                        query_seq_lengths, key_value_seq_lengths, scale,
-                        return_residual) is None):
+  decode_limit = _decode_limit(query, key, bias, mask, is_causal, local_window_size,
+                               query_seq_lengths, key_value_seq_lengths, scale, return_residual)
+  if implementation == "decode":
+    if decode_limit is not None:
+      raise ValueError(f"implementation='decode' is not available: {decode_limit}")
     return "decode"
   cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
   if implementation == "cudnn":
@@ -184,6 +193,10 @@ def choose_attention_implementation(
     return "cudnn"
   if not _backend.on_nvidia_gpu():
     return "xla"
+  established = "cudnn" if cudnn_limit is None else "xla"
+  peers = ("cudnn", "xla") if cudnn_limit is None else ("xla",)
+  if decode_limit is None and _measured.fastest("decode_attention", ("pallas", *peers)) == "pallas":
+    return "decode"
   flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale, return_residual)
   fits = [name for name, limit in (("flex", flex_limit), ("cudnn", cudnn_limit), ("xla", None))
           if limit is None]
@@ -191,7 +204,7 @@ def choose_attention_implementation(
   measured = _measured.fastest(
       "attention", fits, dtype=dtype, variant=grid_variant(query, key, is_causal, local_window_size),
       head_dim=query.shape[-1], length=key.shape[1])
-  return measured or fits[0]
+  return measured or established
 
 
 def grid_variant(query, key, is_causal, local_window_size) -> str:
@@ -218,14 +231,17 @@ def _with_batch_axis(**arrays) -> list:
   return batched
 
 
-def _check_shapes(query, key, value):
+def _check_shapes(query, key, value, key_name="key", value_name="value"):
   if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-    raise ValueError("`query`, `key` and `value` must be [B, T, N, H], [B, S, K, H], "
-                     f"[B, S, K, H]; got shapes {query.shape}, {key.shape}, {value.shape}")
+    raise ValueError(f"`query`, `{key_name}` and `{value_name}` must be [B, T, N, H], "
+                     f"[B, S, K, H], [B, S, K, H]; got shapes {query.shape}, {key.shape}, "
+                     f"{value.shape}")
   if key.shape != value.shape:
-    raise ValueError(f"`key` and `value` must have the same shape, got {key.shape} and {value.shape}")
+    raise ValueError(f"`{key_name}` and `{value_name}` must have the same shape, got "
+                     f"{key.shape} and {value.shape}")
   if query.shape[0] != key.shape[0] or query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"`query` {query.shape} and `key` {key.shape} must agree on batch and head size")
+    raise ValueError(f"`query` {query.shape} and `{key_name}` {key.shape} must agree on "
+                     "batch and head size")
   if query.shape[2] % key.shape[2]:
     raise ValueError(f"the query heads ({query.shape[2]}) must be a multiple of the "
                      f"key/value heads ({key.shape[2]})")
@@ -338,6 +354,8 @@ def dot_product_attention(
   unbatched = np.ndim(query) == 3
   query, key, value = _with_batch_axis(query=query, key=key, value=value)
   _check_shapes(query, key, value)
+  arguments.check_bools(is_causal=is_causal, return_residual=return_residual)
+  arguments.check_finite_numbers_or_none(scale=scale)
   batch, seq_q, num_heads = query.shape[:3]
   bias, mask = (None if x is None else jnp.asarray(x) for x in (bias, mask))
   for name, x in (("bias", bias), ("mask", mask)):
@@ -421,8 +439,9 @@ def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Ar
     ValueError: for shapes that do not fit together, T > S, `lengths` that is
       not [B] integers, or a bad window.
   """
-  _check_shapes(query, key_cache, value_cache)
+  _check_shapes(query, key_cache, value_cache, "key_cache", "value_cache")
   check_window(local_window_size)
+  arguments.check_finite_numbers_or_none(scale=scale)
   batch, time = query.shape[:2]
   slots = key_cache.shape[1]
   if time > slots:

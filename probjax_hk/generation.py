@@ -308,6 +308,8 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
                      "temperature > 0; temperature=0 decodes greedily without one")
   if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
     rng = jax.random.key(int(rng))
+  if not greedy:
+    arguments.check_key(rng=rng)
   tokens = _generate(params, jnp.asarray(prompt), None if greedy else rng,
                      jnp.float32(temperature), model_fn=model_fn, num_tokens=int(num_tokens),
                      greedy=greedy, top_k=None if top_k is None else int(top_k))

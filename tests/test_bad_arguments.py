@@ -109,13 +109,16 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("bias", jnp.ones((3, 3)), V), ("mask", jnp.ones((3, 3), bool), V),
         ("query_seq_lengths", jnp.ones((B + 1,), jnp.int32), V),
         ("key_value_seq_lengths", jnp.ones((B,)), V), ("local_window_size", -1, V),
-        ("implementation", "bogus", V)]),
+        ("scale", "x", T), ("scale", float("nan"), V), ("is_causal", "no", T),
+        ("return_residual", 1, T), ("implementation", "bogus", V)]),
     "cached_attention": (dict(query=Q, key_cache=CACHE, value_cache=CACHE,
                               lengths=jnp.array([5, 6])), [
-        ("query", Q[0], V), ("lengths", jnp.array([5]), V),
+        ("query", Q[0], V), ("key_cache", CACHE[..., :4], V), ("value_cache", CACHE[:, :5], V),
+        ("lengths", jnp.array([5]), V), ("scale", "x", T),
         ("local_window_size", (1, 2, 3), V), ("implementation", "bogus", V)]),
     "choose_attention_implementation": (dict(query=Q, key=Q, value=Q), [
-        ("query", Q[0, 0], V), ("implementation", "bogus", V)]),
+        ("query", Q[0, 0], V), ("scale", "x", T), ("is_causal", "no", T),
+        ("return_residual", None, T), ("implementation", "bogus", V)]),
     "MoELayer": (dict(num_experts=4, top_k=2, d_hidden=8), [
         ("num_experts", 4.0, T), ("top_k", 5, V), ("d_hidden", 0, V),
         ("activation", "relu", V), ("dropless_impl", "fast", V),
@@ -167,7 +170,7 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
     "generate": (dict(model_fn=_token_model, params={},
                       prompt=jnp.zeros((B, 3), jnp.int32), num_tokens=2, rng=KEY), [
         ("model_fn", 5, V), ("prompt", jnp.zeros((B, 3)), V), ("num_tokens", 0, V),
-        ("temperature", -1.0, V), ("top_k", 0, V)]),
+        ("temperature", -1.0, V), ("top_k", 0, V), ("rng", "x", T)]),
     "stack_layer_params": (dict(params={"m/block_0": {"w": jnp.zeros(2)}}), [
         ("params", "params", T), ("params", {"m/block_0": 1}, T)]),
     "unstack_layer_params": (dict(params={"m/blocks/block": {"w": jnp.zeros((2, 2))}}), [
@@ -229,17 +232,6 @@ NO_ROW = {
        "before it asks this rule" for arg in (
            "key", "value", "bias", "mask", "local_window_size", "query_seq_lengths",
            "key_value_seq_lengths")},
-    ("cached_attention", "key_cache"): "checked, but the message calls it `key`",
-    ("cached_attention", "value_cache"): "checked, but the message calls it `value`",
-    # Not checked yet: a wrong value fails inside JAX, unnamed, or passes.
-    ("dot_product_attention", "scale"): "not checked yet",
-    ("dot_product_attention", "is_causal"): "not checked yet",
-    ("dot_product_attention", "return_residual"): "not checked yet",
-    ("choose_attention_implementation", "scale"): "not checked yet",
-    ("choose_attention_implementation", "is_causal"): "not checked yet",
-    ("choose_attention_implementation", "return_residual"): "not checked yet",
-    ("cached_attention", "scale"): "not checked yet",
-    ("generate", "rng"): "not checked yet",
 }
 
 
