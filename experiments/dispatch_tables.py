@@ -1,13 +1,18 @@
 r"""Writes the measured dispatch tables, `ops/dispatch_tables/*.json`.
 
 The defaults that choose between implementations (`dot_product_attention`,
-`MoELayer(dropless_impl='auto')`, and `implementation=None` of ssd, the gated
-delta rule and the scans) read these tables (`ops/_measured.py`). Each is
-built from the fwd+bwd rows of the committed benchmark JSON: the headline
-shapes' file and, where it was run, the shape grid's (`--grid` of each
-benchmark, docs/benchmarks/*_grid.json). Where several runs timed the same
-point and implementation, the median of their medians is kept.
+`MoELayer(dropless_impl='auto')`, and `implementation=None` of every op) read
+these tables (`ops/_measured.py`). Each is built from the committed benchmark
+JSON: the fwd+bwd rows (forward, for decoding) of the headline shapes' file,
+of the shape grid's where it was run (`--grid` of each benchmark,
+docs/benchmarks/*_grid.json) and of `gpu_check.json`, whose timing rows name
+the points they measure. Rows are grouped by the device kind and JAX minor
+release of their run; where several runs timed the same point and
+implementation, the median of their medians is kept. A table's kernels count
+on a device kind only where `gpu_check.json` holds a run of that kind and
+release whose checks of the ops they run all passed (`checked`: when).
 
+    python -m experiments.gpu_check                  # on the GPU: checks and timings
     python -m experiments.dispatch_tables            # from docs/benchmarks
     python -m experiments.dispatch_tables --verify   # exit 1 when a table is stale
 """
@@ -35,6 +40,9 @@ _CHECK = flags.DEFINE_bool("verify", False, "Write nothing; exit 1 when a table 
                            "--tables_dir differs from what the benchmarks give.")
 
 MODE = "fwd+bwd"  # training: what the defaults are chosen for
+GPU_CHECK = "gpu_check.json"
+# A gpu_check row whose status is one of these fails its op's check.
+FAILED = ("fail", "error", "OOM")
 _ATTENTION_SHAPE = re.compile(r"b\d+_n\d+_t(\d+)_h(\d+)$")
 
 
@@ -46,6 +54,10 @@ class Table:
   axes: tuple[str, ...]             # size features
   implementations: tuple[str, ...]  # what the default may choose
   point: Callable[[dict], dict | None]  # a timed row's features, or None: not this table's
+  # This library's kernels among `implementations`, each with the gpu_check
+  # ops whose checks must all pass on a device kind before a default runs it.
+  kernels: dict[str, tuple[str, ...]]
+  mode: str = MODE
 
 
 def _attention_point(row: dict) -> dict | None:
@@ -79,25 +91,44 @@ def _op_point(op: str, sizes: Callable[[dict], dict]) -> Callable[[dict], dict |
   return point
 
 
+def _no_rows(row: dict) -> None:
+  """Tables measured by gpu_check alone."""
+  del row
+
+
 _chunked_sizes = lambda row: dict(key_dim=row["K"], length=row["T"])
 _scan_sizes = lambda row: dict(length=row["shape"][1])
 _selective_sizes = lambda row: dict(state=row["shape"][3], length=row["shape"][1])
+_kernel = lambda op: {"pallas": (op,)}
 
 TABLES = {
-    "attention": Table(("attention.json", "attention_grid.json"), ("dtype", "variant"),
-                       ("head_dim", "length"), ("flex", "cudnn", "xla"), _attention_point),
-    "moe": Table(("moe.json", "moe_grid.json"), (),
+    "attention": Table(("attention.json", "attention_grid.json", GPU_CHECK), ("dtype", "variant"),
+                       ("head_dim", "length"), ("flex", "cudnn", "xla"), _attention_point,
+                       {"flex": ("flex_attention",)}),
+    "flex_attention": Table((GPU_CHECK,), (), (), ("pallas", "xla"), _no_rows,
+                            _kernel("flex_attention")),
+    "decode_attention": Table((GPU_CHECK,), (), (), ("pallas", "xla", "cudnn"), _no_rows,
+                              _kernel("decode_attention"), mode="fwd"),
+    "moe": Table(("moe.json", "moe_grid.json", GPU_CHECK), (),
                  ("experts", "top_k", "d_model", "d_hidden", "tokens"),
-                 ("dense", "ragged_dot", "sort", "gmm"), _moe_point),
-    "ssd": Table(("chunked_ops.json", "chunked_grid.json"), (), ("key_dim", "length"),
-                 ("pallas", "xla"), _op_point("ssd", _chunked_sizes)),
-    "gated_delta_rule": Table(("chunked_ops.json", "chunked_grid.json"), (),
+                 ("dense", "ragged_dot", "sort", "gmm"), _moe_point,
+                 {"gmm": ("grouped_mlp", "grouped_matmul")}),
+    "grouped_matmul": Table((GPU_CHECK,), (), (), ("pallas", "xla"), _no_rows,
+                            _kernel("grouped_matmul")),
+    "grouped_mlp": Table((GPU_CHECK,), (), (), ("pallas", "xla"), _no_rows,
+                         _kernel("grouped_mlp")),
+    "ssd": Table(("chunked_ops.json", "chunked_grid.json", GPU_CHECK), (), ("key_dim", "length"),
+                 ("pallas", "xla"), _op_point("ssd", _chunked_sizes), _kernel("ssd")),
+    "gated_delta_rule": Table(("chunked_ops.json", "chunked_grid.json", GPU_CHECK), (),
                               ("key_dim", "length"), ("pallas", "xla"),
-                              _op_point("gated_delta_rule", _chunked_sizes)),
-    "selective_scan": Table(("ssm_scans.json", "scan_grid.json"), (), ("state", "length"),
-                            ("pallas", "xla"), _op_point("selective_scan", _selective_sizes)),
-    "linear_scan": Table(("ssm_scans.json",), (), ("length",), ("pallas", "xla"),
-                         _op_point("linear_scan", _scan_sizes)),
+                              _op_point("gated_delta_rule", _chunked_sizes),
+                              _kernel("gated_delta_rule")),
+    "selective_scan": Table(("ssm_scans.json", "scan_grid.json", GPU_CHECK), (),
+                            ("state", "length"), ("pallas", "xla"),
+                            _op_point("selective_scan", _selective_sizes),
+                            _kernel("selective_scan")),
+    "linear_scan": Table(("ssm_scans.json", GPU_CHECK), (), ("length",), ("pallas", "xla"),
+                         _op_point("linear_scan", _scan_sizes), _kernel("linear_scan")),
 }
 
 
@@ -105,42 +136,97 @@ def _implementation(row: dict) -> str | None:
   return row.get("impl", row.get("implementation"))
 
 
+def minor(version: str) -> str:
+  """'0.11.2' -> '0.11'."""
+  return ".".join(str(version).split(".")[:2])
+
+
+def runs(data: dict) -> tuple[dict[str, dict], list[dict]]:
+  """A suite file's runs (run id -> environment) and its rows, each naming
+  its run in `source`: a merge of runs as it is, one run's file with its
+  environment as the one run."""
+  if "sources" in data:
+    return ({run: source.get("environment", {}) for run, source in data["sources"].items()},
+            data["rows"])
+  environment = data.get("environment", {})
+  run = environment.get("time", "run")
+  return {run: environment}, [dict(r, source=run) for r in data["rows"]]
+
+
+def _platform(environment: dict) -> tuple[str, str]:
+  return environment.get("device_kind", "unknown"), minor(environment.get("jax", "unknown"))
+
+
+def checked(name: str, benchmarks: pathlib.Path) -> dict[tuple[str, str], dict[str, str]]:
+  """(device kind, JAX minor) -> {kernel: when its gpu_check passed} of table
+  `name`: the newest gpu_check run of each device kind and release whose
+  check rows of every op the kernel runs include a pass and no failure."""
+  path = benchmarks / GPU_CHECK
+  if not path.is_file():
+    return {}
+  environments, rows = runs(json.loads(path.read_text()))
+  newest = {}
+  for run, environment in sorted(environments.items()):
+    newest[_platform(environment)] = run
+  out = {}
+  for platform, run in newest.items():
+    statuses = collections.defaultdict(set)
+    for row in rows:
+      if row.get("source") == run and row.get("kind") == "check":
+        statuses[row.get("op")].add(row.get("status"))
+    passed = {kernel: environments[run].get("time", run)
+              for kernel, ops in TABLES[name].kernels.items()
+              if all("ok" in statuses[op] and not statuses[op] & set(FAILED) for op in ops)}
+    if passed:
+      out[platform] = passed
+  return out
+
+
 def build(name: str, benchmarks: pathlib.Path) -> dict | None:
   """Table `name` from the JSON files in `benchmarks`, or None when no point
-  has two of its implementations timed."""
+  of any device kind has two of its implementations timed."""
   spec = TABLES[name]
-  times = collections.defaultdict(lambda: collections.defaultdict(list))
-  sources, devices, versions = [], set(), set()
+  times = collections.defaultdict(
+      lambda: collections.defaultdict(lambda: collections.defaultdict(list)))
+  sources = collections.defaultdict(list)
+  versions = collections.defaultdict(set)
   for file in spec.files:
     path = benchmarks / file
     if not path.is_file():
       continue
-    data = json.loads(path.read_text())
-    used = False
-    for row in data["rows"]:
-      if row.get("status") != "ok" or row.get("mode") != MODE:
+    environments, rows = runs(json.loads(path.read_text()))
+    for row in rows:
+      if row.get("status") != "ok" or row.get("mode") != spec.mode:
         continue
-      impl = _implementation(row)
-      point = spec.point(row) if impl in spec.implementations else None
-      if point is None:
+      if file == GPU_CHECK:  # its timing rows name their points
+        named = row.get("points", {}).get(name)
+        impl = None if named is None else named["impl"]
+        point = None if named is None else {k: v for k, v in named.items() if k != "impl"}
+      else:
+        impl = _implementation(row)
+        point = spec.point(row) if impl in spec.implementations else None
+      if point is None or impl not in spec.implementations:
         continue
-      times[tuple(point.items())][impl].append(row["median_ms"])
-      used = True
-    if used:
-      sources.append(file)
-      # A merge of runs names each run's environment; one run's file has its own.
-      runs = data["sources"].values() if "sources" in data else [data]
-      for run in runs:
-        environment = run.get("environment", {})
-        devices.add(environment.get("device_kind", "unknown"))
-        versions.add(environment.get("jax", "unknown"))
-  points = [dict(point, ms={impl: round(statistics.median(ms), 5) for impl, ms in sorted(by.items())})
-            for point, by in sorted(times.items()) if len(by) >= 2]
-  if not points:
+      environment = environments[row["source"]]
+      platform = _platform(environment)
+      times[platform][tuple(point.items())][impl].append(row["median_ms"])
+      if file not in sources[platform]:
+        sources[platform].append(file)
+      versions[platform].add(environment.get("jax", "unknown"))
+  passed = checked(name, benchmarks)
+  devices = []
+  for platform in sorted(times):
+    points = [dict(point, ms={impl: round(statistics.median(ms), 5)
+                              for impl, ms in sorted(by.items())})
+              for point, by in sorted(times[platform].items()) if len(by) >= 2]
+    if points:
+      devices.append(dict(device=platform[0], jax=", ".join(sorted(versions[platform])),
+                          sources=sources[platform], checked=passed.get(platform, {}),
+                          points=points))
+  if not devices:
     return None
-  return dict(table=name, device=", ".join(sorted(devices)), jax=", ".join(sorted(versions)),
-              mode=MODE, sources=sources, keys=list(spec.keys), axes=list(spec.axes),
-              points=points)
+  return dict(table=name, mode=spec.mode, keys=list(spec.keys), axes=list(spec.axes),
+              kernels=sorted(spec.kernels), devices=devices)
 
 
 def render(table: dict) -> str:
@@ -167,7 +253,10 @@ def main(argv):
     else:
       output.mkdir(parents=True, exist_ok=True)
       path.write_text(want)
-      print(f"wrote {path}: {len(table['points'])} points from {', '.join(table['sources'])}")
+      for data in table["devices"]:
+        print(f"wrote {path}: {data['device']} (JAX {data['jax']}), {len(data['points'])} "
+              f"points from {', '.join(data['sources'])}; kernels checked: "
+              f"{sorted(data['checked']) or 'none'}")
   if _CHECK.value and stale:
     print(f"stale tables: {stale}; run python -m experiments.dispatch_tables")
     sys.exit(1)

@@ -4,7 +4,9 @@ Each op's `api.py` owns its dispatch rule; this file holds the pieces they all
 need: the valid `implementation` values, whether Pallas compiles on this
 platform (else it runs in interpret mode), the one error message format for
 an input the kernel cannot take, and the measured table that settles
-`implementation=None` where the kernel and XLA both take a call.
+`implementation=None` where the kernel and XLA both take a call: the kernel
+only where this device kind's data holds a passing check of it and a
+measurement showing it faster (`ops/_measured.py`), XLA everywhere else.
 """
 
 import functools
@@ -48,10 +50,11 @@ def choose(op: str, implementation: Implementation,
 
   Returns:
     'pallas' or 'xla'. None picks, on NVIDIA GPUs where the kernel fits, the
-    faster of the two at the measured point that judges the call (the kernel
-    where nothing was measured), and XLA elsewhere; it never raises for a
-    valid input. 'pallas' raises a ValueError when the kernel cannot take the
-    input.
+    faster of the two at the measured point that judges the call where this
+    device kind's data has both timed and the kernel checked, and XLA
+    everywhere else (a GPU without such data, any other platform); it never
+    raises for a valid input. 'pallas' raises a ValueError when the kernel
+    cannot take the input.
   """
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{op}: `implementation` must be one of {IMPLEMENTATIONS}, "
@@ -64,5 +67,5 @@ def choose(op: str, implementation: Implementation,
       raise ValueError(f"{op}(implementation='pallas'): {limit}")
     return "pallas"
   if on_nvidia_gpu() and kernel_limit() is None:
-    return _measured.fastest(op, ("pallas", "xla"), **call) or "pallas"
+    return _measured.fastest(op, ("pallas", "xla"), **call) or "xla"
   return "xla"

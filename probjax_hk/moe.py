@@ -21,7 +21,8 @@ Every `dropless_impl` computes the same function:
 - 'gmm': sort, `ops.grouped_mlp`: both grouped matmuls with the activation in
   their kernels (Pallas on NVIDIA GPUs, `ragged_dot` elsewhere).
 - 'auto': `choose_dropless_impl`: on NVIDIA GPUs the path measured fastest
-  (ops/dispatch_tables/moe.json), elsewhere 'ragged_dot'.
+  (ops/dispatch_tables/moe.json; 'gmm' only where its kernels passed their
+  check on that device kind), elsewhere 'ragged_dot'.
 """
 
 import dataclasses
@@ -60,14 +61,16 @@ def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model:
 
   On NVIDIA GPUs, the path timed fastest (fwd+bwd) at the measured layer that
   judges this one (`ops/dispatch_tables/moe.json`, read by `ops._measured`),
-  'gmm' where nothing was measured. Elsewhere the Pallas kernel would run
-  interpreted, so XLA's 'ragged_dot' is used.
+  among those measured on this device kind ('gmm', the Pallas kernels, only
+  where they passed their check there); 'ragged_dot' where nothing decides.
+  Elsewhere the Pallas kernel would run interpreted, so XLA's 'ragged_dot' is
+  used.
   """
   if not _backend.on_nvidia_gpu():
     return "ragged_dot"
   return _measured.fastest("moe", ("gmm", "ragged_dot", "sort", "dense"), experts=num_experts,
                            top_k=top_k, d_model=d_model, d_hidden=d_hidden,
-                           tokens=num_tokens) or "gmm"
+                           tokens=num_tokens) or "ragged_dot"
 
 
 class Routing(NamedTuple):

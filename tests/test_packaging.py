@@ -120,7 +120,7 @@ def test_wheel_installs_and_serves_the_public_api(tmp_path):
           importlib.import_module(module)
       not_installed = [n for n in {_NOT_INSTALLED!r} if importlib.util.find_spec(n)]
       from ops import _measured
-      assert _measured.load("attention")["points"], "the installed tables are not found"
+      assert _measured.load("attention")["devices"], "the installed tables are not found"
       meta = importlib.metadata.metadata("probjax_hk")
       print(json.dumps({{"modules": found, "not_installed": not_installed,
                         "license": meta["License-Expression"]}}))

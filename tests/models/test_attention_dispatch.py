@@ -1,11 +1,13 @@
 """Which backend `dot_product_attention` picks, by platform and inputs.
 
 `choose_attention_implementation` is the one dispatch rule; the platform is
-faked by patching `ops._backend.on_nvidia_gpu` (the rule reads nothing else
-about the machine), so every row of the BUILD_NOTES.md table runs on a CPU.
-Where several implementations take a call the measured table decides; the
-`gpu` fixture hides it (the fixed preference: flex, cuDNN, XLA), and the
-table's own tests give one.
+faked by patching `ops._backend.on_nvidia_gpu` and the device kind
+(`ops._measured.platform`), so every row of the BUILD_NOTES.md table runs on a
+CPU. A kernel runs by default only where the measured tables of this device
+kind hold a passing check of it and a time showing it faster: the `gpu`
+fixture has no tables (the established path: cuDNN where it takes the call,
+else XLA), `kernels_measured_faster` tables that time flex and the decode
+kernel fastest, both checked.
 """
 
 import jax
@@ -18,6 +20,8 @@ from ops import _backend
 from ops import _measured
 from ops import flex_attention_reference
 from probjax_hk import attention
+from tests.ops.test_measured import GPU
+from tests.ops.test_measured import measured_table
 
 
 def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2, s=16):
@@ -29,53 +33,107 @@ def _qkv(dtype=jnp.bfloat16, head_dim=32, t=16, n=4, k=2, s=16):
 @pytest.fixture
 def gpu(monkeypatch):
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setattr(_measured, "platform", lambda: GPU)
   monkeypatch.setattr(_measured, "load", lambda table: None)
 
 
+@pytest.fixture
+def kernels_measured_faster(gpu, monkeypatch):
+  del gpu
+  tables = dict(
+      attention=measured_table([dict(ms=dict(flex=1.0, cudnn=2.0, xla=3.0))], kernels=["flex"]),
+      decode_attention=measured_table([dict(ms=dict(pallas=1.0, cudnn=2.0, xla=3.0))],
+                                      kernels=["pallas"]))
+  monkeypatch.setattr(_measured, "load", tables.get)
+
+
 def _table(points, keys=("dtype", "variant"), axes=("head_dim", "length")):
-  return dict(keys=list(keys), axes=list(axes), points=points)
+  return measured_table(points, keys, axes, kernels=["flex"])
 
 
-# (inputs, options) -> the choice of `implementation=None` on an NVIDIA GPU.
+# (inputs, options) -> the choice of `implementation=None` on an NVIDIA GPU
+# without measured tables (cuDNN where it takes the inputs, else XLA), and
+# with tables that time this library's kernels fastest and checked.
 _GPU_CASES = [
-    ("plain bf16", dict(), {}, "flex"),
-    ("causal f32", dict(dtype=jnp.float32), dict(is_causal=True), "flex"),
-    ("head size 256", dict(head_dim=256), {}, "flex"),
-    ("head size 128 bf16, nothing measured: flex first", dict(head_dim=128),
-     dict(is_causal=True), "flex"),
-    ("head size 64 f32: cuDNN cannot", dict(head_dim=64, dtype=jnp.float32), {}, "flex"),
+    ("plain bf16", dict(), {}, "cudnn", "flex"),
+    ("causal f32", dict(dtype=jnp.float32), dict(is_causal=True), "xla", "flex"),
+    ("head size 256", dict(head_dim=256), {}, "xla", "flex"),
+    ("head size 128 bf16, causal", dict(head_dim=128), dict(is_causal=True), "cudnn", "flex"),
+    ("head size 64 f32: cuDNN cannot", dict(head_dim=64, dtype=jnp.float32), {}, "xla", "flex"),
     ("head size 64, right window: cuDNN cannot", dict(head_dim=64),
-     dict(local_window_size=(4, 4)), "flex"),
-    ("right-looking window", dict(), dict(local_window_size=(4, 4)), "flex"),
-    ("key lengths", dict(), dict(key_value_seq_lengths=jnp.array([3, 16])), "flex"),
-    ("dense mask, bf16", dict(), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "cudnn"),
-    ("dense bias, bf16", dict(), dict(bias=jnp.zeros((1, 1, 16, 16), jnp.bfloat16)), "cudnn"),
-    ("query lengths", dict(), dict(query_seq_lengths=jnp.array([3, 16])), "cudnn"),
-    ("dense mask, f32", dict(dtype=jnp.float32), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "xla"),
-    ("head size 512", dict(head_dim=512), {}, "xla"),
-    ("one query per sequence: decode kernel", dict(t=1), {}, "decode"),
-    ("one query, key lengths: decode kernel", dict(t=1),
-     dict(key_value_seq_lengths=jnp.array([3, 1])), "decode"),
-    ("one query, causal: not decode", dict(t=1), dict(is_causal=True), "flex"),
-    ("one query, window: not decode", dict(t=1), dict(local_window_size=(4, 0)), "flex"),
-    ("one query, dense mask: not decode", dict(t=1), dict(mask=jnp.ones((1, 1, 1, 16), bool)),
+     dict(local_window_size=(4, 4)), "xla", "flex"),
+    ("right-looking window", dict(), dict(local_window_size=(4, 4)), "xla", "flex"),
+    ("key lengths", dict(), dict(key_value_seq_lengths=jnp.array([3, 16])), "cudnn", "flex"),
+    ("dense mask, bf16", dict(), dict(mask=jnp.ones((1, 1, 16, 16), bool)), "cudnn", "cudnn"),
+    ("dense bias, bf16", dict(), dict(bias=jnp.zeros((1, 1, 16, 16), jnp.bfloat16)), "cudnn",
      "cudnn"),
+    ("query lengths", dict(), dict(query_seq_lengths=jnp.array([3, 16])), "cudnn", "cudnn"),
+    ("dense mask, f32", dict(dtype=jnp.float32), dict(mask=jnp.ones((1, 1, 16, 16), bool)),
+     "xla", "xla"),
+    ("head size 512", dict(head_dim=512), {}, "xla", "xla"),
+    ("one query per sequence: decode kernel where measured", dict(t=1), {}, "cudnn", "decode"),
+    ("one query, key lengths", dict(t=1), dict(key_value_seq_lengths=jnp.array([3, 1])), "cudnn",
+     "decode"),
+    ("one query, f32: decode kernel where measured", dict(t=1, dtype=jnp.float32), {}, "xla",
+     "decode"),
+    ("one query, causal: not decode", dict(t=1), dict(is_causal=True), "cudnn", "flex"),
+    ("one query, window: not decode", dict(t=1), dict(local_window_size=(4, 0)), "cudnn", "flex"),
+    ("one query, dense mask: not decode", dict(t=1), dict(mask=jnp.ones((1, 1, 1, 16), bool)),
+     "cudnn", "cudnn"),
     ("one query, a concrete key length 0: not decode", dict(t=1),
-     dict(key_value_seq_lengths=jnp.array([0, 4])), "flex"),
-    ("one query, head size 512: not decode", dict(t=1, head_dim=512), {}, "xla"),
+     dict(key_value_seq_lengths=jnp.array([0, 4])), "cudnn", "flex"),
+    ("one query, head size 512: not decode", dict(t=1, head_dim=512), {}, "xla", "xla"),
 ]
 
 
-@pytest.mark.parametrize("name, shapes, options, expected", _GPU_CASES,
-                         ids=[c[0] for c in _GPU_CASES])
-def test_default_on_nvidia_gpu(gpu, name, shapes, options, expected):
-  del gpu, name
+def _choose(shapes, options):
   q, k, v = _qkv(**shapes)
+  options = dict(options)
   bias = options.pop("bias", None)
   mask = options.pop("mask", None)
   query_seq_lengths = options.pop("query_seq_lengths", None)
-  assert attention.choose_attention_implementation(
-      q, k, v, bias, mask, query_seq_lengths=query_seq_lengths, **options) == expected
+  return attention.choose_attention_implementation(
+      q, k, v, bias, mask, query_seq_lengths=query_seq_lengths, **options)
+
+
+@pytest.mark.parametrize("name, shapes, options, without_data, measured", _GPU_CASES,
+                         ids=[c[0] for c in _GPU_CASES])
+def test_default_on_nvidia_gpu_without_measured_kernels(gpu, name, shapes, options,
+                                                        without_data, measured):
+  del gpu, name, measured
+  assert _choose(shapes, options) == without_data
+
+
+@pytest.mark.parametrize("name, shapes, options, without_data, measured", _GPU_CASES,
+                         ids=[c[0] for c in _GPU_CASES])
+def test_default_on_nvidia_gpu_with_kernels_checked_and_measured_faster(
+    kernels_measured_faster, name, shapes, options, without_data, measured):
+  del kernels_measured_faster, name, without_data
+  assert _choose(shapes, options) == measured
+
+
+def test_unchecked_kernels_or_another_device_kind_keep_the_established_path(
+    kernels_measured_faster, monkeypatch):
+  del kernels_measured_faster
+  q, k, v = _qkv(t=1)
+  assert attention.choose_attention_implementation(q, k, v) == "decode"
+  monkeypatch.setattr(_measured, "platform", lambda: ("NVIDIA A100", GPU[1]))
+  assert attention.choose_attention_implementation(q, k, v) == "cudnn"
+  monkeypatch.setattr(_measured, "platform", lambda: GPU)
+  _measured.load("decode_attention")["devices"][0]["checked"] = {}
+  assert attention.choose_attention_implementation(q, k, v) == "flex"  # the attention table's
+  _measured.load("attention")["devices"][0]["checked"] = {}
+  assert attention.choose_attention_implementation(q, k, v) == "cudnn"
+
+
+def test_explicit_decode_is_the_opt_in(gpu):
+  del gpu
+  q, k, v = _qkv(t=1)
+  assert attention.choose_attention_implementation(q, k, v) == "cudnn"
+  assert attention.choose_attention_implementation(q, k, v, implementation="decode") == "decode"
+  q, k, v = _qkv(t=2)
+  with pytest.raises(ValueError, match="implementation='decode' is not available: .*T=2"):
+    attention.choose_attention_implementation(q, k, v, implementation="decode")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -91,9 +149,10 @@ def test_one_query_runs_the_decode_kernel_and_matches_xla(gpu, monkeypatch, dtyp
   v = jax.random.normal(keys[2], (3, 40, 2, 32), dtype)
   lengths = jnp.array([40, 17, 1])
   assert attention.choose_attention_implementation(
-      q, k, v, key_value_seq_lengths=lengths) == "decode"
+      q, k, v, key_value_seq_lengths=lengths, implementation="decode") == "decode"
   loss = lambda fn: lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2)
-  ours = lambda q, k, v: pk.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+  ours = lambda q, k, v: pk.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                                  implementation="decode")
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                                      implementation="xla")
   tol = 2e-5 if dtype == jnp.float32 else 2e-2
@@ -106,8 +165,8 @@ def test_one_query_runs_the_decode_kernel_and_matches_xla(gpu, monkeypatch, dtyp
                                rtol=5 * tol, atol=5 * tol)
 
 
-def test_traced_scale_on_nvidia_gpu_is_not_flex(gpu):
-  del gpu
+def test_traced_scale_on_nvidia_gpu_is_not_flex(kernels_measured_faster):
+  del kernels_measured_faster
   q, k, v = _qkv()
   chosen = []
   jax.jit(lambda scale: chosen.append(attention.choose_attention_implementation(
@@ -135,30 +194,35 @@ def test_default_on_nvidia_gpu_follows_the_measured_table(gpu, monkeypatch, time
   monkeypatch.setattr(_measured, "load", lambda table: _table(points))
   q, k, v = _qkv(n=2, **{"head_dim": 128, **shapes})  # n = k: the 'full' variant
   assert attention.choose_attention_implementation(q, k, v) == expected
-  q, k, v = _qkv(n=2, head_dim=32)
+  q, k, v = _qkv(n=2, head_dim=32, dtype=shapes.get("dtype", jnp.bfloat16))
   assert attention.choose_attention_implementation(q, k, v) == "flex"
 
 
 def test_committed_table_picks_the_fastest_at_each_measured_point(monkeypatch):
   """At each point of ops/dispatch_tables/attention.json (inputs of that
-  dtype, variant, head size and length), `None` picks the fastest timed
-  implementation among those that take the inputs."""
+  dtype, variant, head size and length), `None` on that device kind picks the
+  fastest timed implementation among those that take the inputs and, for
+  flex, passed its check there."""
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
   table = _measured.load("attention")
-  assert table is not None and table["points"]
-  for point in table["points"]:
-    n, kv = (8, 1) if point["variant"] == "gqa" else (2, 2)
-    t = max(1, point["length"] // 16) if point["variant"] == "cross" else point["length"]
-    q = jax.ShapeDtypeStruct((1, t, n, point["head_dim"]), jnp.dtype(point["dtype"]))
-    k = jax.ShapeDtypeStruct((1, point["length"], kv, point["head_dim"]), q.dtype)
-    options = dict(is_causal=point["variant"] in ("causal", "gqa", "sliding_window"),
-                   local_window_size=(256, 0) if point["variant"] == "sliding_window" else None)
-    fits = [name for name in point["ms"] if name == "xla" or
-            (name == "flex" and attention._flex_limit(q, None, None, None) is None) or
-            (name == "cudnn" and attention._cudnn_limit(q, k, None, options["local_window_size"],
-                                                        options["is_causal"]) is None)]
-    want = min(fits, key=point["ms"].get)
-    assert attention.choose_attention_implementation(q, k, k, **options) == want, point
+  assert table is not None and table["devices"]
+  for data in table["devices"]:
+    monkeypatch.setattr(_measured, "platform", lambda data=data: (
+        data["device"], _measured.minor(data["jax"].split(", ")[0])))
+    for point in data["points"]:
+      n, kv = (8, 1) if point["variant"] == "gqa" else (2, 2)
+      t = max(1, point["length"] // 16) if point["variant"] == "cross" else point["length"]
+      q = jax.ShapeDtypeStruct((1, t, n, point["head_dim"]), jnp.dtype(point["dtype"]))
+      k = jax.ShapeDtypeStruct((1, point["length"], kv, point["head_dim"]), q.dtype)
+      options = dict(is_causal=point["variant"] in ("causal", "gqa", "sliding_window"),
+                     local_window_size=(256, 0) if point["variant"] == "sliding_window" else None)
+      cudnn = attention._cudnn_limit(q, k, None, options["local_window_size"],
+                                     options["is_causal"]) is None
+      fits = [name for name in point["ms"] if name == "xla" or (name == "cudnn" and cudnn) or
+              (name == "flex" and "flex" in data["checked"]
+               and attention._flex_limit(q, None, None, None) is None)]
+      want = min(fits, key=point["ms"].get) if fits else ("cudnn" if cudnn else "xla")
+      assert attention.choose_attention_implementation(q, k, k, **options) == want, point
 
 
 @pytest.mark.parametrize("options", [{}, dict(is_causal=True),

@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ops import _backend
-from ops import _measured
 from probjax_hk import MoELayer
 from probjax_hk import moe
+from tests.ops import test_measured
 
 E, TOP_K, D, F = 4, 2, 16, 32
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2}  # times max(1, |reference|)
@@ -212,12 +211,15 @@ def test_router_logits_of_bfloat16_tokens_keep_float32_accuracy():
 
 def test_auto_takes_the_measured_fastest_path_on_nvidia_gpus(monkeypatch):
   assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "ragged_dot"  # a CPU
-  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
-  monkeypatch.setattr(_measured, "load", lambda table: None)
-  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "gmm"  # nothing measured
-  axes = ["experts", "top_k", "d_model", "d_hidden", "tokens"]
+  test_measured.fake_gpu(monkeypatch, {})
+  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "ragged_dot"  # nothing measured
+  axes = ("experts", "top_k", "d_model", "d_hidden", "tokens")
   points = [dict(experts=8, top_k=2, d_model=512, d_hidden=1024, tokens=t, ms=ms)
-            for t, ms in ((1024, dict(dense=1.0, gmm=2.0)), (65536, dict(dense=9.0, gmm=2.0)))]
-  monkeypatch.setattr(_measured, "load", lambda table: dict(keys=[], axes=axes, points=points))
+            for t, ms in ((1024, dict(dense=1.0, gmm=2.0)),
+                          (65536, dict(dense=9.0, gmm=2.0, sort=3.0)))]
+  table = test_measured.measured_table(points, axes=axes, kernels=("gmm",))
+  test_measured.fake_gpu(monkeypatch, {"moe": table})
   assert moe.choose_dropless_impl(512, 8, 2, 512, 1024) == "dense"
   assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "gmm"
+  table["devices"][0]["checked"] = {}  # the kernels never passed their check here
+  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "sort"

@@ -15,6 +15,7 @@ from ops import _backend
 from ops.gated_delta_rule import api
 from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
+from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
 _TOL = tolerances.GATED_DELTA_RULE
@@ -165,10 +166,12 @@ def test_default_implementation_on_cpu_is_xla(monkeypatch):
   assert ops.gated_delta_rule is gated_delta_rule
 
 
-def test_default_implementation_on_gpu_is_the_kernel(monkeypatch):
-  # Measured faster than the chunked XLA form on an H200 (BUILD_NOTES.md).
-  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+def test_default_on_gpu_is_the_kernel_where_checked_and_measured_faster(monkeypatch):
   args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
+  test_measured.fake_gpu(monkeypatch, {})  # a GPU never measured: XLA
+  assert "pallas_call" not in str(jax.make_jaxpr(lambda *a: gated_delta_rule(*a))(*args))
+  test_measured.fake_gpu(monkeypatch, {"gated_delta_rule": test_measured.kernel_measured_faster(
+      key_dim=16, length=8)})
   assert "pallas_call" in str(jax.make_jaxpr(gated_delta_rule)(*args))
   # A chunk size the kernel cannot take falls back to XLA instead of raising.
   assert "pallas_call" not in str(jax.make_jaxpr(

@@ -9,11 +9,11 @@ import pytest
 
 from experiments import tolerances
 from ops import _backend
-from ops import _measured
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
 from ops.linear_scan import LinearScanBlocks
+from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
 _TOL = tolerances.LINEAR_SCAN
@@ -143,14 +143,14 @@ def test_default_backend_on_cpu_is_xla():
 
 
 
-@pytest.mark.parametrize("winner", ["xla", "pallas"])
+@pytest.mark.parametrize("winner", ["xla", "pallas", "unmeasured"])
 def test_default_backend_on_gpu_follows_the_measured_table(monkeypatch, winner):
   # A per-step decay and a shared one [D] (the LRU's) both take the winner of
-  # the measured table on NVIDIA GPUs only.
-  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  # the measured, checked table on NVIDIA GPUs only, and XLA without one.
   ms = {"pallas": 2.0, "xla": 2.0, winner: 1.0}
-  table = dict(keys=[], axes=["length"], points=[dict(length=8, ms=ms)])
-  monkeypatch.setattr(_measured, "load", lambda name: table if name == "linear_scan" else None)
+  tables = {} if winner == "unmeasured" else {"linear_scan": test_measured.measured_table(
+      [dict(length=8, ms=ms)], axes=("length",), kernels=("pallas",))}
+  test_measured.fake_gpu(monkeypatch, tables)
   a, b, _ = _inputs(1, 8, 4, "float32")
   assert _has_pallas_call(lambda a, b: linear_scan(a, b), a, b) == (winner == "pallas")
   assert _has_pallas_call(lambda a, b: linear_scan(a, b), a[0, 0], b) == (winner == "pallas")

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from experiments import tolerances
-from ops import _backend
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_pallas
 from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import SelectiveScanBlocks
+from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
 _TOL = tolerances.SELECTIVE_SCAN
@@ -194,10 +194,12 @@ def test_default_backend_on_cpu_is_xla():
                           u, delta, A, B, C)
 
 
-def test_default_backend_on_gpu_is_the_kernel(monkeypatch):
-  # Measured faster than XLA on an H200 (BUILD_NOTES.md), so `None` picks it.
-  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+def test_default_on_gpu_is_the_kernel_where_checked_and_measured_faster(monkeypatch):
   args = _inputs(1, 8, 4, 2, "float32")[:5]
+  test_measured.fake_gpu(monkeypatch, {})  # a GPU never measured: XLA
+  assert not _has_pallas_call(lambda *a: selective_scan(*a), *args)
+  test_measured.fake_gpu(monkeypatch, {"selective_scan": test_measured.kernel_measured_faster(
+      state=2, length=8)})
   assert _has_pallas_call(lambda *a: selective_scan(*a), *args)
 
 

@@ -14,6 +14,7 @@ from ops import _backend
 from ops.ssd import api
 from ops.ssd import ssd
 from ops.ssd import ssd_reference
+from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
 _TOL = tolerances.SSD
@@ -118,11 +119,13 @@ def test_default_implementation_on_cpu_is_xla_and_vmaps(monkeypatch):
   assert ops.ssd is ssd
 
 
-def test_default_implementation_on_gpu_is_the_kernel(monkeypatch):
-  # Measured faster than the chunked XLA form on an H200 (BUILD_NOTES.md).
-  monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+def test_default_on_gpu_is_the_kernel_where_checked_and_measured_faster(monkeypatch):
   q, k, v, g, _ = _inputs(1, 12, 2, 2, 16, 16, jnp.float32)
-  assert "pallas_call" in str(jax.make_jaxpr(ssd)(q, k, v, g))
+  test_measured.fake_gpu(monkeypatch, {})  # a GPU never measured: XLA
+  assert "pallas_call" not in str(jax.make_jaxpr(lambda *a: ssd(*a))(q, k, v, g))
+  test_measured.fake_gpu(monkeypatch, {"ssd": test_measured.kernel_measured_faster(
+      key_dim=16, length=12)})
+  assert "pallas_call" in str(jax.make_jaxpr(lambda *a: ssd(*a))(q, k, v, g))
 
 
 @pytest.mark.parametrize("change, match", [
