@@ -10,6 +10,8 @@ import shutil
 import pytest
 
 from experiments import benchmark_figures
+from experiments import dispatch_tables
+from ops import _measured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCHMARKS = os.path.join(ROOT, "docs", "benchmarks")
@@ -238,7 +240,8 @@ def _table_rows(text, first_cell):
 def test_suites_without_a_file_write_no_page_and_are_not_linked(tmp_path, rendered):
   directory = _benchmarks(tmp_path)
   pages = benchmark_figures.render_pages(directory)
-  assert set(pages) == {"index.md", "setup.md", "attention.md", "kernels.md", "models.md"}
+  assert set(pages) == {"index.md", "platforms.md", "setup.md", "attention.md", "kernels.md",
+                        "models.md"}
   assert "decoding" not in pages["index.md"] and "grid" not in pages["index.md"]
   assert "decode.json" not in pages["setup.md"] and "_grid.json" not in pages["setup.md"]
   assert "benchmark_decode" not in pages["models.md"]
@@ -418,3 +421,47 @@ def test_grid_page_lists_the_checks_at_the_grid_points(tmp_path):
   empty = benchmark_figures.render_pages(_benchmarks(
       tmp_path / "none", **{"attention_grid.json": [_like(_ATTENTION_TIME)]}))
   assert "The grid check: not measured" in empty["grid.md"]
+
+
+# ---------------------------------------------------------------------------
+# The platforms page: from the committed dispatch tables and gpu_check's runs.
+
+
+def test_platforms_page_has_a_row_per_default_and_device_kind_of_the_tables(rendered):
+  text = rendered["platforms.md"]
+  rows = [line for line in text.splitlines() if line.startswith("| `")]
+  expected = [(benchmark_figures.DEFAULTS[name][0], data["device"], data["jax"])
+              for name in dispatch_tables.TABLES if _measured.load(name)
+              for data in _measured.load(name)["devices"]]
+  assert expected and len(rows) == len(expected)
+  for row, (default, device, jax) in zip(rows, expected):
+    assert row.startswith(f"| {default} | {device} | {jax} |"), row
+  assert "| every default | any other GPU kind or JAX release |" in text
+  if not os.path.exists(os.path.join(BENCHMARKS, "gpu_check.json")):
+    assert "No `gpu_check` run is committed yet." in text
+
+
+def test_a_default_runs_a_kernel_only_where_it_was_checked():
+  table = dict(table="ssd", kernels=["pallas"])
+  data = dict(checked={}, points=[dict(length=1, ms=dict(pallas=1.0, xla=2.0)),
+                                  dict(length=2, ms=dict(pallas=3.0, xla=2.0))])
+  assert benchmark_figures._default_paths(table, data) == ("XLA at 2 of 2 points", "1 of 2")
+  data["checked"] = {"pallas": "2026-12-07T00:00:00"}
+  assert benchmark_figures._default_paths(table, data) == (
+      "the kernel at 1, XLA at 1 of 2 points", "1 of 2")
+
+
+def test_platforms_page_lists_the_newest_gpu_check_run_of_each_device_kind(tmp_path):
+  check = dict(kind="check", op="ssd", backend="triton", case="odd_a", status="ok")
+  rows = [check, dict(check, case="odd_b", status="fail", message="dq 0.2 > 0.05"),
+          dict(check, backend="mosaic", status="unsup"),
+          dict(kind="time", op="ssd", impl="pallas", status="ok", median_ms=1.0),
+          dict(kind="model", model="transformer", status="ok", loss=1.0)]
+  directory = _benchmarks(tmp_path, **{"gpu_check.json": rows})
+  pages = benchmark_figures.render_pages(directory)
+  text = pages["platforms.md"]
+  assert _table_rows(text, "NVIDIA H200") == [
+      ["NVIDIA H200", "0.11.2", "2026-12-06 13:27", "`ssd`", "1", "1", "1", "1"],
+      ["NVIDIA H200", "0.11.2", "2026-12-06 13:27", "models, generate, sharded step", "1", "",
+       "0", ""]]
+  assert "gpu_check.json" in pages["setup.md"]
