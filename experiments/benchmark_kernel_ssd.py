@@ -25,8 +25,9 @@ mode there).
 (K = V in {32, 64, 96, 128, 256} x T in {100, 1000, 5000}, about 16,384
 tokens a point, 8 heads; with --quick its 'smoke' subset) instead of the
 headline shapes, without the models; each (op, point, mode) gets a summary
-row with what the default (`implementation=None`) runs there (the kernel where
-it takes the shape on an NVIDIA GPU, else XLA) and its time over XLA's
+row with what the default (`implementation=None`) runs there (on an NVIDIA GPU
+the kernel where it takes the shape and the committed dispatch table has it
+checked and faster on this device kind, else XLA) and its time over XLA's
 (`default_vs_xla`) and over the fastest row (`default_vs_best`).
 
 `--grid --grid_check` also checks, at every point before timing it, every
@@ -53,6 +54,7 @@ from experiments import harness
 from experiments import shape_grid
 from experiments import workloads
 from ops import _backend
+from ops import _measured
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.ssd import ssd_reference
 
@@ -252,7 +254,8 @@ def add_ratios(rows):
 
 def grid_summary(rows):
   """One row per (op, point, mode) of the grid's rows: what the default runs
-  (the kernel where it takes the shape on an NVIDIA GPU, else XLA; None when
+  (on an NVIDIA GPU the kernel where it takes the shape and this device
+  kind's committed table picks it, `_measured.fastest`, else XLA; None when
   the default-chunk kernel was not timed), its time over XLA's and over the
   fastest implementation's."""
   timed = {}
@@ -264,8 +267,11 @@ def grid_summary(rows):
     ms = {r["name"].split("/", 1)[1]: r["median_ms"] for r in group if r["status"] == "ok"}
     kernel = [r for r in group if r["implementation"] == "pallas" and r["chunk_size"] is None]
     default = "xla"  # off NVIDIA GPUs, and where the kernel declines the shape
-    if _backend.on_nvidia_gpu():
-      default = None if not kernel else "pallas" if kernel[0]["status"] != "unsup" else "xla"
+    if _backend.on_nvidia_gpu() and kernel and kernel[0]["status"] != "unsup":
+      default = _measured.fastest(op, ("pallas", "xla"), key_dim=group[0]["K"],
+                                  length=group[0]["T"]) or "xla"
+    elif _backend.on_nvidia_gpu() and not kernel:
+      default = None
     s = dict(kind="summary", op=op, point=point, mode=mode,
              **{k: group[0][k] for k in ("B", "T", "N", "K", "V")},
              **{f"{name}_ms": t for name, t in ms.items()}, default_impl=default)
