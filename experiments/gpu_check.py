@@ -310,6 +310,8 @@ def _decode_spec(smoke: bool) -> OpSpec:
   shapes = {
       "odd_a": ((3, 1, 1000, 8, 2, 80), (1000, 377, 1), None),
       "odd_b": ((2, 4, 777, 4, 4, 64), (777, 5), 100),
+      # A cache shorter than the kernel's 64-key tile (padded to it inside).
+      "odd_short_cache": ((4, 2, 40, 8, 2, 128), (40, 9, 2, 33), 16),
       "representative": ((8, 1, 4096, 32, 8, 128), (4096,) * 8, None),
   }
   if smoke:

@@ -22,7 +22,8 @@ Speed notes:
     plain loads, no comparisons; the tiles at the window's start and the
     last T keys (the new tokens' causal triangle and the end of the valid
     cache) run the masked body, whose loads are masked by the length, so
-    the cache is never read past it (nor past S: no padding copy of S).
+    the cache is never read past it (nor past S: no padding copy of S,
+    except for a cache shorter than one tile, padded to it).
   * Logits are kept in base 2 (scale and log2(e) folded into one multiply).
   * The number of chunks comes from S and B * K: enough programs for several
     per multiprocessor, but chunks of at least `MIN_TILES_PER_SPLIT` tiles.
@@ -243,6 +244,8 @@ def _forward(st: Static, q, k_cache, v_cache, lengths):
   qr = _shapes.pad_axis(_shapes.pad_axis(qr.reshape(batch, num_kv, rows, head_dim), 2, mp), 3, hp)
   k, v = (_shapes.pad_axis(x, 3, hp) for x in (k_cache, v_cache))  # copies only when H < Hp
   config = st.config or default_config(q.shape, k_cache.shape, interpret=st.interpret)
+  if k.shape[1] < config.block_k:  # a tile's slice must fit the cache; the length masks the rest
+    k, v = (_shapes.pad_axis(x, 1, config.block_k) for x in (k, v))
   o, lse = _partials(st, config, qr, k, v, lengths, seq_q)
   out = _combine(o, lse)[:, :, :rows, :head_dim]  # [B, K, G * T, H]
   out = out.reshape(batch, num_kv, groups, seq_q, head_dim).transpose(0, 3, 1, 2, 4)

@@ -48,7 +48,8 @@ def _reference(q, k, v, lengths, **options):
 
 # b, t, s, n, kh, h, dtype, lengths, options, config: T in {1, 4, 16}, GQA 8:2,
 # MHA and MQA, H in {32, 64, 80 (padded)}, windows (an int and a pair), lengths
-# that are not multiples of the chunk (and == T, == S), one chunk and several.
+# that are not multiples of the chunk (and == T, == S), one chunk and several,
+# a cache shorter than the tile (as S < 64 runs on a GPU).
 _CASES = {
     "t1_gqa_bf16": (3, 1, 100, 8, 2, 32, jnp.bfloat16, [100, 37, 1], {}, None),
     "t4_mha_f32_splits": (2, 4, 77, 4, 4, 32, jnp.float32, [77, 21], {},
@@ -62,6 +63,10 @@ _CASES = {
                                      DecodeConfig(block_k=32, num_splits=1, num_warps=4,
                                                   num_stages=1)),
     "t16_prefill_f32": (1, 16, 16, 2, 1, 32, jnp.float32, [16], {}, None),
+    "t2_cache_below_tile_f32": (2, 2, 20, 4, 2, 32, jnp.float32, [20, 7],
+                                dict(local_window_size=4),
+                                DecodeConfig(block_k=32, num_splits=1, num_warps=4,
+                                             num_stages=1)),
 }
 
 
@@ -174,6 +179,26 @@ def test_gradients_are_the_references():
   for g, g_ref in zip(grads, want):
     assert g.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_ref, np.float32))
+
+
+def test_cache_shorter_than_a_tile():
+  """S = 5 slots, below the default key tile (16 in interpret mode): the op
+  pads the cache to one tile inside; outputs and gradients are the
+  reference's, the gradients shaped like the caller's cache."""
+  q, k, v = _inputs(2, 2, 5, 4, 2, 32, jnp.float32)
+  lengths = jnp.array([5, 2], jnp.int32)
+  w = jax.random.normal(jax.random.PRNGKey(5), q.shape, jnp.float32)
+  def out_and_grads(fn):
+    def run(q, k, v):
+      out, pullback = jax.vjp(lambda q, k, v: fn(q, k, v, lengths), q, k, v)
+      return out, pullback(w)
+    return jax.jit(run)(q, k, v)
+  out, grads = out_and_grads(functools.partial(decode_attention, implementation="pallas"))
+  ref, want = out_and_grads(decode_attention_reference)
+  assert _rel(out, ref) < _TOL[jnp.float32], _rel(out, ref)
+  for g, g_ref in zip(grads, want):
+    assert g.shape == g_ref.shape
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
 
 
 _SHAPES = dict(q=(2, 4, 8, 32), k_cache=(2, 16, 2, 32), v_cache=(2, 16, 2, 32))
