@@ -65,8 +65,8 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
       [0, 2]: `I - beta k k^T` may have the eigenvalue -1 (flash-linear-attention
       applies it only together with the sigmoid; here it always doubles).
     implementation: None (on NVIDIA GPUs the faster of the Pallas kernels and
-      XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`; XLA
-      elsewhere),
+      XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`, at K,
+      V <= 128; XLA elsewhere),
       'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
       WY form of xla.py).
 
@@ -87,8 +87,13 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
     _shapes.check_bool("gated_delta_rule", name, flag)
 
   def kernel_limit():
-    return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
-                                "a chunk's [K, V] state tiles and gradients live in registers")
+    limit = chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
+                                 "a chunk's [K, V] state tiles and gradients live in registers")
+    if limit is None and implementation is None and max(
+        k.shape[-1], v.shape[-1]) > pallas_impl.MAX_MEASURED_HEAD_SIZE:
+      # Run where asked for, but not yet timed on a GPU: XLA stays the default.
+      return f"K, V > {pallas_impl.MAX_MEASURED_HEAD_SIZE} not measured"
+    return limit
 
   # The measured table decides (ops/dispatch_tables/gated_delta_rule.json).
   backend = _backend.choose("gated_delta_rule", implementation, kernel_limit,

@@ -73,6 +73,7 @@ from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
 MAX_HEAD_SIZE = 256
+MAX_MEASURED_HEAD_SIZE = 128  # `implementation=None` takes the kernels up to this K, V
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from ops import _backend
+from ops import _measured
 from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.ssd import ssd
@@ -128,13 +129,19 @@ def test_head_size_256_on_the_kernel():
   _check(fn, reference, args, tuple(range(6)), names=_GDR_NAMES)
 
 
-def test_head_size_256_takes_the_kernel_on_gpu(monkeypatch):
+def test_head_size_dispatch_on_gpu(monkeypatch):
+  """On a GPU whose measurements name the kernels faster, None takes them up
+  to the measured K = V = 128 and XLA past it; 'pallas' runs them up to 256
+  and names the limit past that."""
   monkeypatch.setattr(_backend, "on_nvidia_gpu", lambda: True)
+  monkeypatch.setattr(_measured, "fastest", lambda *args, **call: "pallas")
+  jaxpr = lambda *a, **kw: str(jax.make_jaxpr(lambda *a: gated_delta_rule(*a, **kw))(*a))
+  q, k, v, g, beta, _ = _inputs(8, 1, 128, 128)
+  assert "pallas_call" in jaxpr(q, k, v, g, beta)
   q, k, v, g, beta, _ = _inputs(8, 1, 256, 256)
-  assert "pallas_call" in str(jax.make_jaxpr(gated_delta_rule)(q, k, v, g, beta))
-  # Past the kernels' limit: XLA under None, an error naming the limit for 'pallas'.
+  assert "pallas_call" not in jaxpr(q, k, v, g, beta)
+  assert "pallas_call" in jaxpr(q, k, v, g, beta, implementation="pallas")
   q = jnp.zeros((1, 8, 1, 512))
-  assert "pallas_call" not in str(jax.make_jaxpr(gated_delta_rule)(q, q, v, g, beta))
   with pytest.raises(ValueError, match="K = 512 and V = 256 must be <= 256"):
     gated_delta_rule(q, q, v, g, beta, implementation="pallas")
 
