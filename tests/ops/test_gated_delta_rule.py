@@ -183,8 +183,8 @@ def test_kernel_limits_raise_for_pallas_only():
   with pytest.raises(ValueError, match="chunk_size"):
     gated_delta_rule(*args, chunk_size=24, implementation="pallas")
   gated_delta_rule(*args, chunk_size=24, implementation="xla")
-  big = _inputs(1, 4, 1, 256, 16, jnp.float32)[:5]
-  with pytest.raises(ValueError, match="must be <= 128"):
+  big = _inputs(1, 4, 1, 512, 16, jnp.float32)[:5]
+  with pytest.raises(ValueError, match="must be <= 256"):
     gated_delta_rule(*big, implementation="pallas")
 
 
