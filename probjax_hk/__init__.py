@@ -4,6 +4,8 @@ Models are `hk.Module`s used inside `hk.transform`; the hot paths are the
 Pallas kernels of the top-level `ops` package.
 """
 
+import importlib.metadata
+
 from probjax_hk.attention import cached_attention
 from probjax_hk.attention import choose_attention_implementation
 from probjax_hk.attention import dot_product_attention
@@ -42,6 +44,18 @@ from probjax_hk.training import load_checkpoint
 from probjax_hk.transformer import Transformer
 from probjax_hk.transformer import TransformerState
 from probjax_hk.unet import UNet
+
+
+def _installed_version() -> str:
+  """The installed distribution's version; a source tree on `sys.path` that
+  was never installed has no metadata, hence the local-version fallback."""
+  try:
+    return importlib.metadata.version("probjax_hk")
+  except importlib.metadata.PackageNotFoundError:
+    return "0+unknown"
+
+
+__version__ = _installed_version()
 
 __all__ = (
     "AdaLNModulation",

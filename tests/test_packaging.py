@@ -12,6 +12,7 @@ install the wheel alone. The public API is then imported from a directory
 outside the repository, so the installed copy is the one found.
 """
 
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -21,7 +22,10 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import tomllib
 import zipfile
+
+import probjax_hk
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _PACKAGES = ("probjax_hk", "ops")
@@ -123,7 +127,8 @@ def test_wheel_installs_and_serves_the_public_api(tmp_path):
       assert _measured.load("attention")["devices"], "the installed tables are not found"
       meta = importlib.metadata.metadata("probjax_hk")
       print(json.dumps({{"modules": found, "not_installed": not_installed,
-                        "license": meta["License-Expression"]}}))
+                        "license": meta["License-Expression"],
+                        "version": importlib.import_module("probjax_hk").__version__}}))
   """)
   env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
   env["JAX_PLATFORMS"] = "cpu"
@@ -134,3 +139,20 @@ def test_wheel_installs_and_serves_the_public_api(tmp_path):
     assert set(result["modules"][name]) == _source_modules(name), name
   assert result["not_installed"] == [], result["not_installed"]
   assert result["license"] == "Apache-2.0"
+  assert result["version"] == _pyproject_version()
+
+
+def _pyproject_version() -> str:
+  with open(_REPO / "pyproject.toml", "rb") as f:
+    return tomllib.load(f)["project"]["version"]
+
+
+def test_version_comes_from_the_package_metadata(monkeypatch):
+  # This environment's install (editable in CI) has pyproject's version.
+  assert probjax_hk.__version__ == _pyproject_version()
+
+  def not_installed(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+  monkeypatch.setattr(importlib.metadata, "version", not_installed)
+  assert probjax_hk._installed_version() == "0+unknown"  # pylint: disable=protected-access
