@@ -24,6 +24,7 @@ import numbers
 import os
 from typing import Any, Callable, Iterable, Sequence
 
+from absl import logging
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -318,7 +319,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     resume: True: continue from the newest checkpoint in `checkpoint_dir`
       that can be read (its state, step and key replace `params`, `state`
       and `rng`; a newer one that cannot is skipped with a warning and moved
-      into `<checkpoint_dir>/unreadable/`). False: start a fresh run from
+      into `<checkpoint_dir>/unreadable/`; one that already holds the steps
+      asked for trains nothing, and a warning says so). False: start a fresh run from
       `params`; the checkpoints already in `checkpoint_dir` belong to an
       earlier run, which this one replaces (a warning says so): they stay
       until this run's first save and are deleted once it is written, so
@@ -496,6 +498,14 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     ts, meta = restored
     history = {k: [np.nan if v is None else v for v in values]
                for k, values in meta["history"].items()}
+    if total is not None and int(ts["step"]) >= total:
+      # Else a rerun of the same script returns the old result in silence.
+      logging.warning(
+          "fit: checkpoint_dir %s already holds step %d >= the %d steps asked"
+          " for (%s): nothing to train; pass resume=False to start a fresh"
+          " run there, more steps to continue it, or another checkpoint_dir",
+          checkpoint_dir, int(ts["step"]), total,
+          f"num_steps={num_steps}" if num_steps else f"epochs={epochs}")
   else:
     # Copies on the mesh, so that donating them never hits the caller.
     ts = sharding_lib.copy_to(

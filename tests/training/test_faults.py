@@ -78,6 +78,21 @@ def test_resume_false_replaces_the_earlier_run(run, tmp_path, caplog):
   np.testing.assert_array_equal(resumed.history["step"], [1, 2, 3, 4])
 
 
+def test_resume_with_nothing_left_says_so(run, tmp_path, caplog):
+  directory = _copy(run, tmp_path)
+  for num_steps in (_TOTAL, _TOTAL - 2):  # the run's own length; fewer steps
+    caplog.clear()
+    again = _fit(directory, num_steps)
+    assert again.step == _TOTAL
+    np.testing.assert_array_equal(again.history["loss"], run[1].history["loss"])
+    [message] = _warnings(caplog, "nothing to train")
+    assert f"{directory} already holds step {_TOTAL}" in message
+    assert f"num_steps={num_steps}" in message and "resume=False" in message
+  caplog.clear()
+  _fit(directory, _TOTAL + 1)  # a step left: trained, no warning
+  assert not _warnings(caplog, "nothing to train")
+
+
 def _truncate_arrays(step_dir):
   for path in glob.glob(os.path.join(step_dir, "state", "d", "*")):
     with open(path, "r+b") as f:
