@@ -24,7 +24,9 @@ and then every step inside one compiled call:
                          temperature=0.8, top_k=40)             # [B, 64] int32
 
 `model_fn` builds the same modules as the training forward pass, so the
-parameters fit; an `SSMModel` body works the same way.
+parameters fit; an `SSMModel` body works the same way. `generate` also takes
+Hugging Face's sampling options (`top_p`, `min_p`, `repetition_penalty`, a
+temperature per sequence), `stop_tokens` and `return_log_probs`.
 
 A token outside [0, V) raises a ValueError where the tokens are concrete; a
 traced one embeds as NaN, so its logits are NaN, and `generate` returns -1 for
@@ -33,7 +35,7 @@ a token drawn from NaN logits (and raises when it runs eagerly).
 
 import functools
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import haiku as hk
 import jax
@@ -187,24 +189,105 @@ class TokenModel(hk.Module):
     return layers.Linear(self.vocab_size, name="logits")(y)
 
 
-def _sample(logits, key, temperature, *, greedy: bool, top_k: int | None):
-  """[B, V] logits -> [B] int32 tokens; -1 where a row holds a NaN."""
+def _penalize(logits, seen, penalty):
+  """The repetition penalty (Hugging Face's): logits [B, V] of the tokens
+  `seen` [B, V] bool divided by `penalty` where positive, multiplied by it
+  where negative."""
+  return jnp.where(seen, jnp.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def _warp(logits, temperature, *, top_k=None, top_p=None, min_p=None):
+  """The logits a token is sampled from, in Hugging Face's order.
+
+  Args:
+    logits: [B, V] float32.
+    temperature: [B] > 0, dividing each row.
+    top_k: keep the k largest (ties with the k-th kept); None keeps all.
+    top_p: keep the smallest set of most likely tokens whose probability
+      reaches top_p (a token stays while the mass of the tokens above it is
+      below top_p; ties with the last kept stay); None keeps all.
+    min_p: keep the tokens at least min_p times as likely as the most
+      likely one; None keeps all.
+
+  Returns:
+    [B, V] float32, -inf where a filter removed the token.
+  """
+  logits = logits / temperature[:, None]
+  if top_k is not None:
+    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]                      # [B, 1]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p is not None:
+    ordered = -jnp.sort(-logits, axis=-1)                              # [B, V] descending
+    probs = jax.nn.softmax(ordered, axis=-1)
+    above = jnp.cumsum(probs, axis=-1) - probs                         # mass of the likelier
+    # The most likely token always stays (its mass above is 0 < top_p).
+    cutoff = jnp.min(jnp.where(above < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  if min_p is not None:
+    probs = jax.nn.softmax(logits, axis=-1)
+    logits = jnp.where(probs < min_p * probs.max(axis=-1, keepdims=True), -jnp.inf, logits)
+  return logits
+
+
+def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p,
+            repetition_penalty):
+  """The next token of each sequence and its log-probability.
+
+  Args:
+    logits: [B, V], the model's.
+    key: a PRNG key (None when `greedy`).
+    seen: [B, V] bool, the tokens in each sequence so far (None without a
+      repetition penalty).
+    temperature: [B] >= 0; 0 takes the argmax of that row.
+    greedy: every row's temperature is 0 (no key, no sampling).
+    top_k, top_p, min_p, repetition_penalty: as for `generate` (None: off).
+
+  Returns:
+    (tokens [B] int32, log-probabilities [B] float32 of each token under
+    the distribution it was chosen from: the penalized logits for a greedy
+    row, the warped ones for a sampled row). -1 and NaN for a row holding
+    a NaN.
+  """
   logits = logits.astype(jnp.float32)
-  if greedy:
-    tokens = jnp.argmax(logits, axis=-1)
-  else:
-    if top_k is not None:
-      kth = jax.lax.top_k(logits, top_k)[0][:, -1:]                   # [B, 1]
-      logits = jnp.where(logits < kth, -jnp.inf, logits)
-    tokens = jax.random.categorical(key, logits / temperature, axis=-1)
+  scores = logits if repetition_penalty is None else _penalize(logits, seen,
+                                                               repetition_penalty)
+  tokens = jnp.argmax(scores, axis=-1)
+  if not greedy:
+    hot = temperature > 0                                              # [B]
+    warped = _warp(scores, jnp.where(hot, temperature, 1.0), top_k=top_k, top_p=top_p,
+                   min_p=min_p)
+    tokens = jnp.where(hot, jax.random.categorical(key, warped, axis=-1), tokens)
+    scores = jnp.where(hot[:, None], warped, scores)
+  log_probs = jnp.take_along_axis(jax.nn.log_softmax(scores, axis=-1), tokens[:, None],
+                                  axis=-1)[:, 0]
   # Fed back, -1 embeds as NaN again: a sequence stays marked once marked.
-  return jnp.where(jnp.isnan(logits).any(axis=-1), -1, tokens).astype(jnp.int32)
+  marked = jnp.isnan(logits).any(axis=-1)
+  return (jnp.where(marked, -1, tokens).astype(jnp.int32),
+          jnp.where(marked, jnp.nan, log_probs))
+
+
+def _mark_seen(seen, tokens, valid=None):
+  """`seen` [B, V] with each row's `tokens` ([B] or [B, T], where `valid`)
+  set; -1 and other tokens outside [0, V) are left out."""
+  if seen is None:
+    return None
+  tokens = tokens.reshape(tokens.shape[0], -1)
+  keep = (tokens >= 0) & (tokens < seen.shape[-1])
+  if valid is not None:
+    keep &= valid
+  rows = jnp.arange(seen.shape[0])[:, None]
+  return seen.at[rows, jnp.where(keep, tokens, seen.shape[-1])].set(True, mode="drop")
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "num_tokens", "greedy", "top_k"))
-def _generate(params, prompt, rng, temperature, *, model_fn, num_tokens, greedy, top_k):
-  """The whole loop, compiled once per model_fn, shapes and static options."""
-  max_length = prompt.shape[1] + num_tokens - 1  # The last token is never fed back.
+def _generate(params, prompt, rng, temperature, top_p, min_p,
+              repetition_penalty, stop_tokens, pad_token, *, model_fn, num_tokens, greedy,
+              top_k):
+  """The whole loop, compiled once per model_fn, shapes, static options and
+  which of the optional arrays are None. Returns (tokens [B, G], log-probs
+  [B, G])."""
+  batch, time = prompt.shape
+  max_length = time + num_tokens - 1  # The last token is never fed back.
   prefill = hk.transform(
       lambda tokens: model_fn().prefill(tokens, max_length=max_length)).apply
   step = hk.transform(lambda tokens, state: model_fn().step(tokens, state)).apply
@@ -212,19 +295,45 @@ def _generate(params, prompt, rng, temperature, *, model_fn, num_tokens, greedy,
   vocab_size = logits.shape[-1]
   if top_k is not None and top_k > vocab_size:
     raise ValueError(f"`top_k` must be at most the vocabulary size {vocab_size}, got {top_k=}")
-  sample = functools.partial(_sample, temperature=temperature, greedy=greedy, top_k=top_k)
+  last = logits[:, -1]
+  seen = None
+  if repetition_penalty is not None:
+    seen = _mark_seen(jnp.zeros((batch, vocab_size), bool), prompt)
+  choose = functools.partial(_choose, temperature=temperature, greedy=greedy, top_k=top_k,
+                             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
   keys = None if greedy else jax.random.split(rng, num_tokens)
-  first = sample(logits[:, -1], None if greedy else keys[0])          # [B]
 
-  def one_step(carry, key):
-    token, state = carry
+  def finish(i, token, log_prob, done, tokens, log_probs):
+    """Writes column i (the pad and log-probability 0 where a sequence was
+    done before it) and updates which sequences are done."""
+    tokens = tokens.at[:, i].set(jnp.where(done, pad_token, token))
+    log_probs = log_probs.at[:, i].set(jnp.where(done, 0.0, log_prob))
+    if stop_tokens is not None:
+      done = done | (token[:, None] == stop_tokens).any(axis=-1)
+    return done, tokens, log_probs
+
+  token, log_prob = choose(last, None if greedy else keys[0], seen)
+  done, tokens, log_probs = finish(
+      0, token, log_prob, jnp.zeros((batch,), bool),
+      jnp.zeros((batch, num_tokens), jnp.int32), jnp.zeros((batch, num_tokens), jnp.float32))
+
+  def body(carry):
+    i, token, state, seen, done, tokens, log_probs = carry
     logits, state = step(params, None, token, state)                  # [B, V]
-    token = sample(logits, key)
-    return (token, state), token
+    seen = _mark_seen(seen, token)
+    token, log_prob = choose(logits, None if greedy else keys[i], seen)
+    return (i + 1, token, state, seen, *finish(i, token, log_prob, done, tokens, log_probs))
 
-  _, rest = jax.lax.scan(one_step, (first, state), None if greedy else keys[1:],
-                         length=num_tokens - 1)                        # [G - 1, B]
-  return jnp.concatenate([first[:, None], rest.T], axis=1)
+  def more(carry):
+    i, done = carry[0], carry[4]
+    return (i < num_tokens) & ~done.all()
+
+  carry = jax.lax.while_loop(more, body,
+                             (jnp.int32(1), token, state, seen, done, tokens, log_probs))
+  i, tokens, log_probs = carry[0], carry[5], carry[6]
+  # Columns never reached: every sequence was done before them.
+  later = jnp.arange(num_tokens) >= i
+  return jnp.where(later, pad_token, tokens), jnp.where(later, 0.0, log_probs)
 
 
 def _declared_vocab_size(model_fn) -> int | None:
@@ -233,28 +342,79 @@ def _declared_vocab_size(model_fn) -> int | None:
   return hk.transform(lambda: getattr(model_fn(), "vocab_size", None)).apply({}, None)
 
 
-def _as_temperature(temperature) -> float:
-  """A Python, NumPy or concrete 0-d JAX real number -> float."""
-  if (isinstance(temperature, (bool, np.bool_, jax.core.Tracer)) or jnp.ndim(temperature)
+def _as_temperature(temperature, batch: int) -> np.ndarray:
+  """A Python, NumPy or concrete JAX real number, or a concrete [B] array of
+  them -> float32 [B]."""
+  if (isinstance(temperature, (bool, np.bool_, jax.core.Tracer))
       or not isinstance(temperature, (numbers.Real, np.ndarray, np.generic, jax.Array))
       or not jnp.issubdtype(jnp.result_type(temperature), jnp.number)
-      or jnp.issubdtype(jnp.result_type(temperature), jnp.complexfloating)):
-    raise TypeError(f"`temperature` must be a concrete real number >= 0 (0: greedy, "
-                    f"chosen when `generate` compiles), got {temperature!r}")
-  return float(temperature)
+      or jnp.issubdtype(jnp.result_type(temperature), jnp.complexfloating)
+      or jnp.issubdtype(jnp.result_type(temperature), jnp.bool_)):
+    raise TypeError(f"`temperature` must be a concrete real number >= 0 or a concrete [B] "
+                    f"array of them (0: greedy, chosen when `generate` compiles), got "
+                    f"{temperature!r}")
+  values = np.asarray(temperature, np.float64)
+  if values.ndim and values.shape != (batch,):
+    raise ValueError(f"`temperature` must be a number or [B]=({batch},) numbers, got shape "
+                     f"{values.shape}")
+  if not (values >= 0).all() or not np.isfinite(values).all():
+    raise ValueError(f"`temperature` must be finite and >= 0 (0: greedy), got "
+                     f"temperature={values.tolist() if values.ndim else float(values)}")
+  return np.broadcast_to(values, (batch,)).astype(np.float32)
+
+
+def _as_option(name: str, value, limit: str, fits, off: float):
+  """A sampling option: None (off) for None or the value `off` that changes
+  nothing; a float32 otherwise (traced: taken as it is)."""
+  if value is None:
+    return None
+  number = arguments._number(name, value, limit)
+  if number is None:
+    return value
+  if not fits(number):
+    raise ValueError(f"`{name}` must be a number {limit}, got {name}={value!r}")
+  return None if number == off else np.float32(number)
+
+
+def _as_token_ids(name: str, tokens, vocab_size: int | None):
+  """A token id or a sequence of them -> int32 [S], each in [0, V) (checked
+  when concrete)."""
+  if isinstance(tokens, jax.core.Tracer):
+    if jnp.ndim(tokens) > 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise TypeError(f"`{name}` must be a token id or a sequence of them (integers), got "
+                      f"{tokens!r}")
+    return jnp.reshape(tokens, -1).astype(jnp.int32)
+  values = np.asarray(tokens)
+  if not values.size:
+    raise ValueError(f"`{name}` must hold at least one token id, got {tokens!r}")
+  if (values.dtype == object or values.dtype == bool or values.ndim > 1
+      or not np.issubdtype(values.dtype, np.integer)):
+    raise TypeError(f"`{name}` must be a token id or a sequence of them (integers), got "
+                    f"{tokens!r}")
+  values = values.reshape(-1)
+  _check_token_values(name, values, vocab_size)
+  return values.astype(np.int32)
 
 
 def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
              num_tokens: int, *, rng: jax.Array | int | None = None,
-             temperature: float = 1.0, top_k: int | None = None) -> jax.Array:
+             temperature: float | jax.Array = 1.0, top_k: int | None = None,
+             top_p: float | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None,
+             stop_tokens: int | Sequence[int] | None = None, pad_token: int | None = None,
+             return_log_probs: bool = False):
   """Samples `num_tokens` tokens after a prompt, in one compiled call.
 
-  Runs `model_fn().prefill` on the prompt, then a `lax.scan` of
-  `model_fn().step`, sampling each token from the last logits (see the
-  module docstring for an example). Compiled once per `model_fn` (define it
-  once: a new function object compiles again), prompt shape, `num_tokens`,
-  `top_k` and whether decoding is greedy; the temperature, the parameters
-  and the rng are arguments of the compiled call.
+  Runs `model_fn().prefill` on the prompt, then a `lax.while_loop` of
+  `model_fn().step`, choosing each token from the last logits (see the
+  module docstring for an example). The logits go through, in this order
+  (Hugging Face's): the repetition penalty, the temperature, `top_k`,
+  `top_p`, `min_p`; then a token is drawn (the argmax at temperature 0).
+  Compiled once per `model_fn` (define it once: a new function object
+  compiles again), prompt shape, `num_tokens`, `top_k`, whether decoding is
+  greedy, which of `top_p`, `min_p`, `repetition_penalty` and `stop_tokens`
+  (and how many) are set; their values, the
+  temperature, the parameters and the rng are arguments of the compiled call.
 
   Args:
     model_fn: builds the model inside `hk.transform`; it needs
@@ -265,27 +425,56 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     prompt: [B, T] integer tokens in [0, V), T >= 1.
     num_tokens: G >= 1, how many tokens to generate.
     rng: a PRNG key or an int seed (`jax.random.key(seed)`); required unless
-      `temperature` is 0. The same key gives the same tokens.
-    temperature: >= 0, a Python, NumPy or concrete JAX scalar; the logits are
-      divided by it before sampling, and 0 decodes greedily (the argmax at
-      every step).
+      every temperature is 0. The same key gives the same tokens.
+    temperature: >= 0, a Python, NumPy or concrete JAX scalar, or a concrete
+      [B] array (one per sequence); the logits are divided by it before
+      sampling, and 0 decodes greedily (the argmax at every step, for that
+      sequence).
     top_k: sample among the k most likely tokens only (1 <= k <= V; ties
       with the k-th are kept); None samples from all.
+    top_p: nucleus sampling, in (0, 1]: sample among the smallest set of most
+      likely tokens whose probability reaches `top_p` (after the
+      temperature and `top_k`); None or 1 samples from all.
+    min_p: in [0, 1]: sample among the tokens at least `min_p` times as
+      likely as the most likely one; None or 0 samples from all.
+    repetition_penalty: > 0: the logits of the tokens already in a sequence
+      (its prompt included) are divided by it where positive and multiplied
+      by it where negative (> 1 discourages repeats); None or 1 does nothing.
+      It also applies to greedy decoding.
+    stop_tokens: a token id or a sequence of them, each in [0, V): a
+      sequence is done once it generates one (the stop token is returned);
+      its later tokens are `pad_token`, and the loop ends early once every
+      sequence is done. None generates `num_tokens` for every sequence.
+    pad_token: the id (>= 0) returned after a sequence's stop token; default
+      the first of `stop_tokens`. Needs `stop_tokens`.
+    return_log_probs: also return each generated token's log-probability
+      under the distribution it was chosen from: after the repetition
+      penalty, temperature and filters for a sampled sequence (Hugging
+      Face's processed scores, log-softmaxed), after the repetition penalty
+      only for a greedy one (temperature 0), where the filters do not
+      change the argmax.
 
   Returns:
-    [B, G] int32, the generated tokens (the prompt not included). A token
-    drawn from logits holding a NaN (non-finite parameters, a traced prompt
-    token outside [0, V), a body whose cache overflowed) is -1, and so are
-    the later tokens of its sequence; called eagerly, `generate` raises
-    instead of returning them.
+    [B, G] int32, the generated tokens (the prompt not included); with
+    `return_log_probs`, (tokens, log-probabilities [B, G] float32; 0 for the
+    pads after a stop, so a row sums to its sequence's log-probability). A
+    token drawn from logits holding a NaN (non-finite parameters, a traced
+    prompt token outside [0, V), a body whose cache overflowed) is -1 (its
+    log-probability NaN), and so are the later tokens of its sequence;
+    called eagerly, `generate` raises instead of returning them.
 
   Raises:
     ValueError: for a `model_fn` that is not callable, a prompt that is not
       [B, T] integers or holds a token outside [0, V) (V when the model has
-      a `vocab_size`), `num_tokens` < 1, a negative `temperature`, `top_k`
-      outside [1, V], or no `rng` when sampling.
-    TypeError: for a `temperature`, `num_tokens` or `top_k` that is not a
-      number (an integer for the last two; a concrete scalar for the first).
+      a `vocab_size`), `num_tokens` < 1, a negative `temperature` or one not
+      of shape [B], `top_k` outside [1, V], `top_p` outside (0, 1], `min_p`
+      outside [0, 1], a `repetition_penalty` <= 0, stop tokens outside
+      [0, V), a negative `pad_token` or one without `stop_tokens`, or no
+      `rng` when sampling.
+    TypeError: for a `temperature`, `num_tokens`, `top_k`, `top_p`,
+      `min_p`, `repetition_penalty`, `stop_tokens` or `pad_token` that is
+      not a number (an integer for sizes and tokens; a concrete one for the
+      temperature), or a `return_log_probs` that is not a bool.
     FloatingPointError: when a generated token was drawn from NaN logits.
   """
   if not callable(model_fn):
@@ -295,14 +484,30 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   if min(jnp.shape(prompt)) < 1:
     raise ValueError(f"`prompt` needs at least one sequence of one token, got shape "
                      f"{jnp.shape(prompt)}")
-  _check_token_values("prompt", prompt, _declared_vocab_size(model_fn))
+  batch = jnp.shape(prompt)[0]
+  vocab_size = _declared_vocab_size(model_fn)
+  _check_token_values("prompt", prompt, vocab_size)
   arguments.check_positive_ints(num_tokens=num_tokens)
-  temperature = _as_temperature(temperature)
-  if not temperature >= 0:
-    raise ValueError(f"`temperature` must be >= 0 (0: greedy), got {temperature=}")
+  temperature = _as_temperature(temperature, batch)
   if top_k is not None:
     arguments.check_positive_ints(top_k=top_k)
-  greedy = temperature == 0
+  top_p = _as_option("top_p", top_p, "in (0, 1]", lambda p: 0 < p <= 1, off=1.0)
+  min_p = _as_option("min_p", min_p, "in [0, 1]", lambda p: 0 <= p <= 1, off=0.0)
+  repetition_penalty = _as_option("repetition_penalty", repetition_penalty, "> 0 (finite)",
+                                  lambda r: 0 < r < np.inf, off=1.0)
+  if stop_tokens is not None:
+    stop_tokens = _as_token_ids("stop_tokens", stop_tokens, vocab_size)
+  if pad_token is not None:
+    if not isinstance(pad_token, numbers.Integral) or isinstance(pad_token, bool):
+      raise TypeError(f"`pad_token` must be a token id (an integer >= 0), got {pad_token!r}")
+    if pad_token < 0:
+      raise ValueError(f"`pad_token` must be >= 0 (-1 marks tokens drawn from NaN logits), "
+                       f"got {pad_token=}")
+    if stop_tokens is None:
+      raise ValueError(f"`pad_token` pads after a stop token: it needs `stop_tokens`, got "
+                       f"{pad_token=} and stop_tokens=None")
+  arguments.check_bools(return_log_probs=return_log_probs)
+  greedy = not temperature.any()
   if not greedy and rng is None:
     raise ValueError("`rng` (a PRNG key or an int seed) is required to sample with "
                      "temperature > 0; temperature=0 decodes greedily without one")
@@ -310,9 +515,13 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     rng = jax.random.key(int(rng))
   if not greedy:
     arguments.check_key(rng=rng)
-  tokens = _generate(params, jnp.asarray(prompt), None if greedy else rng,
-                     jnp.float32(temperature), model_fn=model_fn, num_tokens=int(num_tokens),
-                     greedy=greedy, top_k=None if top_k is None else int(top_k))
+  if pad_token is None:
+    pad_token = 0 if stop_tokens is None else stop_tokens[0]
+  tokens, log_probs = _generate(
+      params, jnp.asarray(prompt), None if greedy else rng, temperature, top_p, min_p,
+      repetition_penalty, stop_tokens, jnp.asarray(pad_token, jnp.int32), model_fn=model_fn,
+      num_tokens=int(num_tokens), greedy=bool(greedy),
+      top_k=None if top_k is None else int(top_k))
   if not isinstance(tokens, jax.core.Tracer):
     marked = np.asarray(tokens) < 0                                   # [B, G]
     if marked.any():
@@ -321,4 +530,4 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
           f"`generate`: the logits of sequence(s) {rows.tolist()} held NaN from generated "
           f"token {int(marked.any(axis=0).argmax())} on (non-finite `params`, or a body "
           "whose state overflowed); under jit these tokens are returned as -1")
-  return tokens
+  return (tokens, log_probs) if return_log_probs else tokens

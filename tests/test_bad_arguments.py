@@ -170,7 +170,11 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
     "generate": (dict(model_fn=_token_model, params={},
                       prompt=jnp.zeros((B, 3), jnp.int32), num_tokens=2, rng=KEY), [
         ("model_fn", 5, V), ("prompt", jnp.zeros((B, 3)), V), ("num_tokens", 0, V),
-        ("temperature", -1.0, V), ("top_k", 0, V), ("rng", "x", T)]),
+        ("temperature", -1.0, V), ("temperature", jnp.ones(B + 1), V), ("top_k", 0, V),
+        ("rng", "x", T), ("top_p", 0.0, V), ("top_p", "0.9", T), ("min_p", 1.5, V),
+        ("repetition_penalty", 0.0, V), ("stop_tokens", 7, V), ("stop_tokens", 1.5, T),
+        ("pad_token", -1, V), ("pad_token", 1.0, T),
+        ("return_log_probs", "yes", T)]),
     "stack_layer_params": (dict(params={"m/block_0": {"w": jnp.zeros(2)}}), [
         ("params", "params", T), ("params", {"m/block_0": 1}, T)]),
     "unstack_layer_params": (dict(params={"m/blocks/block": {"w": jnp.zeros((2, 2))}}), [

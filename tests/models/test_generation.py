@@ -1,6 +1,9 @@
 """generate() and TokenModel: greedy decoding is the argmax of the full
-forward pass at each position, sampling is reproducible and respects top_k,
-bad arguments raise."""
+forward pass at each position, sampling is reproducible and respects top_k;
+each logits filter against a numpy version of Hugging Face's, stop tokens,
+log-probabilities; bad arguments raise."""
+
+import functools
 
 import haiku as hk
 import jax
@@ -31,6 +34,7 @@ def _forward(model_fn):
   return hk.without_apply_rng(hk.transform(lambda tokens: model_fn()(tokens)))
 
 
+@functools.cache  # One parameter initialization per model for the whole file.
 def _setup(model_fn):
   prompt = jax.random.randint(jax.random.key(0), (B, T), 0, V)
   forward = _forward(model_fn)
@@ -62,17 +66,164 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k():
   assert not (jax.lax.top_k(logits[:, T - 1:-1], 3)[1] == free[..., None]).any(-1).all()
 
 
-def test_sample_top_k_and_temperature():
+# Plain numpy versions of Hugging Face's logits processors
+# (transformers/generation/logits_process.py), the specification of the filters.
+def _np_softmax(x):
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_repetition_penalty(scores, seen, penalty):
+  return np.where(seen, np.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def _np_top_k(scores, k):
+  kth = np.sort(scores, axis=-1)[:, -k][:, None]
+  return np.where(scores < kth, -np.inf, scores)
+
+
+def _np_top_p(scores, top_p):
+  order = np.argsort(scores, axis=-1)                               # ascending
+  cumulative = np.cumsum(_np_softmax(np.take_along_axis(scores, order, -1)), -1)
+  remove = cumulative <= 1 - top_p
+  remove[:, -1] = False                                             # min_tokens_to_keep
+  out = scores.copy()
+  np.put_along_axis(out, order, np.where(remove, -np.inf, np.take_along_axis(scores, order, -1)),
+                    -1)
+  return out
+
+
+def _np_min_p(scores, min_p):
+  probs = _np_softmax(scores)
+  return np.where(probs < min_p * probs.max(-1, keepdims=True), -np.inf, scores)
+
+
+_LOGITS = np.random.default_rng(0).normal(0, 2, (4, 10)).astype(np.float32)   # [B, V]
+_SEEN = np.random.default_rng(1).random((4, 10)) < 0.4
+_TEMPERATURE = np.array([0.5, 1.0, 2.0, 0.7], np.float32)
+
+
+@pytest.mark.parametrize("options,reference", [
+    ({}, lambda x: x),
+    ({"top_k": 3}, lambda x: _np_top_k(x, 3)),
+    ({"top_p": 0.7}, lambda x: _np_top_p(x, 0.7)),
+    ({"min_p": 0.2}, lambda x: _np_min_p(x, 0.2)),
+    ({"top_k": 6, "top_p": 0.8, "min_p": 0.1},
+     lambda x: _np_min_p(_np_top_p(_np_top_k(x, 6), 0.8), 0.1)),
+], ids=["temperature", "top_k", "top_p", "min_p", "all"])
+def test_warp_matches_numpy(options, reference):
+  """The temperature, then top_k, top_p and min_p, as Hugging Face applies them."""
+  got = generation._warp(jnp.asarray(_LOGITS), jnp.asarray(_TEMPERATURE), **options)
+  want = reference(_LOGITS / _TEMPERATURE[:, None])
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert np.isfinite(got).any(-1).all()
+  if options:  # Each case removes something, so the test sees the filter act.
+    assert np.isinf(want).any()
+
+
+def test_repetition_penalty_matches_numpy():
+  got = generation._penalize(jnp.asarray(_LOGITS), jnp.asarray(_SEEN), 1.5)
+  np.testing.assert_allclose(got, _np_repetition_penalty(_LOGITS, _SEEN, 1.5), rtol=1e-6)
+  assert not np.allclose(got, _LOGITS)
+
+
+def test_choose_samples_the_warped_distribution():
+  """Frequencies and log-probabilities of the warped softmax; a row at
+  temperature 0 takes the argmax of the penalized logits."""
+  choose = jax.jit(generation._choose, static_argnames=(
+      "greedy", "top_k", "top_p", "min_p", "repetition_penalty"))
   logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]] * 4000))
-  draw = lambda key, **kw: generation._sample(logits, jax.random.key(key), jnp.float32(1.0),
-                                              greedy=False, **kw)
-  np.testing.assert_array_equal(draw(0, top_k=1), 1)
-  np.testing.assert_array_equal(
-      generation._sample(logits, None, 1.0, greedy=True, top_k=None), 1)
-  two = np.bincount(np.asarray(draw(0, top_k=2)), minlength=4) / 4000
-  np.testing.assert_allclose(two, [0, 4 / 7, 0, 3 / 7], atol=0.03)
-  every = np.bincount(np.asarray(draw(1, top_k=None)), minlength=4) / 4000
-  np.testing.assert_allclose(every, [0.1, 0.4, 0.2, 0.3], atol=0.03)
+  temperature = jnp.ones(4000).at[0].set(0.0)
+  # top_p=0.6 keeps 0.4 and 0.3 (the mass above 0.2 is 0.7).
+  tokens, log_probs = choose(logits, jax.random.key(0), None, temperature, greedy=False,
+                             top_k=None, top_p=0.6, min_p=None, repetition_penalty=None)
+  tokens, log_probs = np.asarray(tokens), np.asarray(log_probs)
+  np.testing.assert_allclose(np.bincount(tokens[1:], minlength=4) / 3999,
+                             [0, 4 / 7, 0, 3 / 7], atol=0.03)
+  np.testing.assert_allclose(log_probs[1:], np.where(tokens[1:] == 1, np.log(4 / 7),
+                                                     np.log(3 / 7)), rtol=1e-5)
+  assert tokens[0] == 1 and np.isclose(log_probs[0], np.log(0.4))
+  # A penalty of 4 on token 1 (logit log 0.4 < 0: times 4) hands the argmax to token 3.
+  seen = jnp.zeros((2, 4), bool).at[:, 1].set(True)
+  tokens, log_probs = choose(logits[:2], None, seen, jnp.zeros(2), greedy=True, top_k=None,
+                             top_p=None, min_p=None, repetition_penalty=4.0)
+  penalized = _np_repetition_penalty(np.log([0.1, 0.4, 0.2, 0.3]), [0, 1, 0, 0], 4.0)
+  np.testing.assert_array_equal(tokens, 3)
+  np.testing.assert_allclose(log_probs, np.log(_np_softmax(penalized)[3]), rtol=1e-5)
+
+
+class _CountingLM:
+  """`_transformer_lm` that counts its decoding steps (the loop's iterations)."""
+  steps = []
+  vocab_size = V
+
+  def __init__(self):
+    self.model = _transformer_lm()
+
+  def prefill(self, tokens, **kwargs):
+    return self.model.prefill(tokens, **kwargs)
+
+  def step(self, tokens, state):
+    jax.debug.callback(lambda: _CountingLM.steps.append(1))
+    return self.model.step(tokens, state)
+
+
+def test_stop_tokens_pad_the_rest_and_end_the_loop_early():
+  prompt, forward, params = _setup(_transformer_lm)
+  plain = np.asarray(generation.generate(_transformer_lm, params, prompt, G, temperature=0))
+  # Every sequence meets one of these by its second token.
+  stops = sorted(set(plain[:, 1].tolist()))
+  ends = [min(i for i, t in enumerate(row) if t in stops) for row in plain]    # [B]
+  _CountingLM.steps.clear()
+  tokens, log_probs = generation.generate(_CountingLM, params, prompt, G, temperature=0,
+                                          stop_tokens=stops, pad_token=V,
+                                          return_log_probs=True)
+  jax.effects_barrier()
+  assert len(_CountingLM.steps) == max(ends) < G - 1        # no step once all are done
+  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, plain], axis=1))
+  plain_log_probs = np.take_along_axis(jax.nn.log_softmax(logits[:, T - 1:-1]),
+                                       plain[..., None], axis=-1)[..., 0]
+  for b, end in enumerate(ends):
+    np.testing.assert_array_equal(tokens[b], [*plain[b, :end + 1], *[V] * (G - end - 1)])
+    np.testing.assert_allclose(log_probs[b, :end + 1], plain_log_probs[b, :end + 1],
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(log_probs[b, end + 1:], 0)
+  # The default pad is the first stop token; a single id works too.
+  tokens = generation.generate(_CountingLM, params, prompt, G, temperature=0,
+                               stop_tokens=stops)
+  assert all(tokens[b, end + 1:].tolist() == [stops[0]] * (G - end - 1)
+             for b, end in enumerate(ends))
+  single = generation.generate(_transformer_lm, params, prompt, G, temperature=0,
+                               stop_tokens=int(plain[0, 0]))
+  assert single[0].tolist() == [plain[0, 0]] * G
+
+
+def test_sampled_log_probs_are_the_filtered_forward_logits():
+  """Every option at once, a greedy row among sampled ones: each token's
+  log-probability is the numpy-filtered softmax of the forward pass's logits."""
+  prompt, forward, params = _setup(_transformer_lm)
+  temperature = np.array([0.0, 0.8, 1.5])
+  tokens, log_probs = generation.generate(
+      _transformer_lm, params, prompt, G, rng=3, temperature=temperature, top_k=8, top_p=0.9,
+      min_p=0.05, repetition_penalty=1.3, return_log_probs=True)
+  tokens = np.asarray(tokens)
+  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
+  logits = np.asarray(logits[:, T - 1:-1], np.float64)                  # [B, G, V]
+  sequences = np.concatenate([prompt, tokens], axis=1)
+  for g in range(G):
+    seen = np.zeros((B, V), bool)
+    for b in range(B):
+      seen[b, sequences[b, :T + g]] = True
+    penalized = _np_repetition_penalty(logits[:, g], seen, 1.3)
+    hot = np.where(temperature > 0, temperature, 1)[:, None]
+    warped = _np_min_p(_np_top_p(_np_top_k(penalized / hot, 8), 0.9), 0.05)
+    scores = np.where(temperature[:, None] > 0, warped, penalized)
+    with np.errstate(divide="ignore"):  # log 0 for the removed tokens
+      expected = np.log(_np_softmax(scores))[np.arange(B), tokens[:, g]]
+    np.testing.assert_allclose(log_probs[:, g], expected, atol=1e-4, rtol=1e-4)
+    assert tokens[0, g] == penalized[0].argmax()
+  assert np.isinf(warped).any()   # the filters removed tokens, none of them drawn
 
 
 def test_token_model_embeds_with_the_bodys_width():
@@ -96,10 +247,21 @@ def test_bad_arguments_raise():
       ({"top_k": 0}, "top_k"),
       ({"top_k": V + 1}, "top_k"),
       ({"rng": None}, "rng"),
+      ({"temperature": np.ones(B + 1)}, "temperature"),
+      ({"temperature": np.array([1.0, -1.0, 1.0])}, "temperature"),
+      ({"top_p": 1.5}, "top_p"),
+      ({"min_p": -0.1}, "min_p"),
+      ({"repetition_penalty": 0.0}, "repetition_penalty"),
+      ({"stop_tokens": V}, "stop_tokens"),
+      ({"stop_tokens": []}, "stop_tokens"),
+      ({"pad_token": 0}, "pad_token"),
+      ({"stop_tokens": 1, "pad_token": -1}, "pad_token"),
   ]:
     with pytest.raises(ValueError, match=match):
       gen(**kwargs)
-  for kwargs in ({"num_tokens": 2.0}, {"temperature": "hot"}, {"top_k": 1.5}):
+  for kwargs in ({"num_tokens": 2.0}, {"temperature": "hot"}, {"top_k": 1.5},
+                 {"top_p": "0.9"}, {"stop_tokens": 1.0}, {"pad_token": 1.0},
+                 {"return_log_probs": 1}):
     with pytest.raises(TypeError, match=next(iter(kwargs))):
       gen(**kwargs)
   with pytest.raises(ValueError, match="tokens"):
