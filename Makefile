@@ -1,7 +1,8 @@
 # Two commands, each doing its own set-up on a fresh clone:
 #   make demo   train a small model on CPU and print the loss falling
 #   make test   the whole test suite on JAX_VERSION, then the tests that a JAX
-#               release can break on JAX_NEXT (a second venv; both set below)
+#               release can break on JAX_NEXT (a second venv; both set below);
+#               its last line is its wall time, "test: N s"
 # and, on a CUDA machine, make gpu-check (below).
 # `.python-version` makes pyenv's python3 a 3.12; python3.12 is tried first.
 BOOT_PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
@@ -9,16 +10,24 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The JAX releases tested (pyproject.toml admits >=0.11.2,<0.13). The first is
-# the GPU machines' and runs every test; the second runs the library's tests
-# (kernels in interpret mode, the Triton and Mosaic lowering tests, models,
-# fit() and sharding, the README and docs examples, the wheel's install), not
-# those of the experiments/ programs, which are not installed.
+# the GPU machines' and runs every test. The second runs what a release can
+# break, the tests marked `jax_release` by this rule (tests/conftest.py holds
+# the lists): every test of the files that exercise JAX's moving parts as a
+# whole (the Triton and shared lowering, shard_map, the 8-device sharding and
+# multi-process runs, checkpoints, the README and docs examples, the wheel's
+# install), every test that lowers for Hopper (the `hopper_lowering` fixture),
+# and per kernel one interpret-mode numerics test against its reference. A new
+# kernel adds its numerics test to the list; collection fails on a listed test
+# that no longer exists.
 JAX_VERSION := 0.11.2
 JAX_NEXT := 0.12.0.1
 # Inside .venv/, which .gitignore covers and `make clean` removes.
 VENV_NEXT := $(VENV)/jax-next
 STAMP_NEXT := $(VENV_NEXT)/.installed
-NEXT_TESTS := tests --ignore=tests/experiments
+NEXT_TESTS := -m jax_release tests
+# Two workers for CI's two cores; a file stays on one worker, so a module's
+# 8-device subprocess runs once. The 30 slowest tests close each log.
+PYTEST := -m pytest -n 2 --dist loadfile -q --durations=30
 
 # $(call install_venv,DIR,JAX): a venv in DIR with the package (editable), its
 # test extra and that JAX release.
@@ -41,13 +50,23 @@ $(STAMP_NEXT): pyproject.toml
 demo: $(STAMP)
 	d=$$(mktemp -d) && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=200 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --steps=300 --output_dir=$$d && JAX_PLATFORMS=cpu $(PY) -m experiments.train --model=unet --steps=300 --output_dir=$$d/unet
 
-test: test-suite test-jax-next
+# The second venv installs while the first suite runs (pip waits on the
+# network and the disk, the suite on the CPU); both parts run even when one
+# fails, and the exit status is theirs.
+test:
+	@start=$$(date +%s); \
+	$(MAKE) --no-print-directory $(STAMP) && $(MAKE) --no-print-directory -j2 test-suite $(STAMP_NEXT); \
+	first=$$?; \
+	$(MAKE) --no-print-directory test-jax-next; \
+	second=$$?; \
+	echo "test: $$(( $$(date +%s) - start )) s"; \
+	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 test-suite: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) -m pytest -n 2 --dist loadfile -q tests
+	JAX_PLATFORMS=cpu $(PY) $(PYTEST) tests
 
 test-jax-next: $(STAMP_NEXT)
-	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python -m pytest -n 2 --dist loadfile -q $(NEXT_TESTS)
+	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python $(PYTEST) $(NEXT_TESTS)
 
 # make gpu-check: every kernel path checked on this machine's GPU, the first
 # command on a new GPU (BUILD_NOTES.md, "Running the benchmarks on a CUDA

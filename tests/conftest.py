@@ -25,20 +25,68 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 _CACHE_ENV = "PROBJAX_HK_TEST_COMPILE_CACHE"
 
+# The tests a JAX release can break, marked `jax_release`; `make test` runs
+# them again on the second JAX version (Makefile: test-jax-next). A test is in
+# the set when (1) its file exercises JAX's moving parts as a whole (lowering,
+# sharding and collectives, several processes, the README's and docs' examples,
+# the wheel's install), (2) it uses the `hopper_lowering` fixture (a Triton or
+# Mosaic GPU lowering), or (3) it is listed below: each kernel's one
+# interpret-mode numerics test against its reference (a new kernel adds its
+# own), and the multi-device or lowering tests that share a file with others.
+_JAX_RELEASE_FILES = frozenset(f"tests/{path}" for path in (
+    "ops/test_triton_lowering.py", "ops/test_shared_lowering.py", "ops/test_shard_map.py",
+    "ops/test_sharding.py", "models/test_moe_sharding.py", "training/test_sharding.py",
+    "training/test_fit_sharding.py", "training/test_multiprocess.py",
+    "training/test_checkpoints.py", "test_readme.py", "test_docs.py", "test_packaging.py"))
+_JAX_RELEASE_TESTS = frozenset(f"tests/{test}" for test in (
+    "ops/test_flex_attention.py::test_kernel_matches_reference[causal_t17_h32_f32]",
+    "ops/test_flex_attention_mosaic.py::test_forward_and_gradients_match_reference"
+    "[window_both_sides_lengths_h32_bf16]",
+    "ops/test_flex_attention_mosaic_backward.py::test_gradients_match_reference"
+    "[cross_padded_h128_f16-tiles4]",
+    "ops/test_decode_attention.py::test_kernel_matches_reference[t1_gqa_bf16]",
+    "ops/test_ssd.py::test_matches_reference[1-None-float32-dims2-True-pallas]",
+    "ops/test_gated_delta_rule.py::test_matches_reference[1-None-float32-None-True-None-pallas]",
+    "ops/test_gated_delta_rule_mosaic.py::test_op_with_the_mosaic_walk_matches_reference",
+    "ops/test_gated_delta_rule_mosaic_grads.py::test_op_with_the_mosaic_gradients_matches_reference",
+    "ops/test_gated_delta_rule_mosaic_key_grads.py::"
+    "test_op_with_the_mosaic_key_gradients_matches_reference",
+    "ops/test_grouped_matmul.py::test_float32_values_and_grads[pallas_small_blocks-all_in_last]",
+    "ops/test_grouped_matmul_mosaic.py::test_grouped_matmul_values_and_gradients",
+    "ops/test_grouped_matmul_mosaic_tgmm.py::test_tgmm_matches_per_group_products[whole_tiles]",
+    "ops/test_grouped_mlp.py::test_kernel_float32_values_and_grads[swiglu-mixed_with_empty]",
+    "ops/test_linear_scan.py::test_matches_reference[pallas-complex64-1-False-True-None]",
+    "ops/test_selective_scan.py::test_matches_reference[pallas-float32-1-False-False-None]",
+    "ops/test_grouped_matmul_mosaic_tgmm.py::test_lowers_to_mosaic_gpu_for_hopper",
+    "ops/test_decode_attention.py::test_runs_per_shard_on_a_mesh",
+    "ops/test_names.py::test_flex_key_value_seq_lengths_run_per_shard",
+    "ops/test_names.py::test_a_misplaced_length_array_is_named",
+    "training/test_load_checkpoint.py::test_fsdp_checkpoint_loads_onto_a_mesh_or_one_device",
+))
+
 
 def pytest_configure(config):
   """One persistent compilation cache per test run, shared by the xdist
-  workers: tests build many identical programs (the same reference at the
-  same shapes, from new closures), and the cache keys on the program, so each
-  is compiled once per run. The first process (the xdist controller, or the
-  only one) makes the directory; workers inherit it through the environment.
-  A fresh directory each run, so local runs time like CI's fresh clone. A
-  cache directory of the user's (JAX_COMPILATION_CACHE_DIR) is left alone."""
-  if "JAX_COMPILATION_CACHE_DIR" in os.environ:
-    return
+  workers and every subprocess a test starts: tests build many identical
+  programs (the same reference at the same shapes, from new closures), and the
+  cache keys on the program, so each is compiled once per run. The first
+  process (the xdist controller, or the only one) makes the directory and
+  exports it as JAX_COMPILATION_CACHE_DIR, which workers and subprocesses
+  inherit. A fresh directory each run, so local runs time like CI's fresh
+  clone. A cache directory of the user's (JAX_COMPILATION_CACHE_DIR) is left
+  alone."""
+  config.addinivalue_line(
+      "markers", "jax_release: a test a JAX release can break (tests/conftest.py says which)")
   if _CACHE_ENV not in os.environ:
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+      return
     os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="probjax_hk_jax_cache_")
     config._probjax_hk_cache_owner = True
+  # As environment variables, read when JAX is imported (subprocesses), and as
+  # config for this process, which may have imported JAX already.
+  os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ[_CACHE_ENV],
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   import jax
   jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -48,6 +96,25 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
   if getattr(config, "_probjax_hk_cache_owner", False):
     shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the `jax_release` tests. When they are selected (`-m jax_release`),
+  a listed test that is not collected is an error, so a rename cannot drop a
+  kernel's check from the second JAX version silently."""
+  collected = set()
+  for item in items:
+    path = item.nodeid.split("::")[0]
+    collected.add(item.nodeid)
+    if (path in _JAX_RELEASE_FILES or item.nodeid in _JAX_RELEASE_TESTS
+        or "hopper_lowering" in getattr(item, "fixturenames", ())):
+      item.add_marker(pytest.mark.jax_release)
+  if "jax_release" in (config.getoption("markexpr") or ""):
+    missing = sorted(_JAX_RELEASE_TESTS - collected)
+    if missing:
+      raise pytest.UsageError(
+          "tests/conftest.py lists jax_release tests that were not collected: "
+          + ", ".join(missing))
 
 
 @pytest.fixture

@@ -22,11 +22,9 @@ STEPS = 3
 
 
 def _run(*flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
+  # The environment carries the run's compilation cache (tests/conftest.py)
+  # to the program's workers too.
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  cache = os.environ.get("PROBJAX_HK_TEST_COMPILE_CACHE")
-  if cache:  # the run's compilation cache (conftest.py): workers share programs
-    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   return subprocess.run([sys.executable, "-m", "experiments.benchmark_scaling", *flags],
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

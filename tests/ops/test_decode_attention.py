@@ -4,10 +4,6 @@ validation, jit/vmap, gradients, the Hopper lowering and the per-shard run.
 """
 
 import functools
-import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +18,7 @@ from ops.decode_attention import decode_attention_reference
 from ops.decode_attention import api
 from ops.decode_attention import pallas
 from ops.decode_attention import reference
+from tests import simulated_devices
 
 # Relative L2 error bounds, by input dtype.
 _TOL = tolerances.DECODE_ATTENTION
@@ -308,12 +305,7 @@ def test_runs_per_shard_on_a_mesh():
   """On 8 CPU devices: batch over an Auto mesh, batch and heads (query and
   key/value heads together) over Explicit axes; the compiled program holds no
   all-gather and gives one device's values; a sharded cache axis raises."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  results = json.loads([l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1][6:])
+  results = simulated_devices.run(_SHARDED_SCRIPT)
   for case in ("auto_batch", "explicit_batch_heads"):
     assert results[case]["gathers"] == 0, results
     assert results[case]["err"] < 1e-5, results

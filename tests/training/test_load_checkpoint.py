@@ -1,9 +1,6 @@
 """load_checkpoint: what fit() saved, back for inference (one device or a mesh)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import haiku as hk
 import jax
@@ -13,6 +10,7 @@ import optax
 import pytest
 
 import probjax_hk as pk
+from tests import simulated_devices
 from tests.training import common
 
 load_checkpoint = pk.training.load_checkpoint
@@ -146,14 +144,7 @@ print("RESULT" + json.dumps(out))
 
 
 def test_fsdp_checkpoint_loads_onto_a_mesh_or_one_device():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")][-1]
-  out = json.loads(line[len("RESULT"):])
+  out = simulated_devices.run(_SCRIPT, timeout=300)
   assert out["sharded_equal"] and out["single_equal"], out
   assert out["sharded_like_fit"], out
   assert out["shard_fraction"] == 1 / 8, out  # the 4 x 256 kernel, split

@@ -55,6 +55,8 @@ import time
 import numpy as np
 import pytest
 
+from tests import simulated_devices
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
 _NUM_PROCESSES = 2
@@ -74,13 +76,6 @@ def _free_port() -> int:
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind(("localhost", 0))
     return s.getsockname()[1]
-
-
-def _env(num_devices: int) -> dict:
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                 os.environ.get("XLA_FLAGS", ""))
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-      f"{flags} --xla_force_host_platform_device_count={num_devices}").strip())
 
 
 def _tail(path: str, chars: int = 3000) -> str:
@@ -105,7 +100,7 @@ def _run_all(directory) -> dict:
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "tests.training.multiprocess_worker",
              paths[name]["json"], str(count), str(index), address],
-            cwd=_ROOT, env=_env(devices), stdout=out, stderr=err)
+            cwd=_ROOT, env=simulated_devices.env(devices), stdout=out, stderr=err)
     deadline = time.monotonic() + _DEADLINE_S
     while any(p.poll() is None for p in procs.values()):
       failed = any(p.poll() not in (None, 0) for p in procs.values())

@@ -8,8 +8,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
-import sys
 
 from absl import flags
 import jax
@@ -18,6 +16,7 @@ import numpy as np
 import pytest
 
 from experiments import train
+from tests import simulated_devices
 
 _TINY = ["--steps=3", "--batch_size=8", "--num_examples=32",
          "--num_validation=16", "--seq_len=8", "--model_dim=16",
@@ -138,14 +137,9 @@ print("RESULT " + json.dumps(out))
 def test_fsdp_and_the_device_count_on_8_devices(tmp_path):
   """--parameter_sharding=fsdp reaches fit() (the parameters come back split
   over the 8 devices); a batch size the devices cannot split is one line."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  argv = _TINY + ["--model=transformer", "--steps=2", "--log_every=2",
-                  "--parameter_sharding=fsdp", f"--output_dir={tmp_path}"]
-  run = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT] + argv, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert run.returncode == 0, run.stderr[-3000:]
-  out = json.loads(run.stdout.split("RESULT ")[-1])
+  out = simulated_devices.run(
+      _FSDP_SCRIPT, *_TINY, "--model=transformer", "--steps=2", "--log_every=2",
+      "--parameter_sharding=fsdp", f"--output_dir={tmp_path}")
   assert out["step"] == 2
   assert out["spec"] == [None, "data"]
   assert out["shard_shape"] == out["init_shard_shape"] == [16, 8]
