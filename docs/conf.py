@@ -29,6 +29,7 @@ version = release
 extensions = [
     "myst_parser",
     "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
 ]
@@ -67,6 +68,9 @@ autodoc_default_options = {
     "special-members": "__call__",
 }
 add_module_names = False
+# The summary tables that open the API pages link to the entries below them
+# on the same page; no generated stub pages.
+autosummary_generate = False
 
 html_theme = "furo"
 html_title = f"probjax_hk {release}".strip()
@@ -114,19 +118,23 @@ def _named_returns_as_list(app, what, name, obj, options, lines):
 
 
 _OBJECT_REPR = re.compile(r"<(?:function|class) '?([\w.]+?)'?(?: at 0x[0-9a-f]+)?>")
+_CATCH_ALL = re.compile(r",\s*\*\*unknown(?=\))")
 
 
-def _named_defaults(app, what, name, obj, options, signature, return_annotation):
-  """Defaults that are functions or classes show their names.
+def _readable_signature(app, what, name, obj, options, signature, return_annotation):
+  """Defaults that are functions or classes show their names; `**unknown` goes.
 
   Haiku wraps each module's `__init__`, so `autodoc_preserve_defaults` cannot
   read them from the source, and a repr such as `<function f>` would make
-  the whole signature unparsable (shown as raw text).
+  the whole signature unparsable (shown as raw text). `fit()` collects
+  misspelt keywords in `**unknown` only to name them in its error: it takes
+  no other arguments, so the page does not list one.
   """
   del app, what, name, obj, options
   if signature is None:
     return None
-  return _OBJECT_REPR.sub(lambda m: m.group(1).rsplit(".", 1)[-1], signature), return_annotation
+  signature = _OBJECT_REPR.sub(lambda m: m.group(1).rsplit(".", 1)[-1], signature)
+  return _CATCH_ALL.sub("", signature), return_annotation
 
 
 _NAMEDTUPLE_NEW = re.compile(r"Create new instance of \w+\(.*\)")
@@ -153,4 +161,4 @@ def _drop_python_docstrings(app, what, name, obj, options, lines):
 def setup(app):
   app.connect("autodoc-process-docstring", _named_returns_as_list, priority=400)
   app.connect("autodoc-process-docstring", _drop_python_docstrings)
-  app.connect("autodoc-process-signature", _named_defaults)
+  app.connect("autodoc-process-signature", _readable_signature)

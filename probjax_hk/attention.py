@@ -8,33 +8,9 @@ heads, K key/value heads (N % K == 0: GQA/MQA), H head size, D model width.
 inputs (so it runs under `jax.vmap` over the batch), `bias` and `mask`
 broadcastable to `[B, N, T, S]`, query and key lengths, windows, GQA and
 `return_residual`; it adds `implementation='flex'`. Which kernel runs is
-decided in one place, `choose_attention_implementation`:
-
-* `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere;
-  float16 inputs compute in float32 where XLA cannot compile the float16 dot
-  jax.nn asks for (a CPU under `jax.jit`), and return float16.
-* `'cudnn'`: cuDNN's fused attention; needs an NVIDIA GPU and f16/bf16 inputs
-  with H a multiple of 8 up to 128, and a window that does not look right.
-* `'flex'`: this library's Pallas flash kernel (`ops.flex_attention`); takes
-  f32/bf16/f16, H <= 256, causal, any window, GQA and key lengths, but no
-  dense `bias`/`mask` array, no `query_seq_lengths` and no
-  `return_residual`. Compiled on NVIDIA GPUs, Pallas interpret mode
-  elsewhere (slow; for tests). A query row that sees no key returns zeros
-  (jax.nn's XLA path returns the mean of v there).
-* `'decode'`: the split-K decode kernel (`ops.decode_attention`) for one
-  query per sequence (T = 1, not causal, no bias, mask, window or residual:
-  a decoding step against a cache).
-* `None`: the fastest implementation that takes the inputs on this platform,
-  never an error for a valid input, and this library's kernels only where
-  measured: on an NVIDIA GPU whose device kind has, in the committed dispatch
-  tables (`ops._measured`), a passing check of the kernel and a measurement
-  showing it faster. Then 'decode' for a decoding step where
-  `ops/dispatch_tables/decode_attention.json` has it beating cuDNN and XLA;
-  else, of 'flex', 'cudnn' and 'xla', those that take the inputs, the one
-  measured fastest (fwd+bwd) at the point of the shape grid that judges the
-  call (`ops/dispatch_tables/attention.json`: dtype, variant, head size, key
-  length). Where nothing decides, cuDNN if it takes the inputs, else XLA;
-  always XLA on a CPU.
+decided in one place, `choose_attention_implementation`; the choices and the
+rule for `implementation=None` are listed under `dot_product_attention`'s
+`implementation` argument.
 
 Decoding attends to a cache with per-sequence lengths: one new token per
 sequence through the model's `attention_fn` (non-causal, the cache's valid
@@ -336,7 +312,34 @@ def dot_product_attention(
     query_seq_lengths: optional [B] ints; query rows t >= length return zeros.
     key_value_seq_lengths: optional [B] ints: keys s >= length are padding.
     local_window_size: `w` or `(left, right)`: t attends to s in [t-left, t+right].
-    implementation: see the module docstring.
+    implementation: which kernel runs (`choose_attention_implementation`
+      applies the rule):
+
+      - `'xla'`: `jax.nn.dot_product_attention(implementation='xla')`, everywhere;
+        float16 inputs compute in float32 where XLA cannot compile the float16 dot
+        jax.nn asks for (a CPU under `jax.jit`), and return float16.
+      - `'cudnn'`: cuDNN's fused attention; needs an NVIDIA GPU and f16/bf16 inputs
+        with H a multiple of 8 up to 128, and a window that does not look right.
+      - `'flex'`: this library's Pallas flash kernel (`ops.flex_attention`); takes
+        f32/bf16/f16, H <= 256, causal, any window, GQA and key lengths, but no
+        dense `bias`/`mask` array, no `query_seq_lengths` and no `return_residual`.
+        Compiled on NVIDIA GPUs, Pallas interpret mode elsewhere (slow; for tests).
+        A query row that sees no key returns zeros (jax.nn's XLA path returns the
+        mean of v there).
+      - `'decode'`: the split-K decode kernel (`ops.decode_attention`) for one query
+        per sequence (T = 1, not causal, no bias, mask, window or residual: a
+        decoding step against a cache).
+      - `None`: the fastest implementation that takes the inputs on this platform,
+        never an error for a valid input, and this library's kernels only where
+        measured: on an NVIDIA GPU whose device kind has, in the committed dispatch
+        tables (`ops._measured`), a passing check of the kernel and a measurement
+        showing it faster. Then 'decode' for a decoding step where
+        `ops/dispatch_tables/decode_attention.json` has it beating cuDNN and XLA;
+        else, of 'flex', 'cudnn' and 'xla', those that take the inputs, the one
+        measured fastest (fwd+bwd) at the point of the shape grid that judges the
+        call (`ops/dispatch_tables/attention.json`: dtype, variant, head size, key
+        length). Where nothing decides, cuDNN if it takes the inputs, else XLA;
+        always XLA on a CPU.
     return_residual: also return the log-sum-exp of each query's masked
       logits (FlashAttention-2's residual), as jax.nn does: [B, T, N] in the
       key's dtype, no gradient through it.

@@ -12,17 +12,8 @@ tokens of one shard (A_s = T_s * k assignments), n devices on `expert_axis`,
 El = E / n local experts, C expert capacity. How the layer splits over a
 mesh: `MoELayer`'s docstring.
 
-Every `dropless_impl` computes the same function:
-- 'dense': every expert on every token, then a masked combine (the reference;
-  E / k times the arithmetic the routing needs).
-- 'ragged_dot': sort assignments by expert, `jax.lax.ragged_dot`.
-- 'sort': sort, pad each expert's rows to a block multiple, and run a batched
-  matmul over blocks with each block's expert weights gathered.
-- 'gmm': sort, `ops.grouped_mlp`: both grouped matmuls with the activation in
-  their kernels (Pallas on NVIDIA GPUs, `ragged_dot` elsewhere).
-- 'auto': `choose_dropless_impl`: on NVIDIA GPUs the path measured fastest
-  (ops/dispatch_tables/moe.json; 'gmm' only where its kernels passed their
-  check on that device kind), elsewhere 'ragged_dot'.
+Every `dropless_impl` computes the same function; the paths are listed under
+`MoELayer`'s `dropless_impl` argument.
 """
 
 import dataclasses
@@ -615,9 +606,23 @@ class MoELayer(hk.Module):
       top_k: experts per token, 1 <= top_k <= num_experts.
       d_hidden: F, each expert's hidden width.
       activation: 'gelu' or 'swiglu'.
-      dropless_impl: 'dense' | 'ragged_dot' | 'sort' | 'gmm' | 'auto' (module
-        docstring). With `capacity_factor`, 'dense' applies the drops to the
-        dense reference and every other value uses [E, C, D] buffers.
+      dropless_impl: how the experts are run; every path computes the same
+        function:
+
+        - `'dense'`: every expert on every token, then a masked combine (the
+          reference; E / k times the arithmetic the routing needs).
+        - `'ragged_dot'`: sort assignments by expert, `jax.lax.ragged_dot`.
+        - `'sort'`: sort, pad each expert's rows to a block multiple, and run a
+          batched matmul over blocks with each block's expert weights gathered.
+        - `'gmm'`: sort, `ops.grouped_mlp`: both grouped matmuls with the
+          activation in their kernels (Pallas on NVIDIA GPUs, `ragged_dot`
+          elsewhere).
+        - `'auto'`: on NVIDIA GPUs the path measured fastest
+          (`ops/dispatch_tables/moe.json`; 'gmm' only where its kernels passed
+          their check on that device kind), elsewhere 'ragged_dot'.
+
+        With `capacity_factor`, 'dense' applies the drops to the dense
+        reference and every other value uses [E, C, D] buffers.
       capacity_factor: None for dropless; else each expert takes
         C = ceil(capacity_factor * T * k / E) assignments and drops the rest
         (T the tokens of one shard when the tokens are split: class docstring).

@@ -152,7 +152,8 @@ class Transformer(hk.Module):
   `hk.layer_stack` (convert checkpoints with `stack_layer_params` /
   `unstack_layer_params`).
 
-  A causal Transformer decodes (see the module docstring): for example::
+  A causal Transformer decodes through `initial_state`, `prefill` and `step`
+  (the user guide: :ref:`decoding-kv-cache`), for example::
 
       model = Transformer(64, 4, 2, is_causal=True, use_rope=True)
       y, state = model.prefill(prompt, max_length=T + steps)   # [B, T, D_in]

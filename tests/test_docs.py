@@ -7,13 +7,19 @@ site itself builds with Sphinx and warnings as errors (what `make docs` runs)
 when Sphinx, MyST and furo are installed (`pip install -e ".[docs]"`).
 """
 
+import doctest
 import glob
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
 import sys
 
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import ops
@@ -53,6 +59,36 @@ def test_api_reference_documents_every_public_name():
       f"public names missing from docs/api/: {sorted(public - documented)}")
 
 
+def _public_objects():
+  """(name, object) of every public name of `probjax_hk`, `ops` and
+  `probjax_hk.training`, and of the public methods of its classes."""
+  for package, prefix in ((probjax_hk, "probjax_hk"), (ops, "ops"),
+                          (probjax_hk.training, "probjax_hk.training")):
+    for name in package.__all__:
+      obj = getattr(package, name)
+      yield f"{prefix}.{name}", obj
+      if inspect.isclass(obj):
+        for attr, member in vars(obj).items():
+          if callable(member) and (not attr.startswith("_") or attr == "__call__"):
+            yield f"{prefix}.{name}.{attr}", member
+
+
+def test_docstring_examples_run():
+  """The `>>>` examples of the public docstrings run and print what they show."""
+  finder = doctest.DocTestFinder(recurse=False)
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+  names = {"hk": hk, "jax": jax, "jnp": jnp, "np": np, "ops": ops, "pk": probjax_hk}
+  tested = []
+  for name, obj in _public_objects():
+    for test in finder.find(obj, name, globs=dict(names)):
+      if test.examples:
+        tested.append(name)
+        runner.run(test)
+  assert "ops.flex_attention" in tested, tested  # the examples were found
+  failed, attempted = runner.summarize(verbose=False)
+  assert not failed, f"{failed} of {attempted} docstring examples failed (output above)"
+
+
 def test_site_builds_without_warnings(tmp_path):
   missing = [m for m in ("sphinx", "myst_parser", "furo") if importlib.util.find_spec(m) is None]
   if missing:
@@ -63,5 +99,7 @@ def test_site_builds_without_warnings(tmp_path):
        "-d", str(tmp_path / "doctrees"), _DOCS, str(tmp_path / "html")],
       capture_output=True, text=True, env=env, cwd=_ROOT, timeout=600)
   assert run.returncode == 0, f"sphinx-build failed:\n{run.stdout}\n{run.stderr}"
-  for page in ("index", "guide/attention", "api/probjax_hk", "api/ops", "performance/index"):
+  api_pages = [os.path.splitext(os.path.basename(p))[0]
+               for p in glob.glob(os.path.join(_DOCS, "api", "*.md"))]
+  for page in ["index", "guide/attention", "performance/index"] + [f"api/{p}" for p in api_pages]:
     assert (tmp_path / "html" / f"{page}.html").is_file(), page

@@ -110,7 +110,7 @@ def decode_attention(
   Query t of sequence b sits at position p = lengths[b] - T + t (the new
   tokens are the last T valid cache entries) and attends to the cache keys
   s <= p (and s >= p - left with a window); entries s >= lengths[b] are never
-  read. See reference.py.
+  read. `decode_attention_reference` computes the same densely.
 
   The Pallas kernel is forward-only (decoding needs no gradient): the op is
   still differentiable, its gradients those of the XLA reference, recomputed

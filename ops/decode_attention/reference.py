@@ -61,7 +61,12 @@ def valid_keys(lengths: jax.Array, seq_kv: int) -> jax.Array:
 def decode_attention_reference(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
     scale: float | None = None, local_window_size=None) -> jax.Array:
-  """Decode attention (module docstring), computed densely in float32.
+  """`ops.decode_attention`'s specification, computed densely in float32.
+
+  Query t of sequence b sits at position p = lengths[b] - T + t and attends to
+  the keys s <= p (and s >= p - left with a window). Entries s >= lengths[b]
+  never change the output, even inf or NaN; a query that sees no key returns
+  zeros.
 
   Args:
     q: [B, T, N, H] the new tokens' queries.

@@ -133,6 +133,25 @@ def flex_attention(
 
   Returns:
     [B, T, N, H] in q's dtype. A query that sees no key returns zeros.
+
+  Examples:
+    A prefix-LM mask (the first 64 keys are seen by every query, the rest
+    causally) with an ALiBi bias, both evaluated inside the kernel:
+
+    >>> q = k = v = jnp.ones((2, 256, 4, 32), jnp.bfloat16)  # [B, T, N, H]
+    >>> def prefix_lm(b, n, t, s):  # int32 index arrays -> bool
+    ...   return (s <= t) | (s < 64)
+    >>> def alibi(score, b, n, t, s):  # f32 scaled logits -> logits
+    ...   return score - 2.0 ** -(n + 1.0) * jnp.abs(t - s)
+    >>> ops.flex_attention(q, k, v, mask_mod=prefix_lm, score_mod=alibi).shape
+    (2, 256, 4, 32)
+
+    Two documents packed in each row, a token seeing the 64 before it in its
+    own document:
+
+    >>> documents = jnp.repeat(jnp.arange(2), 128)[None].repeat(2, axis=0)  # [B, T]
+    >>> y = ops.flex_attention(q, k, v, is_causal=True, segment_ids=documents,
+    ...                        local_window_size=(64, 0))
   """
   window, q_ids, kv_ids = _validate(q, k, v, is_causal, scale, segment_ids,
                                     local_window_size, key_value_seq_lengths)

@@ -97,7 +97,10 @@ def flex_attention_reference(
     q: [B, T, N, H].
     k, v: [B, S, K, H], N a multiple of K.
     is_causal, segment_ids, local_window_size, key_value_seq_lengths, mask_mod: the
-      mask (module docstring).
+      mask, as in `flex_attention`: query t attends to key s where every one
+      given allows it (s <= t, top-left aligned when T != S; t - left <= s <=
+      t + right; equal segment ids; s < key_value_seq_lengths[b];
+      `mask_mod(b, n, t, s)` True). A query that sees no key returns zeros.
     scale: logit scale, default H ** -0.5.
     score_mod: `score_mod(score, b, n, t, s)` applied to the scaled logits.
     return_lse: also return the natural log-sum-exp [B, N, T] (-inf for an

@@ -70,7 +70,7 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                    return_final_state: bool = True,
                    implementation: _backend.Implementation = None
                    ) -> tuple[jax.Array, jax.Array | None]:
-  """The selective scan::
+  """Mamba's selective scan over time (axis 1)::
 
       delta = softplus(delta + delta_bias)           (each part optional)
       h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t  # [B, D, S]

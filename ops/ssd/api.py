@@ -96,7 +96,7 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         cu_seqlens: jax.Array | None = None,
         implementation: _backend.Implementation = None
         ) -> tuple[jax.Array, jax.Array]:
-  """SSD: `y_t = sum_{s<=t} exp(G_t - G_s) (q_t . k_s) v_s`, `G = cumsum(log_decay)`.
+  """SSD: `y_t = sum_{s<=t} exp(G_t - G_s) (q_t^T k_s) v_s`, `G = cumsum(log_decay)`.
 
   Equivalently `S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T`, `y_t = S_t^T q_t`.
 

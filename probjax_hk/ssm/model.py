@@ -164,14 +164,17 @@ class SSMModel(hk.Module):
       model_dim: H, the residual width.
       output_dim: O, the output width.
       num_layers: number of blocks.
-      cell: the cell class (LRUCell, MambaCell, ...; see the module docstring).
+      cell: the cell class: `LRUCell`, `MambaCell`, `SSDCell`, `Mamba2Cell`,
+        `GatedDeltaNetCell`, or one of your own with their interface
+        (:ref:`ssm-writing-a-cell`).
       cell_kwargs: keyword arguments of the cell (e.g. `state_dim`,
         `implementation`); `model_dim` and `name` are passed by the model.
         They must include the cell's required arguments: `num_heads` for
         SSDCell and GatedDeltaNetCell.
       bidirectional: each block adds a second cell run in reverse (no decoding).
       dropout_rate: dropout on each residual branch when `is_training`.
-      remat_policy: as for the Transformer (see probjax_hk/stacking.py).
+      remat_policy: None | 'full' | a `jax.checkpoint_policies` name |
+        callable, as for the Transformer (:ref:`remat-policy`).
       scan_layers: build the blocks with `hk.layer_stack`.
       name: module name.
 

@@ -309,7 +309,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     eval_every: evaluate every this many steps (default: each epoch for
       in-memory data, else only at the end; always also at the end).
     callbacks: `Callback` objects or functions `(step, metrics) -> bool | None`;
-      True stops the fit (see callbacks.py for the timing). A `Callback`'s
+      True stops the fit. fit() reads a step's metrics while the next step
+      runs, so a stop asked after step s ends the fit after step s + 1 (with
+      `steps_per_call`, at the end of the call holding step s); one asked by
+      `on_eval_end` ends it at that step. A `Callback`'s
       `on_eval_params(step, params, state)` also sees copies of the
       parameters at every validation pass.
     checkpoint_dir: where to write orbax checkpoints (None: no checkpoints).
