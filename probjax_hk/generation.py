@@ -5,7 +5,8 @@ E embedding width.
 
 Every sequence model of the library decodes through one interface:
 `initial_state(batch_size, max_length)`, `prefill(x, state=None, *,
-max_length=None) -> (y, state)` (a prompt in one parallel call) and
+max_length=None, lengths=None) -> (y, state)` (a prompt in one parallel call;
+`lengths` for right-padded prompts of different lengths) and
 `step(x_t, state) -> (y_t, state)`. `TokenModel` puts an embedding in front of
 such a model and a vocabulary projection behind it; `generate` runs the prefill
 and then every step inside one compiled call:
@@ -26,7 +27,8 @@ and then every step inside one compiled call:
 `model_fn` builds the same modules as the training forward pass, so the
 parameters fit; an `SSMModel` body works the same way. `generate` also takes
 Hugging Face's sampling options (`top_p`, `min_p`, `repetition_penalty`, a
-temperature per sequence), `stop_tokens` and `return_log_probs`.
+temperature per sequence), `stop_tokens`, `return_log_probs`, and
+`prompt_lengths` for a batch of right-padded prompts.
 
 A token outside [0, V) raises a ValueError where the tokens are concrete; a
 traced one embeds as NaN, so its logits are NaN, and `generate` returns -1 for
@@ -139,7 +141,8 @@ class TokenModel(hk.Module):
     return self.body.initial_state(batch_size, max_length)
 
   @hk.name_like("__call__")
-  def prefill(self, tokens: jax.Array, state=None, *, max_length: int | None = None):
+  def prefill(self, tokens: jax.Array, state=None, *, max_length: int | None = None,
+              lengths: jax.Array | None = None):
     """Runs a prompt in one parallel call.
 
     Args:
@@ -148,12 +151,21 @@ class TokenModel(hk.Module):
         `initial_state`, `prefill` or `step`.
       max_length: the most tokens a sequence will hold (needed by a
         Transformer body when `state` is None).
+      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
+        body's state continues after each sequence's `lengths[b]` tokens
+        (the padding, whatever its values, is never read); the logits past
+        them are unspecified.
 
     Returns:
       (logits [B, T, V], the state after the tokens).
     """
-    self._check_tokens(tokens, 2)
-    y, state = self.body.prefill(self._embed(tokens), state, max_length=max_length)
+    _check_token_array("tokens", tokens, 2)
+    ragged = {}
+    if lengths is not None:
+      ragged["lengths"], valid = layers.sequence_mask(lengths, tokens)
+      tokens = jnp.where(valid, tokens, 0)
+    _check_token_values("tokens", tokens, self.vocab_size)
+    y, state = self.body.prefill(self._embed(tokens), state, max_length=max_length, **ragged)
     return self._logits(y), state
 
   @hk.name_like("__call__")
@@ -280,7 +292,7 @@ def _mark_seen(seen, tokens, valid=None):
 
 
 @functools.partial(jax.jit, static_argnames=("model_fn", "num_tokens", "greedy", "top_k"))
-def _generate(params, prompt, rng, temperature, top_p, min_p,
+def _generate(params, prompt, prompt_lengths, rng, temperature, top_p, min_p,
               repetition_penalty, stop_tokens, pad_token, *, model_fn, num_tokens, greedy,
               top_k):
   """The whole loop, compiled once per model_fn, shapes, static options and
@@ -288,17 +300,28 @@ def _generate(params, prompt, rng, temperature, top_p, min_p,
   [B, G])."""
   batch, time = prompt.shape
   max_length = time + num_tokens - 1  # The last token is never fed back.
-  prefill = hk.transform(
-      lambda tokens: model_fn().prefill(tokens, max_length=max_length)).apply
+
+  def prefill_fn(tokens, lengths):
+    ragged = {} if lengths is None else {"lengths": lengths}
+    return model_fn().prefill(tokens, max_length=max_length, **ragged)
+  prefill = hk.transform(prefill_fn).apply
   step = hk.transform(lambda tokens, state: model_fn().step(tokens, state)).apply
-  logits, state = prefill(params, None, prompt)                       # [B, T, V]
+  logits, state = prefill(params, None, prompt, prompt_lengths)       # [B, T, V]
   vocab_size = logits.shape[-1]
   if top_k is not None and top_k > vocab_size:
     raise ValueError(f"`top_k` must be at most the vocabulary size {vocab_size}, got {top_k=}")
-  last = logits[:, -1]
+  valid = None
+  if prompt_lengths is None:
+    last = logits[:, -1]
+  else:
+    valid = jnp.arange(time) < prompt_lengths[:, None]                # [B, T]
+    ends = jnp.clip(prompt_lengths, 1, time) - 1
+    last = jnp.take_along_axis(logits, ends[:, None, None], axis=1)[:, 0]
+    # A traced length outside [1, T] has no last token: its sequence is marked.
+    last = jnp.where(((prompt_lengths < 1) | (prompt_lengths > time))[:, None], jnp.nan, last)
   seen = None
   if repetition_penalty is not None:
-    seen = _mark_seen(jnp.zeros((batch, vocab_size), bool), prompt)
+    seen = _mark_seen(jnp.zeros((batch, vocab_size), bool), prompt, valid)
   choose = functools.partial(_choose, temperature=temperature, greedy=greedy, top_k=top_k,
                              top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
   keys = None if greedy else jax.random.split(rng, num_tokens)
@@ -402,7 +425,7 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
              top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None,
              stop_tokens: int | Sequence[int] | None = None, pad_token: int | None = None,
-             return_log_probs: bool = False):
+             prompt_lengths: jax.Array | None = None, return_log_probs: bool = False):
   """Samples `num_tokens` tokens after a prompt, in one compiled call.
 
   Runs `model_fn().prefill` on the prompt, then a `lax.while_loop` of
@@ -412,17 +435,19 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   `top_p`, `min_p`; then a token is drawn (the argmax at temperature 0).
   Compiled once per `model_fn` (define it once: a new function object
   compiles again), prompt shape, `num_tokens`, `top_k`, whether decoding is
-  greedy, which of `top_p`, `min_p`, `repetition_penalty` and `stop_tokens`
-  (and how many) are set; their values, the
+  greedy, which of `top_p`, `min_p`, `repetition_penalty`, `stop_tokens`
+  (and how many) and `prompt_lengths` are set; their values, the
   temperature, the parameters and the rng are arguments of the compiled call.
 
   Args:
     model_fn: builds the model inside `hk.transform`; it needs
-      `prefill(tokens [B, T], *, max_length) -> (logits [B, T, V], state)` and
+      `prefill(tokens [B, T], *, max_length) -> (logits [B, T, V], state)`
+      (and its `lengths=` for `prompt_lengths`) and
       `step(tokens [B], state) -> (logits [B, V], state)` (a `TokenModel`).
     params: the model's parameters (as from `hk.transform(...).init` of a
       forward pass that builds the model with `model_fn`).
-    prompt: [B, T] integer tokens in [0, V), T >= 1.
+    prompt: [B, T] integer tokens in [0, V), T >= 1; right-padded with
+      `prompt_lengths` (the padding is never read).
     num_tokens: G >= 1, how many tokens to generate.
     rng: a PRNG key or an int seed (`jax.random.key(seed)`); required unless
       every temperature is 0. The same key gives the same tokens.
@@ -447,6 +472,10 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
       sequence is done. None generates `num_tokens` for every sequence.
     pad_token: the id (>= 0) returned after a sequence's stop token; default
       the first of `stop_tokens`. Needs `stop_tokens`.
+    prompt_lengths: None (every prompt has T tokens) or [B] ints in [1, T]:
+      prompt b is `prompt[b, :prompt_lengths[b]]` and its tokens follow
+      them, exactly as if it were alone (checked when concrete; a traced
+      one outside gives that sequence -1 tokens).
     return_log_probs: also return each generated token's log-probability
       under the distribution it was chosen from: after the repetition
       penalty, temperature and filters for a sampled sequence (Hugging
@@ -469,8 +498,9 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
       a `vocab_size`), `num_tokens` < 1, a negative `temperature` or one not
       of shape [B], `top_k` outside [1, V], `top_p` outside (0, 1], `min_p`
       outside [0, 1], a `repetition_penalty` <= 0, stop tokens outside
-      [0, V), a negative `pad_token` or one without `stop_tokens`, or no
-      `rng` when sampling.
+      [0, V), a negative `pad_token` or one without `stop_tokens`,
+      `prompt_lengths` that is not [B] integers in [1, T], or no `rng` when
+      sampling.
     TypeError: for a `temperature`, `num_tokens`, `top_k`, `top_p`,
       `min_p`, `repetition_penalty`, `stop_tokens` or `pad_token` that is
       not a number (an integer for sizes and tokens; a concrete one for the
@@ -484,7 +514,17 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   if min(jnp.shape(prompt)) < 1:
     raise ValueError(f"`prompt` needs at least one sequence of one token, got shape "
                      f"{jnp.shape(prompt)}")
-  batch = jnp.shape(prompt)[0]
+  batch, time = jnp.shape(prompt)
+  prompt = jnp.asarray(prompt)
+  if prompt_lengths is not None:
+    if not isinstance(prompt_lengths, jax.core.Tracer) and jnp.size(prompt_lengths):
+      values = np.asarray(prompt_lengths)
+      if values.min() < 1 or values.max() > time:
+        raise ValueError(f"`prompt_lengths` must lie in [1, T={time}] (a prompt needs a "
+                         f"token), got {values.tolist()}")
+    _, valid = layers.sequence_mask(prompt_lengths, prompt, "prompt_lengths")
+    prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)  # Unclipped: bad ones get marked.
+    prompt = jnp.where(valid, prompt, 0)  # The padding is never read: any value will do.
   vocab_size = _declared_vocab_size(model_fn)
   _check_token_values("prompt", prompt, vocab_size)
   arguments.check_positive_ints(num_tokens=num_tokens)
@@ -518,7 +558,7 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   if pad_token is None:
     pad_token = 0 if stop_tokens is None else stop_tokens[0]
   tokens, log_probs = _generate(
-      params, jnp.asarray(prompt), None if greedy else rng, temperature, top_p, min_p,
+      params, prompt, prompt_lengths, None if greedy else rng, temperature, top_p, min_p,
       repetition_penalty, stop_tokens, jnp.asarray(pad_token, jnp.int32), model_fn=model_fn,
       num_tokens=int(num_tokens), greedy=bool(greedy),
       top_k=None if top_k is None else int(top_k))

@@ -33,6 +33,35 @@ def check_tokens(x: jax.Array, name: str = "x") -> None:
                        f"in shape {x.shape}")
 
 
+def sequence_mask(lengths, x: jax.Array, name: str = "lengths") -> tuple[jax.Array, jax.Array]:
+  """The valid steps of right-padded sequences x [B, T, ...].
+
+  Args:
+    lengths: [B] integers in [0, T], the valid steps of each sequence
+      (checked when concrete; traced ones are clipped to [0, T]).
+    x: [B, T, ...], the padded sequences.
+    name: the argument named in errors.
+
+  Returns:
+    (lengths [B] int32, mask [B, T] bool: step t of sequence b is valid).
+
+  Raises:
+    ValueError: for `lengths` that is not [B] integers, or concrete values
+      outside [0, T].
+  """
+  batch, time = x.shape[:2]
+  if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
+                                                          jnp.integer):
+    raise ValueError(f"`{name}` must be [B]=({batch},) integers, got shape "
+                     f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
+  if not isinstance(lengths, jax.core.Tracer):
+    values = np.asarray(lengths)
+    if values.min() < 0 or values.max() > time:
+      raise ValueError(f"`{name}` must lie in [0, T={time}], got {values.tolist()}")
+  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, time)
+  return lengths, jnp.arange(time) < lengths[:, None]
+
+
 class Linear(hk.Module):
   """`y = x @ w + b` with float32 parameters cast to the input's dtype.
 

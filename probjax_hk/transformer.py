@@ -279,7 +279,8 @@ class Transformer(hk.Module):
 
   @hk.name_like("__call__")
   def prefill(self, x: jax.Array, state: TransformerState | None = None, *,
-              max_length: int | None = None) -> tuple[jax.Array, TransformerState]:
+              max_length: int | None = None, lengths: jax.Array | None = None
+              ) -> tuple[jax.Array, TransformerState]:
     """Runs a prompt (or the next chunk of one) in one parallel call.
 
     Without `state`, the output is `__call__(x)` (the same attention
@@ -288,24 +289,39 @@ class Transformer(hk.Module):
     its caches (`probjax_hk.attention.cached_attention`), as T calls of
     `step` would.
 
+    With `lengths`, x holds right-padded sequences of different lengths:
+    sequence b's tokens are x[b, :lengths[b]], its state continues after
+    them (the next token goes to slot `lengths[b]`, over the padding's), and
+    its outputs past them are unspecified. The padding never reaches the
+    valid outputs (attention is causal), nor later steps (slots past a
+    sequence's length are not attended to).
+
     Args:
       x: [B, T, D_in], the next T tokens of each sequence.
       state: None (x starts the sequences), or a `TransformerState` from
         `initial_state`, `prefill` or `step`.
       max_length: S, the cache size; required without `state` (and at least
         T), None or the state's S with it.
+      lengths: None (all T tokens of every sequence) or [B] ints in [0, T],
+        the valid tokens of each (checked when concrete, clipped when
+        traced). The cache needs room for all T while they run.
 
     Returns:
       (y [B, T, D] in x's dtype, the state after x's tokens).
 
     Raises:
       ValueError: for a model that is not causal, x that is not [B, T, D_in],
-        a missing or too short `max_length`, or a state that does not fit x,
-        or whose concrete lengths leave fewer than T free slots. Under `jit`
-        a sequence x overflows gets NaN outputs and `state.overflowed`.
+        a missing or too short `max_length`, `lengths` that is not [B]
+        integers in [0, T], or a state that does not fit x, or whose concrete
+        lengths leave fewer than T free slots. Under `jit` a sequence x
+        overflows gets NaN outputs and `state.overflowed`.
     """
     self._check_decodable()
     layers.check_tokens(x)
+    if lengths is not None:
+      lengths, valid = layers.sequence_mask(lengths, x)
+      # Finite padding: a NaN key in a slot nobody attends to still makes 0 * NaN.
+      x = jnp.where(valid[..., None], x, jnp.zeros((), x.dtype))
     if state is None:
       if max_length is None:
         raise ValueError("`max_length` (the cache size) is required when `state` is None")
@@ -317,13 +333,14 @@ class Transformer(hk.Module):
       h, caches = stacking.apply_stack_with_states(
           lambda name: _ignore_state(self._block(name, False).prefill, max_length),
           self.num_layers, h, None, scan_layers=self.scan_layers, unroll=self.scan_unroll)
-      lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+      if lengths is None:
+        lengths = jnp.full((x.shape[0],), x.shape[1], jnp.int32)
       return layers.LayerNorm(name="final_norm")(h), TransformerState(caches, lengths)
     slots = self._check_state(state, x)
     if max_length is not None and max_length != slots:
       raise ValueError(f"`max_length` must be None or the state's cache size {slots} "
                        f"when `state` is given, got {max_length=}")
-    return self._decode(x, state)
+    return self._decode(x, state, lengths)
 
   @hk.name_like("__call__")
   def step(self, x_t: jax.Array, state: TransformerState
@@ -352,9 +369,10 @@ class Transformer(hk.Module):
     return y[:, 0], state
 
   @hk.transparent
-  def _decode(self, x, state):
+  def _decode(self, x, state, new_tokens=None):
     """x [B, T, D_in] after the state's tokens -> (y [B, T, D], state); NaN
-    rows for the sequences whose cache x overflows."""
+    rows for the sequences whose cache x overflows. `new_tokens` [B]: the
+    valid ones of x's T (default all)."""
     time, slots = x.shape[1], state.max_length
     overflow = state.lengths + time > slots                            # [B]
     # An overflowing sequence writes its last slots instead, so every attention
@@ -366,6 +384,8 @@ class Transformer(hk.Module):
         self.num_layers, h, state.caches, scan_layers=self.scan_layers,
         unroll=self.scan_unroll)
     y = jnp.where(overflow[:, None, None], jnp.nan, layers.LayerNorm(name="final_norm")(h))
+    if new_tokens is not None:  # An overflowing sequence still counts all T: it shows.
+      time = jnp.where(overflow, time, new_tokens)
     return y, TransformerState(caches, state.lengths + time)
 
   @hk.transparent

@@ -174,6 +174,7 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("rng", "x", T), ("top_p", 0.0, V), ("top_p", "0.9", T), ("min_p", 1.5, V),
         ("repetition_penalty", 0.0, V), ("stop_tokens", 7, V), ("stop_tokens", 1.5, T),
         ("pad_token", -1, V), ("pad_token", 1.0, T),
+        ("prompt_lengths", jnp.array([1, 0]), V), ("prompt_lengths", jnp.ones(B), V),
         ("return_log_probs", "yes", T)]),
     "stack_layer_params": (dict(params={"m/block_0": {"w": jnp.zeros(2)}}), [
         ("params", "params", T), ("params", {"m/block_0": 1}, T)]),

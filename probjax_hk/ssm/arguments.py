@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ops import _backend
 from probjax_hk import arguments
+from probjax_hk import layers
 
 
 def check_chunked_cell_args(name: str | None, *, model_dim: int | None,
@@ -39,13 +40,35 @@ def check_step(name: str, x_t: jax.Array, state, state_shapes) -> None:
   check_state(x_t, state, state_shapes)
 
 
-def check_prefill(name: str, x: jax.Array, state, state_shapes) -> None:
+def check_prefill(name: str, x: jax.Array, state, state_shapes, lengths=None
+                  ) -> tuple[jax.Array, jax.Array | None]:
   """A prefill's input must be [B, T, H] and `state` None or shaped like
-  `state_shapes(B, H)` (as for `check_step`)."""
+  `state_shapes(B, H)` (as for `check_step`).
+
+  Returns:
+    (x, None) without `lengths`; with [B] `lengths` (checked by
+    `layers.sequence_mask`), (x zeroed past each sequence's length, the
+    [B, T] mask of its valid steps), so that padding, even NaN, never
+    reaches a state.
+  """
   if x.ndim != 3:
     raise ValueError(f"`{name}` must be [B, T, H], got shape {x.shape}")
   if state is not None:
     check_state(x, state, state_shapes)
+  if lengths is None:
+    return x, None
+  _, valid = layers.sequence_mask(lengths, x)
+  return jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)), valid
+
+
+def past_the_end(valid: jax.Array | None, x: jax.Array, value) -> jax.Array:
+  """x [B, T, ...] with `value` at the steps past each sequence's end (where
+  `valid` [B, T] is False): a decay of 1 or an input of 0 leaves a state as it
+  was. x itself without a mask."""
+  if valid is None:
+    return x
+  valid = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+  return jnp.where(valid, x, jnp.asarray(value, x.dtype))
 
 
 def check_state(x: jax.Array, state, state_shapes) -> None:

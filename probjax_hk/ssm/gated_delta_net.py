@@ -28,6 +28,7 @@ from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import past_the_end
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
 from probjax_hk.ssm.mamba2 import causal_conv_step
@@ -121,15 +122,18 @@ class GatedDeltaNetCell(ChunkedSequenceCell):
     return Linear(model_dim, with_bias=False, name="out_proj")(o)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array, state=None):
-    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
+  def _sequence(self, u: jax.Array, state=None, valid=None):
+    """Forward in time: u [B, T, H], state or None, valid [B, T] or None ->
+    ([B, T, H], state)."""
     conv_state, ssm_state = (None, None) if state is None else state
     model_dim, heads, p = self._dims(u.shape[-1])
     qkv = Linear(3 * heads * p, with_bias=False, name="qkv_proj")(u)
     w, b = conv_params(self.conv_width, qkv.shape[-1])
-    qkv, conv_state = causal_conv(qkv, w, b, conv_state)
+    qkv, conv_state = causal_conv(qkv, w, b, conv_state, valid)
     q, k, v = self._qkv(jax.nn.silu(qkv), heads, p)
     log_alpha, beta = self._gates(u, heads)
+    # Past a sequence's end: decay 1 and no write, so the state stays.
+    log_alpha, beta = past_the_end(valid, log_alpha, 0), past_the_end(valid, beta, 0)
     o, ssm_state = ops.gated_delta_rule(q, k, v, log_alpha, beta, initial_state=ssm_state,
                                         chunk_size=self.chunk_size,
                                         implementation=self.implementation)

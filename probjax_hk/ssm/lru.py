@@ -26,6 +26,7 @@ from probjax_hk import arguments
 from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import past_the_end
 from probjax_hk.ssm.arguments import zeros
 
 
@@ -121,24 +122,29 @@ class LRUCell(hk.Module):
     return self._sequence(x, reverse=reverse)[0]
 
   @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state: jax.Array | None = None
-              ) -> tuple[jax.Array, jax.Array]:
+  def prefill(self, x: jax.Array, state: jax.Array | None = None, *,
+              lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The sequence path that also returns its final state.
 
     Args:
       x: [B, T, H].
       state: None (zeros: x starts the sequence) or the [B, N] state to
         continue from (`initial_state`, `prefill` or `step`).
+      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
+        steps past a sequence's length leave its state as it was (decay 1,
+        input 0); its outputs there are unspecified.
 
     Returns:
-      (y [B, T, H] in x's dtype, the [B, N] complex64 state after x's last step).
+      (y [B, T, H] in x's dtype, the [B, N] complex64 state after x's last
+      step, or after each sequence's `lengths[b]` steps).
     """
-    check_prefill("x", x, state, self._state_shapes)
-    return self._sequence(x, state)
+    x, valid = check_prefill("x", x, state, self._state_shapes, lengths)
+    return self._sequence(x, state, valid=valid)
 
   @hk.transparent
-  def _sequence(self, x, state=None, *, reverse=False):
-    """x [B, T, H], state [B, N] or None -> (y [B, T, H], final state [B, N])."""
+  def _sequence(self, x, state=None, *, reverse=False, valid=None):
+    """x [B, T, H], state [B, N] or None, valid [B, T] or None -> (y [B, T, H],
+    final state [B, N])."""
     lam, b, c, d = self._params(x.shape[-1])
     xf = x.astype(jnp.float32)
     # Real products on the real and imaginary parts: a real input times a
@@ -146,6 +152,9 @@ class LRUCell(hk.Module):
     # kernel's split of `bu` into planes (and its merge of `h`) then cancels
     # against `lax.complex` and `.real`/`.imag` in XLA instead of copying.
     bu = jax.lax.complex(xf @ b.real, xf @ b.imag)                     # [B, T, N]
+    if valid is not None:  # Past a sequence's end: decay 1, input 0.
+      lam = past_the_end(valid, jnp.broadcast_to(lam, bu.shape), 1)
+      bu = past_the_end(valid, bu, 0)
     # lam [N] is the same at every step: the kernel reads it once per program.
     h, state = ops.linear_scan(lam, bu, initial_state=state, reverse=reverse,
                                implementation=self.implementation)

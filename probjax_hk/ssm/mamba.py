@@ -28,6 +28,7 @@ from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import past_the_end
 from probjax_hk.ssm.arguments import zeros
 from probjax_hk.ssm.mamba2 import causal_conv
 from probjax_hk.ssm.mamba2 import causal_conv_step
@@ -138,24 +139,29 @@ class MambaCell(hk.Module):
     return self._sequence(x, reverse=reverse)[0]
 
   @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state=None):
+  def prefill(self, x: jax.Array, state=None, *, lengths: jax.Array | None = None):
     """The sequence path that also returns its final state.
 
     Args:
       x: [B, T, H].
       state: None (zeros: x starts the sequence) or the state to continue
         from (`initial_state`, `prefill` or `step`).
+      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
+        steps past a sequence's length leave its state as it was (step size
+        0: decay 1, input 0; the convolution's window ending at its length);
+        its outputs there are unspecified.
 
     Returns:
-      (y [B, T, H] in x's dtype, the state after x's last step).
+      (y [B, T, H] in x's dtype, the state after x's last step, or after
+      each sequence's `lengths[b]` steps).
     """
-    check_prefill("x", x, state, self._state_shapes)
-    return self._sequence(x, state)
+    x, valid = check_prefill("x", x, state, self._state_shapes, lengths)
+    return self._sequence(x, state, valid=valid)
 
   @hk.transparent
-  def _sequence(self, x, state=None, *, reverse=False):
-    """x [B, T, H], state or None -> (y [B, T, H], final state); `reverse`
-    returns no conv state."""
+  def _sequence(self, x, state=None, *, reverse=False, valid=None):
+    """x [B, T, H], state or None, valid [B, T] or None -> (y [B, T, H], final
+    state); `reverse` returns no conv state."""
     conv_state, ssm_state = (None, None) if state is None else state
     h, inner, state_dim, rank = self._dims(x.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x)           # [B, T, 2E]
@@ -164,12 +170,16 @@ class MambaCell(hk.Module):
     if reverse:  # Reversed time mirrors the window: the causal conv of the flipped input.
       conv = causal_conv(xi[:, ::-1], w, b)[0][:, ::-1]
     else:
-      conv, conv_state = causal_conv(xi, w, b, conv_state)
+      conv, conv_state = causal_conv(xi, w, b, conv_state, valid)
     xc = jax.nn.silu(conv)                                               # [B, T, E]
     delta, bm, cm = self._project(xc, state_dim, rank)
     a, d, dt_bias = self._ssm_params(inner, state_dim)
+    softplus = True
+    if valid is not None:  # A step size of 0 past a sequence's end: decay 1, input 0.
+      delta = jax.nn.softplus(delta.astype(jnp.float32) + dt_bias)
+      delta, dt_bias, softplus = past_the_end(valid, delta, 0).astype(xc.dtype), None, False
     y, ssm_state = ops.selective_scan(xc, delta, a, bm, cm, D=d, z=z, delta_bias=dt_bias,
-                                      delta_softplus=True, initial_state=ssm_state,
+                                      delta_softplus=softplus, initial_state=ssm_state,
                                       reverse=reverse, implementation=self.implementation)
     return Linear(h, with_bias=False, name="out_proj")(y), (conv_state, ssm_state)
 

@@ -44,13 +44,16 @@ def conv_params(width: int, channels: int, name: str = "conv"):
 
 
 def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array,
-                conv_state: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                conv_state: jax.Array | None = None, valid: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
   """`y_t = b + sum_k w[k] x_{t - (W-1) + k}`, the inputs before x read from
   `conv_state` [B, W - 1, C] (zeros when None).
 
   Returns:
     (y [B, T, C] in x's dtype, the last W - 1 inputs [B, W - 1, C] float32:
-    the conv_state that `causal_conv_step` continues from).
+    the conv_state that `causal_conv_step` continues from; with `valid`
+    [B, T] (right-padded sequences), the last W - 1 before each sequence's
+    end).
   """
   width, time = w.shape[0], x.shape[1]
   if conv_state is None:
@@ -59,7 +62,11 @@ def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array,
     xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)   # [B, W - 1 + T, C]
   w = w.astype(x.dtype)
   y = b.astype(x.dtype) + sum(w[k] * xp[:, k:k + time] for k in range(width))
-  return y, xp[:, time:].astype(_F32)
+  if valid is None:
+    return y, xp[:, time:].astype(_F32)
+  # Sequence b's window ends at its length: xp[b, L_b : L_b + W - 1].
+  rows = valid.sum(axis=1)[:, None] + jnp.arange(width - 1)           # [B, W - 1]
+  return y, jnp.take_along_axis(xp, rows[..., None], axis=1).astype(_F32)
 
 
 def causal_conv_step(x_t: jax.Array, conv_state: jax.Array, w: jax.Array,
@@ -156,16 +163,17 @@ class Mamba2Cell(ChunkedSequenceCell):
     return Linear(model_dim, with_bias=False, name="out_proj")(y)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array, state=None):
-    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
+  def _sequence(self, u: jax.Array, state=None, valid=None):
+    """Forward in time: u [B, T, H], state or None, valid [B, T] or None ->
+    ([B, T, H], state)."""
     conv_state, ssm_state = (None, None) if state is None else state
     model_dim, _, heads = self._dims(u.shape[-1])
     z, xbc, dt = self._in_proj(u)
     w, b = conv_params(self.conv_width, xbc.shape[-1])
-    xbc, conv_state = causal_conv(xbc, w, b, conv_state)
+    xbc, conv_state = causal_conv(xbc, w, b, conv_state, valid)
     x, bm, cm = self._split_xbc(jax.nn.silu(xbc))
     a, dt_bias, d = decay_params(heads)
-    q, k, v, log_decay = ssd_inputs(x, bm, cm, dt, a, dt_bias)
+    q, k, v, log_decay = ssd_inputs(x, bm, cm, dt, a, dt_bias, valid)
     y, ssm_state = ops.ssd(q, k, v, log_decay, initial_state=ssm_state,
                            chunk_size=self.chunk_size,
                            implementation=self.implementation)     # [B, T, N, P]

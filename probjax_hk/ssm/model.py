@@ -15,18 +15,23 @@ The cell interface (every cell in this package, and the ones to come):
   first step.
 * `cell.step(x_t, state) -> (y_t, state)`: one step, `x_t, y_t: [B, H]`.
   Decoding a sequence step by step gives the sequence path's output.
-* `cell.prefill(x, state=None) -> (y, state)`: the sequence path (forward in
-  time) from `state` (None: zeros), returning the state after x's last step,
-  so that `step` or another `prefill` continues where x ends.
+* `cell.prefill(x, state=None, *, lengths=None) -> (y, state)`: the sequence
+  path (forward in time) from `state` (None: zeros), returning the state
+  after x's last step, so that `step` or another `prefill` continues where x
+  ends. With `lengths` [B] (right-padded sequences), the state after each
+  sequence's own last step: past it the cell's decays are 1 and its inputs 0,
+  and its convolutions' windows end there. (A cell without `lengths` decodes
+  too, but not ragged batches.)
 
 The model decodes through the interface every sequence model of the library
 shares (the Transformer's too): `initial_state(batch_size, max_length=None)`,
-`prefill(x, state=None, *, max_length=None) -> (y, state)` and
+`prefill(x, state=None, *, max_length=None, lengths=None) -> (y, state)` and
 `step(x_t, state) -> (y_t, state)`.
 
 Glossary of shapes: B batch, T time, I input width, H model width, O output width.
 """
 
+import functools
 import inspect
 from typing import Any, Callable, Mapping
 
@@ -44,6 +49,7 @@ from probjax_hk.layers import Linear
 from probjax_hk.layers import check_tokens
 from probjax_hk.layers import MLP
 from probjax_hk.layers import RMSNorm
+from probjax_hk.layers import sequence_mask
 from probjax_hk.ssm.lru import LRUCell
 
 _MLP_RATIO = 2  # swiglu hidden width / model width
@@ -142,10 +148,13 @@ class SSMBlock(hk.Module):
     return self._mlp(x_t + y, False), state
 
   @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state=None):
-    """[B, T, H], state or None -> ([B, T, H], the state after x)."""
+  def prefill(self, x: jax.Array, state=None, lengths=None):
+    """[B, T, H], state or None, lengths [B] or None -> ([B, T, H], the state
+    after x, or after each sequence's `lengths[b]` steps)."""
     forward, _ = self._cells()
-    y, state = forward.prefill(RMSNorm(name="cell_norm")(x), state)
+    # Only given when set: a cell of the interface without ragged prefill still decodes.
+    ragged = {} if lengths is None else {"lengths": lengths}
+    y, state = forward.prefill(RMSNorm(name="cell_norm")(x), state, **ragged)
     return self._mlp(x + y, False), state
 
 
@@ -266,12 +275,19 @@ class SSMModel(hk.Module):
             for i in range(self.num_layers)]
 
   @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state=None, *, max_length: int | None = None):
+  def prefill(self, x: jax.Array, state=None, *, max_length: int | None = None,
+              lengths: jax.Array | None = None):
     """Runs a prompt (or the next chunk of one) in one parallel call.
 
     The output is the sequence path's (`__call__(x)` without `state`; with
     it, what T calls of `step` would give), and the state is the one `step`
     continues from.
+
+    With `lengths`, x holds right-padded sequences of different lengths:
+    every cell leaves sequence b's state as it was after its `lengths[b]`
+    steps (decay 1 and input 0 past them, the convolutions' windows ending
+    there), so `step` continues each from its own end; the outputs past a
+    sequence's length are unspecified.
 
     Args:
       x: [B, T, input_dim], the next T inputs of each sequence.
@@ -279,14 +295,17 @@ class SSMModel(hk.Module):
         `prefill` or `step`.
       max_length: None, or at least T and otherwise unused, as for
         `initial_state`.
+      lengths: None (all T steps of every sequence) or [B] ints in [0, T],
+        the valid steps of each (checked when concrete, clipped when traced).
 
     Returns:
-      (y [B, T, output_dim] in x's dtype, the state after x's last step, in
-      the layout of `initial_state`).
+      (y [B, T, output_dim] in x's dtype, the state after x's last step (or
+      each sequence's `lengths[b]`), in the layout of `initial_state`).
 
     Raises:
       ValueError: for a bidirectional model, x that is not [B, T, input_dim],
-        a `max_length` below T, or a state that does not fit.
+        a `max_length` below T, `lengths` that is not [B] integers in
+        [0, T], or a state that does not fit.
     """
     self._check_decodable()
     if x.ndim != 3 or x.shape[-1] != self.input_dim:
@@ -294,10 +313,12 @@ class SSMModel(hk.Module):
     _check_max_length(max_length, x.shape[1])
     if state is not None:
       self._check_layer_states(state)
+    if lengths is not None:
+      lengths, _ = sequence_mask(lengths, x)
     h = Linear(self.model_dim, name="input_proj")(x)                  # [B, T, H]
     h, state = stacking.apply_stack_with_states(
-        lambda name: self._block(name).prefill, self.num_layers, h, state,
-        scan_layers=self.scan_layers)
+        lambda name: functools.partial(self._block(name).prefill, lengths=lengths),
+        self.num_layers, h, state, scan_layers=self.scan_layers)
     return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h)), state
 
   @hk.name_like("__call__")

@@ -27,6 +27,7 @@ from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
+from probjax_hk.ssm.arguments import past_the_end
 from probjax_hk.ssm.arguments import zeros
 
 _F32 = jnp.float32
@@ -55,13 +56,15 @@ def decay_params(heads: int):
   return -jnp.exp(a_log), dt_bias, d
 
 
-def ssd_inputs(x, b, c, dt, a, dt_bias):
+def ssd_inputs(x, b, c, dt, a, dt_bias, valid=None):
   """Mamba-2's parameterization -> `ops.ssd` inputs.
 
   x [..., N, P], b/c [..., G, S], dt [..., N] -> (q, k, v, log_decay) with
-  `v = dt x` (x's dtype) and `log_decay = dt A` (float32).
+  `v = dt x` (x's dtype) and `log_decay = dt A` (float32). With `valid`
+  [B, T], dt is 0 past each sequence's end: no decay and no input there.
   """
   dt = jax.nn.softplus(dt.astype(_F32) + dt_bias)                   # [..., N]
+  dt = past_the_end(valid, dt, 0)
   v = (x.astype(_F32) * dt[..., None]).astype(x.dtype)
   return c, b, v, dt * a
 
@@ -99,27 +102,33 @@ def time_reversed(sequence_fn, u: jax.Array, reverse: bool) -> jax.Array:
 
 class ChunkedSequenceCell(hk.Module):
   """The sequence path and prefill of the cells on the chunked ops (SSD,
-  Mamba-2, Gated DeltaNet): a subclass gives `_sequence(u, state=None) ->
-  (y, state)`, forward in time, and `_state_shapes`."""
+  Mamba-2, Gated DeltaNet): a subclass gives `_sequence(u, state=None,
+  valid=None) -> (y, state)`, forward in time (`valid` [B, T]: the steps
+  before each sequence's end), and `_state_shapes`."""
 
   def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
     """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
     return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
 
   @hk.name_like("__call__")
-  def prefill(self, u: jax.Array, state=None):
+  def prefill(self, u: jax.Array, state=None, *, lengths: jax.Array | None = None):
     """The sequence path that also returns its final state.
 
     Args:
       u: [B, T, H].
       state: None (zeros: u starts the sequence) or the state to continue
         from (`initial_state`, `prefill` or `step`).
+      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
+        steps past a sequence's length leave its state as it was (decay 1,
+        input 0, the convolution's window ending at its length); its outputs
+        there are unspecified.
 
     Returns:
-      (y [B, T, H] in u's dtype, the state after u's last step).
+      (y [B, T, H] in u's dtype, the state after u's last step, or after
+      each sequence's `lengths[b]` steps).
     """
-    check_prefill("u", u, state, self._state_shapes)
-    return self._sequence(u, state)
+    u, valid = check_prefill("u", u, state, self._state_shapes, lengths)
+    return self._sequence(u, state, valid)
 
 
 class SSDCell(ChunkedSequenceCell):
@@ -180,13 +189,14 @@ class SSDCell(ChunkedSequenceCell):
             c.reshape(*lead, heads, s), dt)
 
   @hk.transparent
-  def _sequence(self, u: jax.Array, state=None):
-    """Forward in time: u [B, T, H], state or None -> ([B, T, H], state)."""
+  def _sequence(self, u: jax.Array, state=None, valid=None):
+    """Forward in time: u [B, T, H], state or None, valid [B, T] or None ->
+    ([B, T, H], state)."""
     batch, time, model_dim = u.shape
     _, heads, p, _ = self._dims(model_dim)
     x, b, c, dt = self._project(u)
     a, dt_bias, d = decay_params(heads)
-    q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias)
+    q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias, valid)
     y, state = ops.ssd(q, k, v, log_decay, initial_state=state, chunk_size=self.chunk_size,
                        implementation=self.implementation)         # [B, T, N, P]
     y = y.astype(_F32) + d[:, None] * x.astype(_F32)

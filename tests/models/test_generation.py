@@ -256,6 +256,9 @@ def test_bad_arguments_raise():
       ({"stop_tokens": []}, "stop_tokens"),
       ({"pad_token": 0}, "pad_token"),
       ({"stop_tokens": 1, "pad_token": -1}, "pad_token"),
+      ({"prompt_lengths": np.array([1, 0, 2])}, "prompt_lengths"),
+      ({"prompt_lengths": np.array([1, T + 1, 2])}, "prompt_lengths"),
+      ({"prompt_lengths": np.array([1, 2])}, "prompt_lengths"),
   ]:
     with pytest.raises(ValueError, match=match):
       gen(**kwargs)
