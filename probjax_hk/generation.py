@@ -351,8 +351,11 @@ def _generate(params, prompt, prompt_lengths, rng, temperature, top_p, min_p,
     i, done = carry[0], carry[4]
     return (i < num_tokens) & ~done.all()
 
-  carry = jax.lax.while_loop(more, body,
-                             (jnp.int32(1), token, state, seen, done, tokens, log_probs))
+  carry = (jnp.int32(1), token, state, seen, done, tokens, log_probs)
+  if stop_tokens is None:  # A fixed trip count: no predicate to read back every step.
+    carry = jax.lax.fori_loop(1, num_tokens, lambda _, carry: body(carry), carry)
+  else:
+    carry = jax.lax.while_loop(more, body, carry)
   i, tokens, log_probs = carry[0], carry[5], carry[6]
   # Columns never reached: every sequence was done before them.
   later = jnp.arange(num_tokens) >= i
@@ -428,8 +431,9 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
              prompt_lengths: jax.Array | None = None, return_log_probs: bool = False):
   """Samples `num_tokens` tokens after a prompt, in one compiled call.
 
-  Runs `model_fn().prefill` on the prompt, then a `lax.while_loop` of
-  `model_fn().step`, choosing each token from the last logits (see the
+  Runs `model_fn().prefill` on the prompt, then a loop of `model_fn().step`
+  (a `lax.while_loop` that ends early with `stop_tokens`, a fixed-length
+  one without), choosing each token from the last logits (see the
   module docstring for an example). The logits go through, in this order
   (Hugging Face's): the repetition penalty, the temperature, `top_k`,
   `top_p`, `min_p`; then a token is drawn (the argmax at temperature 0).
