@@ -838,6 +838,36 @@ def _row_value(row: dict, key: str) -> str:
   return number(row.get(key)) if row.get("status") == "ok" else row.get("status", "")
 
 
+def unet_bfloat16_lines(grid: list[dict]) -> list[str]:
+  """When bfloat16 pays: bf16 over f32 at each resolution where both ran."""
+  def ok(resolution, dtype, mode):
+    return next((r for r in grid if (r["resolution"], r["dtype"], r["mode"])
+                 == (resolution, dtype, mode) and r.get("status", "ok") == "ok"), None)
+  faster, slower, body = [], [], []
+  for resolution in sorted({r["resolution"] for r in grid}):
+    bf16, f32 = ok(resolution, "bfloat16", "train_step"), ok(resolution, "float32", "train_step")
+    if not (bf16 and f32):
+      continue
+    step = _over(bf16, f32, "median_ms")
+    forward = _over(ok(resolution, "bfloat16", "forward"), ok(resolution, "float32", "forward"),
+                    "median_ms")
+    if step is not None:
+      (faster if step < 1 else slower).append(str(resolution))
+    body.append([str(resolution), ratio_text(step), ratio_text(_over(bf16, f32, "peak_mb")),
+                 ratio_text(forward)])
+  if not body:
+    return []
+  if faster and slower:
+    where = f"faster than float32's at resolution {', '.join(faster)} and slower at " + (
+        ", ".join(slower))
+  else:
+    where = (f"{'faster' if faster else 'slower'} than float32's at every resolution "
+             f"measured ({', '.join(faster or slower)})")
+  verdict = f"The bfloat16 train step is {where}; the memory column is what it saves."
+  return [f"bfloat16 over float32 (below 1: bfloat16 is faster or smaller). {verdict}", "",
+          table(["resolution", "train step time", "train peak MB", "forward time"], body), ""]
+
+
 def unet_section(suite: Suite) -> list[str]:
   rows = [r for r in suite.rows if "resolution" in r]
   if not rows:
@@ -862,6 +892,7 @@ def unet_section(suite: Suite) -> list[str]:
                  str((step or fwd).get("attention", ""))])
   out += [table(["resolution", "dtype", "forward ms", "train step ms", "train peak MB",
                  "train planned MB", "train compile s", "attention"], body), ""]
+  out += unet_bfloat16_lines(grid)
   variants = [r for r in rows if r.get("mode") == "train_step" and r.get("variant")
               and r.get("dtype") == "bfloat16"
               and any(v.get("variant") != "plain" for v in rows
@@ -941,6 +972,28 @@ _FIT_CASES = (
 )
 
 
+def fit_like_for_like(by_case: dict[str, dict]) -> str | None:
+  """`fit()`'s time over the bare loop's at the same steps per call: K steps
+  against the bare K-step scan, one step against the bare loop, from the
+  rows' medians (each row's `bare_loop_time_ratio` is over the one-step bare
+  loop of the same rounds)."""
+  parts = []
+  for ours, base, label in (("fit_memory_calls", "bare_loop_calls", "{k} steps per call"),
+                            ("fit_memory_one_step", "bare_loop", "one step per call")):
+    theirs = by_case.get(base, {}).get("bare_loop_time_ratio")
+    memory = by_case.get(ours, {}).get("bare_loop_time_ratio")
+    if not theirs or memory is None:
+      continue
+    stream = by_case.get(ours.replace("memory", "stream"), {}).get("bare_loop_time_ratio")
+    k = by_case[ours].get("steps_per_call") or by_case[base].get("steps_per_call")
+    text = (f"at {label.format(k=k)} `fit()` takes {ratio_text(memory / theirs)} x the bare "
+            f"loop's time in memory")
+    if stream is not None:
+      text += f", {ratio_text(stream / theirs)} x on a stream"
+    parts.append(text)
+  return "; ".join(parts) or None
+
+
 def fit_section(suite: Suite) -> list[str]:
   source, rows = newest_rows(suite, lambda r: "case" in r)
   if not rows:
@@ -961,10 +1014,14 @@ def fit_section(suite: Suite) -> list[str]:
          "like-for-like baseline of the K rows.", ""]
   memory, stream = by_case.get("fit_memory"), by_case.get("fit_stream")
   second = by_case.get("fit_second")
+  like = fit_like_for_like(by_case)
+  if like:
+    out.append("- Like for like, the same steps per compiled call in both loops: " + like + ".")
   if memory and stream:
-    out.append(f"- Default arguments: in memory {ratio_text(memory.get('bare_loop_time_ratio'))}"
+    out.append(f"- Default arguments (several steps per call) against the bare loop of one "
+               f"step per call: in memory {ratio_text(memory.get('bare_loop_time_ratio'))}"
                f" x the bare loop's time, stream {ratio_text(stream.get('bare_loop_time_ratio'))}"
-               " x.")
+               " x; the gain is the steps per call, which a hand-written scan has too.")
   if second and second.get("second_over_first_wall") is not None:
     out.append(f"- A second `fit()` call takes {ratio_text(second['second_over_first_wall'])} "
                "x the first call's wall time (it compiles nothing).")
@@ -1714,14 +1771,43 @@ def _range(values: list) -> str:
   return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
+NOT_RECORDED = "not recorded"
+
+
+def cuda_version_text(version) -> str:
+  """A CUDA version as the CUDA runtime reports it (13000) -> '13.0'."""
+  if not isinstance(version, int):
+    return str(version)
+  return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def cudnn_version_text(version) -> str:
+  """A cuDNN version as cudnnGetVersion reports it -> 'major.minor.patch'
+  (9.x: major * 10000 + minor * 100 + patch; 8.x: major * 1000 + ...)."""
+  if not isinstance(version, int):
+    return str(version)
+  major = 10000 if version >= 90000 else 1000
+  return f"{version // major}.{version % major // 100}.{version % 100}"
+
+
+def environment_cell(env: dict, field: str, text: Callable = str) -> str:
+  """`env[field]` as text: 'not recorded' for a run that predates the field,
+  'none' where the machine had none (no GPU)."""
+  if field not in env:
+    return NOT_RECORDED
+  return "none" if env[field] is None else text(env[field])
+
+
 def setup_page(manifest: dict, suites: dict[str, Suite]) -> str:
   warmup = inspect.signature(harness.run_case).parameters["warmup"].default
   out = ["# Setup", "",
          "Where and how the numbers on these pages were measured, from what the benchmark "
          "JSON records and how `experiments/harness.py` times.", "", "## Machines", "",
-         "Every run records its device, JAX and Python versions and when it was written. "
-         "The GPU driver and CUDA versions are not recorded in the JSON.", ""]
-  body = []
+         "Every run records its device, JAX and Python versions and when it was written, "
+         "and, since `harness.environment` records them, the NVIDIA driver's version, the "
+         f"CUDA runtime's, cuDNN's and jaxlib's: \"{NOT_RECORDED}\" marks a run from before "
+         "then (the headlines compare against cuDNN, whose version is then unknown).", ""]
+  machines, runs = [], []
   for name, suite in suites.items():
     for source in suite.sources:
       env = suite.environment(source)
@@ -1729,12 +1815,17 @@ def setup_page(manifest: dict, suites: dict[str, Suite]) -> str:
       iters = [r["iters"] for r in rows if isinstance(r.get("iters"), int)]
       calls = [r["calls_per_sample"] for r in rows if isinstance(r.get("calls_per_sample"), int)]
       commit = suite.sources[source].get("commit", "")
-      body.append([f"`{suite.file}`", run_label(source), str(env.get("device_kind", "")),
-                   str(env.get("device_count", "")), str(env.get("jax", "")),
-                   str(env.get("python", "")), str(len(rows)), _range(iters), _range(calls),
-                   commit[:7]])
-  out += [table(["file", "run", "device", "devices", "JAX", "Python", "rows", "samples",
-                 "calls per sample", "commit"], body), "",
+      machines.append([f"`{suite.file}`", run_label(source), str(env.get("device_kind", "")),
+                       str(env.get("device_count", "")), environment_cell(env, "driver"),
+                       environment_cell(env, "cuda", cuda_version_text),
+                       environment_cell(env, "cudnn", cudnn_version_text),
+                       str(env.get("jax", "")), environment_cell(env, "jaxlib"),
+                       str(env.get("python", ""))])
+      runs.append([f"`{suite.file}`", run_label(source), str(len(rows)), _range(iters),
+                   _range(calls), commit[:7]])
+  out += [table(["file", "run", "device", "devices", "driver", "CUDA", "cuDNN", "JAX",
+                 "jaxlib", "Python"], machines), "", "## Runs", "",
+          table(["file", "run", "rows", "samples", "calls per sample", "commit"], runs), "",
           "`samples` is how many samples each row's median is taken over and `calls per "
           "sample` how many calls a sample held (below); a blank means the run recorded "
           "none and timed one call per sample, host dispatch and sync included. The "

@@ -99,39 +99,6 @@ _OPS = flags.DEFINE_list("ops", list(OPS), f"The ops of the ops section, of {OPS
 # The environment and the rows.
 
 
-def _version(module: str) -> str | None:
-  try:
-    return __import__(module).__version__
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
-def _cuda_versions() -> dict:
-  """CUDA runtime and driver and cuDNN versions, as the CUDA plugin reports them."""
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    cuda_versions = None
-  found = {}
-  for field, name in (("cuda", "cuda_runtime_get_version"),
-                      ("cuda_driver", "cuda_driver_get_version"),
-                      ("cudnn", "cudnn_get_version")):
-    try:
-      found[field] = getattr(cuda_versions, name)()
-    except Exception:  # pylint: disable=broad-except
-      found[field] = None
-  return found
-
-
-def _driver() -> str | None:
-  try:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=30)
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 def _commit() -> str | None:
   """HEAD of the checkout, with '-dirty' where tracked files differ from it."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,14 +113,9 @@ def _commit() -> str | None:
 
 
 def environment() -> dict:
-  """`harness.environment()` and the GPU's name, compute capability, driver,
-  CUDA, cuDNN, jaxlib and commit (None where this machine has none)."""
-  device = jax.devices()[0]
-  return dict(harness.environment(), jaxlib=_version("jaxlib"),
-              gpu=device.device_kind if device.platform == "gpu" else None,
-              compute_capability=getattr(device, "compute_capability", None),
-              driver=_driver() if device.platform == "gpu" else None,
-              **_cuda_versions(), commit=_commit())
+  """`harness.environment()` (the GPU's name, compute capability, driver,
+  CUDA, cuDNN, jaxlib) and the commit."""
+  return dict(harness.environment(), commit=_commit())
 
 
 def _minor(version: str) -> str:

@@ -209,11 +209,51 @@ def run_program(module: str, output: str, flags: list[str]) -> None:
     print(f"{module} failed; its rows so far are in {output}", flush=True)
 
 
+def _version(module: str) -> str | None:
+  try:
+    return __import__(module).__version__
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _cuda_versions() -> dict:
+  """The CUDA runtime's, the driver's CUDA and cuDNN versions as the CUDA
+  plugin reports them (integers such as 13000 and 91000; None without one)."""
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    cuda_versions = None
+  found = {}
+  for field, name in (("cuda", "cuda_runtime_get_version"),
+                      ("cuda_driver", "cuda_driver_get_version"),
+                      ("cudnn", "cudnn_get_version")):
+    try:
+      found[field] = getattr(cuda_versions, name)()
+    except Exception:  # pylint: disable=broad-except
+      found[field] = None
+  return found
+
+
+def _driver() -> str | None:
+  """The NVIDIA driver's version, from nvidia-smi."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True, timeout=30)
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def environment() -> dict:
-  """Where the numbers came from."""
+  """Where the numbers came from: the device, the GPU's name, compute
+  capability, driver, CUDA and cuDNN (None off a GPU), JAX, jaxlib, Python."""
   device = jax.devices()[0]
-  return {"jax": jax.__version__, "backend": jax.default_backend(),
-          "device_kind": device.device_kind, "device_count": jax.device_count(),
+  gpu = device.platform == "gpu"
+  return {"jax": jax.__version__, "jaxlib": _version("jaxlib"),
+          "backend": jax.default_backend(), "device_kind": device.device_kind,
+          "device_count": jax.device_count(), "gpu": device.device_kind if gpu else None,
+          "compute_capability": getattr(device, "compute_capability", None),
+          "driver": _driver() if gpu else None, **_cuda_versions(),
           "python": platform.python_version(), "host": platform.node(),
           "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 

@@ -135,7 +135,7 @@ def test_a_program_output_renders_and_a_changed_number_changes_the_page(tmp_path
   assert pages["models.md"] != rendered["models.md"]
   assert "in memory 1.23 x the bare loop's time" in pages["models.md"]
   # The setup page lists the run's commit, which a program's own output lacks.
-  line = next(l for l in pages["setup.md"].splitlines() if l.startswith("| `fit.json` |"))
+  line = [l for l in pages["setup.md"].splitlines() if l.startswith("| `fit.json` |")][-1]
   assert benchmark_figures.run_label(source) in line and line.endswith("|  |")
   unchanged = ("index.md", "attention.md", "kernels.md")
   assert [pages[k] for k in unchanged] == [rendered[k] for k in unchanged]
@@ -465,3 +465,65 @@ def test_platforms_page_lists_the_newest_gpu_check_run_of_each_device_kind(tmp_p
       ["NVIDIA H200", "0.11.2", "2026-12-06 13:27", "models, generate, sharded step", "1", "",
        "0", ""]]
   assert "gpu_check.json" in pages["setup.md"]
+
+
+def test_setup_page_shows_each_runs_gpu_stack_or_not_recorded(tmp_path):
+  directory = tmp_path / "benchmarks"
+  shutil.copytree(BENCHMARKS, directory)
+  suite = benchmark_figures.load_suite(str(directory), "fit", "fit.json")
+  source = next(iter(suite.sources))
+  rows = [{k: v for k, v in r.items() if k != "source"} for r in suite.rows]
+  # As harness.environment now writes it on a GPU.
+  environment = dict(suite.environment(source), jaxlib="0.11.2", gpu="NVIDIA H200",
+                     driver="580.95.05", cuda=13000, cuda_driver=13000, cudnn=91002)
+  with open(directory / "fit.json", "w") as f:
+    json.dump({"environment": environment, "rows": rows}, f)
+  setup = benchmark_figures.render_pages(str(directory))["setup.md"]
+  header = _table_rows(setup, "file")[0]
+  fit = dict(zip(header, _table_rows(setup, "`fit.json`")[0]))
+  assert (fit["driver"], fit["CUDA"], fit["cuDNN"], fit["jaxlib"]) == (
+      "580.95.05", "13.0", "9.10.2", "0.11.2")
+  older = dict(zip(header, _table_rows(setup, "`unet.json`")[0]))
+  assert {older[c] for c in ("driver", "CUDA", "cuDNN", "jaxlib")} == {
+      benchmark_figures.NOT_RECORDED}
+
+
+def test_version_numbers_read_as_their_libraries_encode_them():
+  assert benchmark_figures.cuda_version_text(12080) == "12.8"  # 1000 * major + 10 * minor
+  assert benchmark_figures.cudnn_version_text(8907) == "8.9.7"  # 8.x: 1000 * major + ...
+  assert benchmark_figures.cudnn_version_text(91002) == "9.10.2"  # 9.x: 10000 * major + ...
+
+
+def _newest(suite_file, case_field):
+  manifest = benchmark_figures.load_manifest(BENCHMARKS)
+  name = next(n for n, e in manifest["suites"].items() if e["file"] == suite_file)
+  suite = benchmark_figures.load_suite(BENCHMARKS, name, suite_file)
+  return benchmark_figures.newest_rows(suite, lambda r: case_field in r)[1]
+
+
+def test_fit_headline_sets_fit_against_the_bare_loop_of_as_many_steps_per_call(rendered):
+  by_case = {r["case"]: r["bare_loop_time_ratio"] for r in _newest("fit.json", "case")}
+  text = benchmark_figures.ratio_text
+  k = next(r["steps_per_call"] for r in _newest("fit.json", "case")
+           if r["case"] == "bare_loop_calls")
+  like = next(l for l in rendered["models.md"].splitlines() if l.startswith("- Like for like"))
+  assert (f"at {k} steps per call `fit()` takes "
+          f"{text(by_case['fit_memory_calls'] / by_case['bare_loop_calls'])} x") in like
+  assert f"{text(by_case['fit_stream_calls'] / by_case['bare_loop_calls'])} x on a stream" in like
+  assert (f"at one step per call `fit()` takes "
+          f"{text(by_case['fit_memory_one_step'] / by_case['bare_loop'])} x") in like
+
+
+def test_unet_bfloat16_table_is_bf16_over_f32_of_the_same_resolution(rendered):
+  rows = [r for r in _newest("unet.json", "resolution") if r.get("variant") == "plain"]
+  step = {(r["resolution"], r["dtype"]): r["median_ms"] for r in rows
+          if r["mode"] == "train_step"}
+  table_rows = {}
+  for resolution in {res for res, _ in step}:
+    for cells in _table_rows(rendered["models.md"], str(resolution)):
+      if len(cells) == 4:  # resolution, train step time, peak, forward
+        table_rows[resolution] = cells
+  assert table_rows
+  for resolution, cells in table_rows.items():
+    want = step[(resolution, "bfloat16")] / step[(resolution, "float32")]
+    assert cells[1] == benchmark_figures.ratio_text(want), (resolution, cells)

@@ -1,5 +1,8 @@
 """experiments.harness.run_case: a row per case, timing samples of
-back-to-back calls, carried outputs, failures as rows."""
+back-to-back calls, carried outputs, failures as rows; the environment a run
+records."""
+
+import importlib.metadata
 
 import jax
 import jax.numpy as jnp
@@ -46,3 +49,15 @@ def test_a_failing_case_becomes_a_row():
     raise RuntimeError("boom")
   row = harness.run_case({"case": "bad"}, build)
   assert row["status"] in ("error", "fail") and "boom" in row["message"]
+
+
+def test_environment_records_the_gpu_stack_or_none():
+  env = harness.environment()
+  assert env["jaxlib"] == importlib.metadata.version("jaxlib")
+  assert env["jax"] == jax.__version__
+  # The GPU fields are always there, None off a GPU (never left out: a
+  # missing field means a run from before they were recorded).
+  on_gpu = jax.devices()[0].platform == "gpu"
+  for field in ("gpu", "compute_capability", "driver", "cuda", "cuda_driver", "cudnn"):
+    assert field in env, field
+    assert on_gpu or env[field] is None, (field, env[field])
