@@ -76,8 +76,10 @@ class TokenModel(hk.Module):
       logits = Linear(vocab_size)(body(embedding[tokens]))
 
   `body` is any sequence model of the library (a causal `Transformer`, an
-  `SSMModel`), or any module with the decoding interface (see the module
-  docstring); `TokenModel` has the same interface over tokens, which is what
+  `SSMModel`), or any module with the decoding interface they share:
+  `initial_state(batch_size, max_length)`, `prefill(x, state=None, *,
+  max_length=None, lengths=None) -> (y, state)` and `step(x_t, state) -> (y_t,
+  state)`. `TokenModel` has the same interface over tokens, which is what
   `generate` drives.
   """
 
@@ -433,8 +435,8 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
 
   Runs `model_fn().prefill` on the prompt, then a loop of `model_fn().step`
   (a `lax.while_loop` that ends early with `stop_tokens`, a fixed-length
-  one without), choosing each token from the last logits (see the
-  module docstring for an example). The logits go through, in this order
+  one without), choosing each token from the last logits (an example: the
+  user guide's :ref:`token-model-and-generate`). The logits go through, in this order
   (Hugging Face's): the repetition penalty, the temperature, `top_k`,
   `top_p`, `min_p`; then a token is drawn (the argmax at temperature 0).
   Compiled once per `model_fn` (define it once: a new function object
