@@ -5,12 +5,11 @@ the backward: for a layer norm `x - mean`, its square and the normalized
 value, three [..., D] float32 arrays per norm, and for the tanh GELU its
 [..., F] intermediates. Inside one program XLA can recompute such cheap
 values instead of keeping them; across `hk.layer_stack`'s scan it cannot,
-because the scan saves every layer's residuals as stacked buffers. Measured
-with `jax.ad_checkpoint`'s `saved_residuals` (BUILD_NOTES.md, "scan_layers x
-remat_policy"): a width-512 Transformer layer at B 2, T 4096 kept 334 MB, of
-which 101 MB were the two layer norms' intermediates and 67 MB the GELU's;
-with these it keeps 149 MB. On XLA:CPU the unrolled 24-layer stack's step
-went from 15.9 to 3.0 s (not measured on a GPU).
+because the scan saves every layer's residuals as stacked buffers. The two
+layer norms' and the GELU's intermediates are about half of what a Transformer
+layer keeps (`jax.ad_checkpoint`'s `saved_residuals`); with these functions
+the backward keeps only their inputs (sizes: BUILD_NOTES.md, "Transformer and
+DiffusionTransformer").
 
 Each function is rematerialized on its own (`jax.checkpoint` saving nothing
 inside it): the backward keeps its inputs and recomputes the rest. Unlike a

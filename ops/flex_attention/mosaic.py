@@ -148,8 +148,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       # Batch fastest, then query tiles in reverse order (under a causal mask
       # the last ones have the most key tiles, and blocks start in grid order),
       # then heads: the blocks that run at once share a few heads' keys and
-      # values in L2. (Heads fastest measured 6 % slower on full attention at
-      # H64/H128.)
+      # values in L2, which heads fastest would spread over more heads.
       batch = lax.rem(index, batch_size)
       rest = lax.div(index, batch_size)
       q_tile, head = lax.rem(rest, num_q_tiles), lax.div(rest, num_q_tiles)

@@ -361,8 +361,8 @@ def _fwd_softmax(config: configs.FlexConfig, dtype, score_mod) -> str:
   do not suit: float16's P overflows at 65504 (logits 16 base-2 units above
   the frozen maximum), and a `score_mod` may move logits with the key's
   position (ALiBi: a query's first key tile sits hundreds of units below its
-  nearest keys), which sent nearly every query tile to the second pass
-  (1.72 x the online forward's time with ALiBi)."""
+  nearest keys), which sent nearly every query tile to the second pass,
+  slower than the online forward."""
   if jnp.dtype(dtype) == jnp.float16 or score_mod is not None:
     return "online"
   return config.fwd_softmax

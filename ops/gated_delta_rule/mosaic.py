@@ -8,9 +8,9 @@ K^T (D U)` with `D = diag(e^{b_L - b})`, and forms the output on its way,
 state entering each chunk and U. The reverse (`walk_reverse`) carries the
 adjoint back. There are only B x N walks (128 at B 8, N 16), about one per SM,
 so a walk's time is its chain's latency per chunk times the number of chunks.
-The Triton walks (`pallas._states_kernel`, `pallas._states_bwd_kernel`) take
-about 2.7 and 3.4 us a chunk at K = V = 128 on an H200. Here a block has three
-warpgroups:
+The Triton walks (`pallas._states_kernel`, `pallas._states_bwd_kernel`) are
+the baseline (their time a chunk: BUILD_NOTES.md, "SSD and the gated delta
+rule"). Here a block has three warpgroups:
 
 - a memory warpgroup streams each chunk's operands into a ring of `slots`
   shared-memory slots with TMA, ahead of the chain;

@@ -1,8 +1,8 @@
 """Mosaic GPU (Hopper) kernel for the grouped matmul: TMA, wgmma, warp specialization.
 
 The Triton kernel in `pallas.py` cannot use Hopper's tensor memory accelerator
-(TMA) or split a block's warps into loaders and multipliers. At the MoE sizes it
-runs at about 60 % of cuBLAS's dense rate. This kernel does the same computation
+(TMA) or split a block's warps into loaders and multipliers, so at the MoE sizes it
+stays well below cuBLAS's dense rate. This kernel does the same computation
 on Mosaic GPU: one grid step per (group, row tile), and a tile that straddles a
 group boundary is visited once per group (see `metadata.group_metadata`, which
 `_step_of` computes in registers).
@@ -363,9 +363,9 @@ _PREFERRED = (
 )
 
 # 64-row tiles for a plain grouped matmul whose 128 x 128 tiles leave a mostly
-# empty last wave. A wave of them takes 1.2-1.3x as long at equal work, so they
-# are taken only where they need at least 20 % fewer waves (BUILD_NOTES.md,
-# "MoE").
+# empty last wave. A wave of them takes longer at equal work (more operand
+# loads per output), so they are taken only where they need at least 20 % fewer
+# waves (BUILD_NOTES.md, "MoE").
 _FEW_WAVES = MosaicConfig(block_m=64, block_n=256, split="n", max_concurrent_steps=4)
 _FEW_WAVES_MAX_RATIO = 0.8
 
@@ -388,7 +388,7 @@ def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
 
   A tile wider than N (padded to 128) is skipped, and with two accumulators
   (SwiGLU) a warpgroup tile of more than 64 x 128: two [128, 128] float32
-  accumulators take all of a thread's registers (it ran 1.6x slower than Triton).
+  accumulators take all of a thread's registers.
   Given the `rows` and `num_groups` of a plain grouped matmul (no epilogue),
   64-row tiles replace the first choice where they need at least 20 % fewer
   waves (`_FEW_WAVES`).

@@ -8,8 +8,9 @@ as a grouped matmul. Here the activation runs on the first matmul's float32
 accumulator before it is stored, and its derivative runs on the accumulator of
 the hidden gradient `dy @ w_out[g]^T` before that is stored. The activation is
 applied to a tile's *output*, never to an input tile: a tile changed in
-registers cannot feed the tensor cores from shared memory (GELU applied to
-the second matmul's input tiles ran that matmul 2x slower).
+registers cannot feed the tensor cores from shared memory, so an activation
+on the second matmul's input tiles would slow that matmul (BUILD_NOTES.md,
+"MoE").
 
 Two kernels of this file and four of `ops.grouped_matmul`, under one
 `jax.custom_vjp`:

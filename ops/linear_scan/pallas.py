@@ -66,8 +66,8 @@ class LinearScanBlocks:
   def get_default(cls, batch: int, time: int, width: int) -> "LinearScanBlocks":
     """16 steps per iteration x 32 channels, one warp (one channel per
     thread), about a thousand programs, at most 64 chunks: the best of the
-    row walk's sweep on the H200 at B 8, T 4096, D 256, complex
-    (BUILD_NOTES.md, "SSM scans"; two warps were 14-33 % slower)."""
+    row walk's sweep (BUILD_NOTES.md, "SSM scans", with the tiles that
+    lost)."""
     block_d = max(8, min(32, next_pow2(width)))
     unroll = min(16, next_pow2(time))
     chains = batch * _shapes.cdiv(width, block_d)

@@ -82,11 +82,11 @@ class SelectiveScanBlocks:
   @classmethod
   def get_default(cls, batch: int, time: int, width: int,
                   state: int) -> "SelectiveScanBlocks":
-    """From the H200 sweep of the row walk (B 8, T 4096, D 256;
-    BUILD_NOTES.md, "SSM scans"). S <= 32: 8 channels, tiles of 4 steps,
+    """From the sweep of the row walk (BUILD_NOTES.md, "SSM scans", with
+    the tiles that lost). S <= 32: 8 channels, tiles of 4 steps,
     one warp (a [8, 16] state is four values per thread, so the reductions
     over channels stay inside a warp), 16 chunks per row (about 4,000
-    programs; 8 chunks were 18 % slower). S 128: 4 channels, tiles of 4
+    programs; fewer chunks leave fewer programs). S 128: 4 channels, tiles of 4
     steps, two warps, about 2,000 programs. More channels per program
     shrink the backward's dB/dC partials (`[B, D / block_d, T, S]`)."""
     state = next_pow2(state)

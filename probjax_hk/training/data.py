@@ -11,8 +11,8 @@ A stream is any Python iterable of batches (numpy or JAX pytrees). On an
 accelerator a background thread converts each batch and places it on the mesh,
 staying `PREFETCH` (two) items ahead of the step, so the host's data work
 overlaps the device's. On a CPU mesh the host's cores are the device: a thread
-there takes cores from the step it would overlap (fit's stream ran 7-10 %
-slower with it, BUILD_NOTES.md), so the main thread prepares each item instead,
+there takes cores from the step it would overlap (BUILD_NOTES.md, fit()),
+so the main thread prepares each item instead,
 while the call dispatched before it runs. With `steps_per_call=K` an item is K
 batches stacked [K, B, ...] (one transfer, one compiled call). The stream
 ending ends the fit.

@@ -49,8 +49,8 @@ DEFAULT_OPTIMIZER = optax.adam(1e-3)
 # short next to the host's per-step work; a bigger state's step is long
 # enough to hide it, and the copies a multi-step call keeps would cost memory.
 # Each call also copies its input state (kept for a roll-back) and reads its
-# final state once: 64 steps make those a few percent of a step on the CPU,
-# where 10 left fit 1.16-1.27 x the bare loop (BUILD_NOTES.md, fit()).
+# final state once: 64 steps spread those thin enough on the CPU for fit to
+# keep pace with a bare loop, and 10 do not (BUILD_NOTES.md, fit()).
 AUTO_STEPS_PER_CALL = 64
 AUTO_STATE_BYTES = 256 * 2**20
 # A stream's K batches travel stacked, two items ahead: the automatic K keeps
