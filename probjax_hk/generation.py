@@ -30,6 +30,10 @@ Hugging Face's sampling options (`top_p`, `min_p`, `repetition_penalty`, a
 temperature per sequence), `stop_tokens`, `return_log_probs`, and
 `prompt_lengths` for a batch of right-padded prompts.
 
+`TokenModel(..., dtype=jnp.bfloat16)` runs the body in bfloat16 (its
+activations and a Transformer's cache) with the float32 parameters of a
+model trained in float32; the logits stay float32 for sampling.
+
 A token outside [0, V) raises a ValueError where the tokens are concrete; a
 traced one embeds as NaN, so its logits are NaN, and `generate` returns -1 for
 a token drawn from NaN logits (and raises when it runs eagerly).
@@ -68,6 +72,18 @@ def _check_token_values(name: str, tokens, vocab_size: int | None) -> None:
                      f"[{lo}, {hi}]")
 
 
+def _floating_dtype(dtype) -> np.dtype:
+  """`dtype` as a NumPy dtype; a TypeError unless it names a floating one."""
+  try:
+    parsed = jnp.dtype(dtype)
+  except TypeError:
+    parsed = None
+  if parsed is None or not jnp.issubdtype(parsed, jnp.floating):
+    raise TypeError(f"`dtype` must be None or a floating dtype (e.g. jnp.bfloat16), got "
+                    f"{dtype=}")
+  return parsed
+
+
 class TokenModel(hk.Module):
   """A sequence model over discrete tokens: an embedding in, logits out.
 
@@ -81,10 +97,15 @@ class TokenModel(hk.Module):
   max_length=None, lengths=None) -> (y, state)` and `step(x_t, state) -> (y_t,
   state)`. `TokenModel` has the same interface over tokens, which is what
   `generate` drives.
+
+  The parameters are float32. The body computes in `dtype` (the embedding is
+  cast to it), or without `dtype` in the embedding's dtype: float32, or the
+  compute dtype of an `hk.mixed_precision` policy. The logits are float32
+  (under a policy, its output dtype).
   """
 
   def __init__(self, body: Any, vocab_size: int, *, embed_dim: int | None = None,
-               name: str | None = None):
+               dtype: Any = None, name: str | None = None):
     """Constructs the model.
 
     Args:
@@ -93,11 +114,15 @@ class TokenModel(hk.Module):
       vocab_size: V, the number of tokens.
       embed_dim: E, the embedding width; default the body's `input_dim`
         (SSMModel) or `model_dim` (Transformer).
+      dtype: None or a floating dtype (`jnp.bfloat16`): the dtype the body
+        computes in, so a Transformer's cache's too; the parameters stay
+        float32 (a model trained in float32 decodes in bfloat16 with them).
+        With it, `initial_state` passes `dtype=` to the body.
       name: module name.
 
     Raises:
-      TypeError: for a size that is not an integer or a `body` that is not
-        callable.
+      TypeError: for a size that is not an integer, a `body` that is not
+        callable or a `dtype` that is not a floating dtype.
       ValueError: for a size below 1, or no `embed_dim` for a body that has
         neither `input_dim` nor `model_dim`.
     """
@@ -110,9 +135,12 @@ class TokenModel(hk.Module):
         raise ValueError("`embed_dim` is required for a body without `input_dim` or "
                          f"`model_dim`, got body={type(body).__name__}")
     arguments.check_positive_ints(vocab_size=vocab_size, embed_dim=embed_dim)
+    if dtype is not None:
+      dtype = _floating_dtype(dtype)
     self.body = body
     self.vocab_size = vocab_size
     self.embed_dim = embed_dim
+    self.dtype = dtype
 
   def __call__(self, tokens: jax.Array, **kwargs) -> jax.Array:
     """The sequence path.
@@ -123,7 +151,7 @@ class TokenModel(hk.Module):
       **kwargs: passed to the body (e.g. `is_training=True`).
 
     Returns:
-      [B, T, V] logits.
+      [B, T, V] float32 logits.
     """
     self._check_tokens(tokens, 2)
     return self._logits(self.body(self._embed(tokens), **kwargs))
@@ -138,9 +166,10 @@ class TokenModel(hk.Module):
         Transformer's cache size; an SSM ignores it).
 
     Returns:
-      The body's state.
+      The body's state (a Transformer's caches in `dtype`; float32 without it).
     """
-    return self.body.initial_state(batch_size, max_length)
+    kwargs = {} if self.dtype is None else {"dtype": self.dtype}
+    return self.body.initial_state(batch_size, max_length, **kwargs)
 
   @hk.name_like("__call__")
   def prefill(self, tokens: jax.Array, state=None, *, max_length: int | None = None,
@@ -159,7 +188,7 @@ class TokenModel(hk.Module):
         them are unspecified.
 
     Returns:
-      (logits [B, T, V], the state after the tokens).
+      (logits [B, T, V] float32, the state after the tokens).
     """
     _check_token_array("tokens", tokens, 2)
     ragged = {}
@@ -179,7 +208,7 @@ class TokenModel(hk.Module):
       state: a state of `initial_state`, `prefill` or `step`.
 
     Returns:
-      (logits [B, V] of the token after it, the state).
+      (logits [B, V] float32 of the token after it, the state).
     """
     self._check_tokens(tokens, 1)
     y, state = self.body.step(self._embed(tokens), state)
@@ -191,16 +220,20 @@ class TokenModel(hk.Module):
 
   @hk.transparent
   def _embed(self, tokens):
-    """[...] ints -> [..., E] float32; NaN rows for tokens outside [0, V)."""
+    """[...] ints -> [..., E] in `dtype` (default the table's, float32 but
+    under a policy); NaN rows for tokens outside [0, V)."""
     table = hk.get_parameter("embeddings", [self.vocab_size, self.embed_dim], jnp.float32,
                              init=hk.initializers.TruncatedNormal())
     valid = (tokens >= 0) & (tokens < self.vocab_size)
     # NaN rather than a wrapped (-1 -> V - 1) or clipped row: the logits show it.
-    return jnp.where(valid[..., None], jnp.take(table, tokens, axis=0, mode="clip"), jnp.nan)
+    x = jnp.where(valid[..., None], jnp.take(table, tokens, axis=0, mode="clip"), jnp.nan)
+    return x if self.dtype is None else x.astype(self.dtype)
 
   @hk.transparent
   def _logits(self, y):
-    return layers.Linear(self.vocab_size, name="logits")(y)
+    """[..., D] in the compute dtype -> [..., V] float32 (the projection runs
+    in y's dtype; the softmax and sampling want float32)."""
+    return layers.Linear(self.vocab_size, name="logits")(y).astype(jnp.float32)
 
 
 def _penalize(logits, seen, penalty):

@@ -253,7 +253,8 @@ class SSMModel(hk.Module):
     return Linear(self.output_dim, name="output_proj")(RMSNorm(name="final_norm")(h))
 
   @hk.name_like("__call__")
-  def initial_state(self, batch_size: int, max_length: int | None = None):
+  def initial_state(self, batch_size: int, max_length: int | None = None, *,
+                    dtype=None):
     """The decoding state before the first step.
 
     Args:
@@ -261,11 +262,15 @@ class SSMModel(hk.Module):
       max_length: None or a positive int, otherwise unused (the state's size
         does not grow with the sequence); taken so that every sequence model
         decodes through one interface.
+      dtype: unused, taken for the same reason (the Transformer's cache
+        dtype): the states are float32 (the LRU's complex64) whatever dtype
+        the model computes in.
 
     Returns:
       Per-layer cell states, a list of num_layers or one pytree stacked on a
       leading num_layers axis when `scan_layers`.
     """
+    del dtype
     _check_max_length(max_length, 1)
     self._check_decodable()
     if self.scan_layers:

@@ -75,7 +75,6 @@ def _parse(argv):
     (["--model=lm", "--num_heads=3"], "num_heads"),  # the Transformer's 64
     (["--model=lm", "--ssm_cell=mamba2", "--model_dim=12", "--num_heads=5"],
      "num_heads"),
-    (["--model=lm", "--dtype=bfloat16"], "dtype"),
     (["--sample_every=0"], "sample_every"),
     (["--sample_length=0"], "sample_length"),
     (["--temperature=-0.5"], "temperature"),
@@ -108,6 +107,7 @@ def test_a_bad_value_is_refused_in_one_line_naming_the_flag(argv, flag):
     ["--model=lm", "--ssm_cell=mamba2", "--model_dim=12", "--num_heads=3"],
     ["--model=lm", "--temperature=0", "--sample_top_k=256", "--prompt=class"],
     ["--model=transformer", "--dtype=bfloat16"],
+    ["--model=lm", "--dtype=bfloat16"],
 ])
 def test_good_values_are_accepted(argv):
   _parse(argv)

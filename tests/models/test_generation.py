@@ -1,13 +1,15 @@
 """generate() and TokenModel: greedy decoding is the argmax of the full
 forward pass at each position, sampling is reproducible and respects top_k;
 each logits filter against a numpy version of Hugging Face's, stop tokens,
-log-probabilities; bad arguments raise."""
+log-probabilities; a float32 model generating in bfloat16; bad arguments
+raise."""
 
 import functools
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import pytest
 
@@ -17,17 +19,17 @@ from probjax_hk import generation
 V, B, T, G = 13, 3, 4, 6
 
 
-def _transformer_lm():
+def _transformer_lm(dtype=None):
   return generation.TokenModel(
       pk.Transformer(16, 4, 2, num_kv_heads=2, is_causal=True, use_rope=True,
-                     local_window_size=5), vocab_size=V)
+                     local_window_size=5), vocab_size=V, dtype=dtype)
 
 
-def _ssm_lm():
+def _ssm_lm(dtype=None):
   return generation.TokenModel(
       pk.SSMModel(8, 16, 16, 2, cell=pk.Mamba2Cell,
                   cell_kwargs={"head_dim": 8, "state_dim": 4}, scan_layers=True),
-      vocab_size=V)
+      vocab_size=V, dtype=dtype)
 
 
 def _forward(model_fn):
@@ -226,6 +228,46 @@ def test_sampled_log_probs_are_the_filtered_forward_logits():
   assert np.isinf(warped).any()   # the filters removed tokens, none of them drawn
 
 
+# The same models computing in bfloat16 (the same parameters); one compile each.
+_BF16 = {fn: functools.partial(fn, dtype=jnp.bfloat16) for fn in (_transformer_lm, _ssm_lm)}
+
+
+@pytest.mark.parametrize("model_fn", [_transformer_lm, _ssm_lm], ids=["transformer", "ssm"])
+def test_a_float32_model_generates_in_bfloat16(model_fn):
+  """Greedy tokens in bf16 are the float32 forward's argmax up to bf16's
+  rounding, with its log-probabilities; the body computes (and a Transformer
+  caches) in bf16 from float32 parameters, the logits come out float32."""
+  prompt, forward, params = _setup(model_fn)
+  tokens, log_probs = generation.generate(_BF16[model_fn], params, prompt, G, temperature=0,
+                                          return_log_probs=True)
+  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
+  logits = np.asarray(logits[:, T - 1:-1])                             # [B, G, V] float32
+  chosen = np.take_along_axis(logits, np.asarray(tokens)[..., None], axis=-1)[..., 0]
+  assert (chosen >= logits.max(-1) - 0.05).all()
+  want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                            np.asarray(tokens)[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(log_probs, want, atol=0.05)
+  # Shapes and dtypes only: traced, not run.
+  prefill = jax.eval_shape(hk.transform(
+      lambda p: _BF16[model_fn]().prefill(p, max_length=T + 1)).apply, params, None, prompt)
+  init = jax.eval_shape(hk.transform(
+      lambda: _BF16[model_fn]().initial_state(B, T + 1)).apply, params, None)
+  states = {a.dtype for a in jax.tree.leaves((prefill[1], init)) if a.dtype != jnp.int32}
+  assert prefill[0].dtype == jnp.float32
+  # A Transformer's cache in bf16; the SSM cells keep float32 states.
+  assert states == {jnp.dtype(jnp.bfloat16 if model_fn is _transformer_lm else jnp.float32)}
+
+
+def test_token_model_follows_a_mixed_precision_policy():
+  prompt, _, params = _setup(_transformer_lm)
+  policy = jmp.get_policy("params=float32,compute=bfloat16,output=bfloat16")
+  with hk.mixed_precision.push_policy(generation.TokenModel, policy):
+    logits, state = jax.eval_shape(hk.transform(
+        lambda p: _transformer_lm().prefill(p, max_length=T + 1)).apply, params, None, prompt)
+  assert logits.dtype == jnp.bfloat16
+  assert {c.key.dtype for c in state.caches} == {jnp.dtype(jnp.bfloat16)}
+
+
 def test_token_model_embeds_with_the_bodys_width():
   prompt, _, params = _setup(_ssm_lm)
   assert params["token_model"]["embeddings"].shape == (V, 8)         # SSMModel's input_dim
@@ -271,3 +313,7 @@ def test_bad_arguments_raise():
     _forward(_transformer_lm).init(jax.random.key(0), prompt.astype(jnp.float32))
   with pytest.raises(ValueError, match="embed_dim"):
     hk.transform(lambda: generation.TokenModel(hk.Linear(3), vocab_size=V)).init(None)
+  for dtype in (jnp.int32, "hot"):
+    with pytest.raises(TypeError, match="dtype"):
+      hk.transform(lambda: generation.TokenModel(hk.Linear(3), vocab_size=V, embed_dim=3,
+                                                 dtype=dtype)).init(None)
