@@ -28,6 +28,15 @@ NEXT_TESTS := -m jax_release tests
 # Two workers for CI's two cores; a file stays on one worker, so a module's
 # 8-device subprocess runs once. The 30 slowest tests close each log.
 PYTEST := -m pytest -n 2 --dist loadfile -q --durations=30
+# TEST_CACHE=DIR keeps the tests' compilation cache in DIR from one run to the
+# next (by default each run has a fresh one, tests/conftest.py). Its entries
+# are keyed on the compiled program, the jax/jaxlib release and the XLA flags,
+# so an entry serves only the same program; most of a run's time is XLA:CPU
+# compiling, which a warm cache skips. .ci/run sets it; the folder is emptied
+# once it holds more than TEST_CACHE_MAX_MB.
+TEST_CACHE ?=
+TEST_CACHE_MAX_MB ?= 4096
+TEST_ENV := JAX_PLATFORMS=cpu $(if $(TEST_CACHE),PROBJAX_HK_TEST_COMPILE_CACHE=$(TEST_CACHE))
 
 # $(call install_venv,DIR,JAX): a venv in DIR with the package (editable), its
 # test extra and that JAX release.
@@ -55,6 +64,11 @@ demo: $(STAMP)
 # fails, and the exit status is theirs.
 test:
 	@start=$$(date +%s); \
+	if [ -n "$(TEST_CACHE)" ] && [ -d "$(TEST_CACHE)" ]; then \
+	  size=$$(du -sm "$(TEST_CACHE)" | cut -f1); \
+	  echo "compilation cache: $(TEST_CACHE), $$size MB"; \
+	  if [ $$size -gt $(TEST_CACHE_MAX_MB) ]; then rm -rf "$(TEST_CACHE)"; fi; \
+	fi; \
 	$(MAKE) --no-print-directory $(STAMP) && $(MAKE) --no-print-directory -j2 test-suite $(STAMP_NEXT); \
 	first=$$?; \
 	$(MAKE) --no-print-directory test-jax-next; \
@@ -63,10 +77,10 @@ test:
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 test-suite: $(STAMP)
-	JAX_PLATFORMS=cpu $(PY) $(PYTEST) tests
+	$(TEST_ENV) $(PY) $(PYTEST) tests
 
 test-jax-next: $(STAMP_NEXT)
-	JAX_PLATFORMS=cpu $(VENV_NEXT)/bin/python $(PYTEST) $(NEXT_TESTS)
+	$(TEST_ENV) $(VENV_NEXT)/bin/python $(PYTEST) $(NEXT_TESTS)
 
 # make gpu-check: every kernel path checked on this machine's GPU, the first
 # command on a new GPU (BUILD_NOTES.md, "Running the benchmarks on a CUDA

@@ -33,6 +33,8 @@ _CACHE_ENV = "PROBJAX_HK_TEST_COMPILE_CACHE"
 # Mosaic GPU lowering), or (3) it is listed below: each kernel's one
 # interpret-mode numerics test against its reference (a new kernel adds its
 # own), and the multi-device or lowering tests that share a file with others.
+# The models' sharding (tests/models/test_sharding.py) composes the ops'
+# (tests/ops/test_sharding.py) and runs on the first version only.
 _JAX_RELEASE_FILES = frozenset(f"tests/{path}" for path in (
     "ops/test_triton_lowering.py", "ops/test_shared_lowering.py", "ops/test_shard_map.py",
     "ops/test_sharding.py", "models/test_moe_sharding.py", "training/test_sharding.py",
@@ -72,8 +74,9 @@ def pytest_configure(config):
   cache keys on the program, so each is compiled once per run. The first
   process (the xdist controller, or the only one) makes the directory and
   exports it as JAX_COMPILATION_CACHE_DIR, which workers and subprocesses
-  inherit. A fresh directory each run, so local runs time like CI's fresh
-  clone. A cache directory of the user's (JAX_COMPILATION_CACHE_DIR) is left
+  inherit. A fresh directory each run, unless the run is given one to keep
+  in PROBJAX_HK_TEST_COMPILE_CACHE (`make test TEST_CACHE=DIR`, as CI does).
+  A cache directory of the user's (JAX_COMPILATION_CACHE_DIR) is left
   alone."""
   config.addinivalue_line(
       "markers", "jax_release: a test a JAX release can break (tests/conftest.py says which)")

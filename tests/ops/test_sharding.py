@@ -2,18 +2,20 @@
 
 XLA's partitioner replicates a Pallas kernel (an opaque custom call) unless
 the op runs it per shard (`ops/_sharding.py`). On 8 simulated CPU devices,
-with every kernel forced on (interpret mode), each op and each model of the
-library is differentiated with its batch split over a mesh: the compiled
-program must hold no all-gather, and the values and gradients must equal one
-device's. pytest workers import JAX with one CPU device, so the 8-device run
-is a subprocess (one for the whole file: its compile time is the cost).
+with every kernel forced on (interpret mode), each op is differentiated with
+its batch split over a mesh: the compiled program must hold no all-gather,
+and the values and gradients must equal one device's. pytest workers import
+JAX with one CPU device, so the 8-device run is a subprocess (one for the
+whole file: its compile time is the cost). The library's models, the same
+way: tests/models/test_sharding.py.
 """
 
 import pytest
 
 from tests import simulated_devices
 
-_SCRIPT = r'''
+# The helpers of this file's script and of tests/models/test_sharding.py's.
+PRELUDE = r'''
 import functools, json
 import haiku as hk
 import jax, jax.numpy as jnp, numpy as np
@@ -43,16 +45,18 @@ def check(name, loss, args, specs, mesh, also_explicit=None):
       continue
     placed = [jax.device_put(a, NamedSharding(m, s)) for a, s in zip(args, specs)]
     with jax.set_mesh(m):
-      text = grad.lower(*placed).compile().as_text()
-      got = grad(*placed)
-    out[key] = {"gathers": gathers(text), "err": max_err(got, want)}
+      compiled = grad.lower(*placed).compile()  # run as read: one compile
+      got = compiled(*placed)
+    out[key] = {"gathers": gathers(compiled.as_text()), "err": max_err(got, want)}
 
 def sin_sum(fn):
   return lambda *a: jnp.sum(jnp.sin(fn(*a).astype(jnp.float32)))
 
 auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
 explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+'''
 
+_SCRIPT = PRELUDE + r'''
 # Every op, batch 8 split over 8 devices (Auto axes from jax.set_mesh).
 for name, (fn, args, specs) in test_shard_map._cases().items():
   batched = [s == test_shard_map._B for s in specs]
@@ -96,28 +100,6 @@ try:
   out["sequence_error"] = "no error"
 except ValueError as e:
   out["sequence_error"] = str(e)
-
-# The models of the library with their kernels forced on, batch 8 over 8 devices.
-flex = functools.partial(pk.dot_product_attention, implementation="flex")
-models = {
-    "Transformer": lambda x: pk.Transformer(64, 4, 2, attention_fn=flex)(x),
-    "Transformer_causal": lambda x: pk.Transformer(64, 4, 1, attention_fn=flex, is_causal=True)(x),
-    "Mamba2Cell": lambda x: pk.SSMModel(64, 64, 64, 1, cell=pk.Mamba2Cell, cell_kwargs=dict(
-        head_dim=16, state_dim=16, implementation="pallas"))(x),
-    "MambaCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.MambaCell, cell_kwargs=dict(
-        state_dim=8, implementation="pallas"))(x),
-    "GatedDeltaNetCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.GatedDeltaNetCell,
-        cell_kwargs=dict(num_heads=2, head_dim=16, implementation="pallas"))(x),
-    "LRUCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.LRUCell, cell_kwargs=dict(
-        state_dim=32, implementation="pallas"))(x),
-}
-x = jax.random.normal(jax.random.PRNGKey(2), (8, 16, 64))
-for name, forward in models.items():
-  model = hk.without_apply_rng(hk.transform(forward))
-  params = model.init(jax.random.PRNGKey(3), x)
-  check(f"model/{name}", lambda p, x: jnp.sum(jnp.sin(model.apply(p, x))),
-        [params, x], [P(), P("data")], auto,
-        also_explicit=jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,)))
 print("RESULT" + json.dumps(out))
 '''
 
@@ -129,10 +111,7 @@ def results():
 
 _CASES = [f"op/{n}" for n in ("flex_attention", "ssd", "gated_delta_rule", "selective_scan",
                               "linear_scan", "grouped_matmul", "grouped_mlp")] + [
-    "explicit/flex_attention_gqa", "explicit/ssd_heads", "explicit/selective_scan_channels"] + [
-    f"{mesh}model/{n}" for mesh in ("", "explicit/")
-    for n in ("Transformer", "Transformer_causal", "Mamba2Cell", "MambaCell",
-              "GatedDeltaNetCell", "LRUCell")]
+    "explicit/flex_attention_gqa", "explicit/ssd_heads", "explicit/selective_scan_channels"]
 
 
 @pytest.mark.parametrize("case", _CASES)
