@@ -26,8 +26,10 @@ VENV_NEXT := $(VENV)/jax-next
 STAMP_NEXT := $(VENV_NEXT)/.installed
 NEXT_TESTS := -m jax_release tests
 # Two workers for CI's two cores; a file stays on one worker, so a module's
-# 8-device subprocess runs once. The 30 slowest tests close each log.
-PYTEST := -m pytest -n 2 --dist loadfile -q --durations=30
+# 8-device subprocess runs once. Files go out in collection order, which
+# tests/conftest.py makes longest first when TEST_CACHE holds the last run's
+# times. The 30 slowest tests close each log.
+PYTEST := -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q --durations=30
 # TEST_CACHE=DIR keeps the tests' compilation cache in DIR from one run to the
 # next (by default each run has a fresh one, tests/conftest.py). Its entries
 # are keyed on the compiled program, the jax/jaxlib release and the XLA flags,

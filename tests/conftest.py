@@ -1,6 +1,9 @@
 """Setup shared by every test module: environment, compilation cache, fixtures."""
 
+import collections
+import json
 import os
+import re
 import shutil
 import tempfile
 import types
@@ -96,6 +99,42 @@ def pytest_configure(config):
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+# Each test file's seconds in the last run that kept its compilation cache
+# (`make test TEST_CACHE=DIR`), one record per marker selection: the next run
+# hands out the longest files first, so the two xdist workers finish together
+# (`--dist loadfile` deals whole files in collection order, the Makefile's
+# `--no-loadscope-reorder` keeps that order). Without a record: path order.
+_file_seconds = collections.Counter()
+
+
+def _seconds_record(config):
+  cache = os.environ.get(_CACHE_ENV)
+  if not cache:
+    return None
+  selection = re.sub(r"\W+", "_", config.getoption("markexpr") or "all")
+  return os.path.join(cache, f"file_seconds_{selection}.json")
+
+
+def pytest_runtest_logreport(report):
+  _file_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+  """Writes the record (the xdist controller, or the only process)."""
+  path = _seconds_record(session.config)
+  if path is None or hasattr(session.config, "workerinput") or not _file_seconds:
+    return
+  try:
+    with open(path) as f:
+      seconds = json.load(f)
+  except (OSError, ValueError):
+    seconds = {}
+  seconds.update(_file_seconds)
+  with open(path + ".tmp", "w") as f:
+    json.dump(seconds, f, indent=0, sort_keys=True)
+  os.replace(path + ".tmp", path)
+
+
 def pytest_unconfigure(config):
   if getattr(config, "_probjax_hk_cache_owner", False):
     shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
@@ -104,7 +143,9 @@ def pytest_unconfigure(config):
 def pytest_collection_modifyitems(config, items):
   """Marks the `jax_release` tests. When they are selected (`-m jax_release`),
   a listed test that is not collected is an error, so a rename cannot drop a
-  kernel's check from the second JAX version silently."""
+  kernel's check from the second JAX version silently. Orders the files by
+  the record's seconds, longest first (a stable sort: a file's tests stay
+  together and in order)."""
   collected = set()
   for item in items:
     path = item.nodeid.split("::")[0]
@@ -118,6 +159,11 @@ def pytest_collection_modifyitems(config, items):
       raise pytest.UsageError(
           "tests/conftest.py lists jax_release tests that were not collected: "
           + ", ".join(missing))
+  path = _seconds_record(config)
+  if path and os.path.exists(path):
+    with open(path) as f:
+      seconds = json.load(f)
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
 
 
 @pytest.fixture
