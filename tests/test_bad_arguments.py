@@ -165,7 +165,7 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
     "TokenModel": (dict(body=Lazy(lambda: pk.Transformer(D, 4, 1, is_causal=True)),
                         vocab_size=7), [
         ("body", "transformer", T), ("vocab_size", 0, V), ("embed_dim", 0, V),
-        *_name_rows()]),
+        ("dtype", "int32", T), *_name_rows()]),
     # Its rows raise before the parameters are read.
     "generate": (dict(model_fn=_token_model, params={},
                       prompt=jnp.zeros((B, 3), jnp.int32), num_tokens=2, rng=KEY), [
