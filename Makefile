@@ -69,7 +69,7 @@ test:
 	if [ -n "$(TEST_CACHE)" ] && [ -d "$(TEST_CACHE)" ]; then \
 	  size=$$(du -sm "$(TEST_CACHE)" | cut -f1); \
 	  echo "compilation cache: $(TEST_CACHE), $$size MB"; \
-	  if [ $$size -gt $(TEST_CACHE_MAX_MB) ]; then rm -rf "$(TEST_CACHE)"; fi; \
+	  if [ $$size -gt $(TEST_CACHE_MAX_MB) ]; then echo "over $(TEST_CACHE_MAX_MB) MB: emptied"; rm -rf "$(TEST_CACHE)"; fi; \
 	fi; \
 	$(MAKE) --no-print-directory $(STAMP) && $(MAKE) --no-print-directory -j2 test-suite $(STAMP_NEXT); \
 	first=$$?; \
