@@ -2,6 +2,8 @@
 
 Every op is one function with arrays positional and options keyword-only,
 including `implementation=None | 'pallas' | 'xla'` (see each op's api.py).
+The recurrences also give their single step (`ssd_step`, `gated_delta_step`,
+`selective_scan_step`), the decode step of the SSM cells.
 """
 
 from ops.decode_attention import decode_attention
@@ -10,6 +12,7 @@ from ops.flex_attention import flex_attention
 from ops.flex_attention import flex_attention_reference
 from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
+from ops.gated_delta_rule import gated_delta_step
 from ops.grouped_matmul import grouped_matmul
 from ops.grouped_matmul import grouped_matmul_reference
 from ops.grouped_mlp import grouped_mlp
@@ -18,8 +21,10 @@ from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_reference
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_reference
+from ops.selective_scan import selective_scan_step
 from ops.ssd import ssd
 from ops.ssd import ssd_reference
+from ops.ssd import ssd_step
 
 __all__ = (
     "decode_attention",
@@ -28,6 +33,7 @@ __all__ = (
     "flex_attention_reference",
     "gated_delta_rule",
     "gated_delta_rule_reference",
+    "gated_delta_step",
     "grouped_matmul",
     "grouped_matmul_reference",
     "grouped_mlp",
@@ -36,6 +42,8 @@ __all__ = (
     "linear_scan_reference",
     "selective_scan",
     "selective_scan_reference",
+    "selective_scan_step",
     "ssd",
     "ssd_reference",
+    "ssd_step",
 )

@@ -4,7 +4,7 @@ from ops.gated_delta_rule.api import gated_delta_rule
 from ops.gated_delta_rule.pallas import gated_delta_rule_pallas
 from ops.gated_delta_rule.pallas import GatedDeltaBlocks
 from ops.gated_delta_rule.reference import gated_delta_rule_reference
-from ops.gated_delta_rule.reference import gated_delta_step
+from ops.gated_delta_rule.step import gated_delta_step
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 
 __all__ = ("gated_delta_rule", "gated_delta_rule_pallas", "gated_delta_rule_reference",

@@ -13,9 +13,9 @@ import jax
 from ops import _backend
 from ops import _shapes
 from ops.gated_delta_rule import pallas as pallas_impl
-from ops.gated_delta_rule.reference import l2_normalize
 from ops.gated_delta_rule.reference import no_gate
-from ops.gated_delta_rule.reference import write_strength
+from ops.gated_delta_rule.step import l2_normalize
+from ops.gated_delta_rule.step import write_strength
 from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import chunked_kernel_limit
 from ops.ssd.api import run_chunked_per_shard

@@ -8,8 +8,9 @@ Delta Rule", https://arxiv.org/abs/2412.06464. With the state kept as
     <=>  M' = exp(g_t) M_{t-1};  u_t = beta_t (v_t - M'^T k_t);  M_t = M' + k_t u_t^T
     y_t = scale * M_t^T q_t
 
-The specification the chunked tier is tested against, float32 throughout, and
-the decode step of GatedDeltaNetCell. With no gate (`log_decay=None`) it is
+The specification the chunked tier is tested against: one `lax.scan` step per
+token (`ops/gated_delta_rule/step.py`'s `gated_delta_step`, the decode step of
+GatedDeltaNetCell), float32 throughout. With no gate (`log_decay=None`) it is
 the plain delta rule (Yang et al. 2024, https://arxiv.org/abs/2406.06484).
 The input options of flash-linear-attention's `chunk_gated_delta_rule` act on
 each token: `use_qk_l2norm_in_kernel` (`x / sqrt(|x|^2 + 1e-6)` for q and k),
@@ -23,52 +24,17 @@ Glossary of shapes: B batch, T time, N heads, K key size, V value size.
 import jax
 import jax.numpy as jnp
 
-from ops.ssd.reference import expand_groups
+from ops.gated_delta_rule.step import gated_delta_step
+from ops.ssd.groups import expand_groups
 from ops.ssd.reference import scan_tokens
 
 _F32 = jnp.float32
-L2NORM_EPS = 1e-6  # flash-linear-attention's, inside the square root
-
-
-def l2_normalize(x: jax.Array) -> jax.Array:
-  """`x / sqrt(sum(x^2) + 1e-6)` over the last axis, in float32."""
-  x = x.astype(_F32)
-  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
-
-
-def write_strength(beta: jax.Array, *, use_beta_sigmoid_in_kernel: bool = False,
-                   allow_neg_eigval: bool = False) -> jax.Array:
-  """The beta the rule uses, float32: `sigmoid(beta)` for a logit, doubled
-  with `allow_neg_eigval`."""
-  beta = beta.astype(_F32)
-  if use_beta_sigmoid_in_kernel:
-    beta = jax.nn.sigmoid(beta)
-  return 2.0 * beta if allow_neg_eigval else beta
 
 
 def no_gate(log_decay: jax.Array | None, beta: jax.Array) -> jax.Array:
   """`log_decay`, or for the plain delta rule (None) float32 zeros like `beta`
   [B, T, N] (sharded like it)."""
   return jnp.zeros_like(beta, _F32) if log_decay is None else log_decay
-
-
-def gated_delta_step(state, q, k, v, log_decay, beta, *, scale,
-                     use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                     allow_neg_eigval=False):
-  """One token: state [B, N, K, V] f32, q/k [B, N, K], v [B, N, V],
-  log_decay/beta [B, N] (log_decay None: no gate) -> (y [B, N, V] f32, new
-  state). The options as in `gated_delta_rule_reference`."""
-  if use_qk_l2norm_in_kernel:
-    q, k = l2_normalize(q), l2_normalize(k)
-  q, k, v = (x.astype(_F32) for x in (q, k, v))
-  if log_decay is not None:
-    state = jnp.exp(log_decay.astype(_F32))[..., None, None] * state
-  beta = write_strength(beta, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                        allow_neg_eigval=allow_neg_eigval)
-  u = beta[..., None] * (v - jnp.einsum("bnkv,bnk->bnv", state, k))
-  state = state + k[..., :, None] * u[..., None, :]
-  y = scale * jnp.einsum("bnkv,bnk->bnv", state, q)
-  return y, state
 
 
 def gated_delta_rule_reference(q, k, v, log_decay, beta, *, scale=None,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops.gated_delta_rule.reference import no_gate
 from ops.ssd import varlen
-from ops.ssd.reference import expand_groups
+from ops.ssd.groups import expand_groups
 from ops.ssd.xla import chunk_cumsum
 from ops.ssd.xla import einsum
 

@@ -59,8 +59,8 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import tile_steps
-from ops.selective_scan.reference import finish_output
-from ops.selective_scan.reference import prepare_delta
+from ops.selective_scan.step import finish_output
+from ops.selective_scan.step import prepare_delta
 from ops._triton import next_pow2
 
 _F32 = jnp.float32

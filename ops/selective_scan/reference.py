@@ -7,7 +7,8 @@ Spaces", https://arxiv.org/abs/2312.00752:
     y_t = h_t C_t + D u_t,   y_t *= silu(z_t) when z is given
 
 The specification every faster tier is tested against: one `lax.scan` step
-per time step, float32 throughout.
+per time step (`ops/selective_scan/step.py`'s `selective_scan_step`, the decode
+step of MambaCell), float32 throughout.
 
 Glossary of shapes: B batch, T time, D channels, S state size.
 """
@@ -15,27 +16,9 @@ Glossary of shapes: B batch, T time, D channels, S state size.
 import jax
 import jax.numpy as jnp
 
-
-def prepare_delta(delta: jax.Array, delta_bias: jax.Array | None,
-                  delta_softplus: bool) -> jax.Array:
-  """float32 `softplus(delta + delta_bias)` (each part optional): [B, T, D]."""
-  delta = delta.astype(jnp.float32)
-  if delta_bias is not None:
-    delta = delta + delta_bias.astype(jnp.float32)
-  if delta_softplus:
-    delta = jax.nn.softplus(delta)
-  return delta
-
-
-def finish_output(y: jax.Array, u: jax.Array, D: jax.Array | None,
-                  z: jax.Array | None) -> jax.Array:
-  """Adds the skip `D u`, gates by `silu(z)`, casts to `u`'s dtype: [B, T, D]."""
-  y = y.astype(jnp.float32)
-  if D is not None:
-    y = y + u.astype(jnp.float32) * D.astype(jnp.float32)
-  if z is not None:
-    y = y * jax.nn.silu(z.astype(jnp.float32))
-  return y.astype(u.dtype)
+from ops.selective_scan.step import finish_output
+from ops.selective_scan.step import prepare_delta
+from ops.selective_scan.step import selective_scan_step
 
 
 def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
@@ -72,18 +55,13 @@ def selective_scan_reference(u, delta, A, B, C, *, D=None, z=None,
   h0 = (jnp.zeros((batch, width, state), jnp.float32) if initial_state is None
         else initial_state.astype(jnp.float32))
 
-  def per_channel(x_t, x):  # this step's projection, broadcasting to [B, D, S]
-    if x.ndim == 2:  # time-invariant [D, S]
-      return x.astype(jnp.float32)
-    if x_t.ndim == 3:  # per group [B, G, S]
-      return jnp.repeat(x_t, width // x_t.shape[1], axis=1)
-    return x_t[:, None, :]
-
   def step(h, xs):
     u_t, delta_t, b_t, c_t = xs  # [B, D], [B, D], [B, (G,) S] or None (x2)
-    decay = jnp.exp(delta_t[:, :, None] * A)                     # [B, D, S]
-    h = decay * h + (delta_t * u_t)[:, :, None] * per_channel(b_t, B)
-    return h, jnp.sum(h * per_channel(c_t, C), axis=-1)
+    # A time-invariant [D, S] projection is one group per channel: [1, D, S].
+    b_t = B[None] if b_t is None else b_t
+    c_t = C[None] if c_t is None else c_t
+    y, h = selective_scan_step(h, u_t, delta_t, A, b_t, c_t)
+    return h, y
 
   # Time-invariant projections stay out of the scanned sequences.
   xs = tuple(None if x.ndim == 2 else jnp.swapaxes(x.astype(jnp.float32), 0, 1)

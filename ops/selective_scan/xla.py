@@ -10,8 +10,8 @@ Glossary of shapes: B batch, T time, D channels, S state size.
 import jax
 import jax.numpy as jnp
 
-from ops.selective_scan.reference import finish_output
-from ops.selective_scan.reference import prepare_delta
+from ops.selective_scan.step import finish_output
+from ops.selective_scan.step import prepare_delta
 
 
 def _combine(first, second):

@@ -4,7 +4,7 @@ from ops.ssd.api import ssd
 from ops.ssd.pallas import ssd_pallas
 from ops.ssd.pallas import SSDBlocks
 from ops.ssd.reference import ssd_reference
-from ops.ssd.reference import ssd_step
+from ops.ssd.step import ssd_step
 from ops.ssd.xla import ssd_xla
 
 __all__ = ("ssd", "ssd_pallas", "ssd_reference", "ssd_step", "ssd_xla", "SSDBlocks")

@@ -12,7 +12,8 @@ which is the recurrence, one step per token,
     y_t = S_t^T q_t                                  # [V]
 
 The specification every faster tier is tested against: one `lax.scan` step per
-token, float32 throughout. It is also the decode step of the SSD cells.
+token (`ops/ssd/step.py`'s `ssd_step`, the cells' decode step), float32
+throughout.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups (N % G == 0),
 K key size, V value size.
@@ -22,27 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from ops.ssd import varlen
+from ops.ssd.groups import expand_groups
+from ops.ssd.step import ssd_step
 
 _F32 = jnp.float32
-
-
-def expand_groups(x: jax.Array, num_heads: int) -> jax.Array:
-  """[B, T, G, K] -> [B, T, N, K]: head n reads group n // (N // G)."""
-  groups = x.shape[2]
-  if groups == num_heads:
-    return x
-  return jnp.repeat(x, num_heads // groups, axis=2)
-
-
-def ssd_step(state: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-             log_decay: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One token: (state [B, N, K, V] f32, q/k [B, N, K], v [B, N, V], log_decay [B, N])
-  -> (y [B, N, V] f32, new state [B, N, K, V] f32)."""
-  decay = jnp.exp(log_decay.astype(_F32))[..., None, None]             # [B, N, 1, 1]
-  state = decay * state + (k.astype(_F32)[..., :, None]
-                           * v.astype(_F32)[..., None, :])             # [B, N, K, V]
-  y = jnp.einsum("bnk,bnkv->bnv", q.astype(_F32), state)
-  return y, state
 
 
 def ssd_reference(q, k, v, log_decay, *, initial_state=None, chunk_size=None,

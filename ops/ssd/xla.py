@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from ops import _shapes
 from ops.ssd import varlen
-from ops.ssd.reference import expand_groups
+from ops.ssd.groups import expand_groups
 
 _F32 = jnp.float32
 DEFAULT_CHUNK = 128
