@@ -233,17 +233,6 @@ def check_window(local_window_size) -> None:
                      f"of ints >= 0, got {local_window_size=}")
 
 
-def _checked_lengths(name, lengths, batch):
-  """`lengths` (None or array-like) as int32 [B]; a ValueError naming it unless
-  it is [B] integers (a float is refused, not truncated)."""
-  if lengths is None:
-    return None
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be [B]=({batch},) integers, got shape "
-                     f"{lengths.shape} and dtype {lengths.dtype}")
-  return lengths.astype(jnp.int32)
-
 
 # The dot algorithm jax.nn's XLA path asks for with 16-bit inputs.
 _DOT_ALGORITHMS = {jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
@@ -365,9 +354,11 @@ def dot_product_attention(
     _check_logits_operand(name, x, (batch, num_heads, seq_q, key.shape[1]))  # [B, N, T, S]
   if mask is not None and mask.dtype != jnp.bool_:
     raise ValueError(f"`mask` must be boolean (True attends), got {mask.dtype}")
-  query_seq_lengths = _checked_lengths("query_seq_lengths", query_seq_lengths, batch)
-  key_value_seq_lengths = _checked_lengths("key_value_seq_lengths", key_value_seq_lengths,
-                                           batch)
+  if query_seq_lengths is not None:
+    query_seq_lengths = layers.check_lengths(query_seq_lengths, batch, "query_seq_lengths")
+  if key_value_seq_lengths is not None:
+    key_value_seq_lengths = layers.check_lengths(key_value_seq_lengths, batch,
+                                                 "key_value_seq_lengths")
   check_window(local_window_size)
   chosen = choose_attention_implementation(
       query, key, value, bias, mask, is_causal=is_causal,
@@ -450,12 +441,8 @@ def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Ar
   if time > slots:
     raise ValueError(f"`query` has T={time} new tokens, more than the S={slots} slots "
                      "of `key_cache`")
-  if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
-                                                          jnp.integer):
-    raise ValueError(f"`lengths` must be [B]=({batch},) integers, got shape "
-                     f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
   return decode_api.decode_attention(
-      query, key_cache, value_cache, jnp.asarray(lengths, jnp.int32),
+      query, key_cache, value_cache, layers.check_lengths(lengths, batch),
       scale=None if scale is None else float(scale),
       local_window_size=_normalize_window(local_window_size), implementation=implementation)
 
@@ -671,10 +658,7 @@ class MultiHeadAttention(hk.Module):
           or a.dtype != x.dtype):
         raise ValueError(f"`{name}` must be [B, S, K, H] = [{batch}, S, {self.num_kv_heads}, "
                          f"{head_dim}] in x's dtype {x.dtype}, got {a.shape} {a.dtype}")
-    if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
-                                                            jnp.integer):
-      raise ValueError(f"`lengths` must be [B]=({batch},) integers, got shape "
-                       f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
+    layers.check_lengths(lengths, batch)
     positions = lengths[:, None] + jnp.arange(time)                   # [B, T]
     q, k, v = self._project(x, x, positions, positions)
     rows = jnp.arange(batch)[:, None]

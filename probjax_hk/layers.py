@@ -33,6 +33,16 @@ def check_tokens(x: jax.Array, name: str = "x") -> None:
                        f"in shape {x.shape}")
 
 
+def check_lengths(lengths, batch: int, name: str = "lengths") -> jax.Array:
+  """`lengths` as int32 [B]; a ValueError naming it unless it is [B] integers
+  (a float is refused, not truncated)."""
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be [B]=({batch},) integers, got shape "
+                     f"{lengths.shape} and dtype {lengths.dtype}")
+  return lengths.astype(jnp.int32)
+
+
 def sequence_mask(lengths, x: jax.Array, name: str = "lengths") -> tuple[jax.Array, jax.Array]:
   """The valid steps of right-padded sequences x [B, T, ...].
 
@@ -50,15 +60,12 @@ def sequence_mask(lengths, x: jax.Array, name: str = "lengths") -> tuple[jax.Arr
       outside [0, T].
   """
   batch, time = x.shape[:2]
-  if jnp.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths),
-                                                          jnp.integer):
-    raise ValueError(f"`{name}` must be [B]=({batch},) integers, got shape "
-                     f"{jnp.shape(lengths)} and dtype {jnp.result_type(lengths)}")
+  lengths = check_lengths(lengths, batch, name)
   if not isinstance(lengths, jax.core.Tracer):
     values = np.asarray(lengths)
     if values.min() < 0 or values.max() > time:
       raise ValueError(f"`{name}` must lie in [0, T={time}], got {values.tolist()}")
-  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, time)
+  lengths = jnp.clip(lengths, 0, time)
   return lengths, jnp.arange(time) < lengths[:, None]
 
 
