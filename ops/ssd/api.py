@@ -9,9 +9,9 @@ K key size, V value size.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
 from ops import _shapes
 from ops import _sharding
+from ops import registry
 from ops.ssd import pallas as pallas_impl
 from ops.ssd import varlen
 from ops.ssd.xla import ssd_xla
@@ -94,7 +94,7 @@ def run_chunked_per_shard(op: str, kernel_path, q, k, v, log_decay, initial_stat
 def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
         initial_state: jax.Array | None = None, chunk_size: int | None = None,
         cu_seqlens: jax.Array | None = None,
-        implementation: _backend.Implementation = None
+        implementation: registry.Choice = None
         ) -> tuple[jax.Array, jax.Array]:
   """SSD: `y_t = sum_{s<=t} exp(G_t - G_s) (q_t^T k_s) v_s`, `G = cumsum(log_decay)`.
 
@@ -116,10 +116,11 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
       state. Each sequence is computed on chunks of its own, so many
       sequences much shorter than a chunk waste work: pass a smaller
       `chunk_size` then.
-    implementation: None (on NVIDIA GPUs the faster of the Pallas kernel and
+    implementation: None (on NVIDIA GPUs the faster of the Triton kernels and
       XLA where measured, `ops/dispatch_tables/ssd.json`; XLA elsewhere),
-      'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
-      einsum algorithm of xla.py).
+      'triton' (the kernels; interpret mode off GPU; 'pallas' is its alias),
+      'xla' (the chunked einsum algorithm of xla.py), or a sequence of these
+      tried in order (`ops.registry`).
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
@@ -128,18 +129,33 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   """
   validate("ssd", q, k, v, log_decay, initial_state, cu_seqlens=cu_seqlens)
   _shapes.check_chunk_size("ssd", chunk_size)
+  call = dict(q=q, k=k, v=v, log_decay=log_decay, initial_state=initial_state,
+              chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+  chosen = IMPLEMENTATIONS.choose(implementation, call, key_dim=q.shape[-1],
+                                  length=q.shape[1])
+  return chosen.run(**call)
 
-  def kernel_limit():
-    return chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
-                                "the state tile lives in registers")
 
-  # The measured table decides (ops/dispatch_tables/ssd.json).
-  backend = _backend.choose("ssd", implementation, kernel_limit, key_dim=q.shape[-1],
-                            length=q.shape[1])
-  if backend == "xla":
-    return ssd_xla(q, k, v, log_decay, initial_state=initial_state, chunk_size=chunk_size,
-                   cu_seqlens=cu_seqlens)
+def _xla(**call):
+  return ssd_xla(**call)
+
+
+def _triton(q, k, v, log_decay, initial_state, chunk_size, cu_seqlens):
   return run_chunked_per_shard(
       "ssd", lambda q, k, v, g, h0, cu: pallas_impl.ssd_pallas(
           q, k, v, g, initial_state=h0, chunk_size=chunk_size, cu_seqlens=cu),
       q, k, v, log_decay, initial_state, cu_seqlens=cu_seqlens)
+
+
+def _triton_supports(call) -> str | None:
+  return chunked_kernel_limit(call["q"], call["k"], call["v"], call["chunk_size"],
+                              pallas_impl.MAX_HEAD_SIZE, "the state tile lives in registers")
+
+
+# The measured table decides the default (ops/dispatch_tables/ssd.json, where
+# the kernels are timed as 'pallas').
+IMPLEMENTATIONS = registry.Registry("ssd", table="ssd")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
+                         config=pallas_impl.SSDBlocks, measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("triton",))

@@ -151,7 +151,7 @@ def test_kernel_limits_raise_for_pallas_only():
     ssd(q, k, v, g, chunk_size=24, implementation="pallas")
   ssd(q, k, v, g, chunk_size=24, implementation="xla")
   with pytest.raises(ValueError, match="implementation"):
-    ssd(q, k, v, g, implementation="triton")
+    ssd(q, k, v, g, implementation="cuda")
   with pytest.raises(ValueError, match="chunk_size"):
     ssd(q, k, v, g, chunk_size=0)
 
