@@ -10,8 +10,8 @@ import numbers
 
 import jax
 
-from ops import _backend
 from ops import _shapes
+from ops import registry
 from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.reference import no_gate
 from ops.gated_delta_rule.step import l2_normalize
@@ -20,6 +20,7 @@ from ops.gated_delta_rule.xla import gated_delta_rule_xla
 from ops.ssd.api import chunked_kernel_limit
 from ops.ssd.api import run_chunked_per_shard
 from ops.ssd.api import validate
+
 
 def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
                      log_decay: jax.Array | None, beta: jax.Array, *,
@@ -30,7 +31,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
                      use_qk_l2norm_in_kernel: bool = False,
                      use_beta_sigmoid_in_kernel: bool = False,
                      allow_neg_eigval: bool = False,
-                     implementation: _backend.Implementation = None
+                     implementation: registry.Choice = None
                      ) -> tuple[jax.Array, jax.Array]:
   """The gated delta rule, state `M = S^T` in the [K, V] layout of `ops.ssd`::
 
@@ -64,11 +65,12 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
     allow_neg_eigval: the rule uses `2 * beta` (after the sigmoid, if any), in
       [0, 2]: `I - beta k k^T` may have the eigenvalue -1 (flash-linear-attention
       applies it only together with the sigmoid; here it always doubles).
-    implementation: None (on NVIDIA GPUs the faster of the Pallas kernels and
+    implementation: None (on NVIDIA GPUs the faster of the Triton kernels and
       XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`, at K,
-      V <= 128; XLA elsewhere),
-      'pallas' (the kernels; interpret mode off GPU) or 'xla' (the chunked
-      WY form of xla.py).
+      V <= 128; XLA elsewhere), 'triton' (the kernels of pallas.py, with their
+      Mosaic GPU state walks on Hopper where those take the shapes; interpret
+      mode off GPU; 'pallas' is its alias), 'xla' (the chunked WY form of
+      xla.py), or a sequence of these tried in order (`ops.registry`).
 
   Returns:
     y: [B, T, N, V] in `v`'s dtype (accumulated in float32).
@@ -86,32 +88,51 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
                      ("allow_neg_eigval", allow_neg_eigval)):
     _shapes.check_bool("gated_delta_rule", name, flag)
 
-  def kernel_limit():
-    limit = chunked_kernel_limit(q, k, v, chunk_size, pallas_impl.MAX_HEAD_SIZE,
-                                 "a chunk's [K, V] state tiles and gradients live in registers")
-    if limit is None and implementation is None and max(
-        k.shape[-1], v.shape[-1]) > pallas_impl.MAX_MEASURED_HEAD_SIZE:
-      # Run where asked for, but not yet timed on a GPU: XLA stays the default.
-      return f"K, V > {pallas_impl.MAX_MEASURED_HEAD_SIZE} not measured"
-    return limit
-
-  # The measured table decides (ops/dispatch_tables/gated_delta_rule.json).
-  backend = _backend.choose("gated_delta_rule", implementation, kernel_limit,
-                            key_dim=q.shape[-1], length=q.shape[1])
   # The options act per token before the recurrence; XLA fuses them into one pass.
   if use_qk_l2norm_in_kernel:
     q, k = l2_normalize(q).astype(q.dtype), l2_normalize(k).astype(k.dtype)
   if use_beta_sigmoid_in_kernel or allow_neg_eigval:
     beta = write_strength(beta, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                           allow_neg_eigval=allow_neg_eigval)
-  log_decay = no_gate(log_decay, beta)
-  if backend == "xla":
-    return gated_delta_rule_xla(q, k, v, log_decay, beta, scale=scale,
-                                initial_state=initial_state, chunk_size=chunk_size,
-                                cu_seqlens=cu_seqlens)
+  call = dict(q=q, k=k, v=v, log_decay=no_gate(log_decay, beta), beta=beta, scale=scale,
+              initial_state=initial_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+  chosen = IMPLEMENTATIONS.choose(implementation, call, key_dim=q.shape[-1],
+                                  length=q.shape[1])
+  return chosen.run(**call)
+
+
+def _xla(**call):
+  return gated_delta_rule_xla(**call)
+
+
+def _triton(q, k, v, log_decay, beta, scale, initial_state, chunk_size, cu_seqlens):
   return run_chunked_per_shard(
       "gated_delta_rule",
       lambda q, k, v, g, h0, beta, cu: pallas_impl.gated_delta_rule_pallas(
           q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size,
           cu_seqlens=cu),
       q, k, v, log_decay, initial_state, extra=(("beta", beta),), cu_seqlens=cu_seqlens)
+
+
+def _triton_supports(call) -> str | None:
+  return chunked_kernel_limit(call["q"], call["k"], call["v"], call["chunk_size"],
+                              pallas_impl.MAX_HEAD_SIZE,
+                              "a chunk's [K, V] state tiles and gradients live in registers")
+
+
+def _triton_measured_range(call) -> str | None:
+  key, value = call["k"].shape[-1], call["v"].shape[-1]
+  if max(key, value) > pallas_impl.MAX_MEASURED_HEAD_SIZE:
+    return f"K, V > {pallas_impl.MAX_MEASURED_HEAD_SIZE} not measured"
+  return None
+
+
+# The measured table decides the default (ops/dispatch_tables/gated_delta_rule.json,
+# where the kernels are timed as 'pallas').
+# No 'mosaic': the Mosaic GPU walks replace some Triton launches per shape inside pallas.py.
+IMPLEMENTATIONS = registry.Registry("gated_delta_rule", table="gated_delta_rule")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
+                         config=pallas_impl.GatedDeltaBlocks, measured_as="pallas",
+                         measured_range=_triton_measured_range)
+IMPLEMENTATIONS.alias("pallas", ("triton",))
