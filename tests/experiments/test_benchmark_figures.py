@@ -11,6 +11,7 @@ import pytest
 
 from experiments import benchmark_figures
 from experiments import dispatch_tables
+from experiments.figures import platforms
 from ops import _measured
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -445,9 +446,9 @@ def test_a_default_runs_a_kernel_only_where_it_was_checked():
   table = dict(table="ssd", kernels=["pallas"])
   data = dict(checked={}, points=[dict(length=1, ms=dict(pallas=1.0, xla=2.0)),
                                   dict(length=2, ms=dict(pallas=3.0, xla=2.0))])
-  assert benchmark_figures._default_paths(table, data) == ("XLA at 2 of 2 points", "1 of 2")
+  assert platforms._default_paths(table, data) == ("XLA at 2 of 2 points", "1 of 2")
   data["checked"] = {"pallas": "2026-12-07T00:00:00"}
-  assert benchmark_figures._default_paths(table, data) == (
+  assert platforms._default_paths(table, data) == (
       "the kernel at 1, XLA at 1 of 2 points", "1 of 2")
 
 
