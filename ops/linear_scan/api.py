@@ -9,9 +9,9 @@ Glossary of shapes: B batch, T time, D channels.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
 from ops import _shapes
 from ops import _sharding
+from ops import registry
 from ops.linear_scan import pallas as pallas_impl
 from ops.linear_scan.xla import linear_scan_xla
 
@@ -39,7 +39,7 @@ def _validate(a, b, initial_state, reverse):
 
 def linear_scan(a: jax.Array, b: jax.Array, *,
                 initial_state: jax.Array | None = None, reverse: bool = False,
-                implementation: _backend.Implementation = None
+                implementation: registry.Choice = None
                 ) -> tuple[jax.Array, jax.Array]:
   """`h_t = a_t * h_{t-1} + b_t` over axis 1.
 
@@ -52,10 +52,11 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     initial_state: [B, D], the state before the first step processed (zeros
       when None).
     reverse: run from the last time step to the first.
-    implementation: None (on NVIDIA GPUs the faster of the kernel and XLA
-      where measured, `ops/dispatch_tables/linear_scan.json`; XLA elsewhere),
-      'pallas' (the kernel; interpret mode off GPU) or 'xla'
-      (`lax.associative_scan`).
+    implementation: None (on NVIDIA GPUs the faster of the Triton kernel and
+      XLA where measured, `ops/dispatch_tables/linear_scan.json`; XLA
+      elsewhere), 'triton' (the kernel; interpret mode off GPU; 'pallas' is
+      its alias), 'xla' (`lax.associative_scan`), or a sequence of these tried
+      in order (`ops.registry`).
 
   Returns:
     h: [B, T, D] in the result dtype of `a` and `b` (accumulated in float32 or
@@ -63,17 +64,16 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
     final_state: [B, D], the state after the last step processed.
   """
   _validate(a, b, initial_state, reverse)
-  dtype = jnp.dtype(jnp.result_type(a, b))
+  call = dict(a=a, b=b, initial_state=initial_state, reverse=reverse)
+  chosen = IMPLEMENTATIONS.choose(implementation, call, length=b.shape[1])
+  return chosen.run(**call)
 
-  def kernel_limit():
-    if dtype not in [jnp.dtype(d) for d in _KERNEL_DTYPES]:
-      return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
-    return None
 
-  # The measured table decides (ops/dispatch_tables/linear_scan.json).
-  backend = _backend.choose("linear_scan", implementation, kernel_limit, length=b.shape[1])
-  if backend == "xla":
-    return linear_scan_xla(a, b, initial_state=initial_state, reverse=reverse)
+def _xla(**call):
+  return linear_scan_xla(**call)
+
+
+def _triton(a, b, initial_state, reverse):
   token = ("batch", "seq", "channels")
   plan = _sharding.plan("linear_scan", (
       ("a", a, token if a.ndim == 3 else ("channels",)), ("b", b, token),
@@ -81,3 +81,19 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
       split=("batch", "channels"))
   return plan.run(lambda a, b, h0: pallas_impl.linear_scan_pallas(
       a, b, initial_state=h0, reverse=reverse), [token, ("batch", "channels")])
+
+
+def _triton_supports(call) -> str | None:
+  dtype = jnp.dtype(jnp.result_type(call["a"], call["b"]))
+  if dtype not in [jnp.dtype(d) for d in _KERNEL_DTYPES]:
+    return f"`a`/`b` dtype {dtype} is not one of float32, bfloat16, float16, complex64"
+  return None
+
+
+# The measured table decides the default (ops/dispatch_tables/linear_scan.json,
+# where the kernel is timed as 'pallas').
+IMPLEMENTATIONS = registry.Registry("linear_scan", table="linear_scan")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
+                         config=pallas_impl.LinearScanBlocks, measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("triton",))
