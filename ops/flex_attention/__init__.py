@@ -1,6 +1,7 @@
 """Flash attention with masks: `flex_attention` and its dense reference."""
 
+from ops.flex_attention.api import IMPLEMENTATIONS
 from ops.flex_attention.api import flex_attention
 from ops.flex_attention.reference import flex_attention_reference
 
-__all__ = ["flex_attention", "flex_attention_reference"]
+__all__ = ["IMPLEMENTATIONS", "flex_attention", "flex_attention_reference"]

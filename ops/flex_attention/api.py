@@ -6,12 +6,19 @@ size. The mask conventions are those of `jax.nn.dot_product_attention`; see
 reference.py.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
+from ops import _mosaic_gpu
 from ops import _sharding
+from ops import registry
+from ops.flex_attention import configs
+from ops.flex_attention import mosaic
+from ops.flex_attention import mosaic_backward
 from ops.flex_attention import pallas
 from ops.flex_attention import reference
 
@@ -105,7 +112,7 @@ def flex_attention(
     key_value_seq_lengths: jax.Array | None = None,
     mask_mod: reference.MaskMod | None = None,
     score_mod: reference.ScoreMod | None = None,
-    implementation: _backend.Implementation = None) -> jax.Array:
+    implementation: registry.Choice = None) -> jax.Array:
   """Softmax attention with causal/window/segment/length masks and mods.
 
   Args:
@@ -128,8 +135,13 @@ def flex_attention(
       scaled f32 logit `score`, applied inside the kernel before the softmax;
       gradients flow through it (its pullback runs in the backward kernels).
       Same closure rule as mask_mod.
-    implementation: None (the kernel on NVIDIA GPUs, XLA elsewhere), 'pallas'
-      (the kernel; interpret mode off GPU) or 'xla' (the dense reference).
+    implementation: 'pallas' (the kernels: Mosaic GPU and Triton launches as
+      tuned per call in configs.py; interpret mode off GPU), 'triton' (every
+      launch on Triton), 'mosaic' (forward and backward on Mosaic GPU: 16-bit
+      inputs on a Hopper GPU, no segment ids or mods), 'xla' (the dense
+      reference), a sequence of these tried in order (`ops.registry`), or
+      None: XLA, since this op has no dispatch table of its own
+      (`probjax_hk.dot_product_attention` chooses the kernels by measurement).
 
   Returns:
     [B, T, N, H] in q's dtype. A query that sees no key returns zeros.
@@ -158,32 +170,98 @@ def flex_attention(
   for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
     if fn is not None and not callable(fn):
       raise ValueError(f"`{name}` must be callable or None, got {type(fn).__name__}")
-  chosen = _backend.choose(_OP, implementation, lambda: kernel_limit(q))
-  scale = q.shape[-1] ** -0.5 if scale is None else scale
-  if chosen == "xla":
-    return reference.flex_attention_reference(
-        q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
-        local_window_size=window, key_value_seq_lengths=key_value_seq_lengths,
-        mask_mod=mask_mod, score_mod=score_mod)
-  def kernel_path(q, k, v, q_ids, kv_ids, lengths):
-    return pallas.flex_attention_pallas(
-        q, k, v, scale=scale, is_causal=is_causal, window=window,
-        q_segment_ids=q_ids, kv_segment_ids=kv_ids, key_value_seq_lengths=lengths,
-        interpret=_backend.pallas_interpret(), mask_mod=mask_mod, score_mod=score_mod)
+  call = dict(q=q, k=k, v=v, is_causal=is_causal,
+              scale=q.shape[-1] ** -0.5 if scale is None else scale, segment_ids=segment_ids,
+              window=window, q_ids=q_ids, kv_ids=kv_ids,
+              key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod,
+              score_mod=score_mod)
+  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
 
-  # Query and key/value heads split together, so GQA groups stay whole.
-  plan = _sharding.plan(_OP, (
-      ("q", q, ("batch", "seq", "heads", None)),
-      ("k", k, ("batch", "seq", "heads", None)),
-      ("v", v, ("batch", "seq", "heads", None)),
-      ("segment_ids", q_ids, ("batch", "seq")),
-      ("segment_ids", kv_ids, ("batch", "seq")),
-      ("key_value_seq_lengths", key_value_seq_lengths, ("batch",))),
-      split=("batch", "heads"))
-  if plan.splits and (mask_mod is not None or score_mod is not None):
-    raise ValueError(
-        f"{_OP}: `mask_mod` and `score_mod` see global batch and head indices, "
-        f"which a kernel run per shard does not have; this call splits "
-        f"{dict(plan.axes)} over the mesh. Call it outside the mesh, inside your "
-        "own `jax.shard_map`, or with implementation='xla'")
-  return plan.run(kernel_path, ("batch", "seq", "heads", None))
+
+def _xla(q, k, v, *, is_causal, scale, segment_ids, window, key_value_seq_lengths,
+         mask_mod, score_mod, **_):
+  return reference.flex_attention_reference(
+      q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
+      local_window_size=window, key_value_seq_lengths=key_value_seq_lengths,
+      mask_mod=mask_mod, score_mod=score_mod)
+
+
+def _kernels(tiles=lambda config: config):
+  """The kernel path with `tiles(tuned config) -> config` choosing the launches."""
+  def run(q, k, v, *, is_causal, scale, window, q_ids, kv_ids, key_value_seq_lengths,
+          mask_mod, score_mod, **_):
+    interpret = _backend.pallas_interpret()
+    config = tiles(configs.get_config(_padded_head_dim(q), q.dtype, interpret=interpret))
+
+    def kernel_path(q, k, v, q_ids, kv_ids, lengths):
+      return pallas.flex_attention_pallas(
+          q, k, v, scale=scale, is_causal=is_causal, window=window,
+          q_segment_ids=q_ids, kv_segment_ids=kv_ids, key_value_seq_lengths=lengths,
+          interpret=interpret, config=config, mask_mod=mask_mod, score_mod=score_mod)
+
+    # Query and key/value heads split together, so GQA groups stay whole.
+    plan = _sharding.plan(_OP, (
+        ("q", q, ("batch", "seq", "heads", None)),
+        ("k", k, ("batch", "seq", "heads", None)),
+        ("v", v, ("batch", "seq", "heads", None)),
+        ("segment_ids", q_ids, ("batch", "seq")),
+        ("segment_ids", kv_ids, ("batch", "seq")),
+        ("key_value_seq_lengths", key_value_seq_lengths, ("batch",))),
+        split=("batch", "heads"))
+    if plan.splits and (mask_mod is not None or score_mod is not None):
+      raise ValueError(
+          f"{_OP}: `mask_mod` and `score_mod` see global batch and head indices, "
+          f"which a kernel run per shard does not have; this call splits "
+          f"{dict(plan.axes)} over the mesh. Call it outside the mesh, inside your "
+          "own `jax.shard_map`, or with implementation='xla'")
+    return plan.run(kernel_path, ("batch", "seq", "heads", None))
+  return run
+
+
+def _padded_head_dim(q) -> int:
+  return max(16, 1 << (q.shape[-1] - 1).bit_length())
+
+
+def _kernel_supports(call) -> str | None:
+  return kernel_limit(call["q"])
+
+
+def _all_triton(config: configs.FlexConfig) -> configs.FlexConfig:
+  return dataclasses.replace(config.forward_on(None), mosaic_bwd=None)
+
+
+def _all_mosaic(config: configs.FlexConfig) -> configs.FlexConfig:
+  # The tuned bounded tiles stay; only the limits that hand calls to Triton go.
+  return dataclasses.replace(config, mosaic_fwd_min_scores=0)
+
+
+def _mosaic_supports(call) -> str | None:
+  q, k = call["q"], call["k"]
+  if (limit := kernel_limit(q)) is not None:
+    return limit
+  if not _mosaic_gpu.takes(q.dtype):
+    return f"the Mosaic GPU kernels take float16 or bfloat16 on a Hopper GPU, got {q.dtype} on " \
+           f"{jax.devices()[0].device_kind}"
+  config = configs.get_config(_padded_head_dim(q), q.dtype, interpret=False)
+  if config.mosaic_fwd is None or config.mosaic_bwd is None:
+    return f"no Mosaic GPU tiles are tuned for head size {q.shape[-1]} ({q.dtype})"
+  unsupported = dict(segments=call["q_ids"] is not None,
+                     mods=call["mask_mod"] is not None or call["score_mod"] is not None)
+  sizes = (q.dtype, _padded_head_dim(q), q.shape[1], k.shape[1])
+  if not (mosaic.takes(*sizes, config.mosaic_fwd, **unsupported)
+          and mosaic_backward.takes(*sizes, config.mosaic_bwd, **unsupported)):
+    return ("the Mosaic GPU kernels take no `segment_ids`, `mask_mod` or `score_mod`, and "
+            f"at least {max(config.mosaic_fwd.rows_per_block, config.mosaic_bwd.block_q)} "
+            f"queries and {max(config.mosaic_fwd.block_k, config.mosaic_bwd.keys_per_block)} "
+            f"keys, got T={q.shape[1]}, S={k.shape[1]}")
+  return None
+
+
+IMPLEMENTATIONS = registry.Registry(_OP, table=None)
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("pallas", _kernels(), supports=_kernel_supports, kernel=True,
+                         config=configs.FlexConfig)
+IMPLEMENTATIONS.register("triton", _kernels(_all_triton), supports=_kernel_supports,
+                         kernel=True, config=configs.FlexConfig)
+IMPLEMENTATIONS.register("mosaic", _kernels(_all_mosaic), supports=_mosaic_supports,
+                         kernel=True, config=configs.FlexConfig)

@@ -13,6 +13,7 @@ import pytest
 
 from experiments import tolerances
 from ops import _backend
+from ops import _mosaic_gpu
 from ops import flex_attention, flex_attention_reference
 from ops.flex_attention import api
 
@@ -138,7 +139,7 @@ def test_default_implementation_on_cpu_is_xla_and_matches_reference():
     (dict(local_window_size=(-1, 2)), "`local_window_size`"),
     (dict(segment_ids=np.zeros((2, 7), np.int32)), "`segment_ids`"),
     (dict(is_causal=1), "`is_causal`"),
-    (dict(implementation="triton"), "`implementation`"),
+    (dict(implementation="cuda"), "`implementation`"),
     (dict(q=(2, 8, 4, 512), k=(2, 8, 2, 512), v=(2, 8, 2, 512),
           implementation="pallas"), "head size must be <= 256"),
 ])
@@ -249,3 +250,15 @@ def test_key_lengths_are_an_operand_only_when_given(lengths):
   jaxpr = jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v).jaxpr
   assert _pallas_int_operands(jaxpr) == ([(2, 1)] * 3 if lengths else [])
   _check(2, 100, 200, 2, 2, 32, jnp.float32, **kw)
+
+
+def test_named_lowerings_triton_and_mosaic():
+  q, k, v, _ = _inputs((1, 16, 2, 32), (1, 16, 2, 32), jnp.float32)
+  ref = flex_attention_reference(q, k, v, is_causal=True)
+  out = flex_attention(q, k, v, is_causal=True, implementation="triton")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  if not _mosaic_gpu.on_hopper():
+    with pytest.raises(ValueError, match=r"implementation='mosaic'\): .*Hopper GPU"):
+      flex_attention(q, k, v, is_causal=True, implementation="mosaic")
+    out = flex_attention(q, k, v, is_causal=True, implementation=("mosaic", "xla"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
