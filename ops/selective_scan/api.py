@@ -8,9 +8,9 @@ Glossary of shapes: B batch, T time, D channels, S state size.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
 from ops import _shapes
 from ops import _sharding
+from ops import registry
 from ops.selective_scan import pallas as pallas_impl
 from ops.selective_scan.xla import selective_scan_xla
 
@@ -68,7 +68,7 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                    delta_softplus: bool = False,
                    initial_state: jax.Array | None = None, reverse: bool = False,
                    return_final_state: bool = True,
-                   implementation: _backend.Implementation = None
+                   implementation: registry.Choice = None
                    ) -> tuple[jax.Array, jax.Array | None]:
   """Mamba's selective scan over time (axis 1)::
 
@@ -95,10 +95,11 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
     return_final_state: False returns None in place of the final state,
       which the kernel then neither writes nor differentiates through (the
       form of mamba_ssm's `return_last_state=False`).
-    implementation: None (on NVIDIA GPUs the faster of the kernel and XLA
-      where measured, `ops/dispatch_tables/selective_scan.json`; XLA elsewhere),
-      'pallas' (the kernel; interpret mode off GPU) or 'xla'
-      (`lax.associative_scan`, materializes [B, T, D, S]).
+    implementation: None (on NVIDIA GPUs the faster of the Triton kernel and
+      XLA where measured, `ops/dispatch_tables/selective_scan.json`; XLA
+      elsewhere), 'triton' (the kernel; interpret mode off GPU; 'pallas' is
+      its alias), 'xla' (`lax.associative_scan`, materializes [B, T, D, S]),
+      or a sequence of these tried in order (`ops.registry`).
 
   Returns:
     y: [B, T, D] in `u`'s dtype (accumulated in float32).
@@ -107,24 +108,20 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
   """
   _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
             reverse, return_final_state)
-  dtypes = {name: jnp.dtype(x.dtype) for name, x in
-            (("u", u), ("delta", delta), ("B", B), ("C", C))}
+  call = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
+              delta_softplus=delta_softplus, initial_state=initial_state,
+              reverse=reverse, return_final_state=return_final_state)
+  chosen = IMPLEMENTATIONS.choose(implementation, call, state=A.shape[-1],
+                                  length=u.shape[1])
+  return chosen.run(**call)
 
-  def kernel_limit():
-    for name, dtype in dtypes.items():
-      if dtype not in _KERNEL_DTYPES:
-        return f"`{name}` dtype {dtype} is not one of float32, bfloat16, float16"
-    return None
 
-  # The measured table decides (ops/dispatch_tables/selective_scan.json).
-  backend = _backend.choose("selective_scan", implementation, kernel_limit,
-                            state=A.shape[-1], length=u.shape[1])
-  if backend == "xla":
-    return selective_scan_xla(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
-                              delta_softplus=delta_softplus,
-                              initial_state=initial_state, reverse=reverse,
-                              return_final_state=return_final_state)
+def _xla(**call):
+  return selective_scan_xla(**call)
 
+
+def _triton(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, reverse,
+            return_final_state):
   def kernel_path(u, delta, A, B, C, D, z, delta_bias, initial_state):
     y, final = pallas_impl.selective_scan_pallas(
         u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias,
@@ -144,3 +141,20 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
   if not return_final_state:
     return plan.run(kernel_path, token), None
   return plan.run(kernel_path, [token, ("batch", "channels", None)])
+
+
+def _triton_supports(call) -> str | None:
+  for name in ("u", "delta", "B", "C"):
+    dtype = jnp.dtype(call[name].dtype)
+    if dtype not in _KERNEL_DTYPES:
+      return f"`{name}` dtype {dtype} is not one of float32, bfloat16, float16"
+  return None
+
+
+# The measured table decides the default (ops/dispatch_tables/selective_scan.json,
+# where the kernel is timed as 'pallas').
+IMPLEMENTATIONS = registry.Registry("selective_scan", table="selective_scan")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
+                         config=pallas_impl.SelectiveScanBlocks, measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("triton",))
