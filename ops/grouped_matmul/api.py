@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ops import _backend
 from ops import _shapes
 from ops import _sharding
+from ops import registry
+from ops.grouped_matmul import mosaic
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 
@@ -200,7 +201,7 @@ def _validate(lhs, rhs, group_sizes, group_offset) -> None:
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                    precision=None, preferred_element_type=None, group_offset=None,
-                   implementation: _backend.Implementation = None) -> jax.Array:
+                   implementation: registry.Choice = None) -> jax.Array:
   """Grouped matmul: row i of group g is `lhs[i] @ rhs[g]`.
 
   `jax.lax.ragged_dot`'s contract (the same arguments, result dtype, values
@@ -219,18 +220,22 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       without TF32) and accumulate in float32, which meets every
       `lax.Precision`; of the algorithms they run `DEFAULT`, `F32_F32_F32` and
       the operand dtype's own (`BF16_BF16_F32`, `F16_F16_F32`). Another
-      algorithm raises a ValueError with implementation='pallas' and runs on
-      XLA with None.
+      algorithm raises a ValueError with a kernel's implementation and runs
+      on XLA with None.
     preferred_element_type: the output dtype, any that ragged_dot takes
       (default: ragged_dot's result dtype of `lhs` and `rhs`). Floating
       results are accumulated in float32 (or wider) and rounded once to it,
       on both paths.
     group_offset: None, as `jax.lax.ragged_dot` implements no other value.
-    implementation: None (the Pallas kernel on NVIDIA GPUs where it takes the
-      input, else XLA), 'pallas' (the kernel; interpret mode off GPU), or
-      'xla' (`jax.lax.ragged_dot`). The kernels take float32, bfloat16 and
-      float16 operands and results; operands of two dtypes are multiplied in
-      float32.
+    implementation: None (on NVIDIA GPUs the kernels where measured faster,
+      `ops/dispatch_tables/grouped_matmul.json`; XLA elsewhere and where
+      unmeasured), 'triton' (the Triton kernels of pallas.py; interpret mode
+      off GPU), 'mosaic' (the Mosaic GPU kernels of mosaic.py and
+      mosaic_tgmm.py: 16-bit operands on a Hopper GPU), 'pallas' (an alias of
+      ('mosaic', 'triton')), 'xla' (`jax.lax.ragged_dot`), or a sequence of
+      these tried in order (`ops.registry`). The kernels take float32,
+      bfloat16 and float16 operands and results; operands of two dtypes are
+      multiplied in float32.
 
   Returns:
     [M, N] in `preferred_element_type` (default ragged_dot's result dtype).
@@ -250,17 +255,12 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   _validate(lhs, rhs, group_sizes, group_offset)
   precision = canonical_precision(precision)
   out_dtype = output_dtype(lhs.dtype, rhs.dtype, precision, preferred_element_type)
-  dtype = operand_dtype(lhs.dtype, rhs.dtype)
+  call = dict(lhs=lhs, rhs=rhs, group_sizes=group_sizes, precision=precision,
+              out_dtype=out_dtype)
+  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
 
-  def kernel_limit_here():
-    return (kernel_limit("lhs", lhs.shape[0], "rhs", rhs.shape[0])
-            or dtype_limit(lhs.dtype, rhs.dtype, out_dtype)
-            or precision_limit(precision, dtype))
-  backend = _backend.choose("grouped_matmul", implementation, kernel_limit_here)
-  if backend == "pallas":
-    kernel_path = functools.partial(pallas.grouped_matmul_pallas, out_dtype=out_dtype)
-    return run_rows_per_shard("grouped_matmul", kernel_path, ("lhs", lhs.astype(dtype)),
-                              (("rhs", rhs.astype(dtype)),), group_sizes)
+
+def _xla(lhs, rhs, group_sizes, precision, out_dtype):
   starts, ends = reference.group_bounds(group_sizes, lhs.shape[0])
   # Floating results accumulate in float32 (or wider) unless an algorithm
   # fixes the accumulation type.
@@ -271,3 +271,44 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   out = jax.lax.ragged_dot(lhs, rhs, ends - starts, precision=precision,
                            preferred_element_type=accumulate)
   return out.astype(out_dtype)
+
+
+def _kernels(*, on_mosaic: bool):
+  """The kernel path: every matmul on Mosaic GPU, or every one on Triton."""
+  def run(lhs, rhs, group_sizes, precision, out_dtype):
+    del precision  # the kernels' own, which `_kernel_supports` checked
+    dtype = operand_dtype(lhs.dtype, rhs.dtype)
+    kernel_path = functools.partial(pallas.grouped_matmul_pallas, out_dtype=out_dtype,
+                                    mosaic=on_mosaic, mosaic_tgmm=on_mosaic)
+    return run_rows_per_shard("grouped_matmul", kernel_path, ("lhs", lhs.astype(dtype)),
+                              (("rhs", rhs.astype(dtype)),), group_sizes)
+  return run
+
+
+def _kernel_supports(call) -> str | None:
+  lhs, rhs = call["lhs"], call["rhs"]
+  return (kernel_limit("lhs", lhs.shape[0], "rhs", rhs.shape[0])
+          or dtype_limit(lhs.dtype, rhs.dtype, call["out_dtype"])
+          or precision_limit(call["precision"], operand_dtype(lhs.dtype, rhs.dtype)))
+
+
+def _mosaic_supports(call) -> str | None:
+  if (limit := _kernel_supports(call)) is not None:
+    return limit
+  dtype = operand_dtype(call["lhs"].dtype, call["rhs"].dtype)
+  if not mosaic.preferred(dtype):
+    return (f"the Mosaic GPU kernels take bfloat16 or float16 operands on a Hopper "
+            f"GPU, got {dtype} on {jax.devices()[0].device_kind}")
+  return None
+
+
+# The measured table decides the default (ops/dispatch_tables/grouped_matmul.json,
+# where the kernels are timed as 'pallas': Mosaic GPU's where they run, else Triton's,
+# which the registration order and the alias keep).
+IMPLEMENTATIONS = registry.Registry("grouped_matmul", table="grouped_matmul")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("mosaic", _kernels(on_mosaic=True), supports=_mosaic_supports,
+                         kernel=True, config=mosaic.MosaicConfig, measured_as="pallas")
+IMPLEMENTATIONS.register("triton", _kernels(on_mosaic=False), supports=_kernel_supports,
+                         kernel=True, config=pallas.BlockSizes, measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("mosaic", "triton"))
