@@ -37,6 +37,12 @@ Call = Mapping[str, Any]
 Choice = str | Sequence[str] | None
 
 
+def on_nvidia_gpu() -> bool:
+  """Whether this library's kernels compile here: the default device is an
+  NVIDIA GPU (elsewhere they run in Pallas interpret mode)."""
+  return _backend.on_nvidia_gpu()
+
+
 def always(call: Call) -> None:
   """`supports` of an implementation that takes every valid call."""
   del call
@@ -154,7 +160,7 @@ class Registry:
       why = reasons[names[0]] if len(names) == 1 else "; ".join(
           f"{name}: {reason}" for name, reason in reasons.items())
       raise ValueError(f"{self.op}(implementation={implementation!r}): {why}")
-    on_gpu = _backend.on_nvidia_gpu()
+    on_gpu = on_nvidia_gpu()
     fits = [impl for impl in self._implementations.values()
             if (on_gpu or not impl.kernel) and impl.supports(call) is None
             and impl.measured_range(call) is None]

@@ -21,22 +21,21 @@ several new tokens or a window through `cached_attention`
 """
 
 import functools
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, NamedTuple
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ops import _backend
-from ops import _measured
+from ops import registry
 from ops.decode_attention import api as decode_api
 from ops.flex_attention import api as flex_api
 from probjax_hk import arguments
 from probjax_hk import layers
 
-AttentionImplementation = Literal["xla", "cudnn", "flex", "decode"] | None
-IMPLEMENTATIONS = (None, "xla", "cudnn", "flex", "decode")
+# None, a name of `IMPLEMENTATIONS` or a sequence of them tried in order.
+AttentionImplementation = registry.Choice
 
 
 def _normalize_window(local_window_size):
@@ -47,7 +46,7 @@ def _normalize_window(local_window_size):
 
 def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
   """None when cuDNN's fused attention takes these inputs, else why not."""
-  if not _backend.on_nvidia_gpu():
+  if not registry.on_nvidia_gpu():
     return f"cuDNN attention needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN attention takes float16 or bfloat16 inputs, got query.dtype={query.dtype}"
@@ -136,51 +135,43 @@ def choose_attention_implementation(
     is_causal, scale, local_window_size, return_residual: as for
       `dot_product_attention`.
     query_seq_lengths, key_value_seq_lengths: likewise.
-    implementation: None, 'xla', 'cudnn', 'flex' or 'decode'.
+    implementation: None, a name of `IMPLEMENTATIONS` ('xla', 'cudnn', 'flex',
+      'triton', 'mosaic', 'decode'; 'pallas' for 'flex') or a sequence of them.
 
   Returns:
-    'xla', 'cudnn', 'flex' or 'decode'. Raises a
+    The name of the implementation that runs. Raises a
     ValueError when an explicit `implementation` cannot take the inputs (with
     the reason); never raises for `None`.
   """
-  del value  # Every implementation takes it.
-  query, key = _with_batch_axis(query=query, key=key)
+  query, key, value = _with_batch_axis(query=query, key=key, value=value)
   arguments.check_bools(is_causal=is_causal, return_residual=return_residual)
   arguments.check_finite_numbers_or_none(scale=scale)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-  if implementation == "xla":
-    return "xla"
-  if implementation == "flex":
-    flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale, return_residual)
-    if flex_limit is not None:
-      raise ValueError(f"implementation='flex' is not available: {flex_limit}")
-    return "flex"
-  decode_limit = _decode_limit(query, key, bias, mask, is_causal, local_window_size,
-                               query_seq_lengths, key_value_seq_lengths, scale, return_residual)
-  if implementation == "decode":
-    if decode_limit is not None:
-      raise ValueError(f"implementation='decode' is not available: {decode_limit}")
-    return "decode"
-  cudnn_limit = _cudnn_limit(query, key, bias, local_window_size, is_causal)
-  if implementation == "cudnn":
-    if cudnn_limit is not None:
-      raise ValueError(f"implementation='cudnn' is not available: {cudnn_limit}")
-    return "cudnn"
-  if not _backend.on_nvidia_gpu():
-    return "xla"
-  established = "cudnn" if cudnn_limit is None else "xla"
-  peers = ("cudnn", "xla") if cudnn_limit is None else ("xla",)
-  if decode_limit is None and _measured.fastest("decode_attention", ("pallas", *peers)) == "pallas":
-    return "decode"
-  flex_limit = _flex_limit(query, bias, mask, query_seq_lengths, scale, return_residual)
-  fits = [name for name, limit in (("flex", flex_limit), ("cudnn", cudnn_limit), ("xla", None))
-          if limit is None]
+  call = _call(query, key, value, bias, mask, is_causal=is_causal,
+               local_window_size=local_window_size,
+               query_seq_lengths=query_seq_lengths,
+               key_value_seq_lengths=key_value_seq_lengths, scale=scale,
+               return_residual=return_residual)
+  return _choose(implementation, call).name
+
+
+def _call(query, key, value, bias, mask, *, is_causal, local_window_size, query_seq_lengths,
+          key_value_seq_lengths, scale, return_residual) -> dict:
+  """The validated arguments as every implementation's `run` and `supports` take them."""
+  return dict(query=query, key=key, value=value, bias=bias, mask=mask, is_causal=is_causal,
+              local_window_size=_normalize_window(local_window_size),
+              query_seq_lengths=query_seq_lengths,
+              key_value_seq_lengths=key_value_seq_lengths, scale=scale,
+              return_residual=return_residual)
+
+
+def _choose(implementation, call) -> registry.Implementation:
+  """`IMPLEMENTATIONS`' choice, judged at the shape grid's point for the call."""
+  query, key = call["query"], call["key"]
   dtype = "float32" if query.dtype == jnp.float32 else "bfloat16"  # f16 runs as bf16 does
-  measured = _measured.fastest(
-      "attention", fits, dtype=dtype, variant=grid_variant(query, key, is_causal, local_window_size),
+  return IMPLEMENTATIONS.choose(
+      implementation, call, dtype=dtype,
+      variant=grid_variant(query, key, call["is_causal"], call["local_window_size"]),
       head_dim=query.shape[-1], length=key.shape[1])
-  return measured or established
 
 
 def grid_variant(query, key, is_causal, local_window_size) -> str:
@@ -315,13 +306,18 @@ def dot_product_attention(
         Compiled on NVIDIA GPUs, Pallas interpret mode elsewhere (slow; for tests).
         A query row that sees no key returns zeros (jax.nn's XLA path returns the
         mean of v there).
+      - `'triton'`, `'mosaic'`: the flex kernel with every launch on one lowering
+        (`ops.flex_attention`'s names; 'mosaic' takes 16-bit inputs on a Hopper
+        GPU). `'pallas'` is an alias of 'flex'.
       - `'decode'`: the split-K decode kernel (`ops.decode_attention`) for one query
         per sequence (T = 1, not causal, no bias, mask, window or residual: a
         decoding step against a cache).
+      - a sequence of these names: the first that takes the inputs
+        (`ops.registry`), e.g. `('flex', 'xla')`.
       - `None`: the fastest implementation that takes the inputs on this platform,
         never an error for a valid input, and this library's kernels only where
         measured: on an NVIDIA GPU whose device kind has, in the committed dispatch
-        tables (`ops._measured`), a passing check of the kernel and a measurement
+        tables (`ops/dispatch_tables/`), a passing check of the kernel and a measurement
         showing it faster. Then 'decode' for a decoding step where
         `ops/dispatch_tables/decode_attention.json` has it beating cuDNN and XLA;
         else, of 'flex', 'cudnn' and 'xla', those that take the inputs, the one
@@ -360,31 +356,79 @@ def dot_product_attention(
     key_value_seq_lengths = layers.check_lengths(key_value_seq_lengths, batch,
                                                  "key_value_seq_lengths")
   check_window(local_window_size)
-  chosen = choose_attention_implementation(
-      query, key, value, bias, mask, is_causal=is_causal,
-      local_window_size=local_window_size, implementation=implementation,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      scale=scale, return_residual=return_residual)
-  if chosen == "decode":
-    seq_kv = key.shape[1]
-    lengths = (jnp.full((batch,), seq_kv, jnp.int32) if key_value_seq_lengths is None
-               else jnp.clip(key_value_seq_lengths, 0, seq_kv))
-    out = decode_api.decode_attention(
-        query, key, value, lengths, scale=None if scale is None else float(scale),
-        implementation="pallas")
-  elif chosen == "flex":
-    out = flex_api.flex_attention(
-        query, key, value, is_causal=bool(is_causal),
-        scale=None if scale is None else float(scale),
-        local_window_size=_normalize_window(local_window_size),
-        key_value_seq_lengths=key_value_seq_lengths, implementation="pallas")
-  else:
-    out = _jax_nn_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-        local_window_size=_normalize_window(local_window_size),
-        implementation=chosen, return_residual=return_residual)
+  call = _call(query, key, value, bias, mask, is_causal=is_causal,
+               local_window_size=local_window_size, query_seq_lengths=query_seq_lengths,
+               key_value_seq_lengths=key_value_seq_lengths, scale=scale,
+               return_residual=return_residual)
+  out = _choose(implementation, call).run(**call)
   return jax.tree.map(lambda x: x[0], out) if unbatched else out
+
+
+def _run_jax_nn(implementation):
+  def run(query, key, value, bias, mask, **options):
+    return _jax_nn_attention(query, key, value, bias, mask, implementation=implementation,
+                             **options)
+  return run
+
+
+def _run_flex(implementation):
+  def run(query, key, value, bias, mask, *, is_causal, scale, local_window_size,
+          key_value_seq_lengths, **_):
+    del bias, mask  # None: `_flex_limit`.
+    return flex_api.flex_attention(
+        query, key, value, is_causal=bool(is_causal),
+        scale=None if scale is None else float(scale), local_window_size=local_window_size,
+        key_value_seq_lengths=key_value_seq_lengths, implementation=implementation)
+  return run
+
+
+def _run_decode(query, key, value, bias, mask, *, scale, key_value_seq_lengths, **_):
+  del bias, mask  # None: `_decode_limit`.
+  batch, seq_kv = key.shape[:2]
+  lengths = (jnp.full((batch,), seq_kv, jnp.int32) if key_value_seq_lengths is None
+             else jnp.clip(key_value_seq_lengths, 0, seq_kv))
+  return decode_api.decode_attention(query, key, value, lengths,
+                                     scale=None if scale is None else float(scale),
+                                     implementation="pallas")
+
+
+def _flex_supports(lowering):
+  def supports(call):
+    limit = _flex_limit(call["query"], call["bias"], call["mask"], call["query_seq_lengths"],
+                        call["scale"], call["return_residual"])
+    return limit or flex_api.IMPLEMENTATIONS[lowering].supports(dict(
+        q=call["query"], k=call["key"], q_ids=None, mask_mod=None, score_mod=None))
+  return supports
+
+
+def _cudnn_supports(call):
+  return _cudnn_limit(call["query"], call["key"], call["bias"], call["local_window_size"],
+                      call["is_causal"])
+
+
+def _decode_supports(call):
+  return _decode_limit(call["query"], call["key"], call["bias"], call["mask"], call["is_causal"],
+                       call["local_window_size"], call["query_seq_lengths"],
+                       call["key_value_seq_lengths"], call["scale"], call["return_residual"])
+
+
+# The rule (`dot_product_attention`'s docstring): the measured fastest on
+# NVIDIA GPUs (ops/dispatch_tables/attention.json; decode_attention.json for
+# 'decode', which times the decode kernel as 'pallas'), else cuDNN where it
+# takes the call, else XLA.
+IMPLEMENTATIONS = registry.Registry("dot_product_attention", table="attention",
+                                    established=("cudnn", "xla"))
+IMPLEMENTATIONS.register("xla", _run_jax_nn("xla"))
+IMPLEMENTATIONS.register("cudnn", _run_jax_nn("cudnn"), supports=_cudnn_supports)
+IMPLEMENTATIONS.register("flex", _run_flex("pallas"), supports=_flex_supports("pallas"),
+                         kernel=True)
+IMPLEMENTATIONS.register("triton", _run_flex("triton"), supports=_flex_supports("triton"),
+                         kernel=True)
+IMPLEMENTATIONS.register("mosaic", _run_flex("mosaic"), supports=_flex_supports("mosaic"),
+                         kernel=True)
+IMPLEMENTATIONS.register("decode", _run_decode, supports=_decode_supports, kernel=True,
+                         table="decode_attention", measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("flex",))
 
 
 class KVCache(NamedTuple):
@@ -404,7 +448,7 @@ class KVCache(NamedTuple):
 def cached_attention(query: jax.Array, key_cache: jax.Array, value_cache: jax.Array,
                      lengths: jax.Array, *, scale: float | None = None,
                      local_window_size: int | tuple[int, int] | None = None,
-                     implementation: _backend.Implementation = None) -> jax.Array:
+                     implementation: registry.Choice = None) -> jax.Array:
   """Attention of T new tokens per sequence to a key/value cache.
 
   The decoding counterpart of causal `dot_product_attention`: query t of
