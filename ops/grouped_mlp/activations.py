@@ -1,13 +1,15 @@
-"""The grouped MLP's activations and their derivatives, on float32 tiles.
+"""The grouped MLP's activations: their names, `activate` on whole arrays, and
+their values and derivatives on float32 tiles.
 
-Shared by the Triton and Mosaic GPU kernels, which differ only in how they
-compute `tanh` (an approximate instruction when the result is 16-bit), so it is
-an argument. SwiGLU's gate and value are two tiles of the same rows and hidden
-columns (`col_offsets`).
+`activate` is the plain form the reference, the XLA path and the MoE dispatch
+apply. The tile forms are shared by the Triton and Mosaic GPU kernels, which
+differ only in how they compute `tanh` (an approximate instruction when the
+result is 16-bit), so it is an argument. SwiGLU's gate and value are two tiles
+of the same rows and hidden columns (`col_offsets`).
 """
 
 import math
-from typing import Callable, Sequence
+from typing import Callable, Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +17,19 @@ import jax.numpy as jnp
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_CUBIC = 0.044715  # jax.nn.gelu's tanh form
 
+Activation = Literal["gelu", "swiglu"]
+ACTIVATIONS = ("gelu", "swiglu")
 Tanh = Callable[[jax.Array], jax.Array]
+
+
+def activate(h: jax.Array, activation: Activation) -> jax.Array:
+  """The hidden activation: [..., F] -> [..., F] ('gelu', tanh form as
+  `jax.nn.gelu`), or [..., 2F] -> [..., F] ('swiglu': `silu(gate) * value`
+  with the gate the first half of the columns)."""
+  if activation == "swiglu":
+    gate, value = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * value
+  return jax.nn.gelu(h)
 
 
 def gelu(h: jax.Array, tanh: Tanh) -> tuple[jax.Array, jax.Array]:

@@ -20,15 +20,16 @@ from ops.grouped_matmul.api import kernel_limit
 from ops.grouped_matmul.api import run_rows_per_shard
 from ops.grouped_matmul.api import validate_group_sizes
 from ops.grouped_mlp import pallas
-from ops.grouped_mlp import reference
 from ops.grouped_mlp import xla
+from ops.grouped_mlp.activations import Activation
+from ops.grouped_mlp.activations import ACTIVATIONS
 
 _DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def _validate(x, w_in, w_out, group_sizes, activation) -> None:
-  if activation not in reference.ACTIVATIONS:
-    raise ValueError(f"`activation` must be one of {reference.ACTIVATIONS}, got "
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"`activation` must be one of {ACTIVATIONS}, got "
                      f"{activation!r}")
   _shapes.check_arrays("grouped_mlp", (("x", x), ("w_in", w_in), ("w_out", w_out),
                                        ("group_sizes", group_sizes)))
@@ -58,7 +59,7 @@ def _validate(x, w_in, w_out, group_sizes, activation) -> None:
 
 
 def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
-                group_sizes: jax.Array, *, activation: reference.Activation = "gelu",
+                group_sizes: jax.Array, *, activation: Activation = "gelu",
                 implementation: _backend.Implementation = None) -> jax.Array:
   """Grouped two-layer MLP: row i of group g is `act(x[i] @ w_in[g]) @ w_out[g]`.
 

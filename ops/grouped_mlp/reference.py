@@ -9,25 +9,11 @@ Glossary of shapes: M rows, D input width, F hidden width (2F columns of
 `w_in` for SwiGLU), D' output width, G groups.
 """
 
-from typing import Literal
-
 import jax
-import jax.numpy as jnp
 
 from ops.grouped_matmul.reference import grouped_matmul_reference
-
-Activation = Literal["gelu", "swiglu"]
-ACTIVATIONS = ("gelu", "swiglu")
-
-
-def activate(h: jax.Array, activation: Activation) -> jax.Array:
-  """The hidden activation: [..., F] -> [..., F] ('gelu', tanh form as
-  `jax.nn.gelu`), or [..., 2F] -> [..., F] ('swiglu': `silu(gate) * value`
-  with the gate the first half of the columns)."""
-  if activation == "swiglu":
-    gate, value = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * value
-  return jax.nn.gelu(h)
+from ops.grouped_mlp.activations import activate
+from ops.grouped_mlp.activations import Activation
 
 
 def grouped_mlp_reference(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
