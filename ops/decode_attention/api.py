@@ -18,6 +18,7 @@ import numpy as np
 from ops import _backend
 from ops import _shapes
 from ops import _sharding
+from ops import registry
 from ops.decode_attention import pallas
 from ops.decode_attention import reference
 
@@ -104,7 +105,7 @@ def decode_attention(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
     scale: float | None = None,
     local_window_size: int | tuple[int | None, int | None] | None = None,
-    implementation: _backend.Implementation = None) -> jax.Array:
+    implementation: registry.Choice = None) -> jax.Array:
   """Attention of T new tokens per sequence to a KV cache with valid lengths.
 
   Query t of sequence b sits at position p = lengths[b] - T + t (the new
@@ -126,8 +127,11 @@ def decode_attention(
     local_window_size: `left` or `(left, right)` as `jax.nn.dot_product_attention`
       takes it: query p sees keys s >= p - left (None: unbounded); keys right
       of the query are masked anyway (causal), so `right` changes nothing.
-    implementation: None (the kernel on NVIDIA GPUs when it takes the inputs,
-      XLA elsewhere), 'pallas' (the kernel; interpret mode off GPU) or 'xla'.
+    implementation: None (on NVIDIA GPUs the Triton kernel where it takes the
+      inputs and is measured faster, `ops/dispatch_tables/decode_attention.json`;
+      XLA elsewhere), 'triton' (the kernel; interpret mode off GPU; 'pallas'
+      is its alias), 'xla' (`reference.decode_attention_xla`), or a sequence
+      of these tried in order (`ops.registry`).
 
   Returns:
     [B, T, N, H] in q's dtype (float32 accumulation).
@@ -135,16 +139,22 @@ def decode_attention(
   Raises:
     TypeError: when an array argument is not an array.
     ValueError: on a bad shape, dtype, length or option (naming the argument
-      and the limit), or with implementation='pallas' for inputs the kernel
-      cannot take (head size above 256; more than 128 x 128 query rows times
+      and the limit), or with implementation='triton' (or 'pallas') for inputs
+      the kernel cannot take (head size above 256; more than 128 x 128 query rows times
       head size per key/value head).
   """
   _validate(q, k_cache, v_cache, lengths, scale, local_window_size)
-  chosen = _backend.choose(_OP, implementation, lambda: kernel_limit(q, k_cache))
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  if chosen == "xla":
-    return reference.decode_attention_xla(q, k_cache, v_cache, lengths, scale=scale,
-                                          local_window_size=local_window_size)
+  call = dict(q=q, k_cache=k_cache, v_cache=v_cache, lengths=lengths,
+              scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+              local_window_size=local_window_size)
+  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
+
+
+def _xla(**call):
+  return reference.decode_attention_xla(**call)
+
+
+def _triton(q, k_cache, v_cache, lengths, scale, local_window_size):
   def kernel_path(q, k_cache, v_cache, lengths):
     return pallas.decode_attention_pallas(
         q, k_cache, v_cache, lengths, scale=scale, local_window_size=local_window_size,
@@ -157,3 +167,16 @@ def decode_attention(
       ("v_cache", v_cache, ("batch", "seq", "heads", None)),
       ("lengths", lengths, ("batch",))),
       ("batch", "seq", "heads", None), split=("batch", "heads"))
+
+
+def _triton_supports(call) -> str | None:
+  return kernel_limit(call["q"], call["k_cache"])
+
+
+# The measured table decides the default (ops/dispatch_tables/decode_attention.json,
+# where the kernel is timed as 'pallas').
+IMPLEMENTATIONS = registry.Registry(_OP, table=_OP)
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
+                         config=pallas.DecodeConfig, measured_as="pallas")
+IMPLEMENTATIONS.alias("pallas", ("triton",))

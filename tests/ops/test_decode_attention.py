@@ -216,7 +216,7 @@ _SHAPES = dict(q=(2, 4, 8, 32), k_cache=(2, 16, 2, 32), v_cache=(2, 16, 2, 32))
     (dict(local_window_size=-1), "`local_window_size`"),
     (dict(local_window_size=(2, 3, 4)), "`local_window_size`"),
     (dict(scale=jnp.float32(0.5)), "`scale` must be a Python number"),
-    (dict(implementation="triton"), "`implementation`"),
+    (dict(implementation="cuda"), "`implementation`"),
     (dict(q=(2, 4, 8, 512), k_cache=(2, 16, 2, 512), v_cache=(2, 16, 2, 512),
           implementation="pallas"), "head size must be <= 256"),
     (dict(q=(2, 16, 64, 128), k_cache=(2, 16, 2, 128), v_cache=(2, 16, 2, 128),
