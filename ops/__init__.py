@@ -19,6 +19,8 @@ from ops.grouped_mlp import grouped_mlp
 from ops.grouped_mlp import grouped_mlp_reference
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_reference
+from ops.moe_dispatch import moe_dispatch
+from ops.moe_dispatch import moe_dispatch_reference
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import selective_scan_step
@@ -40,6 +42,8 @@ __all__ = (
     "grouped_mlp_reference",
     "linear_scan",
     "linear_scan_reference",
+    "moe_dispatch",
+    "moe_dispatch_reference",
     "selective_scan",
     "selective_scan_reference",
     "selective_scan_step",
