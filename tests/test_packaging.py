@@ -156,3 +156,10 @@ def test_version_comes_from_the_package_metadata(monkeypatch):
 
   monkeypatch.setattr(importlib.metadata, "version", not_installed)
   assert probjax_hk._installed_version() == "0+unknown"  # pylint: disable=protected-access
+
+
+def test_setup_py_shim_reads_pyproject():
+  # Tools that still call `python setup.py` see pyproject's name and version.
+  out = subprocess.run([sys.executable, "setup.py", "--name", "--version"], cwd=_REPO,
+                       capture_output=True, text=True, check=True).stdout.split()
+  assert out[-2:] == ["probjax_hk", _pyproject_version()]
