@@ -103,7 +103,8 @@ from ops.grouped_matmul import mosaic_tgmm as gmm_mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
 from ops.grouped_mlp import pallas as mlp_pallas
-from probjax_hk import moe
+from ops.moe_dispatch import route
+from ops.moe_dispatch import sort_by_expert
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/moe.json",
                               "JSON output (the curated suite file; another for trial runs).")
@@ -525,12 +526,12 @@ def part_rows(tokens: int) -> list[dict]:
   """Pieces of the sorted paths at `tokens`: router, the two sorts."""
   x = jax.random.normal(jax.random.key(0), (tokens, workloads.D_MODEL), jnp.bfloat16)
   w_router = jax.random.normal(jax.random.key(1), (workloads.D_MODEL, workloads.NUM_EXPERTS)) / 20
-  ids = moe.route(x, w_router, workloads.TOP_K).expert_ids.reshape(-1)
+  ids = route(x, w_router, workloads.TOP_K).expert_ids.reshape(-1)
   cases = {
-      "router_top2": (lambda x, w: moe.route(x, w, workloads.TOP_K), (x, w_router)),
-      "sort_argsort": (lambda i: moe._sort_by_expert(i, workloads.NUM_EXPERTS, method="argsort"),
+      "router_top2": (lambda x, w: route(x, w, workloads.TOP_K), (x, w_router)),
+      "sort_argsort": (lambda i: sort_by_expert(i, workloads.NUM_EXPERTS, method="argsort"),
                        (ids,)),
-      "sort_counting": (lambda i: moe._sort_by_expert(i, workloads.NUM_EXPERTS, method="counting"),
+      "sort_counting": (lambda i: sort_by_expert(i, workloads.NUM_EXPERTS, method="counting"),
                         (ids,)),
   }
   out = []

@@ -1,4 +1,7 @@
-"""MoELayer: every dispatch path computes the 'dense' reference's function."""
+"""MoELayer: every dispatch path computes the 'dense' reference's function.
+
+The dispatch op's own pieces (routing, sorting, capacity slots, the 'auto'
+rule) are tested in tests/ops/test_moe_dispatch.py."""
 
 import functools
 
@@ -9,8 +12,6 @@ import numpy as np
 import pytest
 
 from probjax_hk import MoELayer
-from probjax_hk import moe
-from tests.ops import test_measured
 
 E, TOP_K, D, F = 4, 2, 16, 32
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 5e-2}  # times max(1, |reference|)
@@ -138,34 +139,6 @@ def test_capacity_large_enough_drops_nothing():
   _assert_tree_close(got, _run(params, x), jnp.float32)
 
 
-def test_capacity_positions_choice_major():
-  ids = jnp.asarray([[0, 1], [0, 2], [1, 0]])
-  slot, keep = moe.capacity_positions(ids, 3, capacity=2)
-  # First choices: token0->0 (slot 0), token1->0 (1), token2->1 (0);
-  # second choices: token0->1 (1), token1->2 (0), token2->0 (2, dropped).
-  np.testing.assert_array_equal(slot, [[0, 1], [1, 0], [0, 2]])
-  np.testing.assert_array_equal(keep, [[True, True], [True, True], [True, False]])
-
-
-def test_top_k_matches_lax_top_k_with_ties():
-  probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(4), (64, E)))
-  probs = probs.at[:8].set(1.0 / E)  # ties: lowest index first, as lax.top_k
-  for k in (1, TOP_K, E):
-    want = jax.lax.top_k(probs, k)
-    got = moe._top_k(probs, k)
-    np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=0)
-
-
-def test_counting_sort_matches_argsort():
-  ids = jax.random.randint(jax.random.PRNGKey(3), (300,), 0, E + 1)  # E marks empty rows
-  want = moe._sort_by_expert(ids, E, method="argsort")
-  got = moe._sort_by_expert(ids, E, method="counting")
-  for g, w in zip(got, want):
-    np.testing.assert_array_equal(g, w)
-  np.testing.assert_array_equal(got[2], np.bincount(np.asarray(ids), minlength=E + 1)[:E])
-
-
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_k=5), "top_k"),
     (dict(top_k=0), "top_k"),
@@ -189,37 +162,3 @@ def test_mismatched_width_raises():
 def test_expert_axis_without_mesh_raises():
   with pytest.raises(ValueError, match="mesh"):
     _transform(expert_axis="expert").init(jax.random.PRNGKey(0), _inputs())
-
-
-def test_router_logits_of_bfloat16_tokens_keep_float32_accuracy():
-  # The bfloat16 path splits the float32 weights into three bfloat16 parts.
-  x = jax.random.normal(jax.random.PRNGKey(0), (300, 64), jnp.bfloat16)
-  w = jax.random.normal(jax.random.PRNGKey(1), (64, 8)) / 8
-  cotangent = jax.random.normal(jax.random.PRNGKey(2), (300, 8))
-
-  def highest(x, w):
-    return jnp.dot(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
-  results = []
-  for fn in (moe.router_logits, highest):
-    logits, vjp = jax.vjp(jax.jit(fn), x, w)
-    results.append((logits, *vjp(cotangent)))
-  for got, want, tol in zip(results[0], results[1], (1e-6, 1e-2, 1e-6)):
-    assert got.dtype == want.dtype
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    np.testing.assert_allclose(got, want, rtol=0, atol=tol * np.abs(want).max())
-
-
-def test_auto_takes_the_measured_fastest_path_on_nvidia_gpus(monkeypatch):
-  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "ragged_dot"  # a CPU
-  test_measured.fake_gpu(monkeypatch, {})
-  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "ragged_dot"  # nothing measured
-  axes = ("experts", "top_k", "d_model", "d_hidden", "tokens")
-  points = [dict(experts=8, top_k=2, d_model=512, d_hidden=1024, tokens=t, ms=ms)
-            for t, ms in ((1024, dict(dense=1.0, gmm=2.0)),
-                          (65536, dict(dense=9.0, gmm=2.0, sort=3.0)))]
-  table = test_measured.measured_table(points, axes=axes, kernels=("gmm",))
-  test_measured.fake_gpu(monkeypatch, {"moe": table})
-  assert moe.choose_dropless_impl(512, 8, 2, 512, 1024) == "dense"
-  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "gmm"
-  table["devices"][0]["checked"] = {}  # the kernels never passed their check here
-  assert moe.choose_dropless_impl(4096, 8, 2, 512, 1024) == "sort"
