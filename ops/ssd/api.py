@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops import _sharding
 from ops import registry
+from ops.ssd import configs
 from ops.ssd import pallas as pallas_impl
 from ops.ssd import varlen
 from ops.ssd.xla import ssd_xla
@@ -157,5 +158,5 @@ def _triton_supports(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry("ssd", table="ssd")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=pallas_impl.SSDBlocks, measured_as="pallas")
+                         config=configs.TritonConfig, measured_as="pallas")
 IMPLEMENTATIONS.alias("pallas", ("triton",))

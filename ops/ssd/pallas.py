@@ -56,52 +56,12 @@ from ops._triton import causal_decay
 from ops._triton import dot
 from ops._triton import is_pow2
 from ops._triton import next_pow2
+from ops.ssd import configs
 from ops.ssd import varlen
 from ops.ssd.xla import chunk_cumsum
 
 _F32 = jnp.float32
 MAX_HEAD_SIZE = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class SSDBlocks:
-  """Tiling of the SSD kernels."""
-  chunk: int = 64              # tokens per chunk (L); a power of two >= 16
-  state_block_k: int = 32      # K rows of the state tile in the states kernels
-  state_block_v: int = 32      # V columns of the state tile in the states kernels
-  output_block_v: int = 64     # V columns per program in the output kernel
-  grad_block_k: int = 64       # K columns per program of the keys' chunk gradients
-  grad_block_v: int = 64       # V columns per program of the values' chunk gradients
-  num_warps: int = 4           # warps of the output and chunk-gradient kernels
-  state_num_warps: int = 4     # warps of the states kernels
-  state_programs: int = 1024   # the states walk splits its chunks into groups
-                               # until it has about this many programs
-
-  def __post_init__(self):
-    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
-                 "grad_block_k", "grad_block_v", "num_warps", "state_num_warps",
-                 "state_programs"):
-      value = getattr(self, name)
-      if not is_pow2(value):
-        raise ValueError(f"`{name}` must be a power of two, got {value}")
-    for name in ("chunk", "state_block_k", "state_block_v", "output_block_v",
-                 "grad_block_k", "grad_block_v"):
-      if getattr(self, name) < 16:
-        raise ValueError(f"`{name}` must be >= 16 (a tensor-core tile), got "
-                         f"{getattr(self, name)}")
-
-  @classmethod
-  def get_default(cls, time: int, key: int, value: int,
-                  chunk: int | None = None) -> "SSDBlocks":
-    """Chunk 64 (shorter for short sequences), 32 x 32 state tiles, 64-wide
-    chunk-gradient tiles, 4 warps everywhere (the fastest on an H200 at both
-    benchmark shapes: BUILD_NOTES.md, "SSD and the gated delta rule")."""
-    key, value = max(16, next_pow2(key)), max(16, next_pow2(value))
-    if chunk is None:
-      chunk = min(64, max(16, next_pow2(time)))
-    return cls(chunk=chunk, state_block_k=min(32, key), state_block_v=min(32, value),
-               output_block_v=min(64, value), grad_block_k=min(64, key),
-               grad_block_v=min(64, value), num_warps=4, state_num_warps=4)
 
 
 def _states_kernel(x_ref, y_ref, b_ref, h0_ref, *refs, chunk, num_chunks,
@@ -404,7 +364,7 @@ _ssd_core_shared = _pallas.shared_lowering(_ssd_core, static_argnums=(6,))
 
 
 def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
-               cu_seqlens=None, blocks: SSDBlocks | None = None):
+               cu_seqlens=None, blocks: configs.TritonConfig | None = None):
   """Same contract as `ssd_reference`, on the Pallas kernels.
 
   Pads T to a multiple of the chunk (log-decay 0, zero keys and values: the
@@ -415,7 +375,7 @@ def ssd_pallas(q, k, v, log_decay, *, initial_state=None, chunk_size=None,
   batch, time, heads, value = v.shape
   key = q.shape[-1]
   if blocks is None:
-    blocks = SSDBlocks.get_default(time, key, value, chunk_size)
+    blocks = configs.TritonConfig.get_default(time, key, value, chunk_size)
   elif chunk_size is not None and chunk_size != blocks.chunk:
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk

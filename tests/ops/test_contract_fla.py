@@ -24,6 +24,7 @@ from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.ssd import ssd
 from ops.ssd import ssd_reference
+from ops.ssd import configs as ssd_configs
 from ops.ssd import pallas as ssd_pallas_lib
 
 _F32 = jnp.float32
@@ -208,7 +209,7 @@ def test_packed_ssd_kernel_restarts_inside_chunk_groups():
   nothing across (log-decay -inf): no NaN, the same values and gradients."""
   q, k, v, g, _, h0 = _inputs(_CU[-1], 1, 16, 16, states=len(_CU) - 1, seed=6)
   cu = jnp.asarray(_CU, jnp.int32)
-  blocks = ssd_pallas_lib.SSDBlocks(chunk=16, state_programs=2)
+  blocks = ssd_configs.TritonConfig(chunk=16, state_programs=2)
   _check(lambda *a: ssd_pallas_lib.ssd_pallas(*a[:4], initial_state=a[4], cu_seqlens=cu,
                                               blocks=blocks),
          lambda *a: ssd_reference(*a[:4], initial_state=a[4], cu_seqlens=cu),

@@ -181,8 +181,9 @@ def test_chunk_groups_of_the_states_walk(monkeypatch, groups):
 def test_chunk_gradients_by_key_and_value_tiles(heads, groups):
   """The keys' and values' chunk-gradient kernels with several K and V tiles
   per chunk (their d log_decay shares summed) match the reference."""
+  from ops.ssd import configs as ssd_configs
   from ops.ssd import pallas as ssd_pallas_lib
-  blocks = ssd_pallas_lib.SSDBlocks(chunk=16, grad_block_k=16, grad_block_v=16)
+  blocks = ssd_configs.TritonConfig(chunk=16, grad_block_k=16, grad_block_v=16)
   fn = functools.partial(ssd_pallas_lib.ssd_pallas, blocks=blocks)
   q, k, v, g, h0 = _inputs(1, 40, heads, groups, 48, 32, jnp.float32)  # K pads to 64
   grads = jax.jit(jax.grad(functools.partial(_loss, fn), argnums=(0, 1, 2, 3, 4)))(
