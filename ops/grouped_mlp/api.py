@@ -14,8 +14,9 @@ G groups.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
 from ops import _shapes
+from ops import registry
+from ops.grouped_matmul import api as grouped_matmul_api
 from ops.grouped_matmul.api import kernel_limit
 from ops.grouped_matmul.api import run_rows_per_shard
 from ops.grouped_matmul.api import validate_group_sizes
@@ -60,7 +61,7 @@ def _validate(x, w_in, w_out, group_sizes, activation) -> None:
 
 def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                 group_sizes: jax.Array, *, activation: Activation = "gelu",
-                implementation: _backend.Implementation = None) -> jax.Array:
+                implementation: registry.Choice = None) -> jax.Array:
   """Grouped two-layer MLP: row i of group g is `act(x[i] @ w_in[g]) @ w_out[g]`.
 
   Args:
@@ -73,8 +74,14 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       in the output and get zero gradient).
     activation: 'gelu' (`jax.nn.gelu`, tanh form) or 'swiglu'
       (`jax.nn.silu(gate) * value`).
-    implementation: None (the Pallas kernels on NVIDIA GPUs, else XLA),
-      'pallas' (interpret mode off GPU) or 'xla' (`jax.lax.ragged_dot`).
+    implementation: None (on NVIDIA GPUs the kernels where measured faster,
+      `ops/dispatch_tables/grouped_mlp.json`; XLA elsewhere and where
+      unmeasured), 'pallas' (the kernels as tuned per dtype: Triton's fused
+      matmuls, Mosaic GPU's where pallas.py's defaults put them; interpret
+      mode off GPU), 'triton' (every matmul on Triton), 'mosaic' (every matmul
+      on Mosaic GPU: 16-bit operands on a Hopper GPU), 'xla'
+      (`jax.lax.ragged_dot`), or a sequence of these tried in order
+      (`ops.registry`).
 
   Returns:
     [M, D'] in `x.dtype`. Both matmuls run in x's dtype with float32
@@ -86,11 +93,41 @@ def grouped_mlp(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
       `group_sizes` that are negative or sum to more than M.
   """
   _validate(x, w_in, w_out, group_sizes, activation)
-  backend = _backend.choose("grouped_mlp", implementation,
-                            lambda: kernel_limit("x", x.shape[0], "w_in", w_in.shape[0]))
-  if backend == "pallas":
+  call = dict(x=x, w_in=w_in, w_out=w_out, group_sizes=group_sizes, activation=activation)
+  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
+
+
+def _xla(**call):
+  return xla.grouped_mlp_xla(**call)
+
+
+def _kernels(**lowering):
+  """The kernel path, with `lowering` (pallas.py's mosaic flags) fixing which
+  matmuls run on Mosaic GPU; none given: pallas.py's tuned defaults."""
+  def run(x, w_in, w_out, group_sizes, activation):
     return run_rows_per_shard(
         "grouped_mlp", lambda x, w_in, w_out, starts, ends: pallas.grouped_mlp_pallas(
-            x, w_in, w_out, starts, ends, activation=activation),
+            x, w_in, w_out, starts, ends, activation=activation, **lowering),
         ("x", x), (("w_in", w_in), ("w_out", w_out)), group_sizes)
-  return xla.grouped_mlp_xla(x, w_in, w_out, group_sizes, activation=activation)
+  return run
+
+
+def _kernel_supports(call) -> str | None:
+  return kernel_limit("x", call["x"].shape[0], "w_in", call["w_in"].shape[0])
+
+
+def _mosaic_supports(call) -> str | None:
+  if (limit := _kernel_supports(call)) is not None:
+    return limit
+  return grouped_matmul_api.IMPLEMENTATIONS["mosaic"].supports(dict(
+      lhs=call["x"], rhs=call["w_in"], out_dtype=call["x"].dtype, precision=None))
+
+
+# ops/dispatch_tables/grouped_mlp.json, where it exists, times the kernels as 'pallas'.
+IMPLEMENTATIONS = registry.Registry("grouped_mlp", table="grouped_mlp")
+IMPLEMENTATIONS.register("xla", _xla)
+IMPLEMENTATIONS.register("pallas", _kernels(), supports=_kernel_supports, kernel=True)
+IMPLEMENTATIONS.register("triton", _kernels(mosaic=False, mosaic_tgmm=False),
+                         supports=_kernel_supports, kernel=True)
+IMPLEMENTATIONS.register("mosaic", _kernels(mosaic=True, mosaic_tgmm=True),
+                         supports=_mosaic_supports, kernel=True)

@@ -175,6 +175,11 @@ def test_default_implementation_on_cpu_is_ragged_dot():
   jaxpr = str(jax.make_jaxpr(functools.partial(ops.grouped_mlp, implementation="pallas"))(
       x, w_in, w_out, sizes))
   assert jaxpr.count("pallas_call") == 2  # the fused first matmul, then gmm
+  jaxpr = str(jax.make_jaxpr(functools.partial(ops.grouped_mlp, implementation="triton"))(
+      x, w_in, w_out, sizes))
+  assert jaxpr.count("pallas_call") == 2
+  with pytest.raises(ValueError, match=r"implementation='mosaic'\): .*Hopper GPU"):
+    ops.grouped_mlp(x, w_in, w_out, sizes, implementation="mosaic")
 
 
 @pytest.mark.parametrize("change, match", [
