@@ -1,5 +1,6 @@
-"""State-space models: SSMModel and its cells (one file per cell)."""
+"""State-space models: SSMModel and its cells (one file per cell, each an SSMCell)."""
 
+from probjax_hk.ssm.base import SSMCell
 from probjax_hk.ssm.gated_delta_net import GatedDeltaNetCell
 from probjax_hk.ssm.lru import LRUCell
 from probjax_hk.ssm.mamba import MambaCell
@@ -9,4 +10,4 @@ from probjax_hk.ssm.model import SSMModel
 from probjax_hk.ssm.ssd import SSDCell
 
 __all__ = ("GatedDeltaNetCell", "LRUCell", "MambaCell", "Mamba2Cell", "SSDCell",
-           "SSMBlock", "SSMModel")
+           "SSMBlock", "SSMCell", "SSMModel")

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
-from ops.gated_delta_rule.reference import gated_delta_step
 from probjax_hk.arguments import check_bools
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
@@ -29,14 +28,13 @@ from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import past_the_end
-from probjax_hk.ssm.arguments import zeros
-from probjax_hk.ssm.mamba2 import causal_conv
-from probjax_hk.ssm.mamba2 import causal_conv_step
-from probjax_hk.ssm.mamba2 import conv_params
+from probjax_hk.ssm.base import SSMCell
+from probjax_hk.ssm.causal_conv import causal_conv
+from probjax_hk.ssm.causal_conv import causal_conv_step
+from probjax_hk.ssm.causal_conv import conv_params
 from probjax_hk.ssm.ssd import a_log_init
 from probjax_hk.ssm.ssd import dt_bias_init
 from probjax_hk.ssm.ssd import head_size
-from probjax_hk.ssm.ssd import ChunkedSequenceCell
 
 _F32 = jnp.float32
 
@@ -46,7 +44,7 @@ def _l2_normalize(x, eps=1e-6):
   return (xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-class GatedDeltaNetCell(ChunkedSequenceCell):
+class GatedDeltaNetCell(SSMCell):
   """Gated DeltaNet: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])`,
@@ -80,14 +78,13 @@ class GatedDeltaNetCell(ChunkedSequenceCell):
     check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
                             model_dim=model_dim, chunk_size=chunk_size,
                             implementation=implementation)
-    super().__init__(name=name)
+    super().__init__(model_dim=model_dim, name=name)
     check_positive_ints(conv_width=conv_width)
     check_bools(use_output_gate=use_output_gate)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.conv_width = conv_width
     self.use_output_gate = use_output_gate
-    self.model_dim = model_dim
     self.chunk_size = chunk_size
     self.implementation = implementation
 
@@ -139,11 +136,6 @@ class GatedDeltaNetCell(ChunkedSequenceCell):
                                         implementation=self.implementation)
     return self._finish(o, u, model_dim), (conv_state, ssm_state)
 
-  @hk.name_like("__call__")
-  def initial_state(self, batch_size: int):
-    """`(conv_state [B, W - 1, 3 N P], ssm_state [B, N, P, P])` float32 zeros."""
-    return zeros(self._state_shapes(batch_size))
-
   def _state_shapes(self, batch_size: int, model_dim: int | None = None):
     _, heads, p = self._dims(model_dim)
     return (jax.ShapeDtypeStruct((batch_size, self.conv_width - 1, 3 * heads * p), _F32),
@@ -160,5 +152,5 @@ class GatedDeltaNetCell(ChunkedSequenceCell):
     qkv, conv_state = causal_conv_step(qkv, conv_state, w, b)
     q, k, v = self._qkv(jax.nn.silu(qkv), heads, p)
     log_alpha, beta = self._gates(u_t, heads)
-    o, ssm_state = gated_delta_step(ssm_state, q, k, v, log_alpha, beta, scale=p ** -0.5)
+    o, ssm_state = ops.gated_delta_step(ssm_state, q, k, v, log_alpha, beta, scale=p ** -0.5)
     return self._finish(o, u_t, model_dim), (conv_state, ssm_state)

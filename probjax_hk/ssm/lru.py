@@ -23,11 +23,9 @@ import jax.numpy as jnp
 import ops
 from ops import _backend
 from probjax_hk import arguments
-from probjax_hk.layers import check_tokens
-from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import past_the_end
-from probjax_hk.ssm.arguments import zeros
+from probjax_hk.ssm.base import SSMCell
 
 
 def _ring_nu_log(r_min: float, r_max: float):
@@ -44,8 +42,13 @@ def _phase_log(max_phase: float):
   return init
 
 
-class LRUCell(hk.Module):
-  """The LRU as an SSM cell: `[B, T, H] -> [B, T, H]`, or one step at a time."""
+class LRUCell(SSMCell):
+  """The LRU as an SSM cell: `[B, T, H] -> [B, T, H]`, or one step at a time.
+
+  The decode state is `[B, N]` complex64.
+  """
+
+  _sequence_takes_reverse = True  # `ops.linear_scan` runs backwards itself
 
   def __init__(self, state_dim: int | None = None, *, model_dim: int | None = None,
                r_min: float = 0.0, r_max: float = 1.0, max_phase: float = 2 * math.pi,
@@ -69,9 +72,8 @@ class LRUCell(hk.Module):
       ValueError: a size below 1, radii outside `0 <= r_min < r_max <= 1`, a
         `max_phase` that is not positive, or an unknown `implementation`.
     """
-    arguments.check_name(name)
-    super().__init__(name=name)
-    arguments.check_positive_ints_or_none(state_dim=state_dim, model_dim=model_dim)
+    super().__init__(model_dim=model_dim, name=name)
+    arguments.check_positive_ints_or_none(state_dim=state_dim)
     arguments.check_nonnegative_numbers(r_min=r_min, r_max=r_max)
     arguments.check_positive_numbers(max_phase=max_phase)
     arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
@@ -79,7 +81,6 @@ class LRUCell(hk.Module):
       raise ValueError(f"`r_min`/`r_max` must satisfy 0 <= r_min < r_max <= 1, "
                        f"got {r_min=} {r_max=}")
     self.state_dim = state_dim
-    self.model_dim = model_dim
     self.r_min, self.r_max, self.max_phase = r_min, r_max, max_phase
     self.implementation = implementation
 
@@ -108,41 +109,8 @@ class LRUCell(hk.Module):
     d = hk.get_parameter("D", [h], f32, init=hk.initializers.RandomNormal())
     return lam, b * jnp.exp(gamma_log), c, d
 
-  def __call__(self, x: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path.
-
-    Args:
-      x: [B, T, H].
-      reverse: run the recurrence from the last step to the first.
-
-    Returns:
-      [B, T, H] in `x`'s dtype.
-    """
-    check_tokens(x)
-    return self._sequence(x, reverse=reverse)[0]
-
-  @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state: jax.Array | None = None, *,
-              lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The sequence path that also returns its final state.
-
-    Args:
-      x: [B, T, H].
-      state: None (zeros: x starts the sequence) or the [B, N] state to
-        continue from (`initial_state`, `prefill` or `step`).
-      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
-        steps past a sequence's length leave its state as it was (decay 1,
-        input 0); its outputs there are unspecified.
-
-    Returns:
-      (y [B, T, H] in x's dtype, the [B, N] complex64 state after x's last
-      step, or after each sequence's `lengths[b]` steps).
-    """
-    x, valid = check_prefill("x", x, state, self._state_shapes, lengths)
-    return self._sequence(x, state, valid=valid)
-
   @hk.transparent
-  def _sequence(self, x, state=None, *, reverse=False, valid=None):
+  def _sequence(self, x, state=None, valid=None, *, reverse=False):
     """x [B, T, H], state [B, N] or None, valid [B, T] or None -> (y [B, T, H],
     final state [B, N])."""
     lam, b, c, d = self._params(x.shape[-1])
@@ -160,11 +128,6 @@ class LRUCell(hk.Module):
                                implementation=self.implementation)
     y = h.real @ c.real - h.imag @ c.imag + d * xf                      # Re(h c), [B, T, H]
     return y.astype(x.dtype), state
-
-  @hk.name_like("__call__")
-  def initial_state(self, batch_size: int) -> jax.Array:
-    """[B, N] complex64 zeros."""
-    return zeros(self._state_shapes(batch_size))
 
   def _state_shapes(self, batch_size: int, model_dim: int | None = None):
     return jax.ShapeDtypeStruct((batch_size, self._dims(model_dim)[1]), jnp.complex64)

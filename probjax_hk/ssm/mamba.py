@@ -22,23 +22,23 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
-from ops.selective_scan.reference import finish_output
 from probjax_hk import arguments
 from probjax_hk.layers import Linear
-from probjax_hk.layers import check_tokens
-from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import past_the_end
-from probjax_hk.ssm.arguments import zeros
-from probjax_hk.ssm.mamba2 import causal_conv
-from probjax_hk.ssm.mamba2 import causal_conv_step
+from probjax_hk.ssm.base import SSMCell
+from probjax_hk.ssm.causal_conv import causal_conv
+from probjax_hk.ssm.causal_conv import causal_conv_step
+from probjax_hk.ssm.causal_conv import conv_params
 
 
-class MambaCell(hk.Module):
+class MambaCell(SSMCell):
   """The Mamba block: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `(conv_state [B, W - 1, E], ssm_state [B, E, S] f32)`.
   """
+
+  _sequence_takes_reverse = True  # `ops.selective_scan` runs backwards itself
 
   def __init__(self, state_dim: int | None = None, *, model_dim: int | None = None,
                expand: int = 2, conv_width: int = 4, dt_rank: int | str = "auto",
@@ -64,9 +64,8 @@ class MambaCell(hk.Module):
       ValueError: a size below 1, step sizes outside
         `0 < dt_min <= dt_max`, or an unknown `implementation`.
     """
-    arguments.check_name(name)
-    super().__init__(name=name)
-    arguments.check_positive_ints_or_none(state_dim=state_dim, model_dim=model_dim)
+    super().__init__(model_dim=model_dim, name=name)
+    arguments.check_positive_ints_or_none(state_dim=state_dim)
     arguments.check_positive_ints(expand=expand, conv_width=conv_width)
     if dt_rank != "auto":
       arguments.check_positive_ints(dt_rank=dt_rank)
@@ -76,7 +75,6 @@ class MambaCell(hk.Module):
       raise ValueError(f"`dt_min`/`dt_max` must satisfy 0 < dt_min <= dt_max, "
                        f"got {dt_min=} {dt_max=}")
     self.state_dim = state_dim
-    self.model_dim = model_dim
     self.expand = expand
     self.conv_width = conv_width
     self.dt_rank = dt_rank
@@ -100,14 +98,6 @@ class MambaCell(hk.Module):
     return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus
 
   @hk.transparent
-  def _conv_params(self, inner):
-    w = hk.get_parameter("conv_w", [self.conv_width, inner], jnp.float32,
-                         init=hk.initializers.RandomUniform(
-                             -1 / math.sqrt(self.conv_width), 1 / math.sqrt(self.conv_width)))
-    b = hk.get_parameter("conv_b", [inner], jnp.float32, init=jnp.zeros)
-    return w, b
-
-  @hk.transparent
   def _ssm_params(self, inner, state):
     a_log = hk.get_parameter(
         "A_log", [inner, state], jnp.float32,
@@ -124,49 +114,15 @@ class MambaCell(hk.Module):
     delta = Linear(x.shape[-1], with_bias=False, name="dt_proj")(dt_low)
     return delta, b, c
 
-  def __call__(self, x: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path.
-
-    Args:
-      x: [B, T, H].
-      reverse: run the block from the last step to the first (the
-        convolution then looks at later steps, the scan runs backwards).
-
-    Returns:
-      [B, T, H] in `x`'s dtype.
-    """
-    check_tokens(x)
-    return self._sequence(x, reverse=reverse)[0]
-
-  @hk.name_like("__call__")
-  def prefill(self, x: jax.Array, state=None, *, lengths: jax.Array | None = None):
-    """The sequence path that also returns its final state.
-
-    Args:
-      x: [B, T, H].
-      state: None (zeros: x starts the sequence) or the state to continue
-        from (`initial_state`, `prefill` or `step`).
-      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
-        steps past a sequence's length leave its state as it was (step size
-        0: decay 1, input 0; the convolution's window ending at its length);
-        its outputs there are unspecified.
-
-    Returns:
-      (y [B, T, H] in x's dtype, the state after x's last step, or after
-      each sequence's `lengths[b]` steps).
-    """
-    x, valid = check_prefill("x", x, state, self._state_shapes, lengths)
-    return self._sequence(x, state, valid=valid)
-
   @hk.transparent
-  def _sequence(self, x, state=None, *, reverse=False, valid=None):
+  def _sequence(self, x, state=None, valid=None, *, reverse=False):
     """x [B, T, H], state or None, valid [B, T] or None -> (y [B, T, H], final
     state); `reverse` returns no conv state."""
     conv_state, ssm_state = (None, None) if state is None else state
     h, inner, state_dim, rank = self._dims(x.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x)           # [B, T, 2E]
     xi, z = jnp.split(xz, 2, axis=-1)
-    w, b = self._conv_params(inner)
+    w, b = conv_params(self.conv_width, inner)
     if reverse:  # Reversed time mirrors the window: the causal conv of the flipped input.
       conv = causal_conv(xi[:, ::-1], w, b)[0][:, ::-1]
     else:
@@ -183,11 +139,6 @@ class MambaCell(hk.Module):
                                       reverse=reverse, implementation=self.implementation)
     return Linear(h, with_bias=False, name="out_proj")(y), (conv_state, ssm_state)
 
-  @hk.name_like("__call__")
-  def initial_state(self, batch_size: int):
-    """`(conv_state [B, W - 1, E] f32, ssm_state [B, E, S] f32)` zeros."""
-    return zeros(self._state_shapes(batch_size))
-
   def _state_shapes(self, batch_size: int, model_dim: int | None = None):
     _, inner, state, _ = self._dims(model_dim)
     return (jax.ShapeDtypeStruct((batch_size, self.conv_width - 1, inner), jnp.float32),
@@ -201,16 +152,12 @@ class MambaCell(hk.Module):
     h, inner, state_dim, rank = self._dims(x_t.shape[-1])
     xz = Linear(2 * inner, with_bias=False, name="in_proj")(x_t)         # [B, 2E]
     xi, z = jnp.split(xz, 2, axis=-1)
-    w, b = self._conv_params(inner)
+    w, b = conv_params(self.conv_width, inner)
     conv, conv_state = causal_conv_step(xi, conv_state, w, b)
     xc = jax.nn.silu(conv)                                               # [B, E]
     delta, bm, cm = self._project(xc, state_dim, rank)
     a, d, dt_bias = self._ssm_params(inner, state_dim)
-    delta = jax.nn.softplus(delta.astype(jnp.float32) + dt_bias)          # [B, E]
-    xf = xc.astype(jnp.float32)
-    ssm_state = (jnp.exp(delta[..., None] * a) * ssm_state
-                 + (delta * xf)[..., None] * bm.astype(jnp.float32)[:, None, :])
-    y = jnp.einsum("bes,bs->be", ssm_state, cm.astype(jnp.float32))
-    y = finish_output(y, xc, d, z)
+    y, ssm_state = ops.selective_scan_step(ssm_state, xc, delta, a, bm, cm, D=d, z=z,
+                                           delta_bias=dt_bias, delta_softplus=True)
     out = Linear(h, with_bias=False, name="out_proj")(y)
     return out, (conv_state, ssm_state)

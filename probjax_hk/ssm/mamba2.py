@@ -12,8 +12,6 @@ Glossary of shapes: B batch, T time, H model width, E inner width (expand H),
 N heads (E / P), P head size, G groups of B and C, S state size, W conv width.
 """
 
-import math
-
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -25,60 +23,18 @@ from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
 from probjax_hk.ssm.arguments import check_chunked_cell_args
 from probjax_hk.ssm.arguments import check_step
-from probjax_hk.ssm.arguments import zeros
+from probjax_hk.ssm.base import SSMCell
+from probjax_hk.ssm.causal_conv import causal_conv
+from probjax_hk.ssm.causal_conv import causal_conv_step
+from probjax_hk.ssm.causal_conv import conv_params
 from probjax_hk.ssm.ssd import decay_params
 from probjax_hk.ssm.ssd import ssd_decode_step
 from probjax_hk.ssm.ssd import ssd_inputs
-from probjax_hk.ssm.ssd import ChunkedSequenceCell
 
 _F32 = jnp.float32
 
 
-def conv_params(width: int, channels: int, name: str = "conv"):
-  """Depthwise causal convolution weights [W, C] and bias [C], float32."""
-  bound = 1 / math.sqrt(width)
-  w = hk.get_parameter(f"{name}_w", [width, channels], _F32,
-                       init=hk.initializers.RandomUniform(-bound, bound))
-  b = hk.get_parameter(f"{name}_b", [channels], _F32, init=jnp.zeros)
-  return w, b
-
-
-def causal_conv(x: jax.Array, w: jax.Array, b: jax.Array,
-                conv_state: jax.Array | None = None, valid: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
-  """`y_t = b + sum_k w[k] x_{t - (W-1) + k}`, the inputs before x read from
-  `conv_state` [B, W - 1, C] (zeros when None).
-
-  Returns:
-    (y [B, T, C] in x's dtype, the last W - 1 inputs [B, W - 1, C] float32:
-    the conv_state that `causal_conv_step` continues from; with `valid`
-    [B, T] (right-padded sequences), the last W - 1 before each sequence's
-    end).
-  """
-  width, time = w.shape[0], x.shape[1]
-  if conv_state is None:
-    xp = jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
-  else:
-    xp = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)   # [B, W - 1 + T, C]
-  w = w.astype(x.dtype)
-  y = b.astype(x.dtype) + sum(w[k] * xp[:, k:k + time] for k in range(width))
-  if valid is None:
-    return y, xp[:, time:].astype(_F32)
-  # Sequence b's window ends at its length: xp[b, L_b : L_b + W - 1].
-  rows = valid.sum(axis=1)[:, None] + jnp.arange(width - 1)           # [B, W - 1]
-  return y, jnp.take_along_axis(xp, rows[..., None], axis=1).astype(_F32)
-
-
-def causal_conv_step(x_t: jax.Array, conv_state: jax.Array, w: jax.Array,
-                     b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One step: x_t [B, C], conv_state [B, W - 1, C] f32 (the last inputs)
-  -> (y_t [B, C] in x_t's dtype, new conv_state)."""
-  window = jnp.concatenate([conv_state.astype(x_t.dtype), x_t[:, None]], axis=1)
-  y = b.astype(x_t.dtype) + jnp.sum(window * w.astype(x_t.dtype), axis=1)
-  return y, window[:, 1:].astype(_F32)
-
-
-class Mamba2Cell(ChunkedSequenceCell):
+class Mamba2Cell(SSMCell):
   """The Mamba-2 block: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])`,
@@ -112,12 +68,11 @@ class Mamba2Cell(ChunkedSequenceCell):
     """
     check_chunked_cell_args(name, model_dim=model_dim, chunk_size=chunk_size,
                             implementation=implementation)
-    super().__init__(name=name)
+    super().__init__(model_dim=model_dim, name=name)
     check_positive_ints(expand=expand, head_dim=head_dim, state_dim=state_dim,
                         conv_width=conv_width, ngroups=ngroups)
     self.expand, self.head_dim, self.state_dim = expand, head_dim, state_dim
     self.conv_width, self.ngroups = conv_width, ngroups
-    self.model_dim = model_dim
     self.chunk_size = chunk_size
     self.implementation = implementation
     if model_dim is not None:
@@ -179,11 +134,6 @@ class Mamba2Cell(ChunkedSequenceCell):
                            implementation=self.implementation)     # [B, T, N, P]
     y = y.astype(_F32) + d[:, None] * x.astype(_F32)
     return self._finish(y, z, model_dim), (conv_state, ssm_state)
-
-  @hk.name_like("__call__")
-  def initial_state(self, batch_size: int):
-    """`(conv_state [B, W - 1, E + 2 G S], ssm_state [B, N, S, P])` float32 zeros."""
-    return zeros(self._state_shapes(batch_size))
 
   def _state_shapes(self, batch_size: int, model_dim: int | None = None):
     _, inner, heads = self._dims(model_dim)

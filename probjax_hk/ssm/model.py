@@ -4,24 +4,10 @@
                                            x += MLP_swiglu(RMSNorm(x))]
       -> RMSNorm -> Linear(output_dim)
 
-The cell interface (every cell in this package, and the ones to come):
-
-* A cell is an `hk.Module` constructed as `cell(**cell_kwargs, model_dim=H,
-  name=...)`.
-* `cell(x, *, reverse=False) -> y`: the sequence path, `[B, T, H] -> [B, T, H]`
-  in `x`'s dtype; `reverse=True` runs it from the last step to the first
-  (what `bidirectional=True` uses).
-* `cell.initial_state(batch_size)`: a pytree of arrays, the state before the
-  first step.
-* `cell.step(x_t, state) -> (y_t, state)`: one step, `x_t, y_t: [B, H]`.
-  Decoding a sequence step by step gives the sequence path's output.
-* `cell.prefill(x, state=None, *, lengths=None) -> (y, state)`: the sequence
-  path (forward in time) from `state` (None: zeros), returning the state
-  after x's last step, so that `step` or another `prefill` continues where x
-  ends. With `lengths` [B] (right-padded sequences), the state after each
-  sequence's own last step: past it the cell's decays are 1 and its inputs 0,
-  and its convolutions' windows end there. (A cell without `lengths` decodes
-  too, but not ragged batches.)
+The cell is a `probjax_hk.ssm.SSMCell` (`probjax_hk/ssm/base.py`), whose
+docstring is the contract the model relies on: how the model constructs it,
+the sequence path `[B, T, H] -> [B, T, H]`, `initial_state`, `step` and
+`prefill`.
 
 The model decodes through the interface every sequence model of the library
 shares (the Transformer's too): `initial_state(batch_size, max_length=None)`,
@@ -79,8 +65,8 @@ def _check_cell_kwargs(cell: Callable[..., hk.Module], cell_kwargs: dict[str, An
     named = [n for n, p in params.items() if p.kind != p.POSITIONAL_ONLY]
     for needed in _PASSED_BY_MODEL:
       if needed not in named:
-        raise ValueError(f"`cell` must take `{needed}` (the cell interface in "
-                         f"probjax_hk/ssm/model.py); {cell_name} does not")
+        raise ValueError(f"`cell` must take `{needed}` (the cell contract of "
+                         f"probjax_hk.ssm.SSMCell); {cell_name} does not")
   missing = [n for n, p in params.items()
              if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
              and n not in cell_kwargs and n not in _PASSED_BY_MODEL]
@@ -174,8 +160,8 @@ class SSMModel(hk.Module):
       output_dim: O, the output width.
       num_layers: number of blocks.
       cell: the cell class: `LRUCell`, `MambaCell`, `SSDCell`, `Mamba2Cell`,
-        `GatedDeltaNetCell`, or one of your own with their interface
-        (:ref:`ssm-writing-a-cell`).
+        `GatedDeltaNetCell`, or one of your own, a subclass of
+        `probjax_hk.ssm.SSMCell` (:ref:`ssm-writing-a-cell`).
       cell_kwargs: keyword arguments of the cell (e.g. `state_dim`,
         `implementation`); `model_dim` and `name` are passed by the model.
         They must include the cell's required arguments: `num_heads` for

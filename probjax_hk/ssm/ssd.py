@@ -19,16 +19,12 @@ import jax.numpy as jnp
 
 import ops
 from ops import _backend
-from ops.ssd.reference import expand_groups
-from ops.ssd.reference import ssd_step
 from probjax_hk import arguments
 from probjax_hk.layers import Linear
-from probjax_hk.layers import check_tokens
 from probjax_hk.ssm.arguments import check_chunked_cell_args
-from probjax_hk.ssm.arguments import check_prefill
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import past_the_end
-from probjax_hk.ssm.arguments import zeros
+from probjax_hk.ssm.base import SSMCell
 
 _F32 = jnp.float32
 
@@ -70,13 +66,10 @@ def ssd_inputs(x, b, c, dt, a, dt_bias, valid=None):
 
 
 def ssd_decode_step(state, x, b, c, dt, a, dt_bias, d):
-  """One token of the SSD core: state [B, N, S, P] f32 -> (y [B, N, P] f32, state)."""
-  q, k, v, log_decay = ssd_inputs(x, b, c, dt, a, dt_bias)
-  heads = x.shape[-2]
-  q, k = (expand_groups(t[:, None], heads)[:, 0] for t in (q, k))
-  y, state = ssd_step(state, q, k, v, log_decay)
+  """One token of the SSD core: state [B, N, S, P] f32, x [B, N, P], b/c
+  [B, G, S], dt [B, N] -> (y [B, N, P] f32, state)."""
+  y, state = ops.ssd_step(state, *ssd_inputs(x, b, c, dt, a, dt_bias))
   return y + d[:, None] * x.astype(_F32), state
-
 
 
 def head_size(cell: str, num_heads: int, head_dim: int | None, model_dim: int | None) -> int:
@@ -90,48 +83,7 @@ def head_size(cell: str, num_heads: int, head_dim: int | None, model_dim: int | 
   return model_dim // num_heads
 
 
-def time_reversed(sequence_fn, u: jax.Array, reverse: bool) -> jax.Array:
-  """Runs a forward-in-time sequence path [B, T, H] -> [B, T, H], from the
-  last step to the first when `reverse` (the backward half of a
-  bidirectional model)."""
-  check_tokens(u, "u")
-  if reverse:
-    return sequence_fn(u[:, ::-1])[:, ::-1]
-  return sequence_fn(u)
-
-
-class ChunkedSequenceCell(hk.Module):
-  """The sequence path and prefill of the cells on the chunked ops (SSD,
-  Mamba-2, Gated DeltaNet): a subclass gives `_sequence(u, state=None,
-  valid=None) -> (y, state)`, forward in time (`valid` [B, T]: the steps
-  before each sequence's end), and `_state_shapes`."""
-
-  def __call__(self, u: jax.Array, *, reverse: bool = False) -> jax.Array:
-    """Sequence path: u [B, T, H] -> [B, T, H] in u's dtype (`reverse`: last step first)."""
-    return time_reversed(lambda u: self._sequence(u)[0], u, reverse)
-
-  @hk.name_like("__call__")
-  def prefill(self, u: jax.Array, state=None, *, lengths: jax.Array | None = None):
-    """The sequence path that also returns its final state.
-
-    Args:
-      u: [B, T, H].
-      state: None (zeros: u starts the sequence) or the state to continue
-        from (`initial_state`, `prefill` or `step`).
-      lengths: None, or [B] ints in [0, T] for right-padded sequences: the
-        steps past a sequence's length leave its state as it was (decay 1,
-        input 0, the convolution's window ending at its length); its outputs
-        there are unspecified.
-
-    Returns:
-      (y [B, T, H] in u's dtype, the state after u's last step, or after
-      each sequence's `lengths[b]` steps).
-    """
-    u, valid = check_prefill("u", u, state, self._state_shapes, lengths)
-    return self._sequence(u, state, valid)
-
-
-class SSDCell(ChunkedSequenceCell):
+class SSDCell(SSMCell):
   """Multi-head SSD: `[B, T, H] -> [B, T, H]`, or one step at a time.
 
   The decode state is `[B, N, S, P]` float32.
@@ -162,12 +114,11 @@ class SSDCell(ChunkedSequenceCell):
     check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
                             model_dim=model_dim, chunk_size=chunk_size,
                             implementation=implementation)
-    super().__init__(name=name)
+    super().__init__(model_dim=model_dim, name=name)
     arguments.check_positive_ints(state_dim=state_dim)
     self.num_heads = num_heads
     self.head_dim = head_dim
     self.state_dim = state_dim
-    self.model_dim = model_dim
     self.chunk_size = chunk_size
     self.implementation = implementation
 
@@ -202,11 +153,6 @@ class SSDCell(ChunkedSequenceCell):
     y = y.astype(_F32) + d[:, None] * x.astype(_F32)
     y = y.astype(u.dtype).reshape(batch, time, heads * p)
     return Linear(model_dim, with_bias=False, name="out_proj")(y), state
-
-  @hk.name_like("__call__")
-  def initial_state(self, batch_size: int):
-    """`[B, N, S, P]` float32 zeros."""
-    return zeros(self._state_shapes(batch_size))
 
   def _state_shapes(self, batch_size: int, model_dim: int | None = None):
     _, heads, p, s = self._dims(model_dim)
