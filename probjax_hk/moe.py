@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import ops
 from ops.grouped_mlp import Activation
+from ops.grouped_mlp import IMPLEMENTATIONS as GROUPED_MLP_IMPLEMENTATIONS
 from ops.moe_dispatch import capacity_positions
 from ops.moe_dispatch import choose_dropless_impl
 from ops.moe_dispatch import DROPLESS_IMPLS
@@ -210,8 +211,8 @@ class MoELayer(hk.Module):
       raise TypeError(f"`expert_axis` must be a mesh axis name or None, got {expert_axis!r}")
     if expert_axis == "":
       raise ValueError("`expert_axis` must be a mesh axis name or None, got ''")
-    arguments.check_choice("grouped_matmul_implementation", grouped_matmul_implementation,
-                           GROUPED_MATMUL_IMPLEMENTATIONS)
+    GROUPED_MLP_IMPLEMENTATIONS.check(grouped_matmul_implementation,
+                                      "grouped_matmul_implementation")
     if capacity_factor is not None and expert_axis is not None:
       raise ValueError("`capacity_factor` with `expert_axis` is not supported: the "
                        "expert-parallel path is dropless")

@@ -125,7 +125,7 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("capacity_factor", 0.0, V), ("capacity_factor", "1.25", T),
         ("router_z_loss_weight", -1.0, V), ("load_balance_loss_weight", "x", T),
         ("expert_axis", 5, T), ("expert_axis", "", V),
-        ("grouped_matmul_implementation", "triton", V), *_name_rows()]),
+        ("grouped_matmul_implementation", "cuda", V), *_name_rows()]),
     "expert_parameter_sharding": (dict(expert_axis="expert"), [
         ("expert_axis", 5, V), ("expert_axis", "", V)]),
     "LRUCell": ({}, [

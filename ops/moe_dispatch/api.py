@@ -31,9 +31,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 import numpy as np
 
-from ops import _backend
-from ops import _measured
 from ops import _shapes
+from ops import registry
+from ops.grouped_mlp import IMPLEMENTATIONS as GROUPED_MLP_IMPLEMENTATIONS
 from ops.grouped_mlp.activations import Activation
 from ops.grouped_mlp.activations import ACTIVATIONS
 from ops.moe_dispatch.experts import capacity_experts
@@ -48,8 +48,8 @@ from ops.moe_dispatch.sorting import expert_capacity
 DroplessImpl = Literal["dense", "ragged_dot", "sort", "gmm", "auto"]
 DROPLESS_IMPLS = ("dense", "ragged_dot", "sort", "gmm", "auto")
 # `ops.grouped_mlp`'s `implementation`, taken on the 'gmm' path.
-GroupedMatmulImplementation = _backend.Implementation
-GROUPED_MATMUL_IMPLEMENTATIONS = _backend.IMPLEMENTATIONS
+GroupedMatmulImplementation = registry.Choice
+GROUPED_MATMUL_IMPLEMENTATIONS = (None, *GROUPED_MLP_IMPLEMENTATIONS.names)
 
 _OP = "moe_dispatch"
 
@@ -59,11 +59,11 @@ def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model:
   """The 'auto' rule: the fastest measured path for the platform.
 
   On NVIDIA GPUs, the path timed fastest (fwd+bwd) at the measured layer that
-  judges this one (`ops/dispatch_tables/moe.json`, read by `ops._measured`),
-  among those measured on this device kind ('gmm', the Pallas kernels, only
-  where they passed their check there); 'ragged_dot' where nothing decides.
-  Elsewhere the Pallas kernel would run interpreted, so XLA's 'ragged_dot' is
-  used.
+  judges this one (`ops/dispatch_tables/moe.json`), among those measured on
+  this device kind ('gmm', the Pallas kernels, only where they passed their
+  check there); 'ragged_dot' where nothing decides. Elsewhere the Pallas
+  kernel would run interpreted, so XLA's 'ragged_dot' is used.
+  (`DROPLESS_PATHS.choose(None, ...)`, the registry's default.)
 
   Args:
     num_tokens: T; num_experts: E; top_k: k; d_model: D; d_hidden: F.
@@ -71,22 +71,25 @@ def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model:
   Returns:
     'dense', 'ragged_dot', 'sort' or 'gmm'.
   """
-  if not _backend.on_nvidia_gpu():
-    return "ragged_dot"
-  return _measured.fastest("moe", ("gmm", "ragged_dot", "sort", "dense"), experts=num_experts,
-                           top_k=top_k, d_model=d_model, d_hidden=d_hidden,
-                           tokens=num_tokens) or "ragged_dot"
+  return DROPLESS_PATHS.choose(None, {}, **_measured_at(
+      num_tokens, num_experts, top_k, d_model, d_hidden)).name
+
+
+def _measured_at(num_tokens, num_experts, top_k, d_model, d_hidden) -> dict:
+  """The call's point on the axes of ops/dispatch_tables/moe.json."""
+  return dict(experts=num_experts, top_k=top_k, d_model=d_model, d_hidden=d_hidden,
+              tokens=num_tokens)
 
 
 def _check_options(activation, dropless_impl, capacity_factor, expert_axis,
                    grouped_matmul_implementation) -> None:
   for name, value, choices in (
       ("activation", activation, ACTIVATIONS),
-      ("dropless_impl", dropless_impl, DROPLESS_IMPLS),
-      ("grouped_matmul_implementation", grouped_matmul_implementation,
-       GROUPED_MATMUL_IMPLEMENTATIONS)):
+      ("dropless_impl", dropless_impl, DROPLESS_IMPLS)):
     if not (value is None or isinstance(value, str)) or value not in choices:
       raise ValueError(f"{_OP}: `{name}` must be one of {choices}, got {value!r}")
+  GROUPED_MLP_IMPLEMENTATIONS.check(grouped_matmul_implementation,
+                                    "grouped_matmul_implementation")
   if capacity_factor is not None:
     if isinstance(capacity_factor, (bool, np.bool_)) or not (
         isinstance(capacity_factor, numbers.Real) or getattr(capacity_factor, "shape", 1) == ()):
@@ -204,7 +207,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
       over (E and T multiples of its size); call under `jax.set_mesh(mesh)`.
       Not with `capacity_factor`.
     grouped_matmul_implementation: `ops.grouped_mlp`'s `implementation` on
-      the 'gmm' path (None: Pallas on NVIDIA GPUs, XLA elsewhere).
+      the 'gmm' path (`ops.grouped_mlp.IMPLEMENTATIONS`: None, a name or a
+      sequence of names).
 
   Returns:
     y: [T, D] in x's dtype.
@@ -224,9 +228,9 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
   _check_arrays(x, expert_ids, gates, w_in, w_out, activation)
   num_tokens, d_model = x.shape
   num_experts, top_k = w_in.shape[0], expert_ids.shape[1]
-  impl = dropless_impl
-  if impl == "auto":
-    impl = choose_dropless_impl(num_tokens, num_experts, top_k, d_model, w_out.shape[1])
+  impl = DROPLESS_PATHS.choose(
+      None if dropless_impl == "auto" else dropless_impl, {},
+      **_measured_at(num_tokens, num_experts, top_k, d_model, w_out.shape[1])).name
   if impl == "dense" or capacity_factor is not None:
     w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
   # else the sorted paths cast in `experts.sorted_experts` ('gmm' inside its op).
@@ -252,3 +256,18 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
     if jax.typeof(y).sharding.spec != spec:
       y = jax.sharding.reshard(y, spec)
   return y, keep
+
+
+def _path(name: str):
+  """Registered for its name: `moe_dispatch` runs the chosen path per shard."""
+  def run(**call):
+    del call
+    return name
+  return run
+
+
+# How the tokens reach their experts, chosen by ops/dispatch_tables/moe.json
+# on NVIDIA GPUs ('auto' = None); every path takes every call.
+DROPLESS_PATHS = registry.Registry(_OP, table="moe", established=("ragged_dot",))
+for _name in ("gmm", "ragged_dot", "sort", "dense"):
+  DROPLESS_PATHS.register(_name, _path(_name), kernel=_name == "gmm")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
-from ops import _backend
+from ops import registry
 from ops import _sharding
 from ops.grouped_mlp.activations import Activation
 from ops.moe_dispatch.experts import experts_on_rows
@@ -94,7 +94,7 @@ def dispatch_plan(op: str, x: jax.Array, expert_ids: jax.Array, gates: jax.Array
 def expert_parallel_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                             w_in: jax.Array, w_out: jax.Array, *, expert_axis: str,
                             num_experts: int, activation: Activation, impl: str,
-                            gmm_implementation: _backend.Implementation) -> jax.Array:
+                            gmm_implementation: registry.Choice) -> jax.Array:
   """One device's part of the expert-parallel dispatch (inside `jax.shard_map`).
 
   Each device sorts its assignments by expert, sends each device on

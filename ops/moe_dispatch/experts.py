@@ -13,7 +13,7 @@ R rows, C expert capacity.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
+from ops import registry
 from ops.grouped_mlp.activations import activate
 from ops.grouped_mlp.activations import Activation
 from ops.grouped_mlp.api import grouped_mlp
@@ -26,7 +26,7 @@ from ops.moe_dispatch.sorting import unsort
 
 def sorted_experts(xs: jax.Array, group_sizes: jax.Array, sorted_ids: jax.Array,
                    w_in: jax.Array, w_out: jax.Array, *, activation: Activation,
-                   impl: str, gmm_implementation: _backend.Implementation) -> jax.Array:
+                   impl: str, gmm_implementation: registry.Choice) -> jax.Array:
   """Experts on rows sorted by expert: [R, D] -> [R, D] (empty rows -> 0).
 
   'gmm' and 'ragged_dot' are `ops.grouped_mlp` (its kernels, or its XLA path
@@ -50,7 +50,7 @@ def sorted_experts(xs: jax.Array, group_sizes: jax.Array, sorted_ids: jax.Array,
 
 def experts_on_rows(rows: jax.Array, ids: jax.Array, w_in: jax.Array, w_out: jax.Array,
                     *, activation: Activation, impl: str,
-                    gmm_implementation: _backend.Implementation) -> jax.Array:
+                    gmm_implementation: registry.Choice) -> jax.Array:
   """Rows [R, D] each bound for expert ids[r] (E = none) -> [R, D].
 
   Args as `sorted_experts`, with `impl` also 'dense'; ids: [R].
@@ -68,7 +68,7 @@ def experts_on_rows(rows: jax.Array, ids: jax.Array, w_in: jax.Array, w_out: jax
 
 def dropless_experts(x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                      w_in: jax.Array, w_out: jax.Array, *, activation: Activation,
-                     impl: str, gmm_implementation: _backend.Implementation) -> jax.Array:
+                     impl: str, gmm_implementation: registry.Choice) -> jax.Array:
   """Dropless experts for local tokens: [T, D] -> [T, D].
 
   Args:
