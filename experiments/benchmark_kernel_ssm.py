@@ -53,10 +53,10 @@ import numpy as np
 from experiments import harness
 from experiments import shape_grid
 from experiments import workloads
+from ops.linear_scan import configs as linear_scan_configs
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
 from ops.linear_scan import linear_scan_xla
-from ops.linear_scan import LinearScanBlocks
 from ops.selective_scan import selective_scan_pallas
 from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import selective_scan_xla
@@ -188,7 +188,7 @@ def kernel_cases(small, sweep):
       cases.append(("selective_scan", (b, t, d, 128), "pallas", SelectiveScanBlocks(*v)))
     for v in [(32, 32, 256, 4, 2), (32, 32, 256, 4, 3), (64, 32, 256, 4, 2),
               (32, 16, 256, 2, 2)]:
-      cases.append(("linear_scan", (b, t, d), "pallas", LinearScanBlocks(*v)))
+      cases.append(("linear_scan", (b, t, d), "pallas", linear_scan_configs.TritonConfig(*v)))
     return [c for c in cases if c[0] in _OPS.value]
   for state in (16, 128):
     cases.append(("selective_scan", (b, t, d, state), "pallas", None))
@@ -222,7 +222,7 @@ def time_kernels(cases, iters, sink, point_names=None):
     else:
       args = workloads.linear_inputs(*shape)
       fn = _LINEAR[impl]
-      default = LinearScanBlocks.get_default(*shape)
+      default = linear_scan_configs.TritonConfig.get_default(*shape)
     if blocks is not None:
       fn = functools.partial(fn, blocks=blocks)
     used = (blocks or default) if impl == "pallas" else None

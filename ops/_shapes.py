@@ -25,6 +25,16 @@ def pad_axis(x: jnp.ndarray, axis: int, multiple: int, value=0, *,
   return jnp.pad(x, widths, constant_values=value)
 
 
+def time_chunk(batch: int, time: int, width: int, block_d: int, unroll: int,
+               programs: int, max_chunks: int) -> int:
+  """The chunk (a multiple of `unroll`) of a time-blocked scan that splits
+  each of its `batch * width / block_d` serial chains into enough chunks for
+  about `programs` programs, and into at most `max_chunks`."""
+  chains = batch * cdiv(width, block_d)
+  num_chunks = min(max_chunks, max(1, cdiv(programs, chains)))
+  return round_up(cdiv(time, num_chunks), unroll)
+
+
 def check_time_blocks(blocks) -> None:
   """Checks a time-blocked scan kernel's block config (`block_d`, `unroll`,
   `num_warps` powers of two; `num_stages` >= 1; `chunk` a positive multiple

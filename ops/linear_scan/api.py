@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops import _sharding
 from ops import registry
+from ops.linear_scan import configs
 from ops.linear_scan import pallas as pallas_impl
 from ops.linear_scan.xla import linear_scan_xla
 
@@ -95,5 +96,5 @@ def _triton_supports(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry("linear_scan", table="linear_scan")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=pallas_impl.LinearScanBlocks, measured_as="pallas")
+                         config=configs.TritonConfig, measured_as="pallas")
 IMPLEMENTATIONS.alias("pallas", ("triton",))

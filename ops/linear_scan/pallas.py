@@ -35,7 +35,6 @@ decay in front of it) is simply the carry it starts from. Then
 Glossary of shapes: B batch, T time, D channels, C chunks.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -47,33 +46,7 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import tile_steps
-from ops._triton import next_pow2
-
-
-@dataclasses.dataclass(frozen=True)
-class LinearScanBlocks:
-  """Tiling of the linear scan kernel."""
-  block_d: int = 32     # channels per program; a power of two
-  unroll: int = 16      # time steps per loop iteration (loaded together); a power of two
-  chunk: int = 256      # time steps per program; a multiple of `unroll`
-  num_warps: int = 1    # warps per program
-  num_stages: int = 1   # Triton's software pipelining of the loop
-
-  def __post_init__(self):
-    _shapes.check_time_blocks(self)
-
-  @classmethod
-  def get_default(cls, batch: int, time: int, width: int) -> "LinearScanBlocks":
-    """16 steps per iteration x 32 channels, one warp (one channel per
-    thread), about a thousand programs, at most 64 chunks: the best of the
-    row walk's sweep (BUILD_NOTES.md, "SSM scans", with the tiles that
-    lost)."""
-    block_d = max(8, min(32, next_pow2(width)))
-    unroll = min(16, next_pow2(time))
-    chains = batch * _shapes.cdiv(width, block_d)
-    num_chunks = min(64, max(1, _shapes.cdiv(1024, chains)))
-    chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
-    return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=1)
+from ops.linear_scan import configs
 
 
 def _mul(x, y):
@@ -162,7 +135,7 @@ def _from_planes(planes: tuple[jax.Array, ...], dtype) -> jax.Array:
 
 
 def _scan_planes(a_planes, b_planes, h0_planes, *, reverse: bool,
-                 blocks: LinearScanBlocks, decayed_carry: bool = False) -> tuple:
+                 blocks: configs.TritonConfig, decayed_carry: bool = False) -> tuple:
   """The kernel pair on planes (module docstring): a [B, T, D] or [D], b
   [B, T, D], h0 [B, D], one plane each or (re, im) -> h planes [B, T, D]
   (float32 for complex, else b's dtype)."""
@@ -286,13 +259,13 @@ _linear_scan_shared = _pallas.shared_lowering(_linear_scan, static_argnums=(3, 4
 def linear_scan_pallas(a: jax.Array, b: jax.Array, *,
                        initial_state: jax.Array | None = None,
                        reverse: bool = False,
-                       blocks: LinearScanBlocks | None = None
+                       blocks: configs.TritonConfig | None = None
                        ) -> tuple[jax.Array, jax.Array]:
   """Same contract as `linear_scan_reference`, on the Pallas kernel."""
   out_dtype = jnp.result_type(a, b)
   batch, time, width = b.shape
   if blocks is None:
-    blocks = LinearScanBlocks.get_default(batch, time, width)
+    blocks = configs.TritonConfig.get_default(batch, time, width)
   if initial_state is None:
     initial_state = jnp.zeros((batch, width), out_dtype)
   return _linear_scan_shared(a.astype(out_dtype), b.astype(out_dtype),

@@ -9,10 +9,10 @@ import pytest
 
 from experiments import tolerances
 from ops import _backend
+from ops.linear_scan import configs
 from ops.linear_scan import linear_scan
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
-from ops.linear_scan import LinearScanBlocks
 from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
@@ -85,8 +85,8 @@ def _check(implementation, dtype, time, reverse, with_state, blocks=None,
 # Small kernel tiles keep interpret mode fast; T 257 in chunks of 64 makes five
 # chunks (the last padded), and D 12 pads to 16 channels. T 1 goes through
 # `linear_scan`'s default tiling.
-_SMALL = LinearScanBlocks(block_d=8, unroll=4, chunk=16, num_warps=1)
-_CHUNKED = LinearScanBlocks(block_d=8, unroll=4, chunk=64, num_warps=1)
+_SMALL = configs.TritonConfig(block_d=8, unroll=4, chunk=16, num_warps=1)
+_CHUNKED = configs.TritonConfig(block_d=8, unroll=4, chunk=64, num_warps=1)
 
 # (implementation, dtype, T, reverse, initial_state, blocks): T in {1, 7, 64, 257},
 # both directions, each tier on real, complex and bf16 inputs.
@@ -184,4 +184,4 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="`a`"):
     linear_scan(a.astype(jnp.int32), b)
   with pytest.raises(ValueError, match="chunk"):
-    LinearScanBlocks(unroll=4, chunk=6)
+    configs.TritonConfig(unroll=4, chunk=6)
