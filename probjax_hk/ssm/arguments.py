@@ -9,19 +9,21 @@ raises an error naming the argument and its value.
 import jax
 import jax.numpy as jnp
 
-from ops import _backend
+from ops import registry
 from probjax_hk import arguments
 from probjax_hk import layers
 
 
 def check_chunked_cell_args(name: str | None, *, model_dim: int | None,
-                            chunk_size: int | None, implementation: _backend.Implementation,
+                            chunk_size: int | None, implementation: registry.Choice,
+                            implementations: registry.Registry,
                             num_heads: int | None = None, head_dim: int | None = None) -> None:
   """The constructor checks the cells on the chunked ops share (`num_heads`
-  and `head_dim` for the multi-head cells, which split the model width)."""
+  and `head_dim` for the multi-head cells, which split the model width);
+  `implementations` is the op's registry, which knows its names."""
   arguments.check_name(name)
   arguments.check_positive_ints_or_none(model_dim=model_dim, chunk_size=chunk_size)
-  arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
+  implementations.check(implementation)
   if num_heads is None:
     return
   arguments.check_positive_ints(num_heads=num_heads)

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 import ops
-from ops import _backend
+from ops import registry
+from ops.gated_delta_rule import IMPLEMENTATIONS as GATED_DELTA_RULE_IMPLEMENTATIONS
 from probjax_hk.arguments import check_bools
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
@@ -54,7 +55,7 @@ class GatedDeltaNetCell(SSMCell):
   def __init__(self, num_heads: int, *, head_dim: int | None = None,
                conv_width: int = 4, use_output_gate: bool = True,
                model_dim: int | None = None, chunk_size: int | None = None,
-               implementation: _backend.Implementation = None,
+               implementation: registry.Choice = None,
                name: str | None = None):
     """Constructs the cell.
 
@@ -77,7 +78,8 @@ class GatedDeltaNetCell(SSMCell):
     """
     check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
                             model_dim=model_dim, chunk_size=chunk_size,
-                            implementation=implementation)
+                            implementation=implementation,
+                            implementations=GATED_DELTA_RULE_IMPLEMENTATIONS)
     super().__init__(model_dim=model_dim, name=name)
     check_positive_ints(conv_width=conv_width)
     check_bools(use_output_gate=use_output_gate)

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import ops
-from ops import _backend
+from ops import registry
+from ops.linear_scan import IMPLEMENTATIONS as LINEAR_SCAN_IMPLEMENTATIONS
 from probjax_hk import arguments
 from probjax_hk.ssm.arguments import check_step
 from probjax_hk.ssm.arguments import past_the_end
@@ -52,7 +53,7 @@ class LRUCell(SSMCell):
 
   def __init__(self, state_dim: int | None = None, *, model_dim: int | None = None,
                r_min: float = 0.0, r_max: float = 1.0, max_phase: float = 2 * math.pi,
-               implementation: _backend.Implementation = None,
+               implementation: registry.Choice = None,
                name: str | None = None):
     """Constructs the cell.
 
@@ -76,7 +77,7 @@ class LRUCell(SSMCell):
     arguments.check_positive_ints_or_none(state_dim=state_dim)
     arguments.check_nonnegative_numbers(r_min=r_min, r_max=r_max)
     arguments.check_positive_numbers(max_phase=max_phase)
-    arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
+    LINEAR_SCAN_IMPLEMENTATIONS.check(implementation)
     if not 0.0 <= r_min < r_max <= 1.0:
       raise ValueError(f"`r_min`/`r_max` must satisfy 0 <= r_min < r_max <= 1, "
                        f"got {r_min=} {r_max=}")

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import ops
-from ops import _backend
+from ops import registry
+from ops.selective_scan import IMPLEMENTATIONS as SELECTIVE_SCAN_IMPLEMENTATIONS
 from probjax_hk import arguments
 from probjax_hk.layers import Linear
 from probjax_hk.ssm.arguments import check_step
@@ -43,7 +44,7 @@ class MambaCell(SSMCell):
   def __init__(self, state_dim: int | None = None, *, model_dim: int | None = None,
                expand: int = 2, conv_width: int = 4, dt_rank: int | str = "auto",
                dt_min: float = 0.001, dt_max: float = 0.1,
-               implementation: _backend.Implementation = None,
+               implementation: registry.Choice = None,
                name: str | None = None):
     """Constructs the cell.
 
@@ -70,7 +71,7 @@ class MambaCell(SSMCell):
     if dt_rank != "auto":
       arguments.check_positive_ints(dt_rank=dt_rank)
     arguments.check_positive_numbers(dt_min=dt_min, dt_max=dt_max)
-    arguments.check_choice("implementation", implementation, _backend.IMPLEMENTATIONS)
+    SELECTIVE_SCAN_IMPLEMENTATIONS.check(implementation)
     if not 0 < dt_min <= dt_max:
       raise ValueError(f"`dt_min`/`dt_max` must satisfy 0 < dt_min <= dt_max, "
                        f"got {dt_min=} {dt_max=}")

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 import ops
-from ops import _backend
+from ops import registry
+from ops.ssd import IMPLEMENTATIONS as SSD_IMPLEMENTATIONS
 from probjax_hk.arguments import check_positive_ints
 from probjax_hk.layers import Linear
 from probjax_hk.layers import RMSNorm
@@ -44,7 +45,7 @@ class Mamba2Cell(SSMCell):
   def __init__(self, *, expand: int = 2, head_dim: int = 64, state_dim: int = 64,
                conv_width: int = 4, ngroups: int = 1, model_dim: int | None = None,
                chunk_size: int | None = None,
-               implementation: _backend.Implementation = None,
+               implementation: registry.Choice = None,
                name: str | None = None):
     """Constructs the cell.
 
@@ -67,7 +68,8 @@ class Mamba2Cell(SSMCell):
         `implementation`.
     """
     check_chunked_cell_args(name, model_dim=model_dim, chunk_size=chunk_size,
-                            implementation=implementation)
+                            implementation=implementation,
+                            implementations=SSD_IMPLEMENTATIONS)
     super().__init__(model_dim=model_dim, name=name)
     check_positive_ints(expand=expand, head_dim=head_dim, state_dim=state_dim,
                         conv_width=conv_width, ngroups=ngroups)

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import ops
-from ops import _backend
+from ops import registry
+from ops.ssd import IMPLEMENTATIONS as SSD_IMPLEMENTATIONS
 from probjax_hk import arguments
 from probjax_hk.layers import Linear
 from probjax_hk.ssm.arguments import check_chunked_cell_args
@@ -92,7 +93,7 @@ class SSDCell(SSMCell):
   def __init__(self, num_heads: int, *, head_dim: int | None = None,
                state_dim: int = 64, model_dim: int | None = None,
                chunk_size: int | None = None,
-               implementation: _backend.Implementation = None,
+               implementation: registry.Choice = None,
                name: str | None = None):
     """Constructs the cell.
 
@@ -113,7 +114,8 @@ class SSDCell(SSMCell):
     """
     check_chunked_cell_args(name, num_heads=num_heads, head_dim=head_dim,
                             model_dim=model_dim, chunk_size=chunk_size,
-                            implementation=implementation)
+                            implementation=implementation,
+                            implementations=SSD_IMPLEMENTATIONS)
     super().__init__(model_dim=model_dim, name=name)
     arguments.check_positive_ints(state_dim=state_dim)
     self.num_heads = num_heads
