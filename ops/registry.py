@@ -115,6 +115,11 @@ class Registry:
     return self._implementations[name]
 
   @property
+  def implementations(self) -> tuple[Implementation, ...]:
+    """The registered implementations, in order (aliases not included)."""
+    return tuple(self._implementations.values())
+
+  @property
   def names(self) -> tuple[str, ...]:
     """Every name `implementation=` takes, aliases last."""
     return tuple(self._implementations) + tuple(self._aliases)

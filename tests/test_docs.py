@@ -1,7 +1,7 @@
 """The documentation site: its examples run, its API reference is complete, it builds.
 
-Each page of the overview and the user guide (`docs/index.md`,
-`docs/guide/*.md`) is a test: its Python examples run as written, in order, in
+Each page of the overview, the user guide and the contributors' page
+(`docs/index.md`, `docs/guide/*.md`, `docs/contributing.md`) is a test: its Python examples run as written, in order, in
 one namespace, on the CPU; the examples assert what their text promises. The
 site itself builds with Sphinx and warnings as errors (what `make docs` runs)
 when Sphinx, MyST and furo are installed (`pip install -e ".[docs]"`).
@@ -27,7 +27,7 @@ import probjax_hk
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DOCS = os.path.join(_ROOT, "docs")
-_PAGES = sorted([os.path.join(_DOCS, "index.md")]
+_PAGES = sorted([os.path.join(_DOCS, "index.md"), os.path.join(_DOCS, "contributing.md")]
                 + glob.glob(os.path.join(_DOCS, "guide", "*.md")))
 _AUTODOC = re.compile(r"^\.\. auto\w+:: ([\w.]+)$", re.M)
 

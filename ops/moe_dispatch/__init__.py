@@ -5,6 +5,7 @@ from ops.moe_dispatch.api import DROPLESS_IMPLS
 from ops.moe_dispatch.api import DroplessImpl
 from ops.moe_dispatch.api import GROUPED_MATMUL_IMPLEMENTATIONS
 from ops.moe_dispatch.api import GroupedMatmulImplementation
+from ops.moe_dispatch.api import IMPLEMENTATIONS
 from ops.moe_dispatch.api import moe_dispatch
 from ops.moe_dispatch.reference import moe_dispatch_reference
 from ops.moe_dispatch.routing import load_balance_loss
@@ -20,6 +21,6 @@ from ops.moe_dispatch.sorting import sort_by_expert
 
 __all__ = ("capacity_positions", "choose_dropless_impl", "DROPLESS_IMPLS", "DroplessImpl",
            "expert_capacity", "GROUPED_MATMUL_IMPLEMENTATIONS",
-           "GroupedMatmulImplementation", "load_balance_loss", "moe_dispatch",
+           "GroupedMatmulImplementation", "IMPLEMENTATIONS", "load_balance_loss", "moe_dispatch",
            "moe_dispatch_reference", "route", "router_logits", "router_z_loss", "Routing",
            "sort_by_expert", "tokens_per_expert", "top_k_experts")

@@ -63,7 +63,7 @@ def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model:
   this device kind ('gmm', the Pallas kernels, only where they passed their
   check there); 'ragged_dot' where nothing decides. Elsewhere the Pallas
   kernel would run interpreted, so XLA's 'ragged_dot' is used.
-  (`DROPLESS_PATHS.choose(None, ...)`, the registry's default.)
+  (`IMPLEMENTATIONS.choose(None, ...)`, the registry's default.)
 
   Args:
     num_tokens: T; num_experts: E; top_k: k; d_model: D; d_hidden: F.
@@ -71,7 +71,7 @@ def choose_dropless_impl(num_tokens: int, num_experts: int, top_k: int, d_model:
   Returns:
     'dense', 'ragged_dot', 'sort' or 'gmm'.
   """
-  return DROPLESS_PATHS.choose(None, {}, **_measured_at(
+  return IMPLEMENTATIONS.choose(None, {}, **_measured_at(
       num_tokens, num_experts, top_k, d_model, d_hidden)).name
 
 
@@ -228,7 +228,7 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
   _check_arrays(x, expert_ids, gates, w_in, w_out, activation)
   num_tokens, d_model = x.shape
   num_experts, top_k = w_in.shape[0], expert_ids.shape[1]
-  impl = DROPLESS_PATHS.choose(
+  impl = IMPLEMENTATIONS.choose(
       None if dropless_impl == "auto" else dropless_impl, {},
       **_measured_at(num_tokens, num_experts, top_k, d_model, w_out.shape[1])).name
   if impl == "dense" or capacity_factor is not None:
@@ -268,6 +268,6 @@ def _path(name: str):
 
 # How the tokens reach their experts, chosen by ops/dispatch_tables/moe.json
 # on NVIDIA GPUs ('auto' = None); every path takes every call.
-DROPLESS_PATHS = registry.Registry(_OP, table="moe", established=("ragged_dot",))
+IMPLEMENTATIONS = registry.Registry(_OP, table="moe", established=("ragged_dot",))
 for _name in ("gmm", "ragged_dot", "sort", "dense"):
-  DROPLESS_PATHS.register(_name, _path(_name), kernel=_name == "gmm")
+  IMPLEMENTATIONS.register(_name, _path(_name), kernel=_name == "gmm")
