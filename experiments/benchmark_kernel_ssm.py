@@ -57,10 +57,10 @@ from ops.linear_scan import configs as linear_scan_configs
 from ops.linear_scan import linear_scan_pallas
 from ops.linear_scan import linear_scan_reference
 from ops.linear_scan import linear_scan_xla
+from ops.selective_scan import configs as selective_scan_configs
 from ops.selective_scan import selective_scan_pallas
 from ops.selective_scan import selective_scan_reference
 from ops.selective_scan import selective_scan_xla
-from ops.selective_scan import SelectiveScanBlocks
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/ssm_scans.json",
                               "JSON output path (the curated suite file; another for trial runs).")
@@ -181,11 +181,13 @@ def kernel_cases(small, sweep):
     for v in [(8, 16, 512, 4, 1), (8, 16, 512, 4, 2), (8, 16, 512, 4, 3),
               (4, 16, 256, 2, 2), (16, 8, 512, 4, 2), (8, 16, 4096, 4, 2),
               (4, 16, 4096, 2, 2), (2, 16, 4096, 1, 2), (8, 16, 1024, 4, 2)]:
-      cases.append(("selective_scan", (b, t, d, 16), "pallas", SelectiveScanBlocks(*v)))
+      cases.append(("selective_scan", (b, t, d, 16), "pallas",
+                    selective_scan_configs.TritonConfig(*v)))
     # S 128: the dB/dC partials are [B, D / block_d, T, S], so block_d sets memory.
     for v in [(1, 8, 4096, 2), (2, 4, 4096, 2), (4, 2, 4096, 2), (4, 4, 4096, 4),
               (8, 2, 4096, 4), (4, 2, 1024, 2), (8, 1, 4096, 2), (4, 4, 1024, 4)]:
-      cases.append(("selective_scan", (b, t, d, 128), "pallas", SelectiveScanBlocks(*v)))
+      cases.append(("selective_scan", (b, t, d, 128), "pallas",
+                    selective_scan_configs.TritonConfig(*v)))
     for v in [(32, 32, 256, 4, 2), (32, 32, 256, 4, 3), (64, 32, 256, 4, 2),
               (32, 16, 256, 2, 2)]:
       cases.append(("linear_scan", (b, t, d), "pallas", linear_scan_configs.TritonConfig(*v)))
@@ -218,7 +220,7 @@ def time_kernels(cases, iters, sink, point_names=None):
     if op == "selective_scan":
       args = workloads.selective_inputs(*shape)
       fn = _SELECTIVE[impl]
-      default = SelectiveScanBlocks.get_default(*shape)
+      default = selective_scan_configs.TritonConfig.get_default(*shape)
     else:
       args = workloads.linear_inputs(*shape)
       fn = _LINEAR[impl]

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops import _sharding
 from ops import registry
+from ops.selective_scan import configs
 from ops.selective_scan import pallas as pallas_impl
 from ops.selective_scan.xla import selective_scan_xla
 
@@ -156,5 +157,5 @@ def _triton_supports(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry("selective_scan", table="selective_scan")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=pallas_impl.SelectiveScanBlocks, measured_as="pallas")
+                         config=configs.TritonConfig, measured_as="pallas")
 IMPLEMENTATIONS.alias("pallas", ("triton",))

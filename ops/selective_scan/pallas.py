@@ -59,47 +59,12 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._rows import tile_steps
+from ops.selective_scan import configs
 from ops.selective_scan.step import finish_output
 from ops.selective_scan.step import prepare_delta
 from ops._triton import next_pow2
 
 _F32 = jnp.float32
-
-
-@dataclasses.dataclass(frozen=True)
-class SelectiveScanBlocks:
-  """Tiling of the selective scan kernels."""
-  block_d: int = 8      # channels per program; a power of two
-  unroll: int = 4       # time steps per loop iteration (loaded together,
-                        # one checkpoint each); a power of two
-  chunk: int = 256      # time steps per program; a multiple of `unroll`
-  num_warps: int = 4    # warps per program
-  num_stages: int = 1   # Triton's software pipelining of the loop
-
-  def __post_init__(self):
-    _shapes.check_time_blocks(self)
-
-  @classmethod
-  def get_default(cls, batch: int, time: int, width: int,
-                  state: int) -> "SelectiveScanBlocks":
-    """From the sweep of the row walk (BUILD_NOTES.md, "SSM scans", with
-    the tiles that lost). S <= 32: 8 channels, tiles of 4 steps,
-    one warp (a [8, 16] state is four values per thread, so the reductions
-    over channels stay inside a warp), 16 chunks per row (about 4,000
-    programs; fewer chunks leave fewer programs). S 128: 4 channels, tiles of 4
-    steps, two warps, about 2,000 programs. More channels per program
-    shrink the backward's dB/dC partials (`[B, D / block_d, T, S]`)."""
-    state = next_pow2(state)
-    if state <= 32:
-      block_d, unroll, num_warps, programs = min(8, 128 // state), 4, 1, 4096
-    else:
-      block_d, unroll, num_warps, programs = max(1, 512 // state), 4, 2, 2048
-    block_d = min(block_d, next_pow2(width))
-    unroll = min(unroll, next_pow2(time))
-    chains = batch * _shapes.cdiv(width, block_d)
-    num_chunks = min(64, max(1, _shapes.cdiv(programs, chains)))
-    chunk = _shapes.round_up(_shapes.cdiv(time, num_chunks), unroll)
-    return cls(block_d=block_d, unroll=unroll, chunk=chunk, num_warps=num_warps)
 
 
 def _rows(ref, steps):
@@ -502,7 +467,7 @@ _selective_scan_core_shared = _pallas.shared_lowering(
 def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
                           delta_softplus=False, initial_state=None, reverse=False,
                           return_final_state=True,
-                          blocks: SelectiveScanBlocks | None = None):
+                          blocks: configs.TritonConfig | None = None):
   """Same contract as `selective_scan_reference`, on the Pallas kernels.
 
   `delta_bias`/softplus, the skip `D` and the gate `z` are elementwise XLA
@@ -516,7 +481,7 @@ def selective_scan_pallas(u, delta, A, B, C, *, D=None, z=None, delta_bias=None,
   grouped = [(name, width // x.shape[2]) for name, x in (("B", B), ("C", C))
              if x.ndim == 4]
   if blocks is None:
-    blocks = SelectiveScanBlocks.get_default(batch, time, width, state)
+    blocks = configs.TritonConfig.get_default(batch, time, width, state)
     for _, per_group in grouped:
       blocks = dataclasses.replace(
           blocks, block_d=min(blocks.block_d, per_group & -per_group))

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from experiments import tolerances
+from ops.selective_scan import configs
 from ops.selective_scan import selective_scan
 from ops.selective_scan import selective_scan_pallas
 from ops.selective_scan import selective_scan_reference
-from ops.selective_scan import SelectiveScanBlocks
 from tests.ops import test_measured
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
@@ -89,8 +89,8 @@ def _check(implementation, dtype, time, reverse, full, blocks=None, shape=(2, 12
 # Small kernel tiles keep interpret mode fast; T 257 in chunks of 64 makes five
 # chunks (the last padded) whose summaries fold in both passes, and D 12 pads
 # to 16 channels, S 3 to 4 states. T 1 goes through `selective_scan`'s default tiling.
-_SMALL = SelectiveScanBlocks(block_d=8, unroll=4, chunk=16, num_warps=1)
-_CHUNKED = SelectiveScanBlocks(block_d=8, unroll=4, chunk=64, num_warps=1)
+_SMALL = configs.TritonConfig(block_d=8, unroll=4, chunk=16, num_warps=1)
+_CHUNKED = configs.TritonConfig(block_d=8, unroll=4, chunk=64, num_warps=1)
 
 # (implementation, dtype, T, reverse, full options, blocks): T in {1, 7, 64, 257}.
 _CASES = [
@@ -229,7 +229,7 @@ def test_bad_arguments_raise():
     selective_scan(u, delta, A, A[:3], C)
   with pytest.raises(ValueError, match="block_d.*of `C`"):
     selective_scan_pallas(u, delta, A, B, jnp.stack([C] * 2, 2),
-                          blocks=SelectiveScanBlocks(block_d=4))
+                          blocks=configs.TritonConfig(block_d=4))
   with pytest.raises(TypeError, match="`return_final_state`"):
     selective_scan(u, delta, A, B, C, return_final_state=None)
   with pytest.raises(ValueError, match="`D`"):
@@ -243,4 +243,4 @@ def test_bad_arguments_raise():
   with pytest.raises(ValueError, match="`u`"):
     selective_scan(u.astype(jnp.int32), delta, A, B, C, implementation="pallas")
   with pytest.raises(ValueError, match="power of two"):
-    SelectiveScanBlocks(block_d=3)
+    configs.TritonConfig(block_d=3)
