@@ -80,7 +80,10 @@ def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
   zeros (its query sees no key), never NaN."""
   logits = jnp.where(mask, logits, -jnp.inf)
   row_max = jnp.max(logits, axis=-1, keepdims=True)
-  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  # The shift cancels: no gradient through it (as in jax.nn.softmax). Its
+  # gradient would route through `logits == row_max`, which a compiler that
+  # rounds the two evaluations of `logits` differently leaves empty (0 / 0).
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
   weights = jnp.exp(logits - row_max)
   total = jnp.sum(weights, axis=-1, keepdims=True)
   return weights / jnp.where(total == 0, 1.0, total)
