@@ -22,8 +22,8 @@ JSON row each, `section` says which):
   (bf16).
 - tiles: tile configurations of the Triton forward (`gmm`, also with the
   transposed rhs of the input gradient) and weight-gradient (`tgmm`) kernels
-  at M = `gmm_rows` (`TILES`), and on a Hopper GPU those of the Mosaic GPU
-  kernels (`MOSAIC_TILES`, `TGMM_TILES`), each with its error against
+  at M = `gmm_rows` (`triton_tiles`), and on a Hopper GPU those of the Mosaic
+  GPU kernels (`mosaic_tiles`, `tgmm_tiles`), each with its error against
   `jax.lax.ragged_dot` in float32 (`rel_err`, relative to the largest output).
 - op: grouped matmul [M, 512] x [8, 512, 1024] forward and fwd+bwd: the Pallas
   path (on an H200 the Mosaic GPU kernel), the Triton kernel ('pallas_triton'),
@@ -98,6 +98,7 @@ from experiments import harness
 from experiments import shape_grid
 from experiments import workloads
 import ops
+from ops.grouped_matmul import configs as gmm_configs
 from ops.grouped_matmul import mosaic as gmm_mosaic
 from ops.grouped_matmul import mosaic_tgmm as gmm_mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
@@ -154,40 +155,55 @@ HEADLINE = shape_grid.MoePoint(workloads.NUM_EXPERTS, workloads.TOP_K, workloads
                                workloads.D_HIDDEN)
 # The sections --grid runs (check once, op and moe at every point).
 GRID_SECTIONS = ("check", "op", "moe")
-_B = gmm_pallas.BlockSizes
-TILES = {
-    "default": _B(),
-    "stages4": _B(num_stages=4, tgmm_num_stages=4),
-    "m256_n128__tgmm_k256_n128": _B(block_m=256, block_n=128, tgmm_block_k=256,
-                                    tgmm_block_n=128),
-    "k32__tgmm_m32": _B(block_k=32, num_stages=4, tgmm_block_m=32, tgmm_num_stages=4),
-    "m128_k64_n128__tgmm_n128": _B(block_n=128, num_stages=4, tgmm_block_n=128),
-    "tgmm_m128": _B(tgmm_block_m=128),
-    "tgmm_m128_stages4": _B(tgmm_block_m=128, tgmm_num_stages=4),
-    "tgmm_k256_n128": _B(tgmm_block_k=256, tgmm_block_n=128),
-    "tgmm_stages4": _B(tgmm_num_stages=4),
-}
-# The Mosaic GPU kernels' tiles: `mosaic.choose_config`'s preferred ones as
-# it fits them in shared memory (the first two, and the 64-row tiles of its
-# few-waves rule) and their neighbours; the weight gradient's default
-# (`TgmmConfig()`, float32 out as for the MoE layer's weights) and neighbours.
-_M = gmm_mosaic.MosaicConfig
-MOSAIC_TILES = {
-    "128x128_split_m_4": _M(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
-    "128x256_split_n_3": _M(block_m=128, block_n=256, split="n", max_concurrent_steps=3,
-                            store_slots=1),
-    "64x256_split_n_4": _M(block_m=64, block_n=256, split="n", max_concurrent_steps=4),
-    "128x256_split_n_2": _M(block_m=128, block_n=256, split="n", max_concurrent_steps=2),
-    "64x128_split_n_4": _M(block_m=64, block_n=128, split="n", max_concurrent_steps=4),
-}
-_T = gmm_mosaic_tgmm.TgmmConfig
-TGMM_TILES = {
-    "64x128x256_4": _T(),
-    "64x128x256_3": _T(max_concurrent_steps=3),
-    "128x128x256_2": _T(block_m=128, max_concurrent_steps=2),
-    "64x128x128_4": _T(block_n=128),
-    "128x128x128_3": _T(block_m=128, block_n=128, max_concurrent_steps=3),
-}
+
+
+def triton_tiles() -> dict:
+  """The Triton kernels' timed tiles (a function: a configuration's unset
+  fields are read for the device, known once JAX has started)."""
+  t = gmm_configs.TritonConfig
+  return {
+      "default": t(),
+      "stages4": t(num_stages=4, tgmm_num_stages=4),
+      "m256_n128__tgmm_k256_n128": t(block_m=256, block_n=128, tgmm_block_k=256,
+                                     tgmm_block_n=128),
+      "k32__tgmm_m32": t(block_k=32, num_stages=4, tgmm_block_m=32, tgmm_num_stages=4),
+      "m128_k64_n128__tgmm_n128": t(block_n=128, num_stages=4, tgmm_block_n=128),
+      "tgmm_m128": t(tgmm_block_m=128),
+      "tgmm_m128_stages4": t(tgmm_block_m=128, tgmm_num_stages=4),
+      "tgmm_k256_n128": t(tgmm_block_k=256, tgmm_block_n=128),
+      "tgmm_stages4": t(tgmm_num_stages=4),
+  }
+
+
+def mosaic_tiles() -> dict:
+  """The Mosaic GPU grouped matmul's timed tiles: `mosaic.choose_config`'s
+  candidates as it fits them in shared memory (the first two, and the 64-row
+  tiles of its few-waves rule) and their neighbours."""
+  m = gmm_configs.MosaicConfig
+  return {
+      "128x128_split_m_4": m(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
+      "128x256_split_n_3": m(block_m=128, block_n=256, split="n", max_concurrent_steps=3,
+                             store_slots=1),
+      "64x256_split_n_4": m(block_m=64, block_n=256, split="n", max_concurrent_steps=4),
+      "128x256_split_n_2": m(block_m=128, block_n=256, split="n", max_concurrent_steps=2),
+      "64x128_split_n_4": m(block_m=64, block_n=128, split="n", max_concurrent_steps=4),
+  }
+
+
+def tgmm_tiles() -> dict:
+  """The Mosaic GPU weight gradient's timed tiles: its default
+  (`MosaicTgmmConfig()`, float32 out as for the MoE layer's weights) and
+  neighbours."""
+  t = gmm_configs.MosaicTgmmConfig
+  return {
+      "64x128x256_4": t(),
+      "64x128x256_3": t(max_concurrent_steps=3),
+      "128x128x256_2": t(block_m=128, max_concurrent_steps=2),
+      "64x128x128_4": t(block_n=128),
+      "128x128x128_3": t(block_m=128, block_n=128, max_concurrent_steps=3),
+  }
+
+
 _START = time.perf_counter()
 _budget_start = _START  # main() moves it past the capacity sweep
 
@@ -283,7 +299,7 @@ def _tile_kernels(rows: int) -> list:
   starts, ends = gmm_reference.group_bounds(sizes, rows)
   dout = jax.random.normal(jax.random.key(6), (rows, workloads.D_HIDDEN), jnp.bfloat16)
   out = []
-  for name, bs in TILES.items():
+  for name, bs in triton_tiles().items():
     out += [
         (name, "gmm", functools.partial(gmm_pallas.gmm, block_sizes=bs),
          (lhs, rhs, starts, ends)),
@@ -295,13 +311,13 @@ def _tile_kernels(rows: int) -> list:
     logging.info("tiles: the Mosaic GPU kernels' tiles are timed on a Hopper GPU only")
     return out
   mosaic_gmm = lambda a, b, s, e, **kw: gmm_mosaic.gmm(a, b, e, **kw)[0]
-  for name, config in MOSAIC_TILES.items():
+  for name, config in mosaic_tiles().items():
     out += [
         (name, "mosaic_gmm", functools.partial(mosaic_gmm, config=config),
          (lhs, rhs, starts, ends)),
         (name, "mosaic_gmm_transposed", functools.partial(
             mosaic_gmm, transpose_rhs=True, config=config), (dout, rhs, starts, ends))]
-  for name, config in TGMM_TILES.items():
+  for name, config in tgmm_tiles().items():
     out.append((name, "mosaic_tgmm", functools.partial(
         gmm_mosaic_tgmm.tgmm, out_dtype=jnp.float32, config=config), (lhs, dout, starts, ends)))
   return out

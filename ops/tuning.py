@@ -15,8 +15,9 @@ conditions (or only "device": "*"), is the default:
      {"fields": {"block_q": 64, ...}}]}
 
 A field that is itself a configuration dataclass is given as an object of
-its fields, or null where the class allows None. How each table was
-measured: BUILD_NOTES.md, under the op's section.
+its fields, or null where the class allows None; a tuple of them, as a list
+of objects. How each table was measured: BUILD_NOTES.md, under the op's
+section.
 """
 
 import dataclasses
@@ -107,14 +108,19 @@ def build(cls: type[T], fields: dict | None) -> T | None:
   kwargs = {}
   for name, value in fields.items():
     nested = _dataclass_in(hints[name])
-    kwargs[name] = build(nested, value) if nested and isinstance(value, dict) else value
+    if nested and isinstance(value, dict):
+      value = build(nested, value)
+    elif nested and isinstance(value, list):
+      value = tuple(build(nested, v) for v in value)
+    kwargs[name] = value
   return cls(**kwargs)
 
 
 def _dataclass_in(hint) -> type | None:
-  """The dataclass a field's type names (`C` or `C | None`), else None."""
+  """The dataclass a field's type names (`C`, `C | None` or `tuple[C, ...]`),
+  else None."""
   if dataclasses.is_dataclass(hint):
     return hint
-  if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+  if isinstance(hint, types.UnionType) or typing.get_origin(hint) in (typing.Union, tuple):
     return next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), None)
   return None

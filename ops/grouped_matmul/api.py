@@ -17,6 +17,7 @@ import numpy as np
 from ops import _shapes
 from ops import _sharding
 from ops import registry
+from ops.grouped_matmul import configs
 from ops.grouped_matmul import mosaic
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
@@ -308,7 +309,7 @@ def _mosaic_supports(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry("grouped_matmul", table="grouped_matmul")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("mosaic", _kernels(on_mosaic=True), supports=_mosaic_supports,
-                         kernel=True, config=mosaic.MosaicConfig, measured_as="pallas")
+                         kernel=True, config=configs.MosaicConfig, measured_as="pallas")
 IMPLEMENTATIONS.register("triton", _kernels(on_mosaic=False), supports=_kernel_supports,
-                         kernel=True, config=pallas.BlockSizes, measured_as="pallas")
+                         kernel=True, config=configs.TritonConfig, measured_as="pallas")
 IMPLEMENTATIONS.alias("pallas", ("mosaic", "triton"))

@@ -44,71 +44,12 @@ import jax.numpy as jnp
 from ops import _mosaic_gpu
 from ops import _pallas
 from ops import _shapes
+from ops import tuning
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
-
-NUM_COMPUTE_WGS = 2
-# A TMA store reads shared memory from a 128-byte boundary, and a straddling
-# tile's row runs start at any row of its chunk: a chunk row must be 128 bytes
-# (64 16-bit columns). 32 columns ran into a misaligned address on an H200.
-_MIN_EPILOGUE_N = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-  """Tiles of the Mosaic GPU grouped matmul.
-
-  The block's tile is [block_m, block_n]; `split` says which of its sides the
-  two compute warpgroups divide ('n': each takes [block_m, block_n / 2]). The
-  epilogue works on `epilogue_n`-column chunks of a warpgroup's tile, through
-  `store_slots` shared-memory buffers (2: a chunk's store overlaps the next
-  chunk's math). A block walks its tiles a row tile's column blocks first,
-  and where the K steps are a multiple of `max_concurrent_steps` the loads
-  of its next tile start during this tile's epilogue (chained pipelines).
-  """
-  block_m: int = 128
-  block_n: int = 256
-  block_k: int = 64
-  max_concurrent_steps: int = 3
-  split: str = "n"
-  epilogue_n: int = 64
-  store_slots: int = 2
-
-  def __post_init__(self):
-    if self.split not in ("m", "n"):
-      raise ValueError(f"`split` must be 'm' or 'n', got {self.split!r}")
-    for name in ("block_m", "block_n", "block_k", "epilogue_n"):
-      value = getattr(self, name)
-      if value < 16 or value & (value - 1):
-        raise ValueError(f"`{name}` must be a power of two >= 16, got {value}")
-    if not _MIN_EPILOGUE_N <= self.epilogue_n <= self.wg_tile[1]:
-      raise ValueError(f"`epilogue_n` ({self.epilogue_n}) must be at least "
-                       f"{_MIN_EPILOGUE_N} and at most a warpgroup's columns "
-                       f"({self.wg_tile[1]})")
-    if self.max_concurrent_steps < 2:
-      raise ValueError("`max_concurrent_steps` must be >= 2, got "
-                       f"{self.max_concurrent_steps}")
-    if self.store_slots not in (1, 2):
-      raise ValueError(f"`store_slots` must be 1 or 2, got {self.store_slots}")
-
-  def smem_bytes(self, *, num_accs: int, num_extras: int, itemsize: int = 2,
-                 out_itemsize: int = 2) -> int:
-    """Shared memory the kernel allocates (the pipeline's slots and the extra
-    tiles in the inputs' `itemsize`, the store buffers in the outputs'),
-    barriers aside."""
-    step = self.block_m * self.block_k + num_accs * self.block_k * self.block_n
-    chunk = NUM_COMPUTE_WGS * self.wg_tile[0] * self.epilogue_n
-    stores = self.store_slots + 1  # + the straddling tiles' buffer
-    return (itemsize * (self.max_concurrent_steps * step + num_extras * chunk)
-            + out_itemsize * stores * chunk)
-
-  @property
-  def wg_tile(self) -> tuple[int, int]:
-    if self.split == "m":
-      return self.block_m // NUM_COMPUTE_WGS, self.block_n
-    return self.block_m, self.block_n // NUM_COMPUTE_WGS
-
+from ops.grouped_matmul import configs
+from ops.grouped_matmul.configs import NUM_COMPUTE_WGS
 
 def _store_rows(smem, gmem, first: jax.Array, count: jax.Array, rows: int):
   """TMA-stores rows [first, first + count) of `smem` [rows, C] to the same
@@ -192,7 +133,7 @@ def _pipeline_state(info) -> jax.Array:
                              int(plgpu.PipelinePipeline.STEADY))).astype(jnp.int32)
 
 
-def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
+def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: configs.MosaicConfig,
                 num_groups: int, num_col_blocks: int,
                 col_offsets: Sequence[int], num_inputs: int, epilogue: Epilogue,
                 transpose_rhs: bool):
@@ -353,27 +294,12 @@ def _gmm_kernel(ends_gmem, lhs_gmem, rhs_gmem, *rest, config: MosaicConfig,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-# Tile shapes in order of preference, the fastest of an H200 sweep at the MoE
-# sizes (BUILD_NOTES.md, "MoE"); `choose_config` takes the first that fits in
-# shared memory, cutting the store buffers (to 1) before the pipeline's stages
-# (to 2).
-_PREFERRED = (
-    MosaicConfig(block_m=128, block_n=128, split="m", max_concurrent_steps=4),
-    MosaicConfig(block_m=128, block_n=256, split="n", max_concurrent_steps=3),
-)
-
-# 64-row tiles for a plain grouped matmul whose 128 x 128 tiles leave a mostly
-# empty last wave. A wave of them takes longer at equal work (more operand
-# loads per output), so they are taken only where they need at least 20 % fewer
-# waves (BUILD_NOTES.md, "MoE").
-_FEW_WAVES = MosaicConfig(block_m=64, block_n=256, split="n", max_concurrent_steps=4)
-_FEW_WAVES_MAX_RATIO = 0.8
-
-# What a width must be a multiple of for every preferred tile to span it.
-WIDTH_MULTIPLE = max(max(c.block_n, c.block_k) for c in _PREFERRED + (_FEW_WAVES,))
+def candidates() -> configs.MosaicCandidates:
+  """The tuned tiles `choose_config` picks from, for this device."""
+  return tuning.tuned("grouped_matmul", configs.MosaicCandidates)
 
 
-def _waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
+def _waves(config: configs.MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
   """Waves of (row tile, column block) visits over the SMs, at most: a tile
   straddling a group boundary is visited once per group (`_segments`)."""
   visits = (-(-rows // config.block_m) + num_groups) * -(-n // config.block_n)
@@ -382,30 +308,34 @@ def _waves(config: MosaicConfig, *, rows: int, n: int, num_groups: int) -> int:
 
 def choose_config(n: int, *, num_accs: int = 1, num_extras: int = 0,
                   rows: int | None = None, num_groups: int = 0, out_itemsize: int = 2,
-                  preferred: Sequence[MosaicConfig] | None = None) -> MosaicConfig:
+                  preferred: Sequence[configs.MosaicConfig] | None = None
+                  ) -> configs.MosaicConfig:
   """The first preferred tiles that fit a kernel with these epilogue needs
-  (`out_itemsize`: bytes per element of the outputs).
+  (`out_itemsize`: bytes per element of the outputs); default `preferred`:
+  the tuned candidates (`candidates()`).
 
   A tile wider than N (padded to 128) is skipped, and with two accumulators
   (SwiGLU) a warpgroup tile of more than 64 x 128: two [128, 128] float32
   accumulators take all of a thread's registers.
   Given the `rows` and `num_groups` of a plain grouped matmul (no epilogue),
-  64-row tiles replace the first choice where they need at least 20 % fewer
-  waves (`_FEW_WAVES`).
+  the candidates' `few_waves` tiles replace the first choice where they need
+  few enough waves (`MosaicCandidates.few_waves_max_ratio`).
   """
+  tuned = candidates()
   if preferred is None:
-    preferred = _PREFERRED
+    preferred = tuned.preferred
   first = _fitting(preferred, n, num_accs=num_accs, num_extras=num_extras,
                    out_itemsize=out_itemsize)
-  if rows is not None and num_accs == 1 and num_extras == 0 and _FEW_WAVES.block_n <= n:
+  few_waves = tuned.few_waves
+  if rows is not None and num_accs == 1 and num_extras == 0 and few_waves.block_n <= n:
     shape = dict(rows=rows, n=n, num_groups=num_groups)
-    if _waves(_FEW_WAVES, **shape) <= _FEW_WAVES_MAX_RATIO * _waves(first, **shape):
-      return _fitting((_FEW_WAVES,), n, num_accs=1, num_extras=0,
+    if _waves(few_waves, **shape) <= tuned.few_waves_max_ratio * _waves(first, **shape):
+      return _fitting((few_waves,), n, num_accs=1, num_extras=0,
                       out_itemsize=out_itemsize)
   return first
 
 
-def _fitting(preferred, n, *, num_accs, num_extras, out_itemsize) -> MosaicConfig:
+def _fitting(preferred, n, *, num_accs, num_extras, out_itemsize) -> configs.MosaicConfig:
   """The first of `preferred` that `choose_config`'s limits allow, with as many
   stages and store buffers as fit in shared memory."""
   for config in preferred:
@@ -442,7 +372,7 @@ def preferred(dtype) -> bool:
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, ends: jax.Array, *,
-        transpose_rhs: bool = False, config: MosaicConfig | None = None,
+        transpose_rhs: bool = False, config: configs.MosaicConfig | None = None,
         col_offsets: Sequence[int] = (0,), inputs: Sequence[jax.Array] = (),
         outputs: Sequence[jax.ShapeDtypeStruct] | None = None,
         epilogue: Epilogue | None = None, approx_math: bool = False,

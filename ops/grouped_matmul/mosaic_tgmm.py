@@ -40,45 +40,17 @@ from ops import _shapes
 from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
-from ops.grouped_matmul.mosaic import NUM_COMPUTE_WGS
+from ops.grouped_matmul import configs
+from ops.grouped_matmul.configs import NUM_COMPUTE_WGS
 from ops.grouped_matmul.mosaic import check_dtype
 
 
-@dataclasses.dataclass(frozen=True)
-class TgmmConfig:
-  """Tiles of the Mosaic GPU transposed grouped matmul.
-
-  A block computes a [block_k, block_n] output tile, reducing `block_m` rows
-  per pipeline step; each compute warpgroup takes block_n / 2 columns.
-  """
-  block_m: int = 64
-  block_k: int = 128
-  block_n: int = 256
-  max_concurrent_steps: int = 4
-
-  def __post_init__(self):
-    for name in ("block_m", "block_k", "block_n"):
-      value = getattr(self, name)
-      if value < 64 or value & (value - 1):
-        raise ValueError(f"`{name}` must be a power of two >= 64, got {value}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError("`max_concurrent_steps` must be >= 2, got "
-                       f"{self.max_concurrent_steps}")
-
-  def epilogue_n(self, out_dtype) -> int:
-    """Columns of an epilogue chunk: 128-byte rows (what one swizzled TMA
-    store row takes)."""
-    return min(self.block_n // NUM_COMPUTE_WGS, 128 // jnp.dtype(out_dtype).itemsize)
-
-  def smem_bytes(self, out_dtype, itemsize: int = 2) -> int:
-    step = self.block_m * (self.block_k + self.block_n) * itemsize
-    chunk = (NUM_COMPUTE_WGS * self.block_k * self.epilogue_n(out_dtype)
-             * jnp.dtype(out_dtype).itemsize)
-    return self.max_concurrent_steps * step + chunk
-
-
-def choose_config(out_dtype, preferred: TgmmConfig = TgmmConfig()) -> TgmmConfig:
-  """`preferred` with as many pipeline stages as fit in shared memory."""
+def choose_config(out_dtype, preferred: configs.MosaicTgmmConfig | None = None
+                  ) -> configs.MosaicTgmmConfig:
+  """`preferred` (default: the tuned tiles) with as many pipeline stages as
+  fit in shared memory."""
+  if preferred is None:
+    preferred = configs.MosaicTgmmConfig()
   for steps in range(preferred.max_concurrent_steps, 1, -1):
     config = dataclasses.replace(preferred, max_concurrent_steps=steps)
     if config.smem_bytes(out_dtype) <= SMEM_BUDGET:
@@ -87,7 +59,8 @@ def choose_config(out_dtype, preferred: TgmmConfig = TgmmConfig()) -> TgmmConfig
 
 
 def _tgmm_kernel(starts_gmem, ends_gmem, lhs_gmem, dout_gmem, out_gmem, *,
-                 config: TgmmConfig, num_groups: int, k_blocks: int, n_blocks: int):
+                 config: configs.MosaicTgmmConfig, num_groups: int, k_blocks: int,
+                 n_blocks: int):
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, bk, bn = config.block_m, config.block_k, config.block_n
   tn = bn // NUM_COMPUTE_WGS
@@ -175,7 +148,7 @@ def _tgmm_kernel(starts_gmem, ends_gmem, lhs_gmem, dout_gmem, out_gmem, *,
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
-         out_dtype=None, config: TgmmConfig | None = None,
+         out_dtype=None, config: configs.MosaicTgmmConfig | None = None,
          interpret: bool = False) -> jax.Array:
   """Transposed grouped matmul on Mosaic GPU.
 

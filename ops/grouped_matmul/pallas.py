@@ -29,7 +29,6 @@ Glossary of shapes: M rows, K contraction, N output columns, G groups,
 T grid steps over row tiles (`cdiv(M, block_m) + G`).
 """
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -42,51 +41,10 @@ from ops import _backend
 from ops import _pallas
 from ops import _shapes
 from ops._triton import dot
+from ops.grouped_matmul import configs
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul import mosaic_tgmm as tgmm_mosaic
 from ops.grouped_matmul.metadata import group_metadata
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes of the three kernels (powers of two, >= 16)."""
-  # Defaults: the fastest of the configurations timed on an H200 at the MoE
-  # sizes, M = 16384 and 131072 rows by (K, N) = (512, 1024) and (1024, 512)
-  # (BUILD_NOTES.md, "MoE").
-  block_m: int = 128      # gmm: rows per tile
-  block_k: int = 64       # gmm: contraction step
-  block_n: int = 128      # gmm: output columns per program
-  num_warps: int = 8
-  num_stages: int = 3
-  tgmm_block_m: int = 64  # tgmm: rows per reduction step
-  tgmm_block_k: int = 128  # tgmm: rows of the [K, N] weight gradient per program
-  tgmm_block_n: int = 256  # tgmm: columns of the weight gradient per program
-  tgmm_num_warps: int = 8
-  tgmm_num_stages: int = 3
-  columns_fastest: bool = True  # gmm grid order: a row tile's column blocks
-                                # run back to back (its lhs rows stay in L2)
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if field.name.startswith(("block", "tgmm_block")):
-        if value < 16 or value & (value - 1):
-          raise ValueError(f"`{field.name}` must be a power of two >= 16, got {value}")
-
-  @classmethod
-  def get_default(cls, num_rows: int, k: int, n: int) -> "BlockSizes":
-    """Defaults, shrunk for small problems (tiny shapes in tests)."""
-    def fit(block, size):
-      return max(16, min(block, pl.next_power_of_2(size)))
-    d = cls()
-    return cls(block_m=fit(d.block_m, num_rows), block_k=fit(d.block_k, k),
-               block_n=fit(d.block_n, n), num_warps=d.num_warps,
-               num_stages=d.num_stages,
-               tgmm_block_m=fit(d.tgmm_block_m, num_rows),
-               tgmm_block_k=fit(d.tgmm_block_k, k),
-               tgmm_block_n=fit(d.tgmm_block_n, n),
-               tgmm_num_warps=d.tgmm_num_warps, tgmm_num_stages=d.tgmm_num_stages,
-               columns_fastest=d.columns_fastest)
 
 
 class Tile(NamedTuple):
@@ -156,7 +114,8 @@ def _gmm_kernel(group_ref, tile_ref, start_ref, end_ref, lhs_ref, rhs_ref, out_r
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
-        transpose_rhs: bool = False, out_dtype=None, block_sizes: BlockSizes | None = None,
+        transpose_rhs: bool = False, out_dtype=None,
+        block_sizes: configs.TritonConfig | None = None,
         interpret: bool | None = None) -> jax.Array:
   """Grouped matmul kernel.
 
@@ -167,7 +126,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
     transpose_rhs: multiply by `rhs[g]^T` (the input gradient).
     out_dtype: the result's dtype (default `lhs.dtype`), the float32
       accumulator rounded once to it.
-    block_sizes: tile sizes; defaults from `BlockSizes.get_default`.
+    block_sizes: tile sizes; defaults from `configs.TritonConfig.get_default`.
     interpret: Pallas interpret mode; default `ops._backend.pallas_interpret()`.
 
   Returns:
@@ -176,7 +135,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, starts: jax.Array, ends: jax.Array, *,
   num_rows, k = lhs.shape
   num_groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  bs = block_sizes or BlockSizes.get_default(num_rows, k, n)
+  bs = block_sizes or configs.TritonConfig.get_default(num_rows, k, n)
   interpret = _backend.pallas_interpret() if interpret is None else interpret
   bm, bk, bn = bs.block_m, bs.block_k, bs.block_n
   lhs_p = _shapes.pad_axis(_shapes.pad_axis(lhs, 0, bm), 1, bk)  # [Mp, Kp]
@@ -226,7 +185,7 @@ def _tgmm_kernel(start_ref, end_ref, lhs_ref, dout_ref, out_ref, *, block_m,
 
 
 def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
-         out_dtype=None, block_sizes: BlockSizes | None = None,
+         out_dtype=None, block_sizes: configs.TritonConfig | None = None,
          interpret: bool | None = None) -> jax.Array:
   """Transposed grouped matmul: the weight gradient of `gmm`.
 
@@ -244,7 +203,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
   num_rows, k = lhs.shape
   n = dout.shape[1]
   num_groups = starts.shape[0]
-  bs = block_sizes or BlockSizes.get_default(num_rows, k, n)
+  bs = block_sizes or configs.TritonConfig.get_default(num_rows, k, n)
   interpret = _backend.pallas_interpret() if interpret is None else interpret
   bm, bk, bn = bs.tgmm_block_m, bs.tgmm_block_k, bs.tgmm_block_n
   lhs_p = _shapes.pad_axis(_shapes.pad_axis(lhs, 0, bm), 1, bk)  # [Mp, Kp]
@@ -266,7 +225,7 @@ def tgmm(lhs: jax.Array, dout: jax.Array, starts: jax.Array, ends: jax.Array, *,
 
 def weight_gradient(lhs: jax.Array, dout: jax.Array, starts: jax.Array,
                     ends: jax.Array, *, out_dtype=None, mosaic: bool,
-                    block_sizes: BlockSizes | None = None,
+                    block_sizes: configs.TritonConfig | None = None,
                     interpret: bool | None = None) -> jax.Array:
   """`tgmm` on the Mosaic GPU kernel (`mosaic_tgmm.py`, 16-bit inputs) or on
   Triton's; same arguments and result. `block_sizes` are Triton's tiles."""
@@ -297,7 +256,7 @@ def _forward(lhs, rhs, starts, ends, block_sizes, mosaic, out_dtype):
 
 def _mosaic_gmm(lhs, rhs, ends, *, transpose_rhs, out_dtype):
   """`mosaic_gmm.gmm`, with K and N padded to its tiles."""
-  multiple = mosaic_gmm.WIDTH_MULTIPLE
+  multiple = mosaic_gmm.candidates().width_multiple
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   lhs_p = _shapes.pad_axis(lhs, 1, multiple)
   rhs_p = _shapes.pad_axis(_shapes.pad_axis(rhs, 1, multiple), 2, multiple)
@@ -335,7 +294,7 @@ _grouped_matmul_shared = _pallas.shared_lowering(_grouped_matmul, static_argnums
 
 def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
                           ends: jax.Array, *, out_dtype=None,
-                          block_sizes: BlockSizes | None = None,
+                          block_sizes: configs.TritonConfig | None = None,
                           mosaic: bool | None = None,
                           mosaic_tgmm: bool | None = None) -> jax.Array:
   """Differentiable grouped matmul on the Pallas kernels.
@@ -348,7 +307,7 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
       their float32 accumulator once to it. The gradients come back in the
       operands' dtype, computed from the cotangent rounded to it.
     block_sizes: tile sizes of the Triton kernels; defaults from
-      `BlockSizes.get_default`.
+      `configs.TritonConfig.get_default`.
     mosaic: run the matmuls over rows (forward, input gradient) on the Mosaic
       GPU kernel (`mosaic.py`). Default `mosaic.preferred(lhs.dtype)`: 16-bit
       inputs on a Hopper GPU. Off the GPU it runs in Mosaic GPU interpret mode.
@@ -368,7 +327,8 @@ def grouped_matmul_pallas(lhs: jax.Array, rhs: jax.Array, starts: jax.Array,
     mosaic_tgmm = mosaic_tgmm_default(lhs.dtype)
   if mosaic or mosaic_tgmm:
     mosaic_gmm.check_dtype(lhs.dtype, "grouped_matmul", "lhs")
-  bs = block_sizes or BlockSizes.get_default(lhs.shape[0], lhs.shape[1], rhs.shape[2])
+  bs = block_sizes or configs.TritonConfig.get_default(lhs.shape[0], lhs.shape[1],
+                                                       rhs.shape[2])
   return _grouped_matmul_shared(lhs, rhs, starts, ends, bs, _Kernels(mosaic, mosaic_tgmm),
                                 out_dtype)
 

@@ -17,6 +17,7 @@ every padded width a multiple of the config's `block_k` and `block_n`.
 import jax
 import jax.numpy as jnp
 
+from ops.grouped_matmul import configs
 from ops.grouped_matmul import mosaic
 from ops.grouped_mlp.activations import activation_grads
 from ops.grouped_mlp.activations import activation_value
@@ -25,7 +26,7 @@ from ops.grouped_mlp.activations import col_offsets
 
 
 def mlp_in(x, w_in, ends, *, activation: str, hidden: int, save_hidden: bool,
-           config: mosaic.MosaicConfig | None, interpret: bool) -> list[jax.Array]:
+           config: configs.MosaicConfig | None, interpret: bool) -> list[jax.Array]:
   """[a] or [a, h]: a [M, Fp] = act(h), h [M, Fip] = x @ w_in[g]."""
   offsets = col_offsets(activation, hidden)
   num_rows = x.shape[0]
@@ -46,7 +47,7 @@ def mlp_in(x, w_in, ends, *, activation: str, hidden: int, save_hidden: bool,
 
 
 def hidden_grad(dy, w_out, h, ends, *, activation: str,
-                config: mosaic.MosaicConfig | None, interpret: bool) -> jax.Array:
+                config: configs.MosaicConfig | None, interpret: bool) -> jax.Array:
   """dh [M, Fip] = act'(h) * (dy @ w_out[g]^T), both halves for SwiGLU."""
   hidden = w_out.shape[1]
   offsets = tuple((0, offset) for offset in col_offsets(activation, hidden))

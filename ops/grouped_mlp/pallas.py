@@ -51,9 +51,9 @@ import numpy as np
 from ops import _backend
 from ops import _pallas
 from ops import _shapes
+from ops.grouped_matmul import configs as gmm_configs
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.metadata import group_metadata
-from ops.grouped_matmul.pallas import BlockSizes
 from ops.grouped_matmul.pallas import gmm
 from ops.grouped_matmul.pallas import mosaic_tgmm_default
 from ops.grouped_matmul.pallas import weight_gradient
@@ -119,7 +119,7 @@ def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_r
 
 
 def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activation,
-                   bs: BlockSizes, name, interpret, extra=()):
+                   bs: gmm_configs.TritonConfig, name, interpret, extra=()):
   """Runs a `gmm`-style kernel over (row tile, hidden column block) programs.
 
   `lhs` [Mp, Kp] and `rhs` are already padded to the tiles; the programs
@@ -149,12 +149,12 @@ class _Statics(NamedTuple):
   hidden: int            # F, unpadded
   w_in_dtype: np.dtype
   w_out_dtype: np.dtype
-  block_sizes: BlockSizes
-  hidden_grad_block_sizes: BlockSizes  # of `grouped_mlp_hidden_grad`
+  block_sizes: gmm_configs.TritonConfig
+  hidden_grad_block_sizes: gmm_configs.TritonConfig  # of `grouped_mlp_hidden_grad`
   mosaic: bool  # the fused kernels on Mosaic GPU (Hopper) instead of Triton
   mosaic_plain: bool  # the plain grouped matmuls (y = a @ w_out, dx) on Mosaic GPU
   mosaic_tgmm: bool  # the weight gradients on Mosaic GPU
-  mosaic_config: mosaic_gmm.MosaicConfig | None  # None: each kernel's default
+  mosaic_config: gmm_configs.MosaicConfig | None  # None: each kernel's default
 
   @property
   def width_multiple(self) -> int:
@@ -164,7 +164,7 @@ class _Statics(NamedTuple):
     if self.mosaic or self.mosaic_plain:
       cfg = self.mosaic_config
       multiple = max(multiple, *((cfg.block_k, cfg.block_n) if cfg
-                                 else (mosaic_gmm.WIDTH_MULTIPLE,)))
+                                 else (mosaic_gmm.candidates().width_multiple,)))
     return multiple
 
 
@@ -300,11 +300,11 @@ def mosaic_plain_default(dtype) -> bool:
 
 def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
                        starts: jax.Array, ends: jax.Array, *, activation: str,
-                       block_sizes: BlockSizes | None = None,
+                       block_sizes: gmm_configs.TritonConfig | None = None,
                        mosaic: bool | None = None,
                        mosaic_plain: bool | None = None,
                        mosaic_tgmm: bool | None = None,
-                       mosaic_config: mosaic_gmm.MosaicConfig | None = None) -> jax.Array:
+                       mosaic_config: gmm_configs.MosaicConfig | None = None) -> jax.Array:
   """Differentiable grouped MLP on the Pallas kernels.
 
   Args:
@@ -314,8 +314,8 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     starts, ends: [G] int32 contiguous row bounds (`group_bounds`).
     activation: 'gelu' or 'swiglu'.
     block_sizes: tile sizes of every Triton kernel; defaults from
-      `BlockSizes.get_default(M, D, F)`, with 64-row tiles and 4 warps for
-      the hidden gradient.
+      `ops.grouped_matmul.TritonConfig.get_default(M, D, F)`, with 64-row
+      tiles and 4 warps for the hidden gradient.
     mosaic: run the matmuls with x's rows on the Mosaic GPU kernels
       (`mosaic.py`; the weight gradients as `mosaic_tgmm` says); default
       `mosaic_default(x.dtype)`, which is False. Off the GPU they run in
@@ -342,7 +342,7 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   hidden = w_out.shape[1]
   grad_bs = block_sizes
   if block_sizes is None:
-    block_sizes = BlockSizes.get_default(x.shape[0], x.shape[1], hidden)
+    block_sizes = gmm_configs.TritonConfig.get_default(x.shape[0], x.shape[1], hidden)
     # 64-row tiles and 4 warps run the hidden gradient (matmul, then the
     # derivative's epilogue with a tile load) faster, SwiGLU most
     # (BUILD_NOTES.md, "MoE"); the other kernels keep the grouped matmul's tiles.

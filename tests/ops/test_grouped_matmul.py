@@ -11,7 +11,7 @@ import pytest
 
 from experiments import tolerances
 import ops
-from ops.grouped_matmul import BlockSizes
+from ops.grouped_matmul import TritonConfig
 from ops.grouped_matmul import grouped_matmul_reference
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
@@ -22,8 +22,8 @@ TOLERANCE = tolerances.GROUPED_MATMUL
 M, K, N, G = 70, 40, 36, 4
 # Tiles of 16 rows: groups span several tiles, tiles straddle group
 # boundaries, and M = 70 is not a tile multiple.
-SMALL_BLOCKS = BlockSizes(block_m=16, block_k=16, block_n=16, tgmm_block_m=16,
-                          tgmm_block_k=16, tgmm_block_n=16)
+SMALL_BLOCKS = TritonConfig(block_m=16, block_k=16, block_n=16, tgmm_block_m=16,
+                            tgmm_block_k=16, tgmm_block_n=16)
 
 GROUPS = {
     "mixed_with_empty": [5, 0, 50, 15],

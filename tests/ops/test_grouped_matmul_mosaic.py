@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from ops import _backend
+from ops.grouped_matmul import configs
 from ops.grouped_matmul import mosaic
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference
@@ -27,11 +28,11 @@ from ops.grouped_mlp import reference as mlp_reference
 # Small tiles so that a few hundred rows make many tiles and boundaries.
 _TILES = {
     # 2 K steps on 2 stages: a block's tiles chain their pipelines.
-    "n": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="n",
-                             max_concurrent_steps=2, epilogue_n=64),
+    "n": configs.MosaicConfig(block_m=64, block_n=128, block_k=32, split="n",
+                              max_concurrent_steps=2, epilogue_n=64),
     # 2 K steps on 3 stages: unchained pipelines.
-    "m": mosaic.MosaicConfig(block_m=64, block_n=128, block_k=32, split="m",
-                             max_concurrent_steps=3, epilogue_n=64, store_slots=1),
+    "m": configs.MosaicConfig(block_m=64, block_n=128, block_k=32, split="m",
+                              max_concurrent_steps=3, epilogue_n=64, store_slots=1),
 }
 
 
@@ -169,15 +170,15 @@ def test_float32_is_refused_by_name():
 
 def test_config_validation_and_choice():
   with pytest.raises(ValueError, match="split"):
-    mosaic.MosaicConfig(split="k")
+    configs.MosaicConfig(split="k")
   with pytest.raises(ValueError, match="epilogue_n"):
-    mosaic.MosaicConfig(block_n=64, split="n", epilogue_n=64)
+    configs.MosaicConfig(block_n=64, split="n", epilogue_n=64)
   with pytest.raises(ValueError, match="epilogue_n"):  # 64-byte rows: misaligned TMA
-    mosaic.MosaicConfig(epilogue_n=32)
+    configs.MosaicConfig(epilogue_n=32)
   with pytest.raises(ValueError, match="block_m"):
-    mosaic.MosaicConfig(block_m=96)
+    configs.MosaicConfig(block_m=96)
   with pytest.raises(ValueError, match="store_slots"):
-    mosaic.MosaicConfig(store_slots=3)
+    configs.MosaicConfig(store_slots=3)
   budget = mosaic.SMEM_BUDGET
   for accs, extras, out_itemsize in ((1, 0, 2), (1, 1, 2), (2, 0, 2), (1, 2, 2), (1, 0, 4)):
     config = mosaic.choose_config(1024, num_accs=accs, num_extras=extras,

@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 from ops import _backend
+from ops.grouped_matmul import configs
 from ops.grouped_matmul import mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference
 
 # Small tiles so that a few hundred rows make many boundary tiles.
-_TILES = mosaic_tgmm.TgmmConfig(block_m=64, block_k=64, block_n=128,
-                                max_concurrent_steps=2)
+_TILES = configs.MosaicTgmmConfig(block_m=64, block_k=64, block_n=128,
+                                  max_concurrent_steps=2)
 
 
 def _per_group_products(lhs, dout, starts, ends):
@@ -69,16 +70,16 @@ def test_refuses_float32_and_mixed_dtypes_by_name():
 
 def test_config_validation_and_choice():
   with pytest.raises(ValueError, match="block_k"):
-    mosaic_tgmm.TgmmConfig(block_k=96)
+    configs.MosaicTgmmConfig(block_k=96)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
-    mosaic_tgmm.TgmmConfig(max_concurrent_steps=1)
+    configs.MosaicTgmmConfig(max_concurrent_steps=1)
   for out_dtype in (jnp.float32, jnp.bfloat16):
     config = mosaic_tgmm.choose_config(out_dtype)
     assert config.smem_bytes(out_dtype) <= mosaic_tgmm.SMEM_BUDGET
     assert config.max_concurrent_steps >= 2
   # 128-byte epilogue rows: 32 float32 or 64 bfloat16 columns.
-  assert mosaic_tgmm.TgmmConfig().epilogue_n(jnp.float32) == 32
-  assert mosaic_tgmm.TgmmConfig().epilogue_n(jnp.bfloat16) == 64
+  assert configs.MosaicTgmmConfig().epilogue_n(jnp.float32) == 32
+  assert configs.MosaicTgmmConfig().epilogue_n(jnp.bfloat16) == 64
 
 
 def test_preferred_follows_the_forward_rule(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from experiments import tolerances
 import ops
-from ops.grouped_matmul import BlockSizes
+from ops.grouped_matmul import TritonConfig
 from ops.grouped_matmul.reference import group_bounds
 from ops.grouped_mlp import grouped_mlp_reference
 from ops.grouped_mlp import pallas
@@ -22,8 +22,8 @@ TOLERANCE = tolerances.GROUPED_MLP
 # M = 70 is not a tile multiple, D = 40 and D' = 36 not block multiples, and
 # F = 20 pads to 32 (each SwiGLU half separately).
 M, D, F, D_OUT, G = 70, 40, 20, 36, 4
-SMALL_BLOCKS = BlockSizes(block_m=16, block_k=16, block_n=16, tgmm_block_m=16,
-                          tgmm_block_k=16, tgmm_block_n=16)
+SMALL_BLOCKS = TritonConfig(block_m=16, block_k=16, block_n=16, tgmm_block_m=16,
+                            tgmm_block_k=16, tgmm_block_n=16)
 GROUPS = {
     "mixed_with_empty": [5, 0, 50, 15],
     "short_tail_rows_zero": [3, 4, 0, 10],

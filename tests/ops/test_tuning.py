@@ -27,6 +27,11 @@ class TwoLaunches:
     tuning.fill_unset(self, "fake_op")
 
 
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+  tiles: tuple[Tiles, ...]
+
+
 _TABLE = {
     "Tiles": [
         {"device": "NVIDIA H200", "head_dim": 64, "fields": {"block": 128, "warps": 8}},
@@ -39,6 +44,7 @@ _TABLE = {
         {"fields": {"forward": {"block": 16}, "backward": {"block": 32, "warps": 2},
                     "stages": 1}},
     ],
+    "Candidates": [{"fields": {"tiles": [{"block": 128}, {"block": 64, "warps": 8}]}}],
 }
 
 
@@ -59,6 +65,10 @@ def test_nested_configurations_and_none_are_built():
   assert h200 == TwoLaunches(Tiles(128), None, 3)
   other = tuning.tuned("fake_op", TwoLaunches, device="cpu")
   assert other == TwoLaunches(Tiles(16), Tiles(32, 2), 1)
+
+
+def test_a_tuple_of_configurations_is_built_from_a_list():
+  assert tuning.tuned("fake_op", Candidates) == Candidates((Tiles(128), Tiles(64, 8)))
 
 
 def test_unset_fields_take_the_tuned_values_for_this_device():
