@@ -27,8 +27,9 @@ and then every step inside one compiled call:
 `model_fn` builds the same modules as the training forward pass, so the
 parameters fit; an `SSMModel` body works the same way. `generate` also takes
 Hugging Face's sampling options (`top_p`, `min_p`, `repetition_penalty`, a
-temperature per sequence), `stop_tokens`, `return_log_probs`, and
-`prompt_lengths` for a batch of right-padded prompts.
+temperature per sequence), `stop_tokens`, `return_log_probs`,
+`prompt_lengths` for a batch of right-padded prompts, and a draft model
+(`draft_model_fn`) for speculative decoding (`probjax_hk/speculative.py`).
 
 `TokenModel(..., dtype=jnp.bfloat16)` runs the body in bfloat16 (its
 activations and a Transformer's cache) with the float32 parameters of a
@@ -276,6 +277,43 @@ def _warp(logits, temperature, *, top_k=None, top_p=None, min_p=None):
   return logits
 
 
+def _scores(logits, seen, temperature, *, greedy: bool, top_k, top_p, min_p,
+            repetition_penalty):
+  """The logits each row's token is chosen from.
+
+  Args:
+    logits: [B, V], the model's.
+    seen: [B, V] bool, the tokens in each sequence so far (None without a
+      repetition penalty).
+    temperature: [B] >= 0; 0 takes the argmax of that row.
+    greedy: every row's temperature is 0.
+    top_k, top_p, min_p, repetition_penalty: as for `generate` (None: off).
+
+  Returns:
+    (scores [B, V] float32: the warped logits of a sampled row, the
+    penalized ones of a greedy row; hot [B] bool, the sampled rows, or None
+    when `greedy`).
+  """
+  logits = logits.astype(jnp.float32)
+  scores = logits if repetition_penalty is None else _penalize(logits, seen,
+                                                               repetition_penalty)
+  if greedy:
+    return scores, None
+  hot = temperature > 0                                                # [B]
+  warped = _warp(scores, jnp.where(hot, temperature, 1.0), top_k=top_k, top_p=top_p,
+                 min_p=min_p)
+  return jnp.where(hot[:, None], warped, scores), hot
+
+
+def _draw(scores, key, hot):
+  """A token per row of `_scores`: drawn where `hot`, the argmax elsewhere
+  (everywhere when `hot` is None)."""
+  tokens = jnp.argmax(scores, axis=-1)
+  if hot is None:
+    return tokens
+  return jnp.where(hot, jax.random.categorical(key, scores, axis=-1), tokens)
+
+
 def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p,
             repetition_penalty):
   """The next token of each sequence and its log-probability.
@@ -283,11 +321,8 @@ def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p
   Args:
     logits: [B, V], the model's.
     key: a PRNG key (None when `greedy`).
-    seen: [B, V] bool, the tokens in each sequence so far (None without a
-      repetition penalty).
-    temperature: [B] >= 0; 0 takes the argmax of that row.
-    greedy: every row's temperature is 0 (no key, no sampling).
-    top_k, top_p, min_p, repetition_penalty: as for `generate` (None: off).
+    seen, temperature, greedy, top_k, top_p, min_p, repetition_penalty: as
+      for `_scores`.
 
   Returns:
     (tokens [B] int32, log-probabilities [B] float32 of each token under
@@ -295,16 +330,9 @@ def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p
     row, the warped ones for a sampled row). -1 and NaN for a row holding
     a NaN.
   """
-  logits = logits.astype(jnp.float32)
-  scores = logits if repetition_penalty is None else _penalize(logits, seen,
-                                                               repetition_penalty)
-  tokens = jnp.argmax(scores, axis=-1)
-  if not greedy:
-    hot = temperature > 0                                              # [B]
-    warped = _warp(scores, jnp.where(hot, temperature, 1.0), top_k=top_k, top_p=top_p,
-                   min_p=min_p)
-    tokens = jnp.where(hot, jax.random.categorical(key, warped, axis=-1), tokens)
-    scores = jnp.where(hot[:, None], warped, scores)
+  scores, hot = _scores(logits, seen, temperature, greedy=greedy, top_k=top_k, top_p=top_p,
+                        min_p=min_p, repetition_penalty=repetition_penalty)
+  tokens = _draw(scores, key, hot)
   log_probs = jnp.take_along_axis(jax.nn.log_softmax(scores, axis=-1), tokens[:, None],
                                   axis=-1)[:, 0]
   # Fed back, -1 embeds as NaN again: a sequence stays marked once marked.
@@ -326,6 +354,37 @@ def _mark_seen(seen, tokens, valid=None):
   return seen.at[rows, jnp.where(keep, tokens, seen.shape[-1])].set(True, mode="drop")
 
 
+def _prompt_end(logits, prompt, prompt_lengths, *, top_k, repetition_penalty):
+  """What the first token is chosen from, after the prompt's prefill.
+
+  Args:
+    logits: [B, T, V], the prefill's.
+    prompt: [B, T] tokens; prompt_lengths: None or [B] ints.
+    top_k, repetition_penalty: as for `generate` (None: off).
+
+  Returns:
+    (logits [B, V] after each prompt's last token, NaN for a traced length
+    outside [1, T]; seen [B, V] bool, the prompt's tokens, or None without a
+    repetition penalty).
+  """
+  batch, time, vocab_size = logits.shape
+  if top_k is not None and top_k > vocab_size:
+    raise ValueError(f"`top_k` must be at most the vocabulary size {vocab_size}, got {top_k=}")
+  valid = None
+  if prompt_lengths is None:
+    last = logits[:, -1]
+  else:
+    valid = jnp.arange(time) < prompt_lengths[:, None]                # [B, T]
+    ends = jnp.clip(prompt_lengths, 1, time) - 1
+    last = jnp.take_along_axis(logits, ends[:, None, None], axis=1)[:, 0]
+    # A traced length outside [1, T] has no last token: its sequence is marked.
+    last = jnp.where(((prompt_lengths < 1) | (prompt_lengths > time))[:, None], jnp.nan, last)
+  seen = None
+  if repetition_penalty is not None:
+    seen = _mark_seen(jnp.zeros((batch, vocab_size), bool), prompt, valid)
+  return last, seen
+
+
 @functools.partial(jax.jit, static_argnames=("model_fn", "num_tokens", "greedy", "top_k"))
 def _generate(params, prompt, prompt_lengths, rng, temperature, top_p, min_p,
               repetition_penalty, stop_tokens, pad_token, *, model_fn, num_tokens, greedy,
@@ -342,21 +401,8 @@ def _generate(params, prompt, prompt_lengths, rng, temperature, top_p, min_p,
   prefill = hk.transform(prefill_fn).apply
   step = hk.transform(lambda tokens, state: model_fn().step(tokens, state)).apply
   logits, state = prefill(params, None, prompt, prompt_lengths)       # [B, T, V]
-  vocab_size = logits.shape[-1]
-  if top_k is not None and top_k > vocab_size:
-    raise ValueError(f"`top_k` must be at most the vocabulary size {vocab_size}, got {top_k=}")
-  valid = None
-  if prompt_lengths is None:
-    last = logits[:, -1]
-  else:
-    valid = jnp.arange(time) < prompt_lengths[:, None]                # [B, T]
-    ends = jnp.clip(prompt_lengths, 1, time) - 1
-    last = jnp.take_along_axis(logits, ends[:, None, None], axis=1)[:, 0]
-    # A traced length outside [1, T] has no last token: its sequence is marked.
-    last = jnp.where(((prompt_lengths < 1) | (prompt_lengths > time))[:, None], jnp.nan, last)
-  seen = None
-  if repetition_penalty is not None:
-    seen = _mark_seen(jnp.zeros((batch, vocab_size), bool), prompt, valid)
+  last, seen = _prompt_end(logits, prompt, prompt_lengths, top_k=top_k,
+                           repetition_penalty=repetition_penalty)
   choose = functools.partial(_choose, temperature=temperature, greedy=greedy, top_k=top_k,
                              top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
   keys = None if greedy else jax.random.split(rng, num_tokens)
@@ -463,7 +509,9 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
              top_p: float | None = None, min_p: float | None = None,
              repetition_penalty: float | None = None,
              stop_tokens: int | Sequence[int] | None = None, pad_token: int | None = None,
-             prompt_lengths: jax.Array | None = None, return_log_probs: bool = False):
+             prompt_lengths: jax.Array | None = None, return_log_probs: bool = False,
+             draft_model_fn: Callable[[], Any] | None = None, draft_params: hk.Params | None = None,
+             num_draft_tokens: int | None = None, return_acceptance_rate: bool = False):
   """Samples `num_tokens` tokens after a prompt, in one compiled call.
 
   Runs `model_fn().prefill` on the prompt, then a loop of `model_fn().step`
@@ -477,6 +525,18 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   greedy, which of `top_p`, `min_p`, `repetition_penalty`, `stop_tokens`
   (and how many) and `prompt_lengths` are set; their values, the
   temperature, the parameters and the rng are arguments of the compiled call.
+
+  With `draft_model_fn`, decoding is speculative (Leviathan et al. 2023,
+  https://arxiv.org/abs/2211.17192): each round the draft model proposes
+  `num_draft_tokens` tokens one step at a time, the model scores them all in
+  one call (a Transformer's `prefill` on its cache; the steps of any other
+  body in one scan, keeping its state after each token), keeps each with
+  probability min(1, p / q) of the two models' distributions after the
+  options above, and draws the token after the last one kept from the
+  normalized max(0, p - q) (from p when all were kept); both states go back
+  to the tokens kept. The tokens are distributed exactly as without a draft
+  (greedy ones are the same tokens); a round costs the model one call and
+  yields 1 to `num_draft_tokens` + 1 of them.
 
   Args:
     model_fn: builds the model inside `hk.transform`; it needs
@@ -521,6 +581,17 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
       Face's processed scores, log-softmaxed), after the repetition penalty
       only for a greedy one (temperature 0), where the filters do not
       change the argmax.
+    draft_model_fn: None, or builds the draft model as `model_fn` builds the
+      model (any model `generate` takes, over the same V tokens): decode
+      speculatively.
+    draft_params: the draft model's parameters; required with
+      `draft_model_fn`.
+    num_draft_tokens: K >= 1, the tokens the draft proposes per round;
+      default 4 with `draft_model_fn`, which it needs.
+    return_acceptance_rate: also return each sequence's acceptance rate,
+      [B] float32: the fraction of its draft tokens the model kept (NaN for a
+      sequence that never drafted: G = 1, or a stop token first). Needs
+      `draft_model_fn`.
 
   Returns:
     [B, G] int32, the generated tokens (the prompt not included); with
@@ -529,7 +600,8 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     token drawn from logits holding a NaN (non-finite parameters, a traced
     prompt token outside [0, V), a body whose cache overflowed) is -1 (its
     log-probability NaN), and so are the later tokens of its sequence;
-    called eagerly, `generate` raises instead of returning them.
+    called eagerly, `generate` raises instead of returning them. With
+    `return_acceptance_rate`, the rates [B] come last.
 
   Raises:
     ValueError: for a `model_fn` that is not callable, a prompt that is not
@@ -538,14 +610,19 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
       of shape [B], `top_k` outside [1, V], `top_p` outside (0, 1], `min_p`
       outside [0, 1], a `repetition_penalty` <= 0, stop tokens outside
       [0, V), a negative `pad_token` or one without `stop_tokens`,
-      `prompt_lengths` that is not [B] integers in [1, T], or no `rng` when
-      sampling.
+      `prompt_lengths` that is not [B] integers in [1, T], no `rng` when
+      sampling, a `draft_model_fn` that is not callable, whose vocabulary
+      is not the model's or that comes without `draft_params`,
+      `num_draft_tokens` < 1, or `draft_params`, `num_draft_tokens` or
+      `return_acceptance_rate` without `draft_model_fn`.
     TypeError: for a `temperature`, `num_tokens`, `top_k`, `top_p`,
       `min_p`, `repetition_penalty`, `stop_tokens` or `pad_token` that is
       not a number (an integer for sizes and tokens; a concrete one for the
-      temperature), or a `return_log_probs` that is not a bool.
+      temperature), a `num_draft_tokens` that is not an integer, or a
+      `return_log_probs` or `return_acceptance_rate` that is not a bool.
     FloatingPointError: when a generated token was drawn from NaN logits.
   """
+  from probjax_hk import speculative  # It builds on this module's sampling.
   if not callable(model_fn):
     raise ValueError(f"`model_fn` must be a callable that builds the model, got "
                      f"{type(model_fn).__name__}")
@@ -585,7 +662,10 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     if stop_tokens is None:
       raise ValueError(f"`pad_token` pads after a stop token: it needs `stop_tokens`, got "
                        f"{pad_token=} and stop_tokens=None")
-  arguments.check_bools(return_log_probs=return_log_probs)
+  arguments.check_bools(return_log_probs=return_log_probs,
+                        return_acceptance_rate=return_acceptance_rate)
+  num_draft_tokens = speculative.check_arguments(
+      draft_model_fn, draft_params, num_draft_tokens, return_acceptance_rate, vocab_size)
   greedy = not temperature.any()
   if not greedy and rng is None:
     raise ValueError("`rng` (a PRNG key or an int seed) is required to sample with "
@@ -596,17 +676,26 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     arguments.check_key(rng=rng)
   if pad_token is None:
     pad_token = 0 if stop_tokens is None else stop_tokens[0]
-  tokens, log_probs = _generate(
-      params, prompt, prompt_lengths, None if greedy else rng, temperature, top_p, min_p,
-      repetition_penalty, stop_tokens, jnp.asarray(pad_token, jnp.int32), model_fn=model_fn,
-      num_tokens=int(num_tokens), greedy=bool(greedy),
-      top_k=None if top_k is None else int(top_k))
+  arrays = (prompt, prompt_lengths, None if greedy else rng, temperature, top_p, min_p,
+            repetition_penalty, stop_tokens, jnp.asarray(pad_token, jnp.int32))
+  static = dict(model_fn=model_fn, num_tokens=int(num_tokens), greedy=bool(greedy),
+                top_k=None if top_k is None else int(top_k))
+  if draft_model_fn is None:
+    tokens, log_probs = _generate(params, *arrays, **static)
+  else:
+    tokens, log_probs, accepted, drafted = speculative._generate(
+        params, draft_params, *arrays, draft_model_fn=draft_model_fn,
+        num_draft_tokens=num_draft_tokens, **static)
   if not isinstance(tokens, jax.core.Tracer):
     marked = np.asarray(tokens) < 0                                   # [B, G]
     if marked.any():
       rows = np.flatnonzero(marked.any(axis=1))
       raise FloatingPointError(
           f"`generate`: the logits of sequence(s) {rows.tolist()} held NaN from generated "
-          f"token {int(marked.any(axis=0).argmax())} on (non-finite `params`, or a body "
-          "whose state overflowed); under jit these tokens are returned as -1")
-  return (tokens, log_probs) if return_log_probs else tokens
+          f"token {int(marked.any(axis=0).argmax())} on (non-finite `params`"
+          f"{'' if draft_model_fn is None else ' or `draft_params`'}, or a body whose state "
+          "overflowed); under jit these tokens are returned as -1")
+  outputs = (tokens, log_probs) if return_log_probs else (tokens,)
+  if return_acceptance_rate:
+    outputs += (accepted / jnp.where(drafted > 0, drafted, jnp.nan),)
+  return outputs if len(outputs) > 1 else tokens

@@ -175,7 +175,10 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("repetition_penalty", 0.0, V), ("stop_tokens", 7, V), ("stop_tokens", 1.5, T),
         ("pad_token", -1, V), ("pad_token", 1.0, T),
         ("prompt_lengths", jnp.array([1, 0]), V), ("prompt_lengths", jnp.ones(B), V),
-        ("return_log_probs", "yes", T)]),
+        ("return_log_probs", "yes", T), ("draft_model_fn", 5, V),
+        ("draft_params", PARAMS, V),                     # without `draft_model_fn`
+        ("num_draft_tokens", 0, V), ("num_draft_tokens", 2.0, T),
+        ("return_acceptance_rate", "yes", T)]),
     "stack_layer_params": (dict(params={"m/block_0": {"w": jnp.zeros(2)}}), [
         ("params", "params", T), ("params", {"m/block_0": 1}, T)]),
     "unstack_layer_params": (dict(params={"m/blocks/block": {"w": jnp.zeros((2, 2))}}), [
