@@ -58,8 +58,6 @@ from experiments import shape_grid
 from experiments import workloads
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
-from ops.flex_attention import mosaic
-from ops.flex_attention import mosaic_backward
 from probjax_hk import attention as pk_attention
 
 # tokamax's implementations this program times: row name -> its `implementation`.
@@ -79,14 +77,14 @@ _IMPLS = flags.DEFINE_list(
     "`workloads.MHA_SWEEP`.")
 _TRITON_FWD = flags.DEFINE_multi_string(
     "triton_fwd", [], "Also time flex with its forward on the Triton kernel on these "
-    "tiles: a JSON object of `configs.KernelConfig`'s fields (repeatable).")
+    "tiles: a JSON object of `configs.TritonConfig`'s fields (repeatable).")
 _MOSAIC_FWD = flags.DEFINE_multi_string(
     "mosaic_fwd", [], "Also time flex with every forward on the Mosaic GPU kernel on "
-    "these tiles: a JSON object of `mosaic.MosaicForwardConfig`'s fields, and "
+    "these tiles: a JSON object of `configs.MosaicConfig`'s fields, and "
     "optionally \"fwd_softmax\" (repeatable).")
 _MOSAIC_BWD = flags.DEFINE_multi_string(
     "mosaic_bwd", [], "Also time flex with its backward on the Mosaic GPU kernel on "
-    "these tiles: a JSON object of `mosaic_backward.MosaicBackwardConfig`'s fields "
+    "these tiles: a JSON object of `configs.MosaicBackwardConfig`'s fields "
     "(repeatable).")
 _CHECK = flags.DEFINE_bool("check", False, "Check flex against the reference first.")
 _CHECK_CASES = flags.DEFINE_list("check_cases", None, "Indices of the check cases to run.")
@@ -96,7 +94,7 @@ _CHECK_MOSAIC_BWD = flags.DEFINE_multi_string(
     "whose head size they fit; repeatable).")
 _CHECK_MOSAIC_FWD = flags.DEFINE_string(
     "check_mosaic_fwd", None, "Also check flex with its forward on the Mosaic GPU "
-    "kernel on these tiles, a JSON object of `mosaic.MosaicForwardConfig`'s fields "
+    "kernel on these tiles, a JSON object of `configs.MosaicConfig`'s fields "
     "(for the 16-bit cases it takes).")
 _CHECK_FWD_SOFTMAX = flags.DEFINE_enum(
     "check_fwd_softmax", None, flex_configs.FWD_SOFTMAX, "Also check flex with its "
@@ -248,10 +246,10 @@ def _check_rows():
   rows = _check_cases(cases, "table")
   variants = []  # (name, the fields of the table's config to replace)
   if _CHECK_MOSAIC_FWD.value:
-    tiles = workloads.parse_config(mosaic.MosaicForwardConfig, _CHECK_MOSAIC_FWD.value)
+    tiles = workloads.parse_config(flex_configs.MosaicConfig, _CHECK_MOSAIC_FWD.value)
     variants.append((workloads.FlexMosaicForward(tiles).name, dict(mosaic_fwd=tiles)))
   for text in _CHECK_MOSAIC_BWD.value:
-    tiles = workloads.parse_config(mosaic_backward.MosaicBackwardConfig, text)
+    tiles = workloads.parse_config(flex_configs.MosaicBackwardConfig, text)
     variants.append((workloads.FlexMosaicBackward(tiles).name, dict(mosaic_bwd=tiles)))
   if _CHECK_FWD_SOFTMAX.value:
     variants.append((workloads.FlexTritonForward(fwd_softmax=_CHECK_FWD_SOFTMAX.value).name,
@@ -537,15 +535,15 @@ def implementations() -> list:
       raise app.UsageError(f"--impls: unknown {name!r}; known: {sorted(ATTENTION) + ['mha']}")
   for text in _TRITON_FWD.value:
     impls.append(workloads.FlexTritonForward(
-        tiles=workloads.parse_config(flex_configs.KernelConfig, text)))
+        tiles=workloads.parse_config(flex_configs.TritonConfig, text)))
   for text in _MOSAIC_FWD.value:
     fields = json.loads(text)
     softmax = fields.pop("fwd_softmax", None) if isinstance(fields, dict) else None
     impls.append(workloads.FlexMosaicForward(
-        workloads.parse_config(mosaic.MosaicForwardConfig, fields), fwd_softmax=softmax))
+        workloads.parse_config(flex_configs.MosaicConfig, fields), fwd_softmax=softmax))
   for text in _MOSAIC_BWD.value:
     impls.append(workloads.FlexMosaicBackward(
-        workloads.parse_config(mosaic_backward.MosaicBackwardConfig, text)))
+        workloads.parse_config(flex_configs.MosaicBackwardConfig, text)))
   return impls
 
 

@@ -112,7 +112,7 @@ def _time(kernel: str, point: shape_grid.AttentionPoint, cand, base: configs.Fle
   """One kernel of flex's Triton path at `point` on tiles `cand` (the other
   two kernels keep `base`'s)."""
   size = point.shape
-  cfg = configs.KernelConfig(*cand)
+  cfg = configs.TritonConfig(*cand)
   flex_cfg = configs.FlexConfig(**{**{k: getattr(base, k) for k in KERNELS}, kernel: cfg})
   dtype = jnp.dtype(point.dtype)
 

@@ -20,8 +20,6 @@ import jax.numpy as jnp
 
 from ops.flex_attention import api as flex_api
 from ops.flex_attention import configs as flex_configs
-from ops.flex_attention import mosaic as flex_mosaic
-from ops.flex_attention import mosaic_backward as flex_mosaic_backward
 from ops.flex_attention import pallas as flex_pallas
 from ops.gated_delta_rule import gated_delta_rule
 from ops.grouped_mlp import pallas as grouped_mlp_pallas
@@ -203,7 +201,7 @@ def grouped_mlp_kernels(variant: str):
 
 def parse_config(cls, fields: dict | str):
   """A config dataclass from a dict of its fields or a JSON object of them,
-  e.g. `parse_config(KernelConfig, '{"block_q": 64, ...}')`; a field the class
+  e.g. `parse_config(TritonConfig, '{"block_q": 64, ...}')`; a field the class
   lacks is a ValueError that lists the ones it has."""
   if isinstance(fields, str):
     fields = json.loads(fields)
@@ -217,10 +215,12 @@ def parse_config(cls, fields: dict | str):
 
 
 def _fields(config) -> str:
-  """The fields of a dataclass that differ from its defaults, as `k=v, ...`."""
+  """The fields of a tile config that differ from its tuned values (the
+  class built with none given), as `k=v, ...`."""
+  tuned = type(config)()
   return ", ".join(f"{f.name}={getattr(config, f.name)!r}"
                    for f in dataclasses.fields(config)
-                   if getattr(config, f.name) != f.default)
+                   if getattr(config, f.name) != getattr(tuned, f.name))
 
 
 def _flex_on(config_changes: dict, causal: bool):
@@ -312,7 +312,7 @@ class Flex(_Attention):
 class FlexTritonForward(_Attention):
   """flex with every forward on the Triton kernel: the table's Triton tiles
   or `tiles`, the table's softmax or `fwd_softmax` (`FlexConfig`)."""
-  tiles: flex_configs.KernelConfig | None = None
+  tiles: flex_configs.TritonConfig | None = None
   fwd_softmax: str | None = None
 
   @property
@@ -362,7 +362,7 @@ class FlexRefresh(_Attention):
 class FlexMosaicForward(_Attention):
   """flex with every forward on the Mosaic GPU kernel's `tiles` (right-bounded
   calls and short ones too), with the table's softmax or `fwd_softmax`."""
-  tiles: flex_mosaic.MosaicForwardConfig
+  tiles: flex_configs.MosaicConfig
   fwd_softmax: str | None = None
 
   @property
@@ -380,7 +380,7 @@ class FlexMosaicForward(_Attention):
 @dataclasses.dataclass(frozen=True)
 class FlexMosaicBackward(_Attention):
   """flex with its backward on the one-launch Mosaic GPU kernel's `tiles`."""
-  tiles: flex_mosaic_backward.MosaicBackwardConfig
+  tiles: flex_configs.MosaicBackwardConfig
 
   @property
   def name(self) -> str:

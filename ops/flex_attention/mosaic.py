@@ -40,7 +40,7 @@ Which calls take which walk (`configs.py`, `pallas.prepare`), what each
 option measured on an H200 and the variants that lost: BUILD_NOTES.md,
 "flex_attention".
 
-The tiles (`MosaicForwardConfig`) and the limits both Mosaic kernels share
+The tiles are `configs.MosaicConfig`; the limits both Mosaic kernels share
 live in `mosaic_tiles.py`.
 
 Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
@@ -62,20 +62,20 @@ from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import masks
+from ops.flex_attention.configs import MosaicConfig
+from ops.flex_attention.configs import NUM_COMPUTE_WGS
+from ops.flex_attention.configs import SUM_COLUMNS
 from ops.flex_attention.masks import FROZEN_SUM_LIMIT
 from ops.flex_attention.masks import i32
 from ops.flex_attention.mosaic_tiles import COMPUTE_REGISTERS
 from ops.flex_attention.mosaic_tiles import config_limit
 from ops.flex_attention.mosaic_tiles import HEAD_SIZES
 from ops.flex_attention.mosaic_tiles import MEMORY_REGISTERS
-from ops.flex_attention.mosaic_tiles import MosaicForwardConfig
-from ops.flex_attention.mosaic_tiles import NUM_COMPUTE_WGS
-from ops.flex_attention.mosaic_tiles import SUM_COLUMNS
 
 _LOG2E = math.log2(math.e)
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
-          config: MosaicForwardConfig, *, segments: bool, mods: bool) -> bool:
+          config: MosaicConfig, *, segments: bool, mods: bool) -> bool:
   """Whether this kernel runs a forward call (else the Triton kernel does).
 
   16-bit inputs at a padded head size it has, no segment ids or mods (not
@@ -87,11 +87,11 @@ def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,
           and _config_limit(config, head_dim) is None)
 
 
-def _config_limit(config: MosaicForwardConfig, head_dim: int) -> str | None:
+def _config_limit(config: MosaicConfig, head_dim: int) -> str | None:
   return config_limit(config, head_dim, kernel="forward", head_sizes=HEAD_SIZES)
 
 
-def check_config(config: MosaicForwardConfig, head_dim: int) -> None:
+def check_config(config: MosaicConfig, head_dim: int) -> None:
   if (limit := _config_limit(config, head_dim)) is not None:
     raise ValueError(limit)
 
@@ -110,7 +110,7 @@ class _Item(NamedTuple):
 
 
 def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
-            config: MosaicForwardConfig, key_tiles, is_open, interpret: bool):
+            config: MosaicConfig, key_tiles, is_open, interpret: bool):
   """One block: one work item, or (`config.persistent`) its share of them."""
   bq, bk, steps = config.block_q, config.block_k, config.max_concurrent_steps
   batch_size, seq_q, num_heads, hp = q_gmem.shape
@@ -223,7 +223,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
         `masked_fn`, fully open ones through `open_fn`, or with `frozen_fn`
         the first open one through `open_fn` and the others through it; with
         `masked_frozen_fn` the partly masked ones after an open one through
-        that (`MosaicForwardConfig.frozen_masked_tiles`)."""
+        that (`MosaicConfig.frozen_masked_tiles`)."""
         open_lo, open_hi = start, hi
         if st.any_mask:
           open_lo = jnp.maximum(start, full_lo)
@@ -467,7 +467,7 @@ def _add_product(acc, lhs, rhs_smem, lhs_smem=None):
   return acc
 
 
-def forward(st, q, k, v, kv_len, *, config: MosaicForwardConfig, key_tiles,
+def forward(st, q, k, v, kv_len, *, config: MosaicConfig, key_tiles,
             is_open, interpret: bool = False):
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] 16-bit -> out [B, Tp, N, Hp], lse [B, N, Tp].
 

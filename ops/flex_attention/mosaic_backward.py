@@ -29,8 +29,9 @@ This kernel follows FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
   dK's before it stores its dS^T rows, and waits for both at the end of the
   step (FlashAttention-3's overlap inside a warpgroup).
 
-Its tiles per head size and what it measured against the Triton backward and
-cuDNN on an H200: BUILD_NOTES.md, "flex_attention".
+Its tiles are `configs.MosaicBackwardConfig` (the tuned ones per head size in
+tuned.json); what they measured against the Triton backward and cuDNN on an
+H200: BUILD_NOTES.md, "flex_attention".
 
 At head size 32 the dS^T tile takes K's 64-byte swizzle rather than its own
 128-byte one: wgmma reads both operands of the dQ product `dS K` with one
@@ -51,7 +52,6 @@ Glossary: B batch, Tp / Sp padded query / key tokens, N query heads, K
 key/value heads, G = N // K, Hp padded head size, WG warpgroup.
 """
 
-import dataclasses
 import functools
 import math
 
@@ -66,70 +66,13 @@ from ops._mosaic_gpu import DTYPES
 from ops._mosaic_gpu import swizzled
 from ops.flex_attention import masks
 from ops.flex_attention import mosaic
-from ops.flex_attention.masks import i32
 from ops.flex_attention import mosaic_tiles
+from ops.flex_attention.configs import MosaicBackwardConfig
+from ops.flex_attention.configs import NUM_COMPUTE_WGS
+from ops.flex_attention.masks import i32
 
-NUM_COMPUTE_WGS = 2
 _LOG2E = math.log2(math.e)
 HEAD_SIZES = (32, 64, 128)  # Padded head sizes the kernel takes.
-_REGISTERS_PER_BLOCK_THREAD = mosaic_tiles.register_pool(NUM_COMPUTE_WGS + 1)  # 504
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicBackwardConfig:
-  """Tiles of the Mosaic GPU backward.
-
-  block_q: query rows per step (the dQ tile).
-  block_k: key rows per compute warpgroup (the block takes twice that).
-  max_concurrent_steps: slots of the query-side ring.
-  dq_column_chunks: the dQ product in this many column slices of >= 64
-    (fewer accumulator registers live at once, next to dK and dV).
-  compute_registers: registers per thread of each compute warpgroup; the
-    memory warpgroup gets what is left of the 504 that three warpgroups of
-    one block can hold (232 -> 40, 240 -> 24).
-  ds_slots: shared dS^T tiles, 1 or 2. With 2, step t writes slot t % 2 and
-    only the warpgroup that forms that step's dQ waits for both halves: the
-    other runs on into its next step under the dQ product.
-  pipelined: issue S^T and dP^T together and wait for S^T only, so dP^T runs
-    under the exponentials; dV's product runs under dS, dK's under the dS^T
-    store (compiled only: interpret mode runs the same steps one at a time).
-  """
-  block_q: int = 64
-  block_k: int = 64
-  max_concurrent_steps: int = 2
-  dq_column_chunks: int = 1
-  compute_registers: int = 232
-  ds_slots: int = 1
-  pipelined: bool = False
-
-  def __post_init__(self):
-    mosaic_tiles.check_tiles(self)
-    if self.dq_column_chunks not in (1, 2):
-      raise ValueError(f"`dq_column_chunks` must be 1 or 2, got {self.dq_column_chunks}")
-    if self.compute_registers not in (232, 240):
-      raise ValueError(f"`compute_registers` must be 232 or 240, got {self.compute_registers}")
-    if self.ds_slots not in (1, NUM_COMPUTE_WGS):
-      raise ValueError(f"`ds_slots` must be 1 or {NUM_COMPUTE_WGS}, got {self.ds_slots}")
-
-  @property
-  def memory_registers(self) -> int:
-    return _REGISTERS_PER_BLOCK_THREAD - NUM_COMPUTE_WGS * self.compute_registers
-
-  @property
-  def keys_per_block(self) -> int:
-    return NUM_COMPUTE_WGS * self.block_k
-
-  def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-    """K and V of the block, the Q/dO ring, lse/delta rows, the shared dS^T
-    tiles and one f32 dQ tile per compute warpgroup, each aligned to 1 KiB,
-    and 2 KiB for the barriers."""
-    align = lambda n: -(-n // 1024) * 1024
-    kv = 2 * align(self.keys_per_block * head_dim * itemsize)
-    ring = 2 * align(self.max_concurrent_steps * self.block_q * head_dim * itemsize)
-    rows = 2 * align(self.max_concurrent_steps * self.block_q * 4)
-    ds = align(self.ds_slots * self.keys_per_block * self.block_q * itemsize)
-    dq = NUM_COMPUTE_WGS * align(self.block_q * head_dim * 4)
-    return kv + ring + rows + ds + dq + 2048
 
 
 def takes(dtype, head_dim: int, seq_q: int, seq_kv: int,

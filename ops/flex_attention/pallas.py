@@ -91,7 +91,7 @@ def _score(st: Static, s, b, n, q_idx, k_idx):
 # keep them for the other open tiles, where p = 2^(s c - m) may pass 1 but
 # the largest p is >= 1, so nothing underflows that matters. Partly masked
 # tiles keep the online body (from the frozen m: still exact), except on the
-# Mosaic forward with `MosaicForwardConfig.frozen_masked_tiles`, where those
+# Mosaic forward with `MosaicConfig.frozen_masked_tiles`, where those
 # after the first open tile run on the kept maxima too. A row whose
 # sum reaches masks.FROZEN_SUM_LIMIT (a later logit 44 or more base-2 units
 # above its first tile's maximum, for up to 2^20 keys; inf or NaN on
@@ -216,29 +216,23 @@ def _refreshes_in_kernel(st: Static) -> bool:
   return st.config.refresh == "in_kernel" and st.config.mosaic_fwd is None
 
 
-# Query tiles one program of `_refresh_frozen` checks: their lse in one load,
-# so a call with nothing to recompute runs few short programs (one per tile
-# cost twice the time; BUILD_NOTES.md, "flex_attention"); the (rare) flagged
-# tiles of a group are recomputed one after another.
-REFRESH_TILES_PER_PROGRAM = 8
-
-
 def _refresh_frozen(st: Static, q, k, v, kv_len, q_seg, k_seg, lists, out, lse):
   """Recomputes, with the online softmax, the query tiles of `_forward`'s
   first-tile-maxima pass that hold a NaN lse; the others keep their rows.
 
   One launch over (tile groups, B, N): each program reads the lse of its
-  group of consecutive query tiles (`REFRESH_TILES_PER_PROGRAM`, or the
-  largest power of two below it that divides their number) in one load and
-  reruns the Triton forward's walk on those with a NaN (out and lse aliased
-  to the outputs).
+  group of consecutive query tiles (`FlexConfig.refresh_tiles_per_program`,
+  or the largest power of two below it that divides their number) in one
+  load, so a call with nothing to recompute runs few short programs, and
+  reruns the Triton forward's walk on those with a NaN one after another
+  (out and lse aliased to the outputs).
   """
   st = dataclasses.replace(
       st, config=dataclasses.replace(st.config, fwd_softmax="online", mosaic_fwd=None))
   batch, seq_q, num_heads, hp = q.shape
   seq_kv = k.shape[1]
   nq = seq_q // st.config.fwd.block_q
-  per = math.gcd(nq, REFRESH_TILES_PER_PROGRAM)  # groups of equal size
+  per = math.gcd(nq, st.config.refresh_tiles_per_program)  # groups of equal size
   rows = pl.BlockSpec((None, seq_q, None, hp), lambda c, b, n: (b, 0, n, 0))
   lse_rows = pl.BlockSpec((None, None, seq_q), lambda c, b, n: (b, n, 0))
   kv = whole_kv_spec(st, seq_kv, hp)
@@ -349,7 +343,7 @@ _flex.defvjp(_flex_fwd, _flex_bwd)
 _flex_shared = _pallas.shared_lowering(_flex, static_argnums=(0,))
 
 
-def _fit(cfg: configs.KernelConfig, seq_q: int, seq_kv: int) -> configs.KernelConfig:
+def _fit(cfg: configs.TritonConfig, seq_q: int, seq_kv: int) -> configs.TritonConfig:
   """Shrinks tiles that are longer than the (power-of-two rounded) sequence."""
   fit = lambda block, n: min(block, max(16, pl.next_power_of_2(n)))
   return dataclasses.replace(cfg, block_q=fit(cfg.block_q, seq_q),
@@ -372,7 +366,7 @@ def _refresh(config: configs.FlexConfig, scores: int) -> str:
   """Where a forward of `scores` scores recomputes rows past the limit."""
   if config.refresh != "auto":
     return config.refresh
-  return "in_kernel" if scores <= configs.IN_KERNEL_REFRESH_MAX_SCORES else "launch"
+  return "in_kernel" if scores <= config.in_kernel_refresh_max_scores else "launch"
 
 
 def prepare(q, k, v, *, scale: float, is_causal: bool, window,

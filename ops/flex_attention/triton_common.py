@@ -109,6 +109,6 @@ def query_tile_specs(st: Static, kv_len, lists, *, seq_q: int, seq_kv: int,
              row_list_specs(lists, nq)))
 
 
-def compiler_params(cfg: configs.KernelConfig):
+def compiler_params(cfg: configs.TritonConfig):
   """A Triton launch's warps and pipeline stages."""
   return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -14,33 +14,31 @@ import pytest
 
 from experiments import workloads
 from ops.flex_attention import configs
-from ops.flex_attention import mosaic
-from ops.flex_attention import mosaic_backward
 
 
 def test_parse_config_takes_a_json_object_of_fields():
-  tiles = workloads.parse_config(mosaic.MosaicForwardConfig,
+  tiles = workloads.parse_config(configs.MosaicConfig,
                                  '{"block_k": 256, "ping_pong": false, "persistent": true}')
-  assert tiles == mosaic.MosaicForwardConfig(block_k=256, ping_pong=False, persistent=True)
-  assert workloads.parse_config(configs.KernelConfig, dict(
-      block_q=64, block_k=32, num_warps=4, num_stages=2)) == configs.KernelConfig(64, 32, 4, 2)
+  assert tiles == configs.MosaicConfig(block_k=256, ping_pong=False, persistent=True)
+  assert workloads.parse_config(configs.TritonConfig, dict(
+      block_q=64, block_k=32, num_warps=4, num_stages=2)) == configs.TritonConfig(64, 32, 4, 2)
   with pytest.raises(ValueError, match=r"no field \['pipelined'\]"):
-    workloads.parse_config(mosaic.MosaicForwardConfig, '{"pipelined": true}')
+    workloads.parse_config(configs.MosaicConfig, '{"pipelined": true}')
   with pytest.raises(ValueError, match="JSON object"):
-    workloads.parse_config(mosaic.MosaicForwardConfig, "[64, 128]")
+    workloads.parse_config(configs.MosaicConfig, "[64, 128]")
   with pytest.raises(ValueError, match="multiple of 64"):  # the config's own checks
-    workloads.parse_config(mosaic.MosaicForwardConfig, '{"block_q": 32}')
+    workloads.parse_config(configs.MosaicConfig, '{"block_q": 32}')
 
 
 def test_names_label_what_runs():
-  tiles = mosaic.MosaicForwardConfig(block_k=256, persistent=True)
+  tiles = configs.MosaicConfig(block_k=256, persistent=True)
   assert workloads.FlexMosaicForward(tiles).name == (
       "flex_mosaic_fwd(block_k=256, persistent=True)")
   assert workloads.FlexMosaicForward(tiles, "online").name.endswith(")_online")
-  backward = mosaic_backward.MosaicBackwardConfig(block_q=128, ds_slots=2, pipelined=True)
+  backward = configs.MosaicBackwardConfig(block_q=128, ds_slots=2, pipelined=True)
   assert workloads.FlexMosaicBackward(backward).name == (
       "flex_mosaic_bwd(block_q=128, ds_slots=2, pipelined=True)")
-  assert workloads.FlexTritonForward(configs.KernelConfig(128, 64, 4, 3), "online").name == (
+  assert workloads.FlexTritonForward(configs.TritonConfig(128, 64, 4, 3), "online").name == (
       "flex_triton_128x64x4x3_online")
   assert [m.name for m in workloads.MHA_SWEEP] == ["mha_default", "mha_128x64", "mha_64x128"]
   assert all(name == impl.name for name, impl in workloads.ATTENTION.items())
@@ -69,15 +67,15 @@ def test_flex_variants_run_on_the_configs_they_name(monkeypatch):
   def config_of(impl):
     impl.fn(32, True)(q, q, q)
     return seen.pop()
-  tiles = configs.KernelConfig(64, 32, 4, 2)
+  tiles = configs.TritonConfig(64, 32, 4, 2)
   got = config_of(workloads.FlexTritonForward(tiles, "online"))
   assert (got.mosaic_fwd, got.mosaic_fwd_bounded, got.fwd, got.fwd_softmax) == (
       None, None, tiles, "online")
   assert got.mosaic_bwd == table.mosaic_bwd
-  forward = mosaic.MosaicForwardConfig(block_k=256, persistent=True)
+  forward = configs.MosaicConfig(block_k=256, persistent=True)
   got = config_of(workloads.FlexMosaicForward(forward))
   assert got == table.forward_on(forward) and got.mosaic_fwd_min_scores == 0
-  backward = mosaic_backward.MosaicBackwardConfig(block_q=128)
+  backward = configs.MosaicBackwardConfig(block_q=128)
   assert config_of(workloads.FlexMosaicBackward(backward)) == dataclasses.replace(
       table, mosaic_bwd=backward)
   assert config_of(workloads.FlexRefresh("in_kernel")).refresh == "in_kernel"
@@ -97,10 +95,10 @@ def test_benchmark_flags_give_typed_implementations():
     impls = bench.implementations()
   assert impls == [
       workloads.Flex(), workloads.JaxAttention("cudnn"), workloads.PallasMha(),
-      workloads.FlexTritonForward(configs.KernelConfig(64, 32, 4, 2)),
-      workloads.FlexMosaicForward(mosaic.MosaicForwardConfig(block_k=256, persistent=True),
+      workloads.FlexTritonForward(configs.TritonConfig(64, 32, 4, 2)),
+      workloads.FlexMosaicForward(configs.MosaicConfig(block_k=256, persistent=True),
                                   fwd_softmax="online"),
-      workloads.FlexMosaicBackward(mosaic_backward.MosaicBackwardConfig(
+      workloads.FlexMosaicBackward(configs.MosaicBackwardConfig(
           block_q=128, ds_slots=2, pipelined=True))]
   assert [bench._family(i) for i in impls] == [
       None, None, "mha", None, "flex_mosaic", "flex_mosaic_bwd"]

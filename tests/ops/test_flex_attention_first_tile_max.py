@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from ops.flex_attention import configs
-from ops.flex_attention import mosaic
 from ops.flex_attention import pallas
 from tests.ops import test_flex_attention as flex_tests
 from tests.ops import test_flex_attention_mosaic as mosaic_tests
 
-_FROZEN = dataclasses.replace(configs._INTERPRET, fwd_softmax="first_tile_max")
+_INTERPRET = configs.get_config(32, jnp.float32, interpret=True)
+_FROZEN = dataclasses.replace(_INTERPRET, fwd_softmax="first_tile_max")
 _IN_KERNEL = dataclasses.replace(_FROZEN, refresh="in_kernel")
 
 
@@ -69,34 +69,34 @@ def test_triton_forward_matches_reference(name, frozen):
 
 @pytest.mark.parametrize("tiles, options", [
     # The H64 entry's walk: one block per SM, full attention, GQA.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True), {}),
+    (configs.MosaicConfig(block_q=64, block_k=64, persistent=True), {}),
     # The H32 entry's: 128 rows per warpgroup, free-running, causal.
-    (mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False),
+    (configs.MosaicConfig(block_q=128, block_k=64, ping_pong=False),
      dict(is_causal=True)),
     # Ping-pong turns, a window on both sides and key lengths.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64),
+    (configs.MosaicConfig(block_q=64, block_k=64),
      dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # The row sums on the tensor cores: the window's masked tiles after the
     # kept-maxima ones run online and must rescale the sums' accumulator.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True),
+    (configs.MosaicConfig(block_q=64, block_k=64, tensor_core_sums=True),
      dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # `frozen_masked_tiles`: the causal diagonal tiles, a window's right edge
     # and the key lengths' last tile on the kept maxima, their closed keys
     # at p = 0; the window's left-edge tiles come first and stay online.
-    (mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False,
-                                frozen_masked_tiles=True), dict(is_causal=True)),
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, tensor_core_sums=True,
-                                frozen_masked_tiles=True),
+    (configs.MosaicConfig(block_q=128, block_k=64, ping_pong=False,
+                          frozen_masked_tiles=True), dict(is_causal=True)),
+    (configs.MosaicConfig(block_q=64, block_k=64, tensor_core_sums=True,
+                          frozen_masked_tiles=True),
      dict(local_window_size=(150, 100), key_value_seq_lengths=np.array([256, 200]))),
     # A masked tile first, where rows 255 and up see no key (their window
     # starts at key 64), and an open one next: that one must run online.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, frozen_masked_tiles=True),
+    (configs.MosaicConfig(block_q=64, block_k=64, frozen_masked_tiles=True),
      dict(local_window_size=(191, 100), key_value_seq_lengths=np.array([256, 200]))),
     # The H64 entry's short causal walk: persistent, heaviest items first,
     # the next query tile prefetched, with the turns.
-    (mosaic.MosaicForwardConfig(block_q=64, block_k=64, persistent=True,
-                                persistent_right_bounded=True, frozen_masked_tiles=True,
-                                prefetch_query=True), dict(is_causal=True)),
+    (configs.MosaicConfig(block_q=64, block_k=64, persistent=True,
+                          persistent_right_bounded=True, frozen_masked_tiles=True,
+                          prefetch_query=True), dict(is_causal=True)),
 ], ids=["persistent", "free_128_rows_causal", "turns_window_lengths",
         "tensor_core_sums_window_lengths", "frozen_masked_causal",
         "frozen_masked_sums_window_lengths", "frozen_masked_masked_tile_first",
@@ -157,8 +157,8 @@ def test_far_key_on_the_diagonal_is_recomputed(frozen_masked_tiles, monkeypatch)
   units above every other logit of the rows that see it: online there (the
   default), the walk absorbs it; on the kept maxima (`frozen_masked_tiles`)
   those rows overflow and the second pass recomputes them."""
-  tiles = mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
-                                     frozen_masked_tiles=frozen_masked_tiles)
+  tiles = configs.MosaicConfig(block_q=64, block_k=64, ping_pong=False,
+                               frozen_masked_tiles=frozen_masked_tiles)
   config = dataclasses.replace(mosaic_tests._CONFIG, mosaic_fwd=tiles,
                                fwd_softmax="first_tile_max")
   keys = jax.random.split(jax.random.PRNGKey(5), 3)
@@ -190,7 +190,8 @@ def test_second_pass_recomputes_only_flagged_tiles_in_groups(options, frozen, mo
   """Twelve query tiles in groups of four per program of the second pass, two
   batch rows, GQA 2:1; query tiles 0 and 6 of batch row 1 pass their frozen
   maxima (their p overflow), and only they are recomputed."""
-  monkeypatch.setattr(pallas, "REFRESH_TILES_PER_PROGRAM", 4)
+  grouped = dataclasses.replace(_FROZEN, refresh_tiles_per_program=4)
+  monkeypatch.setattr(configs, "get_config", lambda *a, **kw: grouped)
   keys = jax.random.split(jax.random.PRNGKey(3), 3)
   q = jax.random.normal(keys[0], (2, 384, 2, 32))
   far = jnp.zeros(384, bool).at[0:32].set(True).at[192:224].set(True)
@@ -234,8 +235,8 @@ def test_in_kernel_refresh_leaves_other_calls_alone(name, in_kernel):
     (jnp.bfloat16, None, {}, "first_tile_max"),
     (jnp.float32, None, {}, "first_tile_max"),
     (jnp.float16, None, {}, "online"),  # P in float16 overflows at 2^16
-    (jnp.bfloat16, mosaic.MosaicForwardConfig(block_q=64, block_k=64, ping_pong=False,
-                                              max_concurrent_steps=3),
+    (jnp.bfloat16, configs.MosaicConfig(block_q=64, block_k=64, ping_pong=False,
+                                        max_concurrent_steps=3),
      {}, "first_tile_max"),  # the Mosaic forward too
     # A score_mod may lift later keys far above the first tile (ALiBi).
     (jnp.bfloat16, None, dict(score_mod=flex_tests._alibi), "online"),
@@ -263,9 +264,9 @@ def test_prepare_keeps_every_config_field():
 
 @pytest.mark.parametrize("batch, seq_kv, expected", [
     (2, 128, "in_kernel"),
-    (1, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64), "in_kernel"),  # at the limit
-    (1, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64) + 1, "launch"),  # one key more
-    (2, configs.IN_KERNEL_REFRESH_MAX_SCORES // (2 * 64), "launch"),
+    (1, _FROZEN.in_kernel_refresh_max_scores // (2 * 64), "in_kernel"),  # at the limit
+    (1, _FROZEN.in_kernel_refresh_max_scores // (2 * 64) + 1, "launch"),  # one key more
+    (2, _FROZEN.in_kernel_refresh_max_scores // (2 * 64), "launch"),
 ])
 def test_auto_refresh_follows_the_number_of_scores(batch, seq_kv, expected):
   config = dataclasses.replace(_FROZEN, refresh="auto")
@@ -290,9 +291,9 @@ def test_vmap(frozen):
 
 def test_config_names_the_softmax():
   with pytest.raises(ValueError, match="fwd_softmax"):
-    dataclasses.replace(configs._INTERPRET, fwd_softmax="maximum")
+    dataclasses.replace(_INTERPRET, fwd_softmax="maximum")
   with pytest.raises(ValueError, match="refresh"):
-    dataclasses.replace(configs._INTERPRET, refresh="later")
+    dataclasses.replace(_INTERPRET, refresh="later")
 
 
 @pytest.mark.parametrize("dtype, refresh, extra", [
@@ -305,7 +306,8 @@ def test_config_names_the_softmax():
 def test_triton_forward_lowers_for_hopper(dtype, refresh, extra, hopper_lowering):
   """The frozen walk, the row sums' dot and the second pass (a launch, or a
   branch of the forward kernel) lower for sm90."""
-  config = dataclasses.replace(configs._TABLE[(32, "bfloat16", "sm90")].forward_on(None),
+  config = dataclasses.replace(configs.get_config(
+      32, jnp.bfloat16, interpret=False, generation="sm90").forward_on(None),
                                fwd_softmax="first_tile_max", refresh=refresh)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), dtype)
   options = dict(dict(q_segment_ids=None, kv_segment_ids=None), **extra)

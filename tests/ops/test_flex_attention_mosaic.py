@@ -30,7 +30,7 @@ from tests.ops.test_flex_attention import _vjp
 _TOL = tolerances.FLEX_ATTENTION
 
 # 64-row key tiles keep the interpreted loops short; the ring has 2 slots.
-_TILES = mosaic.MosaicForwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+_TILES = configs.MosaicConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
                               mosaic_fwd=_TILES)
 
@@ -111,7 +111,7 @@ def test_128_row_tiles_match_reference(ping_pong):
   """The head-size-32 entry's tiles: 128 rows per warpgroup (two wgmma row
   tiles each), 128-row key tiles; causal, T padded to two blocks; with the
   warpgroups taking turns and running freely."""
-  config = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(
+  config = dataclasses.replace(_CONFIG, mosaic_fwd=configs.MosaicConfig(
       block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong))
   q, k, v, _ = _inputs(1, 300, 300, 2, 1, 32, jnp.bfloat16, seed=2)
   got = _kernel(config, is_causal=True)(q, k, v)
@@ -157,7 +157,7 @@ def test_tensor_core_sums_match_reference(options, extra, shape):
   lengths (a batch row with none, one that ends inside the second tile). GQA
   2:1, T and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, tensor_core_sums=True)
-  _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
+  _check_tiles_against_reference(configs.MosaicConfig(**{**tiles, **extra}), options,
                                  seed=7, seq_q=shape[0], seq_kv=shape[1])
 
 
@@ -181,7 +181,7 @@ def test_persistent_blocks_match_reference(options, extra):
   (`persistent_right_bounded`); the prefetch on the free-running walk with
   key lengths. GQA 2:1, T and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, persistent=True)
-  _check_tiles_against_reference(mosaic.MosaicForwardConfig(**{**tiles, **extra}), options,
+  _check_tiles_against_reference(configs.MosaicConfig(**{**tiles, **extra}), options,
                                  seed=6)
 
 
@@ -193,8 +193,8 @@ def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_
   """Right-bounded calls (causal, a window with a right side) give items of
   unequal work: `prepare` runs them with one block per item, unless the
   tiles say `persistent_right_bounded`."""
-  tiles = mosaic.MosaicForwardConfig(persistent=True,
-                                     persistent_right_bounded=right_bounded_too)
+  tiles = configs.MosaicConfig(persistent=True,
+                               persistent_right_bounded=right_bounded_too)
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   q, k, v, _ = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
   st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=is_causal, window=window,
@@ -207,7 +207,7 @@ def test_register_split():
   """The memory warpgroup's 40 registers per thread and the two compute
   warpgroups' share fit the block's pool of three warpgroups (504)."""
   assert mosaic_tiles.COMPUTE_REGISTERS == 232
-  pool = mosaic_tiles.register_pool(mosaic.NUM_COMPUTE_WGS + 1)
+  pool = configs.register_pool(configs.NUM_COMPUTE_WGS + 1)
   assert pool == 504
   assert 2 * mosaic_tiles.COMPUTE_REGISTERS + mosaic_tiles.MEMORY_REGISTERS <= pool
 
@@ -268,7 +268,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
   # entry's): causal or a window with a right side take them, full attention
   # and left-only windows take `mosaic_fwd`'s; `forward_on` puts every call
   # on one set.
-  bounded_tiles = mosaic.MosaicForwardConfig(block_q=128, block_k=64, ping_pong=False)
+  bounded_tiles = configs.MosaicConfig(block_q=128, block_k=64, ping_pong=False)
   bounded = dataclasses.replace(_CONFIG, mosaic_fwd_bounded=bounded_tiles)
   for kw, want in ((dict(is_causal=True), bounded_tiles), (dict(window=(8, 4)), bounded_tiles),
                    ({}, _TILES), (dict(window=(8, None)), _TILES)):
@@ -309,7 +309,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
       dataclasses.replace(_CONFIG, **{name: -1})
   # Tiles over the shared-memory budget at this head size (256-row key tiles
   # at H128): the Triton forward, not a compile error.
-  too_big = dataclasses.replace(_CONFIG, mosaic_fwd=mosaic.MosaicForwardConfig(block_k=256))
+  too_big = dataclasses.replace(_CONFIG, mosaic_fwd=configs.MosaicConfig(block_k=256))
   assert chosen((1, 512, 2, 128), (1, 512, 2, 128), config=too_big)[0] is None
   assert chosen((1, 512, 2, 64), (1, 512, 2, 64), config=too_big)[0] == too_big.mosaic_fwd
 
@@ -331,17 +331,17 @@ def test_table_and_config_checks():
                             generation="sm80").mosaic_fwd is None
   assert configs.get_config(128, jnp.bfloat16, interpret=True).mosaic_fwd is None
   with pytest.raises(ValueError, match="block_q"):
-    mosaic.MosaicForwardConfig(block_q=32)
+    configs.MosaicConfig(block_q=32)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
-    mosaic.MosaicForwardConfig(max_concurrent_steps=1)
+    configs.MosaicConfig(max_concurrent_steps=1)
   with pytest.raises(ValueError, match="head sizes"):
     mosaic.check_config(_TILES, 16)
   with pytest.raises(ValueError, match="shared memory"):
-    mosaic.check_config(mosaic.MosaicForwardConfig(block_k=256, max_concurrent_steps=4), 256)
+    mosaic.check_config(configs.MosaicConfig(block_k=256, max_concurrent_steps=4), 256)
   # The row sums on the tensor cores: each compute warpgroup's [block_k, 16]
   # ones in shared memory.
-  sums = mosaic.MosaicForwardConfig(block_k=128, tensor_core_sums=True)
-  assert sums.smem_bytes(32) - mosaic.MosaicForwardConfig(block_k=128).smem_bytes(32) == (
+  sums = configs.MosaicConfig(block_k=128, tensor_core_sums=True)
+  assert sums.smem_bytes(32) - configs.MosaicConfig(block_k=128).smem_bytes(32) == (
       2 * 128 * 16 * 2)
 
 
@@ -349,7 +349,7 @@ def test_prefetch_query_buffers():
   """`prefetch_query` doubles the query buffers of a persistent walk only
   (one block per item has no next query tile), and counts them in the
   shared memory that `config_limit` checks."""
-  walk = mosaic.MosaicForwardConfig(block_q=64, block_k=128, persistent=True)
+  walk = configs.MosaicConfig(block_q=64, block_k=128, persistent=True)
   prefetch = dataclasses.replace(walk, prefetch_query=True)
   assert (walk.query_slots, prefetch.query_slots) == (1, 2)
   assert prefetch.smem_bytes(128) - walk.smem_bytes(128) == 2 * 64 * 128 * 2
@@ -391,8 +391,8 @@ def test_frozen_masked_tiles_lower_for_hopper(hopper_lowering):
   checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
-  tiles = mosaic.MosaicForwardConfig(block_q=128, block_k=128, ping_pong=False,
-                                     frozen_masked_tiles=True)
+  tiles = configs.MosaicConfig(block_q=128, block_k=128, ping_pong=False,
+                               frozen_masked_tiles=True)
   spec = jax.ShapeDtypeStruct((2, 512, 4, 32), jnp.bfloat16)
   fn = _kernel(base.forward_on(tiles), is_causal=True, scale=0.1, interpret=False)
   text = jax.jit(fn).trace(spec, spec, spec).lower(lowering_platforms=("cuda",)).as_text()
@@ -431,7 +431,7 @@ def test_walk_variants_lower_for_hopper(block_q, persistent, ping_pong, tensor_c
   checks."""
   del hopper_lowering
   base = configs.get_config(32, jnp.bfloat16, interpret=False, generation="sm90")
-  config = base.forward_on(mosaic.MosaicForwardConfig(
+  config = base.forward_on(configs.MosaicConfig(
       block_q=block_q, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong,
       persistent=persistent, prefetch_query=prefetch_query,
       tensor_core_sums=tensor_core_sums))

@@ -25,7 +25,7 @@ from ops.flex_attention import pallas
 from tests.ops.test_flex_attention import _vjp
 from tests.ops.test_flex_attention_mosaic import _inputs, _reference, _rel, _TOL
 
-_TILES = mosaic_backward.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
+_TILES = configs.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
                               mosaic_bwd=_TILES)
 
@@ -106,7 +106,7 @@ def test_prepare_gives_it_only_the_calls_it_takes():
     assert chosen(*shapes, **kw)[0] is None, (shapes, kw)
   # Tiles over the shared-memory budget (128-row query tiles at H128): the
   # Triton backward, not a compile error.
-  too_big = dataclasses.replace(_CONFIG, mosaic_bwd=mosaic_backward.MosaicBackwardConfig(
+  too_big = dataclasses.replace(_CONFIG, mosaic_bwd=configs.MosaicBackwardConfig(
       block_q=128))
   assert chosen((1, 512, 2, 128), (1, 512, 2, 128), config=too_big)[0] is None
   assert chosen((1, 512, 2, 64), (1, 512, 2, 64), config=too_big)[0] == too_big.mosaic_bwd
@@ -121,20 +121,20 @@ def test_table_and_config_checks():
     assert configs.get_config(h, dtype, interpret=False,
                               generation=generation).mosaic_bwd is None
   with pytest.raises(ValueError, match="block_k"):
-    mosaic_backward.MosaicBackwardConfig(block_k=32)
+    configs.MosaicBackwardConfig(block_k=32)
   with pytest.raises(ValueError, match="max_concurrent_steps"):
-    mosaic_backward.MosaicBackwardConfig(max_concurrent_steps=1)
+    configs.MosaicBackwardConfig(max_concurrent_steps=1)
   with pytest.raises(ValueError, match="head sizes"):
     mosaic_backward.check_config(_TILES, 256)
   with pytest.raises(ValueError, match="dq_column_chunks"):
     mosaic_backward.check_config(dataclasses.replace(_TILES, dq_column_chunks=2), 64)
   with pytest.raises(ValueError, match="compute_registers"):
-    mosaic_backward.MosaicBackwardConfig(compute_registers=256)
+    configs.MosaicBackwardConfig(compute_registers=256)
   with pytest.raises(ValueError, match="ds_slots"):
-    mosaic_backward.MosaicBackwardConfig(ds_slots=3)
-  one, two = (mosaic_backward.MosaicBackwardConfig(block_q=128, ds_slots=n) for n in (1, 2))
+    configs.MosaicBackwardConfig(ds_slots=3)
+  one, two = (configs.MosaicBackwardConfig(block_q=128, ds_slots=n) for n in (1, 2))
   assert two.smem_bytes(32) - one.smem_bytes(32) == 128 * 128 * 2
-  registers = mosaic_backward.MosaicBackwardConfig(compute_registers=240)
+  registers = configs.MosaicBackwardConfig(compute_registers=240)
   assert 2 * registers.compute_registers + registers.memory_registers <= 504
 
 
