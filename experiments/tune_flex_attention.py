@@ -1,8 +1,10 @@
 """Sweeps the flex-attention kernels' tiles, warps and stages; prints the best.
 
 Each of the three kernels (forward, dK/dV, dQ) is timed on its own, so the
-sweep is additive rather than a product. The winners go, by hand, into
-`ops/flex_attention/configs.py` (keyed by head size, dtype, GPU generation).
+sweep is additive rather than a product. The winners are printed as
+`FlexConfig` entries of `ops/flex_attention/tuned.json` (one per point, keyed
+by GPU generation, padded head size and dtype, the kernels not swept as tuned
+before); they go there by hand, one per key, above the defaults.
 
   python3 -m experiments.tune_flex_attention --head_sizes 32,64,128 \
       --output /tmp/tune_flex.json
@@ -19,6 +21,7 @@ sizes. The best tiles are reported per point and kernel, beside the time of
 the table's own tiles there (`table_ms`).
 """
 
+import dataclasses
 import itertools
 import json
 import time
@@ -139,6 +142,25 @@ def _time(kernel: str, point: shape_grid.AttentionPoint, cand, base: configs.Fle
   return harness.run_case(config, build, warmup=1, iters=_ITERS.value)
 
 
+def tuned_entries(points, best) -> list[dict]:
+  """tuned.json entries: each point's tuned config with its winning Triton
+  launches (`best`: (point name, kernel) -> row)."""
+  entries = []
+  for point in points:
+    rows = {k: best[(point.name, k)] for k in KERNELS if (point.name, k) in best}
+    if not rows:
+      continue
+    hp = padded_head_dim(point.head_dim)
+    base = configs.get_config(hp, jnp.dtype(point.dtype), interpret=False)
+    winners = {k: configs.TritonConfig(r["block_q"], r["block_k"], r["num_warps"],
+                                       r["num_stages"]) for k, r in rows.items()}
+    entries.append(dict(
+        generation=configs.gpu_generation(), head_dim=hp, dtype=configs.dtype_key(point.dtype),
+        source=f"tune_flex_attention at {point.name}: {', '.join(rows)} swept",
+        fields=dataclasses.asdict(dataclasses.replace(base, **winners))))
+  return entries
+
+
 def main(argv):
   del argv
   unknown = set(_KERNELS.value) - set(KERNELS)
@@ -176,6 +198,8 @@ def main(argv):
              for (p, k), r in best.items()]
   print(harness.format_table(summary, ["point", "H", "causal", "kernel", "block_q", "block_k",
                                        "num_warps", "num_stages", "ms", "table_ms"]))
+  print("tuned.json FlexConfig entries:")
+  print(json.dumps(tuned_entries(points, best), indent=1))
 
 
 if __name__ == "__main__":
