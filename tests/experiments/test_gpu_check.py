@@ -36,11 +36,7 @@ def smoke(tmp_path_factory):
       "rows": [dict(kind="check", op="ssd", status="ok", source="2026-01-01T00:00:00"),
                dict(kind="check", op="ssd", status="fail", source="2026-01-02T00:00:00")]}
   output.write_text(json.dumps(earlier))
-  # What is checked here is the program, not its numbers' precision: XLA:CPU
-  # at -O0 compiles its many small programs faster.
-  xla_flags = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {xla_flags}".strip())
+  env = dict(os.environ, JAX_PLATFORMS="cpu")  # XLA_FLAGS and the cache: tests/conftest.py
   proc = subprocess.run([sys.executable, "-m", "experiments.gpu_check", "--smoke",
                          f"--output={output}"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=900)
