@@ -17,9 +17,11 @@ import jax.numpy as jnp
 from ops import _shapes
 from ops import registry
 from ops.grouped_matmul import api as grouped_matmul_api
+from ops.grouped_matmul import configs as grouped_matmul_configs
 from ops.grouped_matmul.api import kernel_limit
 from ops.grouped_matmul.api import run_rows_per_shard
 from ops.grouped_matmul.api import validate_group_sizes
+from ops.grouped_mlp import configs
 from ops.grouped_mlp import pallas
 from ops.grouped_mlp import xla
 from ops.grouped_mlp.activations import Activation
@@ -128,6 +130,8 @@ IMPLEMENTATIONS = registry.Registry("grouped_mlp", table="grouped_mlp")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("pallas", _kernels(), supports=_kernel_supports, kernel=True)
 IMPLEMENTATIONS.register("triton", _kernels(mosaic=False, mosaic_tgmm=False),
-                         supports=_kernel_supports, kernel=True)
+                         supports=_kernel_supports, kernel=True, config=configs.TritonConfig)
+# The Mosaic GPU kernels run on the grouped matmul's tiles (grouped_mlp has none of its own).
 IMPLEMENTATIONS.register("mosaic", _kernels(mosaic=True, mosaic_tgmm=True),
-                         supports=_mosaic_supports, kernel=True)
+                         supports=_mosaic_supports, kernel=True,
+                         config=grouped_matmul_configs.MosaicConfig)

@@ -38,7 +38,6 @@ SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
 to the tiles.
 """
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -59,6 +58,7 @@ from ops.grouped_matmul.pallas import mosaic_tgmm_default
 from ops.grouped_matmul.pallas import weight_gradient
 from ops.grouped_matmul.pallas import tile_of_step
 from ops.grouped_matmul.pallas import tile_products
+from ops.grouped_mlp import configs
 from ops.grouped_mlp import mosaic as mosaic_mlp
 from ops.grouped_mlp.activations import activation_grads
 from ops.grouped_mlp.activations import activation_value
@@ -314,8 +314,8 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
     starts, ends: [G] int32 contiguous row bounds (`group_bounds`).
     activation: 'gelu' or 'swiglu'.
     block_sizes: tile sizes of every Triton kernel; defaults from
-      `ops.grouped_matmul.TritonConfig.get_default(M, D, F)`, with 64-row
-      tiles and 4 warps for the hidden gradient.
+      `ops.grouped_matmul.TritonConfig.get_default(M, D, F)`, with the hidden
+      gradient's as `configs.TritonConfig` changes them.
     mosaic: run the matmuls with x's rows on the Mosaic GPU kernels
       (`mosaic.py`; the weight gradients as `mosaic_tgmm` says); default
       `mosaic_default(x.dtype)`, which is False. Off the GPU they run in
@@ -343,11 +343,7 @@ def grouped_mlp_pallas(x: jax.Array, w_in: jax.Array, w_out: jax.Array,
   grad_bs = block_sizes
   if block_sizes is None:
     block_sizes = gmm_configs.TritonConfig.get_default(x.shape[0], x.shape[1], hidden)
-    # 64-row tiles and 4 warps run the hidden gradient (matmul, then the
-    # derivative's epilogue with a tile load) faster, SwiGLU most
-    # (BUILD_NOTES.md, "MoE"); the other kernels keep the grouped matmul's tiles.
-    grad_bs = dataclasses.replace(block_sizes, block_m=min(64, block_sizes.block_m),
-                                  num_warps=4)
+    grad_bs = configs.TritonConfig().hidden_grad(block_sizes)
   statics = _Statics(activation=activation, hidden=hidden,
                      w_in_dtype=np.dtype(w_in.dtype), w_out_dtype=np.dtype(w_out.dtype),
                      block_sizes=block_sizes, hidden_grad_block_sizes=grad_bs,
