@@ -44,7 +44,7 @@ of `--iters` (kernel) and `--gen_iters` (generate) samples after warm-up.
   python3 -m experiments.benchmark_decode --smoke   # tiny shapes; runs on a CPU
 
 `--impls` also takes `pallas_<splits>x<block_k>x<warps>x<stages>`: the kernel
-on that tiling (`ops.decode_attention.DecodeConfig`; splits 0: the default
+on that tiling (`ops.decode_attention.TritonConfig`; splits 0: the default
 count for the shape), to tune the default.
 """
 
@@ -66,6 +66,7 @@ import numpy as np
 from experiments import harness
 from ops import _backend
 from ops.decode_attention import api as decode_api
+from ops.decode_attention import configs as decode_configs
 from ops.decode_attention import pallas as decode_pallas
 from ops.decode_attention import reference as decode_reference
 import probjax_hk as pk
@@ -156,8 +157,9 @@ def attention_fn(impl: str, seq_q: int):
     def tiled(q, k, v, lengths):
       interpret = _backend.pallas_interpret()
       default = decode_pallas.default_config(q.shape, k.shape, interpret=interpret)
-      config = decode_pallas.DecodeConfig(block_k=block_k, num_splits=splits or default.num_splits,
-                                          num_warps=warps, num_stages=stages)
+      config = decode_configs.TritonConfig(block_k=block_k,
+                                           num_splits=splits or default.num_splits,
+                                           num_warps=warps, num_stages=stages)
       return decode_pallas.decode_attention_pallas(
           q, k, v, lengths, scale=q.shape[-1] ** -0.5, interpret=interpret, config=config)
     return tiled

@@ -3,7 +3,7 @@ its dense reference."""
 
 from ops.decode_attention.api import IMPLEMENTATIONS
 from ops.decode_attention.api import decode_attention
-from ops.decode_attention.pallas import DecodeConfig
+from ops.decode_attention.configs import TritonConfig
 from ops.decode_attention.reference import decode_attention_reference
 
-__all__ = ("IMPLEMENTATIONS", "DecodeConfig", "decode_attention", "decode_attention_reference")
+__all__ = ("IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "TritonConfig")

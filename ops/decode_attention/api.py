@@ -19,6 +19,7 @@ from ops import _backend
 from ops import _shapes
 from ops import _sharding
 from ops import registry
+from ops.decode_attention import configs
 from ops.decode_attention import pallas
 from ops.decode_attention import reference
 
@@ -178,5 +179,5 @@ def _triton_supports(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry(_OP, table=_OP)
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=pallas.DecodeConfig, measured_as="pallas")
+                         config=configs.TritonConfig, measured_as="pallas")
 IMPLEMENTATIONS.alias("pallas", ("triton",))

@@ -26,7 +26,7 @@ Speed notes:
     except for a cache shorter than one tile, padded to it).
   * Logits are kept in base 2 (scale and log2(e) folded into one multiply).
   * The number of chunks comes from S and B * K: enough programs for several
-    per multiprocessor, but chunks of at least `MIN_TILES_PER_SPLIT` tiles.
+    per multiprocessor, but chunks of at least a few tiles (`configs.py`).
   * A head size that is not a power of two pads the cache (a copy per call).
 """
 
@@ -39,62 +39,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
-from ops import _backend
 from ops import _pallas
 from ops import _shapes
+from ops.decode_attention import configs
 from ops.decode_attention import reference
 
 LOG2E = math.log2(math.e)
-# An H200's multiprocessors (SMs); the device's own count is used on a GPU.
-DEFAULT_MULTIPROCESSORS = 132
-# Programs per multiprocessor the split count aims for: a memory-bound loop
-# needs several resident programs per SM to keep enough loads in flight.
-PROGRAMS_PER_MULTIPROCESSOR = 4
-# The fewest key tiles a chunk holds: shorter chunks spend more on loading the
-# queries and storing the partial results than on the cache.
-MIN_TILES_PER_SPLIT = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-  """Tiling of the decode kernel."""
-  block_k: int  # keys per tile of a program's loop (a power of two >= 16)
-  num_splits: int  # chunks per (sequence, key/value head); fewer when S is short
-  num_warps: int  # Triton warps per program
-  num_stages: int  # Triton software-pipelining depth of the loop
-
-  def __post_init__(self):
-    if self.block_k < 16 or self.block_k & (self.block_k - 1):
-      raise ValueError(f"`block_k` must be a power of two >= 16, got {self.block_k}")
-    if self.num_splits < 1:
-      raise ValueError(f"`num_splits` must be >= 1, got {self.num_splits}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"`num_warps` must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-    if self.num_stages < 1:
-      raise ValueError(f"`num_stages` must be >= 1, got {self.num_stages}")
-
-  @classmethod
-  def get_default(cls, *, batch: int, kv_heads: int, seq_kv: int, rows: int,
-                  head_dim: int, interpret: bool) -> "DecodeConfig":
-    """The tiling for B sequences of K key/value heads, S cache slots and M
-    rows (padded) of Hp (padded head size) per program."""
-    if interpret:  # short tiles: the tests' small caches still split
-      block_k, warps, stages, min_tiles = 16, 4, 1, 2
-    else:
-      block_k = 64 if head_dim <= 128 else 32
-      warps = 4 if rows * head_dim <= 64 * 128 else 8
-      stages, min_tiles = 3, MIN_TILES_PER_SPLIT
-    wanted = PROGRAMS_PER_MULTIPROCESSOR * multiprocessors()
-    splits = _shapes.cdiv(wanted, batch * kv_heads)
-    splits = max(1, min(splits, seq_kv // (min_tiles * block_k)))
-    return cls(block_k=block_k, num_splits=splits, num_warps=warps, num_stages=stages)
-
-
-def multiprocessors() -> int:
-  """The default GPU's multiprocessor count (an H200's off a GPU)."""
-  if _backend.on_nvidia_gpu():
-    return getattr(jax.devices()[0], "core_count", DEFAULT_MULTIPROCESSORS)
-  return DEFAULT_MULTIPROCESSORS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +52,7 @@ class Static:
   """Everything the kernel specialises on (hashable: custom_vjp nondiff arg)."""
   scale: float  # logit scale (natural units)
   left: int | None  # query p sees keys s >= p - left (None: unbounded)
-  config: DecodeConfig | None  # None: DecodeConfig.get_default for the shapes
+  config: configs.TritonConfig | None  # None: TritonConfig.get_default for the shapes
   interpret: bool
 
 
@@ -111,14 +61,14 @@ def padded(n: int) -> int:
   return max(16, pl.next_power_of_2(n))
 
 
-def chunking(seq_kv: int, config: DecodeConfig) -> tuple[int, int]:
+def chunking(seq_kv: int, config: configs.TritonConfig) -> tuple[int, int]:
   """(C keys per chunk, a multiple of block_k; P chunks) covering S keys."""
   chunk = _shapes.round_up(_shapes.cdiv(seq_kv, config.num_splits), config.block_k)
   return chunk, _shapes.cdiv(seq_kv, chunk)
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: Static,
-            config: DecodeConfig, seq_q: int, seq_kv: int, chunk: int):
+            config: configs.TritonConfig, seq_q: int, seq_kv: int, chunk: int):
   bk = config.block_k
   mp = q_ref.shape[0]
   length = len_ref[0]
@@ -181,16 +131,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, st: Static,
   lse_ref[...] = jnp.where(empty, -jnp.inf, m + jnp.log2(jnp.where(empty, 1.0, l)))
 
 
-def default_config(q_shape, k_shape, *, interpret: bool) -> DecodeConfig:
+def default_config(q_shape, k_shape, *, interpret: bool) -> configs.TritonConfig:
   """The tiling a call with q [B, T, N, H] and a cache [B, S, K, H] runs."""
   batch, seq_q, num_heads, head_dim = q_shape
   seq_kv, num_kv = k_shape[1], k_shape[2]
-  return DecodeConfig.get_default(
+  return configs.TritonConfig.get_default(
       batch=batch, kv_heads=num_kv, seq_kv=seq_kv, rows=padded(num_heads // num_kv * seq_q),
       head_dim=padded(head_dim), interpret=interpret)
 
 
-def _partials(st: Static, config: DecodeConfig, q, k, v, lengths, seq_q: int):
+def _partials(st: Static, config: configs.TritonConfig, q, k, v, lengths, seq_q: int):
   """The kernel's launch: q [B, K, Mp, Hp] (T new tokens per row group), k/v
   [B, S, K, Hp], lengths [B] -> (normalised partial outputs [B, K, P, Mp, Hp]
   f32, their base-2 lse [B, K, P, Mp])."""
@@ -243,7 +193,10 @@ def _forward(st: Static, q, k_cache, v_cache, lengths):
   qr = q.reshape(batch, seq_q, num_kv, groups, head_dim).transpose(0, 2, 3, 1, 4)
   qr = _shapes.pad_axis(_shapes.pad_axis(qr.reshape(batch, num_kv, rows, head_dim), 2, mp), 3, hp)
   k, v = (_shapes.pad_axis(x, 3, hp) for x in (k_cache, v_cache))  # copies only when H < Hp
-  config = st.config or default_config(q.shape, k_cache.shape, interpret=st.interpret)
+  if st.config is None:
+    config = default_config(q.shape, k_cache.shape, interpret=st.interpret)
+  else:
+    config = st.config.split_for(batch=batch, kv_heads=num_kv, seq_kv=k_cache.shape[1])
   if k.shape[1] < config.block_k:  # a tile's slice must fit the cache; the length masks the rest
     k, v = (_shapes.pad_axis(x, 1, config.block_k) for x in (k, v))
   o, lse = _partials(st, config, qr, k, v, lengths, seq_q)
@@ -280,7 +233,7 @@ _decode_shared = _pallas.shared_lowering(_decode, static_argnums=(0,))
 def decode_attention_pallas(
     q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array, *,
     scale: float, local_window_size=None, interpret: bool,
-    config: DecodeConfig | None = None) -> jax.Array:
+    config: configs.TritonConfig | None = None) -> jax.Array:
   """The kernel path of `ops.decode_attention` (inputs already validated).
 
   Args:
@@ -288,7 +241,8 @@ def decode_attention_pallas(
     scale: logit scale.
     local_window_size: `left`, `(left, right)` or None (reference.py).
     interpret: run the kernel in Pallas interpret mode.
-    config: tiling and split count; default `DecodeConfig.get_default`.
+    config: tiling and split count (its `num_splits` None: chosen for the
+      call); default `configs.TritonConfig.get_default`.
 
   Returns:
     [B, T, N, H] in q's dtype. Differentiable through the reference (the

@@ -12,10 +12,11 @@ import pytest
 
 from experiments import tolerances
 from ops import _backend
-from ops.decode_attention import DecodeConfig
+from ops.decode_attention import TritonConfig
 from ops.decode_attention import decode_attention
 from ops.decode_attention import decode_attention_reference
 from ops.decode_attention import api
+from ops.decode_attention import configs
 from ops.decode_attention import pallas
 from ops.decode_attention import reference
 from tests import simulated_devices
@@ -50,19 +51,19 @@ def _reference(q, k, v, lengths, **options):
 _CASES = {
     "t1_gqa_bf16": (3, 1, 100, 8, 2, 32, jnp.bfloat16, [100, 37, 1], {}, None),
     "t4_mha_f32_splits": (2, 4, 77, 4, 4, 32, jnp.float32, [77, 21], {},
-                          DecodeConfig(block_k=16, num_splits=3, num_warps=4, num_stages=1)),
+                          TritonConfig(block_k=16, num_splits=3, num_warps=4, num_stages=1)),
     "t4_gqa_window_f16": (2, 4, 96, 8, 2, 64, jnp.float16, [90, 4],
                           dict(local_window_size=10), None),
     "t1_mqa_window_pair_h80_f32": (2, 1, 50, 4, 1, 80, jnp.float32, [50, 29],
                                    dict(local_window_size=(7, 0), scale=0.3), None),
     "t4_gqa_window_bf16_one_chunk": (2, 4, 64, 8, 2, 32, jnp.bfloat16, [61, 40],
                                      dict(local_window_size=(20, 3)),
-                                     DecodeConfig(block_k=32, num_splits=1, num_warps=4,
+                                     TritonConfig(block_k=32, num_splits=1, num_warps=4,
                                                   num_stages=1)),
     "t16_prefill_f32": (1, 16, 16, 2, 1, 32, jnp.float32, [16], {}, None),
     "t2_cache_below_tile_f32": (2, 2, 20, 4, 2, 32, jnp.float32, [20, 7],
                                 dict(local_window_size=4),
-                                DecodeConfig(block_k=32, num_splits=1, num_warps=4,
+                                TritonConfig(block_k=32, num_splits=1, num_warps=4,
                                              num_stages=1)),
 }
 
@@ -85,17 +86,27 @@ def test_kernel_matches_reference(name):
 def test_default_config_splits_the_cache():
   """The tests' default tiling (interpret mode) runs several chunks, so the
   cases above without a config exercise the combine."""
-  config = DecodeConfig.get_default(batch=3, kv_heads=2, seq_kv=100, rows=16, head_dim=32,
+  config = TritonConfig.get_default(batch=3, kv_heads=2, seq_kv=100, rows=16, head_dim=32,
                                     interpret=True)
   assert pallas.chunking(100, config)[1] > 1
   # A GPU's: enough programs for the multiprocessors, chunks of >= 4 tiles.
-  gpu = DecodeConfig.get_default(batch=1, kv_heads=8, seq_kv=32768, rows=16, head_dim=128,
+  gpu = TritonConfig.get_default(batch=1, kv_heads=8, seq_kv=32768, rows=16, head_dim=128,
                                  interpret=False)
   chunk, splits = pallas.chunking(32768, gpu)
-  assert 8 * splits >= 2 * pallas.DEFAULT_MULTIPROCESSORS and chunk >= 4 * gpu.block_k
-  short = DecodeConfig.get_default(batch=64, kv_heads=8, seq_kv=1024, rows=16, head_dim=128,
+  assert 8 * splits >= 2 * configs.DEFAULT_MULTIPROCESSORS and chunk >= 4 * gpu.block_k
+  short = TritonConfig.get_default(batch=64, kv_heads=8, seq_kv=1024, rows=16, head_dim=128,
                                    interpret=False)
   assert short.num_splits == 2
+
+
+def test_a_config_without_a_split_count_splits_per_call():
+  """Fields left None take the tuned values, but the split count is the call's."""
+  config = TritonConfig(block_k=16)
+  assert config.num_splits is None and config.num_warps is not None
+  # 1,024 keys in chunks of at least `min_tiles_per_split` 16-key tiles.
+  split = config.split_for(batch=1, kv_heads=1, seq_kv=1024)
+  assert split.num_splits == 1024 // (16 * config.min_tiles_per_split)
+  assert TritonConfig(num_splits=3).split_for(batch=1, kv_heads=1, seq_kv=1024).num_splits == 3
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
