@@ -33,6 +33,9 @@ import jax
 T = TypeVar("T")
 ANY_DEVICE = "*"
 _NOT_CONDITIONS = {"fields", "source"}
+# The classes whose unconditional entry `fill_unset` is building: the fields
+# that entry leaves null stay None in it rather than being filled again.
+_BUILDING_DEFAULTS: set[type] = set()
 
 
 @functools.cache
@@ -84,16 +87,21 @@ def fill_unset(config, op: str) -> None:
   """Sets each of `config`'s fields that is None from its class's
   unconditional entry for this device (the last, usually), so that
   `TritonConfig(chunk=16)` is the tuned configuration with one field changed.
-  For a frozen dataclass's `__post_init__`."""
+  A field that entry gives as null stays None (for a class where None means
+  something). For a frozen dataclass's `__post_init__`."""
   cls = type(config)
   unset = [f.name for f in dataclasses.fields(cls) if getattr(config, f.name) is None]
-  if not unset:
+  if not unset or cls in _BUILDING_DEFAULTS:
     return
   device = device_kind()
   for entry in entries(op, cls):
     conditions = set(entry) - _NOT_CONDITIONS - {"device"}
     if not conditions and entry.get("device", ANY_DEVICE) in (ANY_DEVICE, device):
-      tuned_config = build(cls, entry["fields"])
+      _BUILDING_DEFAULTS.add(cls)
+      try:
+        tuned_config = build(cls, entry["fields"])
+      finally:
+        _BUILDING_DEFAULTS.discard(cls)
       for name in unset:
         object.__setattr__(config, name, getattr(tuned_config, name))
       return

@@ -32,6 +32,15 @@ class Candidates:
   tiles: tuple[Tiles, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+  block: int | None = None
+  split: int | None = None  # None: no split
+
+  def __post_init__(self):
+    tuning.fill_unset(self, "fake_op")
+
+
 _TABLE = {
     "Tiles": [
         {"device": "NVIDIA H200", "head_dim": 64, "fields": {"block": 128, "warps": 8}},
@@ -44,6 +53,7 @@ _TABLE = {
         {"fields": {"forward": {"block": 16}, "backward": {"block": 32, "warps": 2},
                     "stages": 1}},
     ],
+    "Split": [{"fields": {"block": 16, "split": None}}],
     "Candidates": [{"fields": {"tiles": [{"block": 128}, {"block": 64, "warps": 8}]}}],
 }
 
@@ -69,6 +79,11 @@ def test_nested_configurations_and_none_are_built():
 
 def test_a_tuple_of_configurations_is_built_from_a_list():
   assert tuning.tuned("fake_op", Candidates) == Candidates((Tiles(128), Tiles(64, 8)))
+
+
+def test_a_null_in_the_default_entry_leaves_the_field_none():
+  assert Split().block == 16 and Split().split is None
+  assert Split(split=2).split == 2
 
 
 def test_unset_fields_take_the_tuned_values_for_this_device():
