@@ -162,7 +162,8 @@ class Registry:
         reasons[name] = self._implementations[name].supports(call)
         if reasons[name] is None:
           return self._implementations[name]
-      why = reasons[names[0]] if len(names) == 1 else "; ".join(
+      distinct = set(reasons.values())
+      why = distinct.pop() if len(distinct) == 1 else "; ".join(
           f"{name}: {reason}" for name, reason in reasons.items())
       raise ValueError(f"{self.op}(implementation={implementation!r}): {why}")
     on_gpu = on_nvidia_gpu()

@@ -41,6 +41,10 @@ def test_a_sequence_is_tried_in_order_and_reports_every_reason(monkeypatch):
   ops_registry.register("cudnn", lambda size: None, supports=refuse)
   with pytest.raises(ValueError, match="triton: `x` size 256 .*; cudnn: never"):
     ops_registry.choose(("triton", "cudnn"), {"size": 256})
+  ops_registry.register("cuda", lambda size: None, supports=ops_registry["triton"].supports)
+  with pytest.raises(ValueError, match=r"implementation=\('triton', 'cuda'\)\): `x` size 256 "
+                                       r"must be <= 128$"):  # one reason, said once
+    ops_registry.choose(("triton", "cuda"), {"size": 256})
 
 
 @pytest.mark.parametrize("bad", ["cuda", (), ("xla", "cuda"), 3, [None]])
