@@ -44,8 +44,9 @@ def _normalize_window(local_window_size):
   return (local_window_size, local_window_size)
 
 
-def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
-  """None when cuDNN's fused attention takes these inputs, else why not."""
+def _cudnn_limit(query, key, bias, window, is_causal) -> str | None:
+  """None when cuDNN's fused attention takes these inputs (`window` as
+  `_call` normalized it), else why not."""
   if not registry.on_nvidia_gpu():
     return f"cuDNN attention needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
   if query.dtype not in (jnp.bfloat16, jnp.float16):
@@ -53,7 +54,6 @@ def _cudnn_limit(query, key, bias, local_window_size, is_causal) -> str | None:
   head_dim = query.shape[-1]
   if head_dim % 8 or head_dim > 128:
     return f"cuDNN attention needs a head size that is a multiple of 8 up to 128, got {head_dim=}"
-  window = _normalize_window(local_window_size)
   if window is not None and window[1] != 0 and not is_causal:
     return f"cuDNN attention cannot look right of the query, got local_window_size={window}"
   if bias is not None and bias.dtype != query.dtype:
