@@ -77,6 +77,7 @@ from ops import _backend
 from ops import _mosaic_gpu
 from ops.decode_attention import api as decode_api
 from ops.flex_attention import api as flex_api
+from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import pallas as gdr_pallas
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
@@ -330,7 +331,7 @@ def _chunked_spec(op: str, smoke: bool) -> OpSpec:
         reference = ops.ssd_reference
       else:
         call = lambda impl: lambda *a: ops.gated_delta_rule(*a, implementation=impl)
-        blocks = dataclasses.replace(gdr_pallas.GatedDeltaBlocks.get_default(t, kd, vd),
+        blocks = dataclasses.replace(gdr_configs.TritonConfig.get_default(t, kd, vd),
                                      mosaic_walk=False, mosaic_grads=False,
                                      mosaic_key_grads=False)
         backends = {"triton": Backend(

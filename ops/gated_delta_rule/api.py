@@ -12,6 +12,7 @@ import jax
 
 from ops import _shapes
 from ops import registry
+from ops.gated_delta_rule import configs
 from ops.gated_delta_rule import pallas as pallas_impl
 from ops.gated_delta_rule.reference import no_gate
 from ops.gated_delta_rule.step import l2_normalize
@@ -133,6 +134,6 @@ def _triton_measured_range(call) -> str | None:
 IMPLEMENTATIONS = registry.Registry("gated_delta_rule", table="gated_delta_rule")
 IMPLEMENTATIONS.register("xla", _xla)
 IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=pallas_impl.GatedDeltaBlocks, measured_as="pallas",
+                         config=configs.TritonConfig, measured_as="pallas",
                          measured_range=_triton_measured_range)
 IMPLEMENTATIONS.alias("pallas", ("triton",))

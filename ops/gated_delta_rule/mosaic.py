@@ -57,8 +57,13 @@ from ops._mosaic_gpu import SMEM_BUDGET
 from ops._mosaic_gpu import num_sms
 from ops._mosaic_gpu import swizzled
 from ops._mosaic_gpu import takes as _mosaic_takes
+from ops.gated_delta_rule import configs
 
 _F32 = jnp.float32
+# The walks' structure, which their code is written for (the tuned ring depth
+# is configs.MosaicConfig's): the state's K rows split over two compute
+# warpgroups of 64 wgmma rows each, and the registers split between them and
+# the memory warpgroup, which only issues copies.
 KEY_SIZE = VALUE_SIZE = 128   # the padded sizes the walk is written for
 _ROWS = 64                    # a warpgroup's wgmma rows
 _COMPUTE_WGS = 2
@@ -450,7 +455,8 @@ def launch(kernel, *, name, batch, heads, out_type, args, interpret, runs=None,
 
 
 def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
-                 residuals: bool = True, slots: int = 2, interpret: bool = False):
+                 residuals: bool = True, slots: int | None = None,
+                 interpret: bool = False):
   """The forward state walk with the output, on the Mosaic GPU kernel.
 
   Args:
@@ -462,7 +468,8 @@ def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
     chunk: tokens per chunk (16 to 32).
     scale: the output scale.
     residuals: also return what the backward reads (the states and U).
-    slots: shared-memory slots of the input ring (2 or more).
+    slots: shared-memory slots of the input ring (2 or more; None: the
+      tuned `configs.MosaicConfig.walk_slots`).
     interpret: run in Mosaic GPU interpret mode (the CPU).
 
   Returns:
@@ -472,6 +479,7 @@ def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
   """
   batch, time, groups, key = k.shape
   heads, value = u_tilde.shape[2:]
+  slots = configs.MosaicConfig().walk_slots if slots is None else slots
   _check("walk_forward", k.dtype, key, value, time, chunk, slots)
   kernel = functools.partial(_forward_kernel, chunk=chunk, groups_per_key=heads // groups,
                              slots=slots, scale=scale, residuals=residuals)
@@ -487,7 +495,7 @@ def walk_forward(q, k, w, u_tilde, b, h0, *, chunk: int, scale: float,
 
 
 def walk_reverse(q, k, w, dy, b, dfinal, *, chunk: int, scale: float,
-                 slots: int = 2, interpret: bool = False):
+                 slots: int | None = None, interpret: bool = False):
   """The backward's reversed state walk on the Mosaic GPU kernel.
 
   Args:
@@ -505,6 +513,7 @@ def walk_reverse(q, k, w, dy, b, dfinal, *, chunk: int, scale: float,
   """
   batch, time, groups, key = k.shape
   heads, value = dy.shape[2:]
+  slots = configs.MosaicConfig().walk_slots if slots is None else slots
   _check("walk_reverse", k.dtype, key, value, time, chunk, slots)
   kernel = functools.partial(_reverse_kernel, chunk=chunk, groups_per_key=heads // groups,
                              slots=slots, scale=scale)

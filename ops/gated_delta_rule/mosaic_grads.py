@@ -59,9 +59,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops._mosaic_gpu import swizzled
+from ops.gated_delta_rule import configs
 from ops.gated_delta_rule import mosaic
 
 _F32 = jnp.float32
+# The kernel's structure, which its code is written for (the tuned ring depth is
+# configs.MosaicConfig's).
 KEY = mosaic.KEY_SIZE           # the padded K = V the kernel is written for
 CHUNK = 32                      # tokens per chunk: dK's rows, then dQ's, fill 64
 _ROWS = 2 * CHUNK
@@ -357,8 +360,10 @@ def _smem_bytes(dtype, out_dtype, slots):
 
 
 def default_slots(dtype, out_dtype) -> int:
-  """The deepest row ring (up to two chunks) that fits in shared memory."""
-  fits = [s for s in range(_UNITS, 2 * _UNITS + 1)
+  """The deepest row ring that fits in shared memory, up to the tuned
+  `configs.MosaicConfig.chunk_grads_slots` units."""
+  deepest = configs.MosaicConfig().chunk_grads_slots
+  fits = [s for s in range(_UNITS, deepest + 1)
           if _smem_bytes(dtype, out_dtype, s) <= mosaic.SMEM_BUDGET]
   return max(fits, default=_UNITS)  # chunk_grads' shared-memory check names a misfit
 
@@ -377,9 +382,11 @@ def chunk_grads(q, k, v, u, du, dy, tt, b, beta, states, dstates, *, scale: floa
     states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
       chunk and the adjoint of the state leaving it.
     scale: the output scale.
-    slots: units (V halves) of the ring of row tiles (default: up to 4, two
-      chunks, as many as fit in shared memory: 4 when dQ and dK are in q's
-      dtype, 2 when they are float32); the states' ring holds one chunk.
+    slots: units (V halves) of the ring of row tiles (default: the deepest
+      that fits in shared memory, up to the tuned
+      `configs.MosaicConfig.chunk_grads_slots`: two chunks, 4, when dQ and dK
+      are in q's dtype, 2 when they are float32); the states' ring holds one
+      chunk.
     splits: blocks per (batch, head), each a run of chunks (default: as many
       as fill the GPU's SMs once).
     interpret: run in Mosaic GPU interpret mode (the CPU).

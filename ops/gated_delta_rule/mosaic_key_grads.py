@@ -50,9 +50,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import jax.numpy as jnp
 
 from ops._mosaic_gpu import swizzled
+from ops.gated_delta_rule import configs
 from ops.gated_delta_rule import mosaic
 
 _F32 = jnp.float32
+# The kernel's structure, which its code is written for (the tuned ring depth is
+# configs.MosaicConfig's): one compute warpgroup and a memory warpgroup.
 KEY = mosaic.KEY_SIZE           # the padded K = V the kernel is written for
 _ROWS = 64                      # the wgmma rows: dQ's L rows, then dK's
 _HALF = 64                      # V columns of a streamed unit
@@ -242,7 +245,8 @@ def key_grads(q, k, u, du, tt, dy, b, beta, pairs, states, dstates, *, chunk: in
     states, dstates: [B, N, C, K, V] in q's dtype, the state entering each
       chunk and the adjoint of the state leaving it.
     chunk, scale: the chunk (16 to 32 tokens) and the output scale.
-    slots: shared-memory units of the input ring (2 fill most of it).
+    slots: shared-memory units of the input ring (default: the tuned
+      `configs.MosaicConfig.key_grads_slots`; 2 fill most of it).
     splits: blocks per (batch, head), each a run of chunks (default: as many
       as fill the GPU's SMs once).
     interpret: run in Mosaic GPU interpret mode (the CPU).
@@ -256,7 +260,7 @@ def key_grads(q, k, u, du, tt, dy, b, beta, pairs, states, dstates, *, chunk: in
   heads, value = dy.shape[2:]
   rep = heads // groups
   out_dtype = q.dtype if rep == 1 else _F32
-  slots = slots or 2
+  slots = slots or configs.MosaicConfig().key_grads_slots
   mosaic._check("key_grads", q.dtype, key, value, time, chunk, slots)
   mosaic.check_smem("key_grads", slots, _smem_bytes(q.dtype, out_dtype, chunk, slots))
   num_chunks = time // chunk

@@ -20,7 +20,7 @@ Forward, three launches:
    `Y = scale (e^b (Q M0) + S U)` with the scores `S = (Q K^T) * D`. When a
    gradient will be taken it stores `S` (transposed).
 On Hopper at padded K = V = 128 (16-bit, chunks of 16 to 32) both state walks
-run on Mosaic GPU kernels instead (mosaic.py, `GatedDeltaBlocks.mosaic_walk`):
+run on Mosaic GPU kernels instead (mosaic.py, `configs.TritonConfig.mosaic_walk`):
 the forward walk forms Y itself (launches 2 and 3 in one; the states and U go
 to memory only for a gradient), and the reverse walk forms `S^T` itself.
 
@@ -37,11 +37,11 @@ Backward, three launches:
    accumulates the products with the states M0 and dM1 that reduce over V):
    dQ and dK. Both gradient kernels add shares of d b and d beta. On Hopper
    at padded K = V = 128 (16-bit) the key gradients run on a Mosaic GPU kernel
-   instead (mosaic_key_grads.py, `GatedDeltaBlocks.mosaic_key_grads`; it forms
+   instead (mosaic_key_grads.py, `TritonConfig.mosaic_key_grads`; it forms
    `T^T dU` itself), and the value-gradient kernel writes its two [L, L]
    adjoints as one [2L, 2L] block, that kernel's operand; with chunks of 32
    (the default) and a key per head, launches 2 and 3 run as one Mosaic GPU
-   kernel instead (mosaic_grads.py, `GatedDeltaBlocks.mosaic_grads`), which
+   kernel instead (mosaic_grads.py, `TritonConfig.mosaic_grads`), which
    reads each chunk once.
 
 Glossary of shapes: B batch, T time, N heads, G query/key groups, K key size,
@@ -62,8 +62,8 @@ from ops import _shapes
 from ops._rows import pick_row
 from ops._triton import causal_decay
 from ops._triton import dot
-from ops._triton import is_pow2
 from ops._triton import next_pow2
+from ops.gated_delta_rule import configs
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import mosaic_key_grads
@@ -74,79 +74,6 @@ from ops.ssd.xla import chunk_cumsum
 _F32 = jnp.float32
 MAX_HEAD_SIZE = 256
 MAX_MEASURED_HEAD_SIZE = 128  # `implementation=None` takes the kernels up to this K, V
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedDeltaBlocks:
-  """Tiling of the gated delta rule kernels."""
-  chunk: int = 32              # tokens per chunk (L); a power of two >= 16
-  block_v: int = 32            # V columns of one step of the output/gradient
-                               # kernels' loop over V (and of a states program,
-                               # unless state_block_v says otherwise)
-  num_warps: int = 4           # warps of the output/gradient kernels
-  state_num_warps: int = 4     # warps of the states kernels
-  prepare_num_warps: int = 2   # warps of the prepare kernel
-  state_block_v: int | None = None  # V columns of a states program (None: block_v)
-  grad_num_stages: int = 2     # Triton pipeline stages of the gradient kernels' loops
-  grad_block_k: int | None = None  # K columns of a key-gradient program (None: all)
-  value_grad_num_warps: int | None = None  # warps of the value-gradient kernel
-                                           # (None: num_warps)
-  key_grad_num_warps: int | None = None    # warps of the key-gradient kernel
-                                           # (None: num_warps)
-  inverse_block: int | None = 16  # rows of the diagonal blocks of the (I + A)^-1
-                                  # substitution, merged after it (None: the
-                                  # whole chunk)
-  mosaic_walk: bool | None = None  # both state walks on the Mosaic GPU kernels
-                                   # (mosaic.py); None: wherever they run
-                                   # compiled (Hopper, 16-bit, K = V = 128,
-                                   # chunks of 16 to 32)
-  mosaic_grads: bool | None = None  # all chunk gradients (value and key) on one
-                                    # Mosaic GPU kernel (mosaic_grads.py); None:
-                                    # where the walks run, it takes the chunk,
-                                    # every head has its own keys and
-                                    # mosaic_key_grads is not asked for
-                                    # (32 tokens; faster than the value + key
-                                    # gradient kernels there)
-  mosaic_key_grads: bool | None = None  # the key gradients alone on a Mosaic GPU
-                                        # kernel (mosaic_key_grads.py); None:
-                                        # where the walks run and mosaic_grads not
-
-  def __post_init__(self):
-    for name in ("chunk", "block_v", "state_block_v", "num_warps", "state_num_warps",
-                 "prepare_num_warps", "inverse_block", "grad_block_k",
-                 "value_grad_num_warps", "key_grad_num_warps"):
-      value = getattr(self, name)
-      if value is not None and not is_pow2(value):
-        raise ValueError(f"`{name}` must be a power of two, got {value}")
-    for name in ("chunk", "block_v", "state_block_v", "grad_block_k"):
-      value = getattr(self, name)
-      if value is not None and value < 16:
-        raise ValueError(f"`{name}` must be >= 16, got {value}")
-    if self.inverse_block is not None and not 2 <= self.inverse_block <= self.chunk:
-      raise ValueError(f"`inverse_block` must be between 2 and `chunk` ({self.chunk}),"
-                       f" got {self.inverse_block}")
-    if self.grad_num_stages < 1:
-      raise ValueError(f"`grad_num_stages` must be >= 1, got {self.grad_num_stages}")
-
-  @classmethod
-  def get_default(cls, time: int, key: int, value: int,
-                  chunk: int | None = None) -> "GatedDeltaBlocks":
-    key, value = max(16, next_pow2(key)), max(16, next_pow2(value))
-    if chunk is None:
-      chunk = min(32, max(16, next_pow2(time)))
-    big = key * value > 64 * 64
-    huge = key * value > 128 * 128
-    # The gradient kernels' warps, key tile and stages, the walks' tiles and
-    # the prepare kernel's warps: the best of sweeps on an H200 (BUILD_NOTES.md,
-    # "SSD and the gated delta rule"); num_warps is then the output kernel's
-    # alone. At K * V > 64 * 64 each walk program carries the whole [K, V]
-    # state, up to 128 * 128 of it (past that, V tiles of it).
-    return cls(chunk=chunk, block_v=min(64 if big else 32, value),
-               num_warps=4, state_num_warps=8 if big else 4,
-               prepare_num_warps=4 if huge else 2,
-               state_block_v=min(value, 128 * 128 // key) if big else None,
-               value_grad_num_warps=2, key_grad_num_warps=4 if big else 2,
-               grad_block_k=(min(key, 128) if big else 32), grad_num_stages=3)
 
 
 def _mm(a, b, dtype, *, trans_a=False, trans_b=False):
@@ -444,7 +371,7 @@ def _key_grad_kernel(q_ref, k_ref, u_ref, dru_ref, dy_ref, b_ref, beta_ref, dsd_
   dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
-def _params(num_warps, num_stages=1):
+def _params(num_warps, num_stages):
   return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
@@ -479,7 +406,7 @@ def _prepare(k, v, b, beta, blocks, *, save_inverse):
       grid=(batch, heads, time // chunk),
       in_specs=[sp["qk"], head(value), sp["vec"], sp["vec"]],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(blocks.prepare_num_warps),
+      compiler_params=_params(blocks.prepare_num_warps, blocks.prepare_num_stages),
       interpret=_backend.pallas_interpret(), name="gated_delta_prepare")(k, v, b, beta)
 
 
@@ -527,7 +454,7 @@ def _states(k, w, u_tilde, b, h0, blocks, packed=None):
                                       u_tilde.dtype),
                  jax.ShapeDtypeStruct(u_tilde.shape, u_tilde.dtype),
                  jax.ShapeDtypeStruct(h0.shape, _F32)],
-      compiler_params=_params(blocks.state_num_warps, 2),
+      compiler_params=_params(blocks.state_num_warps, blocks.state_num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_states")(k, w, u_tilde, b, h0, *seq_inputs)
 
@@ -551,7 +478,7 @@ def _output(q, k, u, b, states, scale, blocks, *, save_scores):
                 pl.BlockSpec((None, None, None, key, value),
                              lambda i, n, c: (i, n, c, 0, 0))],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(blocks.num_warps, 2),
+      compiler_params=_params(blocks.num_warps, blocks.num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_output")(q, k, u, b, states)
 
@@ -581,7 +508,7 @@ def _states_bwd(q, k, w, dy, b, scores, dfinal, scale, blocks, packed=None):
       out_shape=[jax.ShapeDtypeStruct((batch, heads, num_chunks, key, value), dy.dtype),
                  jax.ShapeDtypeStruct(dy.shape, dy.dtype),
                  jax.ShapeDtypeStruct(dfinal.shape, _F32)],
-      compiler_params=_params(blocks.state_num_warps, 2),
+      compiler_params=_params(blocks.state_num_warps, blocks.state_num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_states_reverse")(q, k, w, dy, b, scores, dfinal, *seq_inputs)
 
@@ -614,8 +541,7 @@ def _value_grads(q, k, v, u, du, dy, b, beta, tt, scale, blocks, *, pairs=False)
       out_specs=[head(value), *out_specs, sp["vec"], sp["vec"]],
       out_shape=[rows, *out_shape, jax.ShapeDtypeStruct(b.shape, _F32),
                  jax.ShapeDtypeStruct(b.shape, _F32)],
-      compiler_params=_params(blocks.value_grad_num_warps or blocks.num_warps,
-                              blocks.grad_num_stages),
+      compiler_params=_params(blocks.value_grad_num_warps, blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_value_grads")(q, k, v, u, du, dy, b, beta, tt)
 
@@ -645,8 +571,7 @@ def _key_grads(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates, scale, bloc
       + [jax.ShapeDtypeStruct((num_k,) + b.shape, _F32)] * 2,
       # Two stages or more: Triton prefetches the next V tile's state tiles
       # during the loop (BUILD_NOTES.md).
-      compiler_params=_params(blocks.key_grad_num_warps or blocks.num_warps,
-                              blocks.grad_num_stages),
+      compiler_params=_params(blocks.key_grad_num_warps, blocks.grad_num_stages),
       interpret=_backend.pallas_interpret(),
       name="gated_delta_key_grads")(q, k, u, dru, dy, b, beta, dsd, dkk, states, dstates)
 
@@ -725,7 +650,7 @@ _gdr_core_shared = _pallas.shared_lowering(_gdr_core, static_argnums=(7, 8))
 
 def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_state=None,
                             chunk_size=None, cu_seqlens=None,
-                            blocks: GatedDeltaBlocks | None = None):
+                            blocks: configs.TritonConfig | None = None):
   """`gated_delta_rule_reference`'s contract without its input options (the
   public op applies them), on the Pallas kernels.
 
@@ -739,17 +664,16 @@ def gated_delta_rule_pallas(q, k, v, log_decay, beta, *, scale=None, initial_sta
   key = q.shape[-1]
   scale = float(key ** -0.5 if scale is None else scale)
   if blocks is None:
-    blocks = GatedDeltaBlocks.get_default(time, key, value, chunk_size)
+    blocks = configs.TritonConfig.get_default(time, key, value, chunk_size)
   elif chunk_size is not None and chunk_size != blocks.chunk:
     raise ValueError(f"`chunk_size` {chunk_size} disagrees with {blocks.chunk=}")
   chunk = blocks.chunk
   key_p, value_p = max(16, next_pow2(key)), max(16, next_pow2(value))
-  # From here on state_block_v and grad_block_k are set (the kernels read them as
-  # they are).
+  # From here on state_block_v is set (the kernels read it as it is).
   blocks = dataclasses.replace(
       blocks, block_v=min(blocks.block_v, value_p),
       state_block_v=min(blocks.state_block_v or blocks.block_v, value_p),
-      grad_block_k=min(blocks.grad_block_k or key_p, key_p))
+      grad_block_k=min(blocks.grad_block_k, key_p))
   dtype = v.dtype
   if blocks.mosaic_walk is None:
     blocks = dataclasses.replace(blocks, mosaic_walk=cu_seqlens is None and mosaic.takes(

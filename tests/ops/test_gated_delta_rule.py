@@ -129,12 +129,11 @@ def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_
   rows; the key-gradient kernel on `grad_block_k` columns (K 40 pads to 64:
   four programs per chunk, the last all padding, with q/k shared by both
   heads); outputs and every gradient still match."""
+  from ops.gated_delta_rule import configs as gdr_configs
   from ops.gated_delta_rule import pallas as gdr_pallas_lib
-  blocks = gdr_pallas_lib.GatedDeltaBlocks(chunk=16, block_v=block_v,
-                                           state_block_v=state_block_v,
-                                           grad_num_stages=grad_num_stages,
-                                           inverse_block=inverse_block,
-                                           grad_block_k=grad_block_k)
+  blocks = gdr_configs.TritonConfig(chunk=16, block_v=block_v, state_block_v=state_block_v,
+                                    grad_num_stages=grad_num_stages,
+                                    inverse_block=inverse_block, grad_block_k=grad_block_k)
   args = _inputs(1, 40, 2, key, 40, jnp.float32, seed=3, groups=groups)
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
@@ -213,6 +212,6 @@ def test_bad_shapes_raise(change, match):
     (dict(key_grad_num_warps=3), "`key_grad_num_warps` must be a power of two"),
 ])
 def test_bad_tiling_raises(knobs, match):
-  from ops.gated_delta_rule import pallas as gdr_pallas_lib
+  from ops.gated_delta_rule import configs as gdr_configs
   with pytest.raises(ValueError, match=match):
-    gdr_pallas_lib.GatedDeltaBlocks(**knobs)
+    gdr_configs.TritonConfig(**knobs)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import pallas as gdr_pallas
@@ -31,8 +32,8 @@ def _walk_inputs(batch, time, heads, groups, chunk, seed=0):
 
 def _triton_walk_blocks(chunk):
   """The Triton walks on whole [K, V] states, the yardstick of the Mosaic ones."""
-  return gdr_pallas.GatedDeltaBlocks(chunk=chunk, block_v=_SIZE, state_block_v=_SIZE,
-                                     grad_block_k=_SIZE, mosaic_walk=False)
+  return gdr_configs.TritonConfig(chunk=chunk, block_v=_SIZE, state_block_v=_SIZE,
+                                  grad_block_k=_SIZE, mosaic_walk=False)
 
 
 def _assert_as_close_as_triton(names, walk, want, triton):
@@ -154,7 +155,7 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
 
 
 def assert_op_matches_reference(seed, check_outputs=True, **blocks_changes):
-  """The whole op with `GatedDeltaBlocks` changed so (V 100 pads to 128, T 70
+  """The whole op with `TritonConfig` changed so (V 100 pads to 128, T 70
   to three chunks, two heads): outputs and every gradient against the step
   reference. Shared by the Mosaic kernels' test modules."""
   ks = jax.random.split(jax.random.key(seed), 6)
@@ -167,7 +168,7 @@ def assert_op_matches_reference(seed, check_outputs=True, **blocks_changes):
   beta = jax.nn.sigmoid(jax.random.normal(ks[4], shape))
   h0 = jax.random.normal(ks[5], (1, 2, _SIZE, 100))
   args = tuple(x.astype(jnp.bfloat16) for x in (q, k, v)) + (g, beta, h0)
-  blocks = dataclasses.replace(gdr_pallas.GatedDeltaBlocks.get_default(70, _SIZE, _SIZE),
+  blocks = dataclasses.replace(gdr_configs.TritonConfig.get_default(70, _SIZE, _SIZE),
                                **blocks_changes)
   kernel = lambda *a: gdr_pallas.gated_delta_rule_pallas(*a[:5], initial_state=a[5],
                                                          blocks=blocks)
@@ -190,7 +191,7 @@ def test_op_with_the_mosaic_walk_matches_reference():
 def lowered_gradient(groups, **blocks_changes):
   """StableHLO of the op's gradient lowered for a Hopper GPU (run under the
   `hopper_lowering` fixture), keys in `groups` groups of four heads."""
-  blocks = dataclasses.replace(gdr_pallas.GatedDeltaBlocks.get_default(256, _SIZE, _SIZE),
+  blocks = dataclasses.replace(gdr_configs.TritonConfig.get_default(256, _SIZE, _SIZE),
                                **blocks_changes)
   def loss(q, k, v, g, beta):
     y, final = gdr_pallas.gated_delta_rule_pallas(q, k, v, g, beta, blocks=blocks)
@@ -217,7 +218,7 @@ def test_lowers_to_mosaic_gpu_for_hopper(hopper_lowering):
     (jnp.bfloat16, _SIZE, 64, "chunks of 16 to 32"),
 ])
 def test_forced_mosaic_walk_outside_its_limits_raises(dtype, key, chunk, match):
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, mosaic_walk=True)
+  blocks = gdr_configs.TritonConfig(chunk=chunk, mosaic_walk=True)
   x = jnp.zeros((1, 32, 1, key), dtype)
   g = jnp.zeros((1, 32, 1), jnp.float32)
   with pytest.raises(ValueError, match=f"blocks.mosaic_walk.*{match}"):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import pallas as gdr_pallas
 from tests.ops.test_gated_delta_rule_mosaic import assert_op_matches_reference
@@ -46,7 +47,7 @@ def test_matches_the_triton_gradient_kernels(heads, groups, splits, chunks):
   time = chunks * splits * _L
   q, k, v, u, du, dy, tt, b, beta, m0, dm1 = _inputs(1, time, heads, groups,
                                                       seed=heads + groups)
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=_L, block_v=64, grad_block_k=_SIZE)
+  blocks = gdr_configs.TritonConfig(chunk=_L, block_v=64, grad_block_k=_SIZE)
   dv, dru, dsd, dkk, db, dbeta = gdr_pallas._value_grads(q, k, v, u, du, dy, b, beta, tt,
                                                          0.25, blocks)
   dq, dk, db_keys, dbeta_keys = gdr_pallas._key_grads(q, k, u, dru, dy, b, beta, dsd, dkk,
@@ -91,7 +92,7 @@ def test_chosen_by_default_where_every_head_has_its_keys(hopper_lowering):
 @pytest.mark.parametrize("key, chunk, match", [(64, 32, "K = V = 128"),
                                                (_SIZE, 16, "chunks of 32 tokens")])
 def test_forced_outside_its_limits_raises(key, chunk, match):
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, mosaic_grads=True)
+  blocks = gdr_configs.TritonConfig(chunk=chunk, mosaic_grads=True)
   x = jnp.zeros((1, 32, 1, key), jnp.bfloat16)
   g = jnp.zeros((1, 32, 1), jnp.float32)
   with pytest.raises(ValueError, match=f"blocks.mosaic_grads.*{match}"):

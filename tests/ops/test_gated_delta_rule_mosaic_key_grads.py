@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import mosaic_key_grads
 from ops.gated_delta_rule import pallas as gdr_pallas
 from tests.ops.test_gated_delta_rule_mosaic import assert_op_matches_reference
@@ -68,7 +69,7 @@ def test_matches_the_triton_key_gradients(chunk, heads, groups, splits, slots):
   q, k, u, du, tt, dy, b, beta, dsd, dkk, m0, dm1 = _inputs(1, time, heads, groups, chunk,
                                                              seed=chunk + heads)
   dru = _t_transposed_times(tt, du, chunk)
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=chunk, block_v=64, grad_block_k=_SIZE)
+  blocks = gdr_configs.TritonConfig(chunk=chunk, block_v=64, grad_block_k=_SIZE)
   flat = lambda x: x.reshape(x.shape[:2] + (time, chunk))
   want = gdr_pallas._key_grads(q, k, u, dru, dy, b, beta, flat(dsd), flat(dkk), m0, dm1,
                                0.25, blocks)
@@ -98,7 +99,7 @@ def test_lowers_to_mosaic_gpu_for_hopper(hopper_lowering):
 
 
 def test_outside_its_limits_raises():
-  blocks = gdr_pallas.GatedDeltaBlocks(chunk=32, mosaic_key_grads=True)
+  blocks = gdr_configs.TritonConfig(chunk=32, mosaic_key_grads=True)
   x = jnp.zeros((1, 32, 1, 64), jnp.bfloat16)
   g = jnp.zeros((1, 32, 1), jnp.float32)
   with pytest.raises(ValueError, match="blocks.mosaic_key_grads.*K = V = 128"):
