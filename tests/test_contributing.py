@@ -1,0 +1,55 @@
+"""What docs/contributing.md says of the house holds: the picture is drawn
+from today's imports, every op has the same rooms and a registry, the models
+use only the ops' public names, and every cell is an SSMCell."""
+
+import importlib
+import inspect
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+from experiments import architecture
+from ops import registry
+import probjax_hk
+from probjax_hk.ssm import SSMCell
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_OPS = sorted(p.parent.name for p in (_ROOT / "ops").glob("*/api.py"))
+
+
+def test_the_architecture_picture_is_drawn_from_todays_imports():
+  drawn = (_ROOT / "docs" / "architecture.svg").read_text()
+  assert drawn == architecture.render(architecture.imports()), (
+      "docs/architecture.svg is out of date: python -m experiments.architecture")
+
+
+def test_models_import_only_the_ops_public_names():
+  found = subprocess.run(
+      ["git", "grep", "-n", r"from ops import _\|ops\.[a-z_]*\.reference\|ops\._", "--",
+       "probjax_hk"], cwd=_ROOT, capture_output=True, text=True).stdout
+  assert not found, found
+
+
+@pytest.mark.parametrize("op", _OPS)
+def test_every_op_has_the_same_rooms_and_a_registry(op):
+  folder = _ROOT / "ops" / op
+  for name in ("__init__.py", "api.py", "reference.py"):
+    assert (folder / name).is_file(), f"ops/{op}/ has no {name}"
+  package = importlib.import_module(f"ops.{op}")
+  implementations = package.IMPLEMENTATIONS
+  assert isinstance(implementations, registry.Registry)
+  if list(folder.glob("pallas.py")) + list(folder.glob("mosaic*.py")):  # kernel files
+    for name in ("configs.py", "tuned.json"):
+      assert (folder / name).is_file(), f"ops/{op}/ has kernels but no {name}"
+  for path in folder.glob("*.py"):  # tiles are data: no tuning table in code
+    assert not re.search(r"^_TABLE\s*=", path.read_text(), re.M), path
+
+
+def test_every_cell_is_an_ssm_cell():
+  cells = [obj for name, obj in vars(probjax_hk).items()
+           if name.endswith("Cell") and inspect.isclass(obj)]
+  assert len(cells) >= 5
+  for cell in cells:
+    assert issubclass(cell, SSMCell), cell
