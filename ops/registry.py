@@ -192,3 +192,17 @@ class Registry:
     ours = [impl for impl in fits if impl.table in (None, self.table)]
     fastest = _measured.fastest(self.table, [impl.timed_name for impl in ours], **measured_at)
     return next((impl for impl in ours if impl.timed_name == fastest), None)
+
+
+def xla_and_triton(op: str, *, xla: Callable[..., Any], triton: Callable[..., Any],
+                   supports: Callable[[Call], str | None], config: type,
+                   **triton_fields) -> Registry:
+  """The registry of an op with an XLA tier and one Triton kernel path:
+  'xla', 'triton' (timed as 'pallas' in the dispatch table named `op`) and
+  'pallas', its alias. `triton_fields`: more of `Implementation`'s fields."""
+  implementations = Registry(op, table=op)
+  implementations.register("xla", xla)
+  implementations.register("triton", triton, supports=supports, kernel=True, config=config,
+                           measured_as="pallas", **triton_fields)
+  implementations.alias("pallas", ("triton",))
+  return implementations

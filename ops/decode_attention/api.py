@@ -176,8 +176,6 @@ def _triton_supports(call) -> str | None:
 
 # The measured table decides the default (ops/dispatch_tables/decode_attention.json,
 # where the kernel is timed as 'pallas').
-IMPLEMENTATIONS = registry.Registry(_OP, table=_OP)
-IMPLEMENTATIONS.register("xla", _xla)
-IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=configs.TritonConfig, measured_as="pallas")
-IMPLEMENTATIONS.alias("pallas", ("triton",))
+IMPLEMENTATIONS = registry.xla_and_triton(
+    _OP, xla=_xla, triton=_triton, supports=_triton_supports,
+    config=configs.TritonConfig)

@@ -131,9 +131,7 @@ def _triton_measured_range(call) -> str | None:
 # The measured table decides the default (ops/dispatch_tables/gated_delta_rule.json,
 # where the kernels are timed as 'pallas').
 # No 'mosaic': the Mosaic GPU walks replace some Triton launches per shape inside pallas.py.
-IMPLEMENTATIONS = registry.Registry("gated_delta_rule", table="gated_delta_rule")
-IMPLEMENTATIONS.register("xla", _xla)
-IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=configs.TritonConfig, measured_as="pallas",
-                         measured_range=_triton_measured_range)
-IMPLEMENTATIONS.alias("pallas", ("triton",))
+IMPLEMENTATIONS = registry.xla_and_triton(
+    "gated_delta_rule", xla=_xla, triton=_triton, supports=_triton_supports,
+    config=configs.TritonConfig,
+    measured_range=_triton_measured_range)

@@ -154,8 +154,6 @@ def _triton_supports(call) -> str | None:
 
 # The measured table decides the default (ops/dispatch_tables/selective_scan.json,
 # where the kernel is timed as 'pallas').
-IMPLEMENTATIONS = registry.Registry("selective_scan", table="selective_scan")
-IMPLEMENTATIONS.register("xla", _xla)
-IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=configs.TritonConfig, measured_as="pallas")
-IMPLEMENTATIONS.alias("pallas", ("triton",))
+IMPLEMENTATIONS = registry.xla_and_triton(
+    "selective_scan", xla=_xla, triton=_triton, supports=_triton_supports,
+    config=configs.TritonConfig)

@@ -155,8 +155,6 @@ def _triton_supports(call) -> str | None:
 
 # The measured table decides the default (ops/dispatch_tables/ssd.json, where
 # the kernels are timed as 'pallas').
-IMPLEMENTATIONS = registry.Registry("ssd", table="ssd")
-IMPLEMENTATIONS.register("xla", _xla)
-IMPLEMENTATIONS.register("triton", _triton, supports=_triton_supports, kernel=True,
-                         config=configs.TritonConfig, measured_as="pallas")
-IMPLEMENTATIONS.alias("pallas", ("triton",))
+IMPLEMENTATIONS = registry.xla_and_triton(
+    "ssd", xla=_xla, triton=_triton, supports=_triton_supports,
+    config=configs.TritonConfig)
