@@ -527,7 +527,8 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   temperature, the parameters and the rng are arguments of the compiled call.
 
   With `draft_model_fn`, decoding is speculative (Leviathan et al. 2023,
-  https://arxiv.org/abs/2211.17192): each round the draft model proposes
+  https://arxiv.org/abs/2211.17192; the user guide's
+  :ref:`speculative-decoding`): each round the draft model proposes
   `num_draft_tokens` tokens one step at a time, the model scores them all in
   one call (a Transformer's `prefill` on its cache; the steps of any other
   body in one scan, keeping its state after each token), keeps each with
