@@ -10,8 +10,9 @@ An op describes its arrays with layouts: one label per dimension, e.g.
 `("batch", "seq", "heads", None)` for attention's `q`. Labels in `split` may
 be sharded (every array with that label sharded the same way, so GQA groups
 and head groups stay whole); any other dimension that is sharded is an error
-naming the argument and the axis, never a silent gather. Which mesh axes a
-label gets:
+naming the argument and the axis, never a silent gather. ("seq" is in
+`split` only where the op passes states between the sequence's shards:
+`ops/_sequence_parallel.py`.) Which mesh axes a label gets:
 
 - Explicit mesh axes (`jax.make_mesh(..., axis_types=Explicit)`): read from
   the arrays' types, exactly as the caller sharded them.

@@ -9,11 +9,13 @@ Glossary of shapes: B batch, T time, D channels.
 import jax
 import jax.numpy as jnp
 
+from ops import _sequence_parallel
 from ops import _shapes
 from ops import _sharding
 from ops import registry
 from ops.linear_scan import configs
 from ops.linear_scan import pallas as pallas_impl
+from ops.linear_scan import sequence_parallel
 from ops.linear_scan.xla import linear_scan_xla
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
@@ -44,6 +46,11 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
                 ) -> tuple[jax.Array, jax.Array]:
   """`h_t = a_t * h_{t-1} + b_t` over axis 1.
 
+  On a mesh, the time axis may be split over Explicit mesh axes (with the
+  batch and channels): each device scans its own chunk, and only the chunks'
+  final states and total decays cross devices
+  (`ops/linear_scan/sequence_parallel.py`).
+
   Args:
     a: [B, T, D] decay; float32, bfloat16 or complex64 (float64/complex128 on
       the XLA path only). Or [D]: the same decay at every step and batch row
@@ -66,7 +73,11 @@ def linear_scan(a: jax.Array, b: jax.Array, *,
   """
   _validate(a, b, initial_state, reverse)
   call = dict(a=a, b=b, initial_state=initial_state, reverse=reverse)
-  chosen = IMPLEMENTATIONS.choose(implementation, call, length=b.shape[1])
+  split = sequence_parallel.plan(a, b, initial_state)
+  chosen = IMPLEMENTATIONS.choose(implementation, call,
+                                  length=b.shape[1] // split.size("seq"))
+  if _sequence_parallel.time_axes(split):
+    return sequence_parallel.linear_scan_split(chosen.run, split, reverse=reverse)
   return chosen.run(**call)
 
 
