@@ -305,13 +305,33 @@ def _scores(logits, seen, temperature, *, greedy: bool, top_k, top_p, min_p,
   return jnp.where(hot[:, None], warped, scores), hot
 
 
-def _draw(scores, key, hot):
-  """A token per row of `_scores`: drawn where `hot`, the argmax elsewhere
-  (everywhere when `hot` is None)."""
+def _draw(scores, keys, hot):
+  """A token per row of `_scores`: drawn with the row's key of `keys` [B]
+  where `hot`, the argmax elsewhere (everywhere when `hot` is None)."""
   tokens = jnp.argmax(scores, axis=-1)
   if hot is None:
     return tokens
-  return jnp.where(hot, jax.random.categorical(key, scores, axis=-1), tokens)
+  return jnp.where(hot, jax.vmap(jax.random.categorical)(keys, scores), tokens)
+
+
+def _sequence_keys(rng, batch: int):
+  """[B] PRNG keys, one per sequence: `rng` itself when it is [B] keys, else
+  its split in B. A sequence's draws depend only on its own key, so it
+  samples the same tokens whatever else is in the batch."""
+  if jnp.issubdtype(getattr(rng, "dtype", None), jax.dtypes.prng_key) and rng.ndim == 1:
+    if rng.shape != (batch,):
+      raise ValueError(f"`rng` must be one PRNG key or [B] = ({batch},) keys, one per "
+                       f"sequence, got shape {rng.shape}")
+    return rng
+  arguments.check_key(rng=rng)
+  if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    rng = jax.random.wrap_key_data(rng)
+  return jax.random.split(rng, batch)
+
+
+def _split_rows(keys, num: int):
+  """[B] keys -> [num, B]: `num` keys of each sequence, the draws' order."""
+  return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, num))(keys), 0, 1)
 
 
 def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p,
@@ -320,7 +340,7 @@ def _choose(logits, key, seen, temperature, *, greedy: bool, top_k, top_p, min_p
 
   Args:
     logits: [B, V], the model's.
-    key: a PRNG key (None when `greedy`).
+    key: [B] PRNG keys, one per sequence (None when `greedy`).
     seen, temperature, greedy, top_k, top_p, min_p, repetition_penalty: as
       for `_scores`.
 
@@ -405,7 +425,7 @@ def _generate(params, prompt, prompt_lengths, rng, temperature, top_p, min_p,
                            repetition_penalty=repetition_penalty)
   choose = functools.partial(_choose, temperature=temperature, greedy=greedy, top_k=top_k,
                              top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty)
-  keys = None if greedy else jax.random.split(rng, num_tokens)
+  keys = None if greedy else _split_rows(rng, num_tokens)              # [G, B]
 
   def finish(i, token, log_prob, done, tokens, log_probs):
     """Writes column i (the pad and log-probability 0 where a sequence was
@@ -549,8 +569,11 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
     prompt: [B, T] integer tokens in [0, V), T >= 1; right-padded with
       `prompt_lengths` (the padding is never read).
     num_tokens: G >= 1, how many tokens to generate.
-    rng: a PRNG key or an int seed (`jax.random.key(seed)`); required unless
-      every temperature is 0. The same key gives the same tokens.
+    rng: a PRNG key, an int seed (`jax.random.key(seed)`), or [B] keys, one
+      per sequence; required unless every temperature is 0. The same key
+      gives the same tokens. One key is split into one per sequence, and a
+      sequence's draws depend only on its own key: with [B] keys a
+      sequence samples the tokens it samples alone with its key.
     temperature: >= 0, a Python, NumPy or concrete JAX scalar, or a concrete
       [B] array (one per sequence); the logits are divided by it before
       sampling, and 0 decodes greedily (the argmax at every step, for that
@@ -674,7 +697,7 @@ def generate(model_fn: Callable[[], Any], params: hk.Params, prompt: jax.Array,
   if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
     rng = jax.random.key(int(rng))
   if not greedy:
-    arguments.check_key(rng=rng)
+    rng = _sequence_keys(rng, prompt.shape[0])
   if pad_token is None:
     pad_token = 0 if stop_tokens is None else stop_tokens[0]
   arrays = (prompt, prompt_lengths, None if greedy else rng, temperature, top_p, min_p,

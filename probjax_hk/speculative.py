@@ -152,7 +152,7 @@ def _verify(p_scores, q_scores, drafts, hot, keys):
     q_scores: [B, K, V], the draft's scores the drafts were drawn from.
     drafts: [B, K] int.
     hot: [B] bool, the sampled rows; None when every row is greedy.
-    keys: two PRNG keys (None when `hot` is None).
+    keys: [2, B] PRNG keys, two per sequence (None when `hot` is None).
 
   Returns:
     (accepted [B] ints in [0, K], the leading drafts kept; token [B], drawn
@@ -167,8 +167,8 @@ def _verify(p_scores, q_scores, drafts, hot, keys):
   p_draft = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]   # [B, K]
   q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
   # u < p / q as u q < p (q > 0 where drawn); u = 0 for greedy rows: "p's argmax".
-  u = 0.0 if hot is None else jnp.where(hot[:, None], jax.random.uniform(keys[0], (batch, k)),
-                                        0.0)
+  u = 0.0 if hot is None else jnp.where(
+      hot[:, None], jax.vmap(lambda key: jax.random.uniform(key, (k,)))(keys[0]), 0.0)
   keep = (u * q_draft < p_draft) & ~p_nan[:, :k] & ~q_nan[:, :k]
   accepted = jnp.cumprod(keep, axis=1).sum(axis=1)                    # [B]
   rows = jnp.arange(batch)
@@ -213,7 +213,7 @@ def _generate(params, draft_params, prompt, prompt_lengths, rng, temperature, to
     return jnp.where(jnp.isnan(logits).any(axis=-1, keepdims=True), jnp.nan, scores)
 
   hot = None if greedy else temperature > 0
-  first_key, rng = (None, None) if greedy else jax.random.split(rng)
+  first_key, rng = (None, None) if greedy else generation._split_rows(rng, 2)  # [B] each
   token, log_prob = generation._choose(last, first_key, seen, **options)
   seen = generation._mark_seen(seen, token)
 
@@ -237,7 +237,8 @@ def _generate(params, draft_params, prompt, prompt_lengths, rng, temperature, to
 
   def round_(carry):
     i, token, count, done, state, draft_state, seen, tokens, log_probs, accepted, drafted = carry
-    keys = None if greedy else jax.random.split(jax.random.fold_in(rng, i), k + 3)
+    keys = None if greedy else generation._split_rows(                 # [K + 3, B]
+        jax.vmap(jax.random.fold_in, (0, None))(rng, i), k + 3)
     (_, draft_after, _), (drafts, q_scores, seens, draft_states) = jax.lax.scan(
         propose, (token, draft_state, seen), None if greedy else keys[:k + 1], length=k + 1)
     drafts = drafts[:k].T                                             # [B, K]

@@ -138,7 +138,8 @@ def test_choose_samples_the_warped_distribution():
   logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]] * 4000))
   temperature = jnp.ones(4000).at[0].set(0.0)
   # top_p=0.6 keeps 0.4 and 0.3 (the mass above 0.2 is 0.7).
-  tokens, log_probs = choose(logits, jax.random.key(0), None, temperature, greedy=False,
+  keys = jax.random.split(jax.random.key(0), 4000)                    # one per row
+  tokens, log_probs = choose(logits, keys, None, temperature, greedy=False,
                              top_k=None, top_p=0.6, min_p=None, repetition_penalty=None)
   tokens, log_probs = np.asarray(tokens), np.asarray(log_probs)
   np.testing.assert_allclose(np.bincount(tokens[1:], minlength=4) / 3999,

@@ -84,6 +84,26 @@ def test_ragged_prompts_decode_as_if_alone(name):
   np.testing.assert_allclose(log_probs, expected, atol=2e-5, rtol=2e-5)
 
 
+def test_sampling_with_per_sequence_keys_is_as_if_alone():
+  """Each sequence of a ragged batch samples, with its own key, the tokens it
+  samples alone with that key."""
+  model_fn = _MODELS[next(iter(_MODELS))]
+  lengths = np.array(LENGTHS)
+  prompt = np.asarray(jax.random.randint(jax.random.key(1), (len(LENGTHS), T), 0, V))
+  forward = hk.without_apply_rng(hk.transform(lambda tokens: model_fn()(tokens)))
+  params = _random_params(forward, prompt)
+  keys = jax.random.split(jax.random.key(7), len(LENGTHS))
+  sample = lambda p, n, k: pk.generate(model_fn, params, p, G, rng=k, temperature=1.0,
+                                       top_k=8, prompt_lengths=n)
+  together = np.asarray(sample(prompt, lengths, keys))
+  for b, n in enumerate(LENGTHS):
+    alone = sample(prompt[b:b + 1], lengths[b:b + 1], keys[b:b + 1])
+    np.testing.assert_array_equal(together[b], np.asarray(alone)[0])
+  assert len({tuple(row) for row in together}) > 1  # the rows drew different tokens
+  with pytest.raises(ValueError, match=r"`rng` must be one PRNG key or \[B\]"):
+    sample(prompt, lengths, keys[:2])
+
+
 def test_transformer_ragged_chunk_after_a_state():
   """A ragged prefill that continues a state: each sequence's valid outputs
   and its next step are those of its own unpadded sequence."""
