@@ -18,8 +18,6 @@ from absl import app
 from absl import flags
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-_OUTPUT = flags.DEFINE_string("output", str(_ROOT / "docs" / "architecture.svg"),
-                              "Where to write the SVG.")
 
 # (box, label, row); a module belongs to the first box whose prefix it has.
 _BOXES = (
@@ -141,8 +139,11 @@ def render(edges: set[tuple[str, str]]) -> str:
 
 def main(argv):
   del argv
-  pathlib.Path(_OUTPUT.value).write_text(render(imports()))
+  pathlib.Path(flags.FLAGS.output).write_text(render(imports()))
 
 
 if __name__ == "__main__":
+  # Defined here, not on import: tests import `render` beside programs whose
+  # own --output flag would collide.
+  flags.DEFINE_string("output", str(_ROOT / "docs" / "architecture.svg"), "Where to write the SVG.")
   app.run(main)
