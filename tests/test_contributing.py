@@ -2,6 +2,7 @@
 from today's imports, every op has the same rooms and a registry, the models
 use only the ops' public names, and every cell is an SSMCell."""
 
+import ast
 import importlib
 import inspect
 import pathlib
@@ -45,6 +46,17 @@ def test_every_op_has_the_same_rooms_and_a_registry(op):
       assert (folder / name).is_file(), f"ops/{op}/ has kernels but no {name}"
   for path in folder.glob("*.py"):  # tiles are data: no tuning table in code
     assert not re.search(r"^_TABLE\s*=", path.read_text(), re.M), path
+
+
+@pytest.mark.parametrize("op", [op for op in _OPS if (_ROOT / "ops" / op / "configs.py").is_file()])
+def test_configurations_import_no_kernel(op):
+  """Kernel files import their configurations, never the reverse."""
+  tree = ast.parse((_ROOT / "ops" / op / "configs.py").read_text())
+  names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+  names += [f"{n.module}.{a.name}" for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and n.module for a in n.names]
+  kernel = re.compile(r"\.(pallas|mosaic\w*|triton\w*)$")
+  assert not [n for n in names if n.startswith("ops.") and kernel.search(n)], names
 
 
 def test_every_cell_is_an_ssm_cell():
