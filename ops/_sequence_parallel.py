@@ -27,6 +27,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import AxisType
 
 from ops import _sharding
 
@@ -49,6 +50,23 @@ def time_axes(plan: _sharding.Plan) -> tuple[str, ...]:
   size 1 counts: an Explicit-typed time axis needs the per-shard path even
   then."""
   return plan.axes.get("seq", ())
+
+
+def splits_time(*arrays: jax.Array | None, axis: int = 1) -> bool:
+  """Whether any of `arrays` has its time axis (`axis`) sharded over an
+  Explicit mesh axis: the call then takes the per-shard path. Read before an
+  op plans its call, so a call whose time axis is whole keeps the op's usual
+  path (and its usual freedom over the other axes)."""
+  for x in arrays:
+    sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or sharding.mesh.empty or len(sharding.spec) <= axis:
+      continue
+    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    entry = sharding.spec[axis]
+    if any(types.get(a) == AxisType.Explicit
+           for a in (entry if isinstance(entry, tuple) else (entry,))):
+      return True
+  return False
 
 
 def run(plan: _sharding.Plan, chunk: Callable, out_layouts) -> Any:

@@ -14,6 +14,7 @@ from ops import _sharding
 from ops import registry
 from ops.ssd import configs
 from ops.ssd import pallas as pallas_impl
+from ops.ssd import sequence_parallel
 from ops.ssd import varlen
 from ops.ssd.xla import ssd_xla
 
@@ -101,6 +102,11 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
 
   Equivalently `S_t = exp(log_decay_t) S_{t-1} + k_t v_t^T`, `y_t = S_t^T q_t`.
 
+  On a mesh, the time axis may be split over Explicit mesh axes (with the
+  batch and heads): each device runs its own chunk from a zero state, and
+  only the chunks' final states and total log-decays cross devices
+  (`ops/ssd/sequence_parallel.py`; not with `cu_seqlens`).
+
   Args:
     q: [B, T, N, K] queries (Mamba-2's C), or [B, T, G, K] shared by N // G heads.
     k: keys (Mamba-2's B), the shape of `q`.
@@ -132,8 +138,11 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   _shapes.check_chunk_size("ssd", chunk_size)
   call = dict(q=q, k=k, v=v, log_decay=log_decay, initial_state=initial_state,
               chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+  split = sequence_parallel.plan(q, k, v, log_decay, initial_state, cu_seqlens)
   chosen = IMPLEMENTATIONS.choose(implementation, call, key_dim=q.shape[-1],
-                                  length=q.shape[1])
+                                  length=q.shape[1] // (split.size("seq") if split else 1))
+  if split is not None:
+    return sequence_parallel.ssd_split(chosen.run, split, chunk_size=chunk_size)
   return chosen.run(**call)
 
 

@@ -16,11 +16,12 @@ B, T, D = 2, 128, 3
 CHUNK = T // 8  # time steps per device with the sequence split 8 ways
 
 _SCRIPT = r'''
-import json, re
-import jax, jax.numpy as jnp, numpy as np
+import json
+import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
 from ops.linear_scan import api
+from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err
 
 assert jax.device_count() == 8, jax.devices()
 B, T, D = 2, 128, 3
@@ -33,26 +34,6 @@ def spy(**call):
   seen.append(list(call["b"].shape))
   return _xla(**call)
 api.linear_scan_xla = spy
-
-def shapes(text):
-  """Every array shape written in an HLO text."""
-  return [[int(d) for d in dims.split(",") if d]
-          for dims in re.findall(r"\b(?:pred|[subfc]\d+)\[([\d,]*)\]", text)]
-
-def collectives(text):
-  """The result shapes of every collective of a compiled program."""
-  found = []
-  for line in text.splitlines():
-    m = re.search(r"= (.*?) (all-gather|all-reduce|reduce-scatter|collective-permute|all-to-all)"
-                  r"(-start)?\(", line)
-    if m:
-      found += shapes(m.group(1))
-  return found
-
-def max_err(got, want):
-  return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-             / (1.0 + float(np.max(np.abs(np.asarray(y)))))
-             for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 keys = jax.random.split(jax.random.key(0), 4)
 a = jax.random.uniform(keys[0], (B, T, D), minval=0.6, maxval=0.99)
@@ -88,19 +69,13 @@ for name, (mesh, spec, impl, reverse, with_state, shared) in CASES.items():
   placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(
       args, (P() if shared else spec, spec, P(spec[0])))]
   seen.clear()
-  with jax.set_mesh(mesh):
-    forward = jax.jit(scan).lower(*placed).compile()
-    backward = grad.lower(*placed).compile()
-    got = (forward(*placed), backward(*placed))
-  texts = forward.as_text() + backward.as_text()
+  got, facts = compile_and_run(mesh, scan, grad, placed)
   out[name] = {"err": max_err(got, want), "h_spec": list(got[0][0].sharding.spec),
-               "collectives": collectives(texts), "scan_shapes": seen[:],
-               "longest_axis": max(max(s, default=0) for s in shapes(texts)),
-               "forward_gathers": len(re.findall(r" all-gather(?:-start)?\(", forward.as_text()))}
+               "scan_shapes": seen[:], **facts}
 
 # Not vacuous: the same program on one device's arrays holds the whole sequence.
-out["unsplit_longest_axis"] = max(max(s, default=0) for s in shapes(
-    jax.jit(lambda a, b: ops.linear_scan(a, b)[0]).lower(a, b).compile().as_text()))
+out["unsplit_longest_axis"] = longest_axis(
+    jax.jit(lambda a, b: ops.linear_scan(a, b)[0]).lower(a, b).compile().as_text())
 
 # Time axes split differently: an error before any work.
 try:
