@@ -13,9 +13,12 @@ from ops import _sharding
 from ops import registry
 from ops.selective_scan import configs
 from ops.selective_scan import pallas as pallas_impl
+from ops.selective_scan import sequence_parallel
 from ops.selective_scan.xla import selective_scan_xla
 
 _KERNEL_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+_TOKEN = ("batch", "seq", "channels")  # u, delta, z, y [B, T, D]
+_STATE = ("batch", "channels", None)  # initial_state, final_state [B, D, S]
 
 
 def _validate(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
@@ -63,6 +66,15 @@ def _projection_layout(x):
           4: ("batch", "seq", "channels", None)}[x.ndim]
 
 
+def _named_arrays(u, delta, A, B, C, D, z, delta_bias, initial_state):
+  """(name, array or None, sharding layout) of each array argument, in order."""
+  return (("u", u, _TOKEN), ("delta", delta, _TOKEN), ("A", A, ("channels", None)),
+          ("B", B, _projection_layout(B)), ("C", C, _projection_layout(C)),
+          ("D", D, ("channels",)), ("z", z, _TOKEN),
+          ("delta_bias", delta_bias, ("channels",)),
+          ("initial_state", initial_state, _STATE))
+
+
 def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
                    C: jax.Array, *, D: jax.Array | None = None,
                    z: jax.Array | None = None, delta_bias: jax.Array | None = None,
@@ -76,6 +88,11 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
       delta = softplus(delta + delta_bias)           (each part optional)
       h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t  # [B, D, S]
       y_t = h_t C_t + D u_t;  y_t *= silu(z_t)
+
+  On a mesh, the time axis may be split over Explicit mesh axes (with the
+  batch and channels): each device scans its own chunk, and only the chunks'
+  final states and summed step sizes cross devices
+  (`ops/selective_scan/sequence_parallel.py`).
 
   Args:
     u: [B, T, D] input (float32, bfloat16 or float16).
@@ -112,8 +129,14 @@ def selective_scan(u: jax.Array, delta: jax.Array, A: jax.Array, B: jax.Array,
   call = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias,
               delta_softplus=delta_softplus, initial_state=initial_state,
               reverse=reverse, return_final_state=return_final_state)
+  split = sequence_parallel.plan(
+      _named_arrays(u, delta, A, B, C, D, z, delta_bias, initial_state))
   chosen = IMPLEMENTATIONS.choose(implementation, call, state=A.shape[-1],
-                                  length=u.shape[1])
+                                  length=u.shape[1] // (split.size("seq") if split else 1))
+  if split is not None:
+    return sequence_parallel.selective_scan_split(
+        chosen.run, split, delta_softplus=delta_softplus, reverse=reverse,
+        return_final_state=return_final_state)
   return chosen.run(**call)
 
 
@@ -131,17 +154,11 @@ def _triton(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, 
     return (y, final) if return_final_state else y
 
   # Per shard: batch, and channels under Explicit axes.
-  token = ("batch", "seq", "channels")
-  plan = _sharding.plan("selective_scan", (
-      ("u", u, token), ("delta", delta, token), ("A", A, ("channels", None)),
-      ("B", B, _projection_layout(B)), ("C", C, _projection_layout(C)),
-      ("D", D, ("channels",)), ("z", z, token),
-      ("delta_bias", delta_bias, ("channels",)),
-      ("initial_state", initial_state, ("batch", "channels", None))),
-      split=("batch", "channels"))
+  plan = _sharding.plan("selective_scan", _named_arrays(
+      u, delta, A, B, C, D, z, delta_bias, initial_state), split=("batch", "channels"))
   if not return_final_state:
-    return plan.run(kernel_path, token), None
-  return plan.run(kernel_path, [token, ("batch", "channels", None)])
+    return plan.run(kernel_path, _TOKEN), None
+  return plan.run(kernel_path, [_TOKEN, _STATE])
 
 
 def _triton_supports(call) -> str | None:
