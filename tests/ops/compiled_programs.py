@@ -55,3 +55,16 @@ def max_err(got, want) -> float:
   return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
              / (1.0 + float(np.max(np.abs(np.asarray(y)))))
              for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+def record_shapes(module, function: str, argument: str) -> list[list[int]]:
+  """Replaces `module.function` by a wrapper that records the shape of its
+  keyword `argument` at every trace; returns the (growing) list of shapes."""
+  seen, real = [], getattr(module, function)
+
+  def spy(**call):
+    seen.append(list(call[argument].shape))
+    return real(**call)
+
+  setattr(module, function, spy)
+  return seen

@@ -21,19 +21,14 @@ import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
 from ops.linear_scan import api
-from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err
+from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err, record_shapes
 
 assert jax.device_count() == 8, jax.devices()
 B, T, D = 2, 128, 3
 out = {}
 
 # The [B, t, D] shapes the XLA implementation is traced with.
-seen = []
-_xla = api.linear_scan_xla
-def spy(**call):
-  seen.append(list(call["b"].shape))
-  return _xla(**call)
-api.linear_scan_xla = spy
+seen = record_shapes(api, "linear_scan_xla", "b")
 
 keys = jax.random.split(jax.random.key(0), 4)
 a = jax.random.uniform(keys[0], (B, T, D), minval=0.6, maxval=0.99)

@@ -24,19 +24,14 @@ import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
 from ops.selective_scan import api
-from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err
+from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err, record_shapes
 
 assert jax.device_count() == 8, jax.devices()
 B, T, D, S, G = 2, 256, 4, 3, 2
 out = {}
 
 # The [B, t, D] shapes the XLA implementation is traced with.
-seen = []
-_xla = api.selective_scan_xla
-def spy(**call):
-  seen.append(list(call["u"].shape))
-  return _xla(**call)
-api.selective_scan_xla = spy
+seen = record_shapes(api, "selective_scan_xla", "u")
 
 keys = jax.random.split(jax.random.key(0), 10)
 u = jax.random.normal(keys[0], (B, T, D))

@@ -23,19 +23,14 @@ import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
 from ops.ssd import api
-from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err
+from tests.ops.compiled_programs import compile_and_run, longest_axis, max_err, record_shapes
 
 assert jax.device_count() == 8, jax.devices()
 B, T, N, G, K, V = 2, 1024, 4, 2, 4, 4
 out = {}
 
 # The [B, t, N, V] value shapes the XLA implementation is traced with.
-seen = []
-_xla = api.ssd_xla
-def spy(**call):
-  seen.append(list(call["v"].shape))
-  return _xla(**call)
-api.ssd_xla = spy
+seen = record_shapes(api, "ssd_xla", "v")
 
 keys = jax.random.split(jax.random.key(0), 5)
 q = jax.random.normal(keys[0], (B, T, G, K))
