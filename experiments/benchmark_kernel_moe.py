@@ -103,6 +103,7 @@ from ops.grouped_matmul import mosaic as gmm_mosaic
 from ops.grouped_matmul import mosaic_tgmm as gmm_mosaic_tgmm
 from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference as gmm_reference
+from ops.grouped_matmul import triton as gmm_triton
 from ops.grouped_mlp import pallas as mlp_pallas
 from ops.moe_dispatch import route
 from ops.moe_dispatch import sort_by_expert
@@ -301,11 +302,11 @@ def _tile_kernels(rows: int) -> list:
   out = []
   for name, bs in triton_tiles().items():
     out += [
-        (name, "gmm", functools.partial(gmm_pallas.gmm, block_sizes=bs),
+        (name, "gmm", functools.partial(gmm_triton.gmm, block_sizes=bs),
          (lhs, rhs, starts, ends)),
-        (name, "gmm_transposed", functools.partial(gmm_pallas.gmm, transpose_rhs=True,
+        (name, "gmm_transposed", functools.partial(gmm_triton.gmm, transpose_rhs=True,
                                                    block_sizes=bs), (dout, rhs, starts, ends)),
-        (name, "tgmm", functools.partial(gmm_pallas.tgmm, block_sizes=bs),
+        (name, "tgmm", functools.partial(gmm_triton.tgmm, block_sizes=bs),
          (lhs, dout, starts, ends))]
   if not gmm_mosaic.preferred(jnp.bfloat16):
     logging.info("tiles: the Mosaic GPU kernels' tiles are timed on a Hopper GPU only")

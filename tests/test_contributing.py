@@ -41,22 +41,40 @@ def test_every_op_has_the_same_rooms_and_a_registry(op):
   package = importlib.import_module(f"ops.{op}")
   implementations = package.IMPLEMENTATIONS
   assert isinstance(implementations, registry.Registry)
-  if list(folder.glob("pallas.py")) + list(folder.glob("mosaic*.py")):  # kernel files
+  if [*folder.glob("pallas.py"), *folder.glob("triton*.py"), *folder.glob("mosaic*.py")]:
     for name in ("configs.py", "tuned.json"):
       assert (folder / name).is_file(), f"ops/{op}/ has kernels but no {name}"
   for path in folder.glob("*.py"):  # tiles are data: no tuning table in code
     assert not re.search(r"^_TABLE\s*=", path.read_text(), re.M), path
 
 
+def _imported_modules(path):
+  """The dotted names a file imports: `from a.b import c` gives `a.b` and `a.b.c`."""
+  tree = ast.parse(path.read_text())
+  names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+  for n in ast.walk(tree):
+    if isinstance(n, ast.ImportFrom) and n.module:
+      names += [n.module] + [f"{n.module}.{a.name}" for a in n.names]
+  return [n for n in names if n.startswith("ops.")]
+
+
 @pytest.mark.parametrize("op", [op for op in _OPS if (_ROOT / "ops" / op / "configs.py").is_file()])
 def test_configurations_import_no_kernel(op):
   """Kernel files import their configurations, never the reverse."""
-  tree = ast.parse((_ROOT / "ops" / op / "configs.py").read_text())
-  names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-  names += [f"{n.module}.{a.name}" for n in ast.walk(tree)
-            if isinstance(n, ast.ImportFrom) and n.module for a in n.names]
+  names = _imported_modules(_ROOT / "ops" / op / "configs.py")
   kernel = re.compile(r"\.(pallas|mosaic\w*|triton\w*)$")
-  assert not [n for n in names if n.startswith("ops.") and kernel.search(n)], names
+  assert not [n for n in names if kernel.search(n)], names
+
+
+@pytest.mark.parametrize("op", _OPS)
+def test_backends_import_not_each_other(op):
+  """Triton files import no Mosaic GPU module (of any op) and Mosaic GPU files no
+  Triton module, nor either an op's `pallas.py`, which combines the two."""
+  for backend, other in (("triton", "mosaic"), ("mosaic", "triton")):
+    for path in (_ROOT / "ops" / op).glob(f"{backend}*.py"):
+      names = _imported_modules(path)
+      found = [n for n in names if re.search(rf"\._?{other}\w*$|\.pallas$", n)]
+      assert not found, f"ops/{op}/{path.name} imports {found}"
 
 
 def test_every_cell_is_an_ssm_cell():

@@ -230,7 +230,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_offset: None, as `jax.lax.ragged_dot` implements no other value.
     implementation: None (on NVIDIA GPUs the kernels where measured faster,
       `ops/dispatch_tables/grouped_matmul.json`; XLA elsewhere and where
-      unmeasured), 'triton' (the Triton kernels of pallas.py; interpret mode
+      unmeasured), 'triton' (the Triton kernels of triton.py; interpret mode
       off GPU), 'mosaic' (the Mosaic GPU kernels of mosaic.py and
       mosaic_tgmm.py: 16-bit operands on a Hopper GPU), 'pallas' (an alias of
       ('mosaic', 'triton')), 'xla' (`jax.lax.ragged_dot`), or a sequence of

@@ -1,6 +1,6 @@
 """Configuration of the grouped matmul kernels; the tuned values are in tuned.json.
 
-`TritonConfig` tiles the Triton kernels (pallas.py). The Mosaic GPU kernels
+`TritonConfig` tiles the Triton kernels (triton.py). The Mosaic GPU kernels
 have two tile sets: `MosaicConfig` for the matmul over rows (mosaic.py) and
 `MosaicTgmmConfig` for the weight gradient (mosaic_tgmm.py), whose block
 reduces over rows instead; `MosaicCandidates` is the tuned list that
@@ -32,7 +32,7 @@ def _check_pow2(config, names, least: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
-  """Tile sizes of the three Triton kernels (pallas.py); a field left None
+  """Tile sizes of the three Triton kernels (triton.py); a field left None
   takes the tuned value for this device (tuned.json)."""
   block_m: int | None = None       # gmm: rows per tile
   block_k: int | None = None       # gmm: contraction step

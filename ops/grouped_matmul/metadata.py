@@ -1,6 +1,6 @@
 """Which (group, row tile) pairs a grouped-matmul grid visits.
 
-Shared by the Triton (`pallas.py`) and Mosaic GPU (`mosaic.py`) kernels: the
+Shared by the Triton (`triton.py`) and Mosaic GPU (`mosaic.py`) kernels: the
 M rows are cut into `block_m` tiles and a tile that straddles a group boundary
 is visited once per group it touches (MegaBlocks, https://arxiv.org/abs/2211.15841).
 """

@@ -1,6 +1,6 @@
 """Mosaic GPU (Hopper) kernel for the grouped matmul: TMA, wgmma, warp specialization.
 
-The Triton kernel in `pallas.py` cannot use Hopper's tensor memory accelerator
+The Triton kernel in `triton.py` cannot use Hopper's tensor memory accelerator
 (TMA) or split a block's warps into loaders and multipliers, so at the MoE sizes it
 stays well below cuBLAS's dense rate. This kernel does the same computation
 on Mosaic GPU: one grid step per (group, row tile), and a tile that straddles a

@@ -1,7 +1,7 @@
 """Mosaic GPU (Hopper) kernel for the transposed grouped matmul, the weight
 gradient of the grouped matmul: `out[g] = lhs[rows of g]^T @ dout[rows of g]`.
 
-The Triton `tgmm` (`pallas.py`) masks the rows of other groups as it loads
+The Triton `tgmm` (`triton.py`) masks the rows of other groups as it loads
 them. TMA loads whole tiles, so here the rows outside the group are zeroed in
 shared memory, in the two tiles at a group's ends only.
 

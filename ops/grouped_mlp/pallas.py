@@ -53,11 +53,11 @@ from ops import _shapes
 from ops.grouped_matmul import configs as gmm_configs
 from ops.grouped_matmul import mosaic as mosaic_gmm
 from ops.grouped_matmul.metadata import group_metadata
-from ops.grouped_matmul.pallas import gmm
 from ops.grouped_matmul.pallas import mosaic_tgmm_default
 from ops.grouped_matmul.pallas import weight_gradient
-from ops.grouped_matmul.pallas import tile_of_step
-from ops.grouped_matmul.pallas import tile_products
+from ops.grouped_matmul.triton import gmm
+from ops.grouped_matmul.triton import tile_of_step
+from ops.grouped_matmul.triton import tile_products
 from ops.grouped_mlp import configs
 from ops.grouped_mlp import mosaic as mosaic_mlp
 from ops.grouped_mlp.activations import activation_grads

@@ -13,6 +13,7 @@ from experiments import tolerances
 import ops
 from ops.grouped_matmul import TritonConfig
 from ops.grouped_matmul import grouped_matmul_reference
+from ops.grouped_matmul import metadata
 from ops.grouped_matmul import pallas
 from ops.grouped_matmul import reference
 
@@ -157,7 +158,7 @@ def test_bad_implementation_raises():
 def test_group_metadata_visits_each_row_once():
   sizes = jnp.asarray([5, 0, 50, 15])
   starts, ends = reference.group_bounds(sizes, M)
-  group, tile, row_start, row_end = pallas.group_metadata(starts, ends, 80, 16)
+  group, tile, row_start, row_end = metadata.group_metadata(starts, ends, 80, 16)
   assert group.shape == (80 // 16 + G,)
   covered = np.zeros(80, int)
   for g, t, s, e in zip(*map(np.asarray, (group, tile, row_start, row_end))):
