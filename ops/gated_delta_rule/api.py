@@ -14,6 +14,7 @@ from ops import _shapes
 from ops import registry
 from ops.gated_delta_rule import configs
 from ops.gated_delta_rule import pallas as pallas_impl
+from ops.gated_delta_rule import sequence_parallel
 from ops.gated_delta_rule.reference import no_gate
 from ops.gated_delta_rule.step import l2_normalize
 from ops.gated_delta_rule.step import write_strength
@@ -38,6 +39,12 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
 
       S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T
       y_t = scale * S_t q_t
+
+  On a mesh, the time axis may be split over Explicit mesh axes (with the
+  batch and heads): each device runs its own chunk once, from zero and from
+  the identity, and only the chunks' final states and total transitions
+  [B, N, K, K] cross devices (`ops/gated_delta_rule/sequence_parallel.py`;
+  not with `cu_seqlens`).
 
   Args:
     q: [B, T, N, K] queries, or [B, T, G, K] shared by N // G heads.
@@ -97,8 +104,12 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
                           allow_neg_eigval=allow_neg_eigval)
   call = dict(q=q, k=k, v=v, log_decay=no_gate(log_decay, beta), beta=beta, scale=scale,
               initial_state=initial_state, chunk_size=chunk_size, cu_seqlens=cu_seqlens)
+  split = sequence_parallel.plan(q, k, v, call["log_decay"], beta, initial_state, cu_seqlens)
   chosen = IMPLEMENTATIONS.choose(implementation, call, key_dim=q.shape[-1],
-                                  length=q.shape[1])
+                                  length=q.shape[1] // (split.size("seq") if split else 1))
+  if split is not None:
+    return sequence_parallel.gated_delta_rule_split(chosen, split, scale=scale,
+                                                    chunk_size=chunk_size)
   return chosen.run(**call)
 
 
