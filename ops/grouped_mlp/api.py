@@ -5,7 +5,7 @@ by expert: row i of group g is `act(x[i] @ w_in[g]) @ w_out[g]`. Two
 `ops.grouped_matmul` calls compute the same function; this op exists so that
 the Pallas path can apply the activation (and, backward, its derivative)
 inside the matmul kernels instead of in separate passes over the hidden
-activations (pallas.py says how).
+activations (triton.py says how).
 
 Glossary of shapes: M rows, D input width, F hidden width, D' output width,
 G groups.

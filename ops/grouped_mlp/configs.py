@@ -1,6 +1,6 @@
 """Configuration of the grouped MLP's kernels; the tuned values are in tuned.json.
 
-The Triton kernels (pallas.py) run on the grouped matmul's tiles
+The Triton kernels (triton.py) run on the grouped matmul's tiles
 (`ops.grouped_matmul.configs.TritonConfig`) but for what `TritonConfig` here
 changes in the hidden gradient's; the Mosaic GPU kernels take the grouped
 matmul's `MosaicConfig` as they are.

@@ -1,6 +1,6 @@
 """Mosaic GPU (Hopper) kernels of `grouped_mlp`: the activation in the epilogues.
 
-The same two fused kernels as the Triton ones in `pallas.py`, on
+The same two fused kernels as the Triton ones in `triton.py`, on
 `ops.grouped_matmul.mosaic.gmm` (TMA, wgmma, warp specialization):
 - `mlp_in`: `a = act(x @ w_in[g])`, and the pre-activation `h` when a gradient
   will be taken;

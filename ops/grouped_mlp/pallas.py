@@ -1,37 +1,22 @@
-"""Pallas (Triton) kernels for `grouped_mlp`: the activation in the matmul epilogues.
+"""The Pallas implementation of `grouped_mlp`: the activation in the matmul
+epilogues, on the Triton kernels (`triton.py`) or the Mosaic GPU ones
+(`mosaic.py`), with the plain grouped matmuls of `ops.grouped_matmul`.
 
-A grouped MLP from two `ops.grouped_matmul` calls writes the hidden
-pre-activation, reads it back for the activation, writes the activation, and
-in the backward pass reads both again for the activation's derivative: two
-extra passes over [M, F] each way, which at MoE sizes cost as much device time
-as a grouped matmul. Here the activation runs on the first matmul's float32
-accumulator before it is stored, and its derivative runs on the accumulator of
-the hidden gradient `dy @ w_out[g]^T` before that is stored. The activation is
-applied to a tile's *output*, never to an input tile: a tile changed in
-registers cannot feed the tensor cores from shared memory, so an activation
-on the second matmul's input tiles would slow that matmul (BUILD_NOTES.md,
-"MoE").
-
-Two kernels of this file and four of `ops.grouped_matmul`, under one
+Two fused kernels and four of `ops.grouped_matmul`, under one
 `jax.custom_vjp`:
-- forward: `grouped_mlp_in` (h = x @ w_in[g], a = act(h); stores a, and h when
-  a gradient will be needed), then `gmm(a, w_out)`;
-- backward: `grouped_mlp_hidden_grad` (dh = act'(h) * (dy @ w_out[g]^T)), then
+- forward: `mlp_in` (h = x @ w_in[g], a = act(h); stores a, and h when a
+  gradient will be needed), then `gmm(a, w_out)`;
+- backward: `hidden_grad` (dh = act'(h) * (dy @ w_out[g]^T)), then
   `tgmm(a, dy)`, `gmm(dh, w_in^T)` and `tgmm(x, dh)` from `ops.grouped_matmul`.
-
-SwiGLU's gate and value columns of a tile are computed by the same program
-(two accumulators sharing each x tile), so the activation needs no exchange
-between programs; `w_in` is padded half by half so that the value column of
-gate column j is always `j + hidden`.
 
 Float32 weights with a bfloat16 `x` are cast once per call, and their
 gradients are stored in float32 straight from the kernels' accumulators.
 
-`mosaic=True` runs the same fusions on the Mosaic GPU kernel
-(`ops/grouped_mlp/mosaic.py`, Hopper, 16-bit rows); it is not the default
-(`mosaic_default` says why). The two plain grouped matmuls choose their kernel
-on their own (`mosaic_plain`, default `mosaic_plain_default`), and so do the
-two weight gradients (`mosaic_tgmm`, `ops/grouped_matmul/mosaic_tgmm.py`).
+`mosaic=True` runs the fused kernels on Mosaic GPU (`ops/grouped_mlp/mosaic.py`,
+Hopper, 16-bit rows); it is not the default (`mosaic_default` says why). The
+two plain grouped matmuls choose their kernel on their own (`mosaic_plain`,
+default `mosaic_plain_default`), and so do the two weight gradients
+(`mosaic_tgmm`, `ops/grouped_matmul/mosaic_tgmm.py`).
 
 Glossary of shapes: M rows, D input width, F hidden width (Fi = F, or 2F for
 SwiGLU, columns of w_in), D' output width, G groups; a `p` suffix means padded
@@ -42,9 +27,6 @@ import functools
 from typing import NamedTuple
 
 import jax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
-import jax.numpy as jnp
 import numpy as np
 
 from ops import _backend
@@ -52,95 +34,13 @@ from ops import _pallas
 from ops import _shapes
 from ops.grouped_matmul import configs as gmm_configs
 from ops.grouped_matmul import mosaic as mosaic_gmm
-from ops.grouped_matmul.metadata import group_metadata
 from ops.grouped_matmul.pallas import mosaic_tgmm_default
 from ops.grouped_matmul.pallas import weight_gradient
 from ops.grouped_matmul.triton import gmm
-from ops.grouped_matmul.triton import tile_of_step
-from ops.grouped_matmul.triton import tile_products
 from ops.grouped_mlp import configs
 from ops.grouped_mlp import mosaic as mosaic_mlp
-from ops.grouped_mlp.activations import activation_grads
-from ops.grouped_mlp.activations import activation_value
-from ops.grouped_mlp.activations import approximate_tanh
-from ops.grouped_mlp.activations import col_offsets
+from ops.grouped_mlp import triton as triton_mlp
 from ops.grouped_mlp.activations import halves
-
-
-def _tanh(fast):
-  return plgpu.approx_tanh if fast else jnp.tanh
-
-
-class _Tiling(NamedTuple):
-  fast_math: bool  # approximate tanh (compiled, 16-bit inputs)
-  num_groups: int
-  k_steps: int
-  block_m: int
-  block_k: int
-  block_n: int
-  columns_fastest: bool
-
-
-def _mlp_in_kernel(group_ref, tile_ref, start_ref, end_ref, x_ref, w_ref, act_ref,
-                   *pre_ref, tiling, activation, hidden):
-  tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
-                      num_groups=tiling.num_groups, block_m=tiling.block_m,
-                      block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
-  offsets = col_offsets(activation, hidden)
-  accs = tile_products(x_ref, w_ref, tile, offsets, num_groups=tiling.num_groups,
-                       k_steps=tiling.k_steps, block_k=tiling.block_k,
-                       block_n=tiling.block_n, transpose_rhs=False)
-  mask = tile.mine[:, None]
-  act = activation_value(accs, activation, _tanh(tiling.fast_math))
-  plgpu.store(act_ref.at[tile.rows, pl.ds(tile.col0, tiling.block_n)],
-              act.astype(act_ref.dtype), mask=mask)
-  if pre_ref:
-    for acc, offset in zip(accs, offsets):
-      plgpu.store(pre_ref[0].at[tile.rows, pl.ds(tile.col0 + offset, tiling.block_n)],
-                  acc.astype(pre_ref[0].dtype), mask=mask)
-
-
-def _mlp_hidden_grad_kernel(group_ref, tile_ref, start_ref, end_ref, dy_ref, w_ref,
-                            pre_ref, dpre_ref, *, tiling, activation, hidden):
-  tile = tile_of_step(group_ref, tile_ref, start_ref, end_ref,
-                      num_groups=tiling.num_groups, block_m=tiling.block_m,
-                      block_n=tiling.block_n, columns_fastest=tiling.columns_fastest)
-  [da] = tile_products(dy_ref, w_ref, tile, (0,), num_groups=tiling.num_groups,
-                       k_steps=tiling.k_steps, block_k=tiling.block_k,
-                       block_n=tiling.block_n, transpose_rhs=True)
-  offsets = col_offsets(activation, hidden)
-  col_sets = [pl.ds(tile.col0 + offset, tiling.block_n) for offset in offsets]
-  pre = [plgpu.load(pre_ref.at[tile.rows, cols]).astype(jnp.float32)
-         for cols in col_sets]
-  grads = activation_grads(da, pre, activation, _tanh(tiling.fast_math))
-  for grad, cols in zip(grads, col_sets):
-    plgpu.store(dpre_ref.at[tile.rows, cols], grad.astype(dpre_ref.dtype),
-                mask=tile.mine[:, None])
-
-
-def _row_tile_call(kernel, lhs, rhs, starts, ends, out_shapes, *, hidden, activation,
-                   bs: gmm_configs.TritonConfig, name, interpret, extra=()):
-  """Runs a `gmm`-style kernel over (row tile, hidden column block) programs.
-
-  `lhs` [Mp, Kp] and `rhs` are already padded to the tiles; the programs
-  cover `hidden` output columns (each half's, for SwiGLU).
-  """
-  padded_rows, padded_k = lhs.shape
-  metadata = group_metadata(starts, ends, padded_rows, bs.block_m)
-  tiling = _Tiling(fast_math=approximate_tanh(lhs.dtype, interpret),
-                   num_groups=rhs.shape[0], k_steps=padded_k // bs.block_k,
-                   block_m=bs.block_m, block_k=bs.block_k, block_n=bs.block_n,
-                   columns_fastest=bs.columns_fastest)
-  grid = (metadata[0].shape[0], hidden // bs.block_n)
-  return _pallas.pallas_call(
-      functools.partial(kernel, tiling=tiling, activation=activation, hidden=hidden),
-      out_shape=out_shapes,
-      grid=grid[::-1] if bs.columns_fastest else grid,
-      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps,
-                                           num_stages=bs.num_stages),
-      interpret=interpret,
-      name=name,
-  )(*metadata, lhs, rhs, *extra)
 
 
 class _Statics(NamedTuple):
@@ -219,13 +119,9 @@ def _forward(x, w_in, w_out, starts, ends, statics, *, save_hidden):
                               interpret=interpret)
   else:
     x_p = _shapes.pad_axis(x_p, 0, bs.block_m)
-    padded_rows = x_p.shape[0]
-    out_shapes = [jax.ShapeDtypeStruct((padded_rows, hidden_p), x.dtype)]
-    if save_hidden:
-      out_shapes.append(jax.ShapeDtypeStruct((padded_rows, w_in_p.shape[2]), x.dtype))
-    a, *h = _row_tile_call(_mlp_in_kernel, x_p, w_in_p, starts, ends, out_shapes,
-                           hidden=hidden_p, activation=act, bs=bs,
-                           name="grouped_mlp_in", interpret=interpret)
+    a, *h = triton_mlp.mlp_in(x_p, w_in_p, starts, ends, activation=act,
+                              hidden=hidden_p, save_hidden=save_hidden, block_sizes=bs,
+                              interpret=interpret)
   y = _plain_gmm(a, w_out_p, starts, ends, statics, transpose_rhs=False)
   y = y[:num_rows, :out_width]
   residuals = (x_p, w_in_p, w_out_p, h[0] if h else None, a, starts, ends)
@@ -253,12 +149,9 @@ def _grouped_mlp_bwd(statics, saved, dy):
     dh = mosaic_mlp.hidden_grad(dy_p, w_out_p, h, ends, activation=act,
                                 config=cfg, interpret=interpret)
   else:
-    dh = _row_tile_call(_mlp_hidden_grad_kernel, dy_p, w_out_p, starts, ends,
-                        jax.ShapeDtypeStruct((x_p.shape[0], h.shape[1]), x_p.dtype),
-                        hidden=w_out_p.shape[1], activation=act,
-                        bs=statics.hidden_grad_block_sizes,
-                        name="grouped_mlp_hidden_grad", interpret=interpret,
-                        extra=(h,))
+    dh = triton_mlp.hidden_grad(dy_p, w_out_p, h, starts, ends, activation=act,
+                                block_sizes=statics.hidden_grad_block_sizes,
+                                interpret=interpret)
   dx = _plain_gmm(dh, w_in_p, starts, ends, statics, transpose_rhs=True)  # [Mp, Dp]
   def dw(lhs, dout, out_dtype):
     return weight_gradient(lhs, dout, starts, ends, out_dtype=out_dtype,
