@@ -18,7 +18,7 @@ _SMALLEST = 16  # rows or columns of a tile at the least: a tensor-core tile
 
 @dataclasses.dataclass(frozen=True)
 class TritonConfig:
-  """Tiling of the Triton kernels (pallas.py), and which of their launches run
+  """Tiling of the Triton kernels (triton.py), and which of their launches run
   on the Mosaic GPU kernels instead; a field left None takes the tuned value
   for this device (tuned.json's default entry), whose nulls keep the meanings
   of None given below."""

@@ -8,7 +8,7 @@ K^T (D U)` with `D = diag(e^{b_L - b})`, and forms the output on its way,
 state entering each chunk and U. The reverse (`walk_reverse`) carries the
 adjoint back. There are only B x N walks (128 at B 8, N 16), about one per SM,
 so a walk's time is its chain's latency per chunk times the number of chunks.
-The Triton walks (`pallas._states_kernel`, `pallas._states_bwd_kernel`) are
+The Triton walks (`triton._states_kernel`, `triton._states_bwd_kernel`) are
 the baseline (their time a chunk: BUILD_NOTES.md, "SSD and the gated delta
 rule"). Here a block has three warpgroups:
 

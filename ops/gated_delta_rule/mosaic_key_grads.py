@@ -8,7 +8,7 @@ products that reduce over V,
     dY M0^T,  (T^T dU) M0^T  and  U dM1^T,
 
 and the Frobenius product <M0, dM1> (for d log-decay at the chunk's end).
-The Triton kernel (`pallas._key_grad_kernel`) does this and reads `T^T dU`
+The Triton kernel (`triton._key_grad_kernel`) does this and reads `T^T dU`
 from the value-gradient kernel. Here one block
 walks a run of chunks of one (batch, head), and a memory warpgroup streams
 them through shared memory with TMA ahead of one compute warpgroup, in units

@@ -104,7 +104,7 @@ def test_unit_lower_inverse(case, block):
   `block` rows merged after it) against numpy, at L 32. 'repeated_key' (one key written 32 times with beta 1 and no decay: A
   all ones below the diagonal) is the case a truncated series would get wrong:
   its powers grow like binomials while the inverse is bidiagonal."""
-  from ops.gated_delta_rule import pallas as gdr_pallas_lib
+  from ops.gated_delta_rule import triton as gdr_triton
   chunk = 32
   if case == "random":
     a = np.asarray(jax.random.uniform(jax.random.key(0), (chunk, chunk), minval=-0.5,
@@ -112,7 +112,7 @@ def test_unit_lower_inverse(case, block):
   else:
     a = np.ones((chunk, chunk), np.float32)
   a = np.tril(a, -1).astype(np.float32)
-  got = gdr_pallas_lib._unit_lower_inverse(jnp.asarray(a), chunk, block)
+  got = gdr_triton._unit_lower_inverse(jnp.asarray(a), chunk, block)
   want = np.linalg.inv(np.eye(chunk) + a.astype(np.float64))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * max(1.0, np.abs(want).max()))
 

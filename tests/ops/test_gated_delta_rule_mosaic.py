@@ -14,6 +14,7 @@ from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import pallas as gdr_pallas
+from ops.gated_delta_rule import triton as gdr_triton
 
 _SIZE = 128  # the walk's K = V
 
@@ -98,8 +99,8 @@ def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
   k, w, u_tilde, b, h0 = _walk_inputs(1, 96, 4, 2, chunk)
   q = _queries(k, seed=5)
   blocks = _triton_walk_blocks(chunk)
-  states, u, final = gdr_pallas._states(k, w, u_tilde, b, h0, blocks)
-  y, _ = gdr_pallas._output(q, k, u, b, states, 0.25, blocks, save_scores=True)
+  states, u, final = gdr_triton.states(k, w, u_tilde, b, h0, blocks)
+  y, _ = gdr_triton.output(q, k, u, b, states, 0.25, blocks, save_scores=True)
   y_walk, final_walk, (states_walk, u_walk) = mosaic.walk_forward(
       q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, interpret=True)
   want = _walk_float64(q, k, w, u_tilde, b, h0, chunk, 0.25)
@@ -146,8 +147,8 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
   q = _queries(k, seed=3)
   blocks = _triton_walk_blocks(chunk)
   states = jnp.zeros((1, 4, 96 // chunk, _SIZE, _SIZE), jnp.bfloat16)
-  _, scores_t = gdr_pallas._output(q, k, dy, b, states, 0.25, blocks, save_scores=True)
-  triton = gdr_pallas._states_bwd(q, k, w, dy, b, scores_t, dfinal, 0.25, blocks)
+  _, scores_t = gdr_triton.output(q, k, dy, b, states, 0.25, blocks, save_scores=True)
+  triton = gdr_triton.states_bwd(q, k, w, dy, b, scores_t, dfinal, 0.25, blocks)
   walk = mosaic.walk_reverse(q, k, w, dy, b, dfinal, chunk=chunk, scale=0.25, slots=slots,
                              interpret=True)
   want = _reverse_float64(q, k, w, dy, b, dfinal, chunk, 0.25)

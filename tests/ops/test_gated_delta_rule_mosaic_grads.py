@@ -11,6 +11,7 @@ import pytest
 from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import mosaic_grads
 from ops.gated_delta_rule import pallas as gdr_pallas
+from ops.gated_delta_rule import triton as gdr_triton
 from tests.ops.test_gated_delta_rule_mosaic import assert_op_matches_reference
 from tests.ops.test_gated_delta_rule_mosaic import lowered_gradient
 
@@ -48,10 +49,10 @@ def test_matches_the_triton_gradient_kernels(heads, groups, splits, chunks):
   q, k, v, u, du, dy, tt, b, beta, m0, dm1 = _inputs(1, time, heads, groups,
                                                       seed=heads + groups)
   blocks = gdr_configs.TritonConfig(chunk=_L, block_v=64, grad_block_k=_SIZE)
-  dv, dru, dsd, dkk, db, dbeta = gdr_pallas._value_grads(q, k, v, u, du, dy, b, beta, tt,
-                                                         0.25, blocks)
-  dq, dk, db_keys, dbeta_keys = gdr_pallas._key_grads(q, k, u, dru, dy, b, beta, dsd, dkk,
-                                                      m0, dm1, 0.25, blocks)
+  dv, dru, dsd, dkk, db, dbeta = gdr_triton.value_grads(q, k, v, u, du, dy, b, beta, tt,
+                                                        0.25, blocks)
+  dq, dk, db_keys, dbeta_keys = gdr_triton.key_grads(q, k, u, dru, dy, b, beta, dsd, dkk,
+                                                     m0, dm1, 0.25, blocks)
   want = (dq, dk, dv, db + db_keys.sum(0), dbeta + dbeta_keys.sum(0))
   got = mosaic_grads.chunk_grads(q, k, v, u, du, dy, tt, b, beta, m0, dm1, scale=0.25,
                                  splits=splits, interpret=True)

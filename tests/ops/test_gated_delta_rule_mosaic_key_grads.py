@@ -11,6 +11,7 @@ import pytest
 from ops.gated_delta_rule import configs as gdr_configs
 from ops.gated_delta_rule import mosaic_key_grads
 from ops.gated_delta_rule import pallas as gdr_pallas
+from ops.gated_delta_rule import triton as gdr_triton
 from tests.ops.test_gated_delta_rule_mosaic import assert_op_matches_reference
 from tests.ops.test_gated_delta_rule_mosaic import lowered_gradient
 
@@ -71,8 +72,8 @@ def test_matches_the_triton_key_gradients(chunk, heads, groups, splits, slots):
   dru = _t_transposed_times(tt, du, chunk)
   blocks = gdr_configs.TritonConfig(chunk=chunk, block_v=64, grad_block_k=_SIZE)
   flat = lambda x: x.reshape(x.shape[:2] + (time, chunk))
-  want = gdr_pallas._key_grads(q, k, u, dru, dy, b, beta, flat(dsd), flat(dkk), m0, dm1,
-                               0.25, blocks)
+  want = gdr_triton.key_grads(q, k, u, dru, dy, b, beta, flat(dsd), flat(dkk), m0, dm1,
+                              0.25, blocks)
   flat_tt = tt.reshape(tt.shape[:2] + (time, chunk))
   got = mosaic_key_grads.key_grads(q, k, u, du, flat_tt, dy, b, beta, _pairs(dsd, dkk), m0,
                                    dm1, chunk=chunk, scale=0.25, splits=splits, slots=slots,
