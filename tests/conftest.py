@@ -43,7 +43,7 @@ _JAX_RELEASE_FILES = frozenset(f"tests/{path}" for path in (
     "ops/test_sharding.py", "ops/test_linear_scan_sequence_parallel.py",
     "ops/test_ssd_sequence_parallel.py",
     "ops/test_selective_scan_sequence_parallel.py",
-    "ops/test_gated_delta_rule_sequence_parallel.py",
+    "ops/test_gated_delta_rule_sequence_parallel.py", "ops/test_flex_attention_ring.py",
     "models/test_moe_sharding.py", "training/test_sharding.py",
     "training/test_fit_sharding.py", "training/test_multiprocess.py",
     "training/test_checkpoints.py", "test_readme.py", "test_docs.py", "test_packaging.py"))

@@ -21,6 +21,7 @@ from ops.flex_attention import mosaic
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import pallas
 from ops.flex_attention import reference
+from ops.flex_attention import ring
 
 _OP = "flex_attention"
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -115,6 +116,11 @@ def flex_attention(
     implementation: registry.Choice = None) -> jax.Array:
   """Softmax attention with causal/window/segment/length masks and mods.
 
+  With the sequence axis split over Explicit mesh axes it runs as ring
+  attention (`ops/flex_attention/ring.py`: key/value shards passed between
+  the devices, partial outputs merged by log-sum-exp, causal work balanced),
+  on XLA blocks, as the kernels decline such a call.
+
   Args:
     q: [B, T, N, H] queries.
     k, v: [B, S, K, H] keys and values; N must be a multiple of K.
@@ -175,7 +181,11 @@ def flex_attention(
               window=window, q_ids=q_ids, kv_ids=kv_ids,
               key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod,
               score_mod=score_mod)
-  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
+  split = ring.plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths)
+  chosen = IMPLEMENTATIONS.choose(implementation, call)
+  if split is not None:  # Only 'xla' takes it: ring attention over XLA blocks.
+    return ring.flex_attention_ring(split, **call)
+  return chosen.run(**call)
 
 
 def _xla(q, k, v, *, is_causal, scale, segment_ids, window, key_value_seq_lengths,
@@ -223,7 +233,7 @@ def _padded_head_dim(q) -> int:
 
 
 def _kernel_supports(call) -> str | None:
-  return kernel_limit(call["q"])
+  return kernel_limit(call["q"]) or ring.kernel_limit(call["q"], call["k"])
 
 
 def _all_triton(config: configs.FlexConfig) -> configs.FlexConfig:
@@ -237,7 +247,7 @@ def _all_mosaic(config: configs.FlexConfig) -> configs.FlexConfig:
 
 def _mosaic_supports(call) -> str | None:
   q, k = call["q"], call["k"]
-  if (limit := kernel_limit(q)) is not None:
+  if (limit := _kernel_supports(call)) is not None:
     return limit
   if not _mosaic_gpu.takes(q.dtype):
     return f"the Mosaic GPU kernels take float16 or bfloat16 on a Hopper GPU, got {q.dtype} on " \

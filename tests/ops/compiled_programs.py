@@ -31,6 +31,13 @@ def collectives(text: str) -> list[list[int]]:
   return found
 
 
+def collective_kinds(text: str) -> list[str]:
+  """The kind of every collective of a compiled program that moves an array
+  (a scalar's, such as a loss summed over devices, left out)."""
+  return [m.group(2) for m in map(_COLLECTIVE.search, text.splitlines())
+          if m and any(shapes(m.group(1)))]
+
+
 def longest_axis(text: str) -> int:
   """The longest dimension of any array in an HLO text."""
   return max(max(s, default=0) for s in shapes(text))
