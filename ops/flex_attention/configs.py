@@ -1,7 +1,7 @@
 """Configuration of the flex-attention kernels; the tuned values are in tuned.json.
 
 `TritonConfig` tiles one Triton launch: the forward and its second pass
-(`pallas.py`), dK/dV and dQ (`triton_backward.py`). The two Mosaic GPU kernels
+(`triton.py`), dK/dV and dQ (`triton_backward.py`). The two Mosaic GPU kernels
 have tile sets of their own, hence two classes: `MosaicConfig` (the forward,
 `mosaic.py`) and `MosaicBackwardConfig` (the one-launch backward,
 `mosaic_backward.py`). `FlexConfig` holds one call's launches and the limits
@@ -18,7 +18,7 @@ from ops import tuning
 
 _OP = "flex_attention"
 FWD_SOFTMAX = ("online", "first_tile_max")
-# Where rows past the first-tile maxima's limit are recomputed (`pallas.py`).
+# Where rows past the first-tile maxima's limit are recomputed (`triton.py`).
 REFRESH = ("launch", "in_kernel", "auto")
 MIN_TRITON_TILE = 16  # a tensor-core tile's rows
 # A block of either Mosaic GPU kernel: two compute warpgroups beside the memory
@@ -232,7 +232,7 @@ class FlexConfig:
   `fwd_softmax` is how the forward (either kernel) keeps its exponentials
   in range: 'online' (the running row maxima, rescaling as they grow) or
   'first_tile_max' (the maxima of the first fully open key tile, kept for
-  the other open tiles: no maxima and no rescaling there; `pallas.py`;
+  the other open tiles: no maxima and no rescaling there; `triton.py`;
   float16 calls and calls with a `score_mod` keep 'online').
   `refresh` is where 'first_tile_max' recomputes the query tiles whose rows
   passed the kept maxima by far: 'launch' (a second launch whose programs

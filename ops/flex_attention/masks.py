@@ -1,9 +1,9 @@
 """Which (query, key) tiles a flex-attention call's mask opens, and the loops
-that visit them. Shared by the Triton kernels (`pallas.py`,
+that visit them. Shared by the Triton kernels (`triton.py`,
 `triton_backward.py`) and, through the callables `pallas` hands them, the
 Mosaic GPU ones.
 
-`st` is the call's static description (`triton_common.Static`): `left`, `right`
+`st` is the call's static description (`static.Static`): `left`, `right`
 (the window; causal is right = 0), `kv_mask` (key lengths), `key_length`, `segments`,
 `mask_mod` and `any_mask` are what these functions read. Tiles are in three
 classes: fully open (no mask arithmetic), partly masked (masked body), and
@@ -18,7 +18,7 @@ from jax import lax
 import jax.numpy as jnp
 
 
-# With the first tile's row maxima frozen (`pallas.py`, "The first-tile
+# With the first tile's row maxima frozen (`triton.py`, "The first-tile
 # maxima"), a row sum at or past this (p up to 2^64 / S; inf or NaN on
 # overflow) marks the row for the online softmax's second pass. It keeps
 # acc = sum p v inside f32 for |v| < 2^64.

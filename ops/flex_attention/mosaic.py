@@ -1,6 +1,6 @@
 """Mosaic GPU (Hopper) forward kernel of flex attention: TMA, wgmma, ping-pong.
 
-The Triton forward (`pallas.py`) runs a query tile's two matmuls and its
+The Triton forward (`triton.py`) runs a query tile's two matmuls and its
 softmax one after the other in one group of warps. This kernel follows
 FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
 
@@ -13,7 +13,7 @@ FlashAttention-3 (https://arxiv.org/abs/2407.08608) instead:
   (the "schedule barrier"), so the exponentials of one overlap the matmuls
   of the other.
 - P goes to the P V matmul straight from registers.
-- With `fwd_softmax='first_tile_max'` (`pallas.py`, "The first-tile
+- With `fwd_softmax='first_tile_max'` (`triton.py`, "The first-tile
   maxima") a warpgroup's open key tiles after its first one run against that
   tile's row maxima: no maxima, no rescaling of the accumulator. Rows whose
   sums pass `masks.FROZEN_SUM_LIMIT` get a NaN lse for the Triton second pass.
@@ -28,7 +28,7 @@ It writes the same outputs as the Triton forward, `out` and the base-2
 log-sum-exp `lse` [B, N, Tp] (+inf for a query that sees no key), so the
 Triton backward kernels run on them unchanged.
 
-Masks are those of `triton_common.Static` without segments or mods: causal, a
+Masks are those of `static.Static` without segments or mods: causal, a
 `(left, right)` window and key lengths, on tile indices. Each warpgroup walks
 the block's key tiles in order: tiles outside its own range are waited for
 and released but not computed (both warpgroups must see every slot of the
@@ -248,7 +248,7 @@ def _kernel(kv_len_gmem, q_gmem, k_gmem, v_gmem, out_gmem, lse_gmem, *, st,
       def softmax(s, j, m, l, masked, frozen=False):
         """Key tile j's logits s [bq, bk] -> (P in the input dtype, the new
         running max, the new running sum, the factor for the accumulator).
-        `frozen`: against the row maxima m as they are (`pallas.py`, "The
+        `frozen`: against the row maxima m as they are (`triton.py`, "The
         first-tile maxima"): no maxima, no factor (None)."""
         if masked:
           layout = plgpu.Layout.WGMMA
@@ -472,7 +472,7 @@ def forward(st, q, k, v, kv_len, *, config: MosaicConfig, key_tiles,
   """q [B, Tp, N, Hp], k/v [B, Sp, K, Hp] 16-bit -> out [B, Tp, N, Hp], lse [B, N, Tp].
 
   Args:
-    st: `triton_common.Static` (scale, window, key-length mask, groups); no segments
+    st: `static.Static` (scale, window, key-length mask, groups); no segments
       or mods.
     kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.
     config: the tiles; Tp must be a multiple of 2 x block_q, Sp of block_k.

@@ -342,7 +342,7 @@ def backward(st, q, k, v, kv_len, lse, delta, dout, *, config: MosaicBackwardCon
   """The gradients of `pallas._flex` on the Mosaic GPU kernel.
 
   Args:
-    st: `triton_common.Static` (scale, window, key-length mask, groups); no segments
+    st: `static.Static` (scale, window, key-length mask, groups); no segments
       or mods.
     q, dout: [B, Tp, N, Hp] 16-bit; k, v: [B, Sp, K, Hp].
     kv_len: [B] int32 key lengths (<= Sp), or None: every row has `st.key_length`.

@@ -1,6 +1,6 @@
 """Flash attention's Triton backward (Pallas, Triton lowering): dK/dV and dQ.
 
-FlashAttention-2, https://arxiv.org/abs/2307.08691: the forward (`pallas.py`)
+FlashAttention-2, https://arxiv.org/abs/2307.08691: the forward (`triton.py`)
 saves the base-2 log-sum-exp of every query row; the backward recomputes the
 probabilities tile by tile from it, in two kernels: one per key tile that loops
 over query tiles (dK, dV, and over the G query heads that share the key/value
@@ -10,7 +10,7 @@ rowsum(dO * O) comes from XLA (`compute_delta`, one fused elementwise pass).
 `pallas._backward` runs these two launches unless the Mosaic GPU backward
 (`mosaic_backward.py`) takes the call.
 
-Glossary of shapes (as in `pallas.py`): B batch, T query tokens (padded: Tp), S
+Glossary of shapes (as in `triton.py`): B batch, T query tokens (padded: Tp), S
 key/value tokens (padded: Sp), N query heads, K key/value heads, G = N // K, H
 head size (padded to a power of two >= 16: Hp), bq / bk the query / key tile
 sizes.
@@ -30,13 +30,13 @@ import jax.numpy as jnp
 
 from ops import _pallas
 from ops.flex_attention import masks
+from ops.flex_attention.static import Static
 from ops.flex_attention.triton_common import compiler_params
 from ops.flex_attention.triton_common import exp2
 from ops.flex_attention.triton_common import key_length_spec
 from ops.flex_attention.triton_common import LOG2E
 from ops.flex_attention.triton_common import query_tile_specs
 from ops.flex_attention.triton_common import seg_specs
-from ops.flex_attention.triton_common import Static
 from ops.flex_attention.triton_common import whole_kv_spec
 
 

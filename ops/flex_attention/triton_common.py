@@ -1,14 +1,11 @@
-"""What the Triton forward (`pallas.py`) and backward (`triton_backward.py`) share.
+"""What the Triton forward (`triton.py`) and backward (`triton_backward.py`) share.
 
-`Static` is the static description of a call, fixed by `pallas.prepare` (the
-Mosaic GPU kernels and `masks.py` read it too); `exp2` is the kernels'
-exponential; the rest build the block specs and compiler parameters of their
-launches. Shapes as in `pallas.py`'s glossary.
+`exp2` is the kernels' exponential; the rest build the block specs and
+compiler parameters of their launches. Shapes as in `triton.py`'s glossary.
 """
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 from jax.experimental import pallas as pl
@@ -16,29 +13,9 @@ from jax.experimental.pallas import triton as plgpu
 import jax.numpy as jnp
 
 from ops.flex_attention import configs
+from ops.flex_attention.static import Static
 
 LOG2E = math.log2(math.e)
-
-
-@dataclasses.dataclass(frozen=True)
-class Static:
-  """Everything the kernels specialise on (hashable: custom_vjp nondiff arg)."""
-  scale: float  # logit scale (natural units)
-  left: int | None  # keys s >= t - left are open (None: unbounded)
-  right: int | None  # keys s <= t + right are open (causal: 0)
-  kv_mask: bool  # key lengths vary or Sp > S: mask s >= kv_len
-  key_length: int  # S; every row's key length unless `key_value_seq_lengths` is given
-  segments: bool  # segment ids given
-  groups: int  # G query heads per key/value head
-  config: configs.FlexConfig
-  interpret: bool
-  mask_mod: Callable | None = None  # (b, n, t, s) -> bool, on tile indices
-  score_mod: Callable | None = None  # (score, b, n, t, s) -> score
-
-  @property
-  def any_mask(self) -> bool:
-    return (self.left is not None or self.right is not None or self.kv_mask
-            or self.segments or self.mask_mod is not None)
 
 
 def exp2(st: Static, x):

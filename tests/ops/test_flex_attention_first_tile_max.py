@@ -17,6 +17,7 @@ import pytest
 
 from ops.flex_attention import configs
 from ops.flex_attention import pallas
+from ops.flex_attention import triton as flex_triton
 from tests.ops import test_flex_attention as flex_tests
 from tests.ops import test_flex_attention_mosaic as mosaic_tests
 
@@ -55,8 +56,8 @@ def in_kernel(monkeypatch):
   kernel: the second launch must not run."""
   monkeypatch.setattr(configs, "get_config", lambda *a, **kw: _IN_KERNEL)
   def no_launch(*args):
-    raise AssertionError("refresh='in_kernel' launched `_refresh_frozen`")
-  monkeypatch.setattr(pallas, "_refresh_frozen", no_launch)
+    raise AssertionError("refresh='in_kernel' launched `refresh_frozen`")
+  monkeypatch.setattr(flex_triton, "refresh_frozen", no_launch)
 
 
 @pytest.mark.parametrize("name", list(_CASES))
@@ -105,7 +106,7 @@ def test_mosaic_forward_matches_reference(tiles, options, monkeypatch):
   # Without the second pass: no row here passes the sum limit, so the walk's
   # own tiles must be exact (a row whose first tile kept an -inf maximum would
   # otherwise be hidden by the refresh).
-  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  monkeypatch.setattr(flex_triton, "refresh_frozen", lambda *args: args[-2:])
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   config = dataclasses.replace(mosaic_tests._CONFIG, mosaic_fwd=tiles,
@@ -147,7 +148,7 @@ def test_rows_past_their_frozen_maxima_are_recomputed(frozen, monkeypatch):
   expected = flex_tests.flex_attention_reference(q, k, v)
   assert flex_tests._rel(_forward(q, k, v), expected) < flex_tests._TOL[jnp.float32]
   # Without the second pass these rows are lost (NaN or inf).
-  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  monkeypatch.setattr(flex_triton, "refresh_frozen", lambda *args: args[-2:])
   assert not np.isfinite(np.asarray(_forward(q, k, v))).all()
 
 
@@ -174,7 +175,7 @@ def test_far_key_on_the_diagonal_is_recomputed(frozen_masked_tiles, monkeypatch)
     return pallas._forward(st, *args)[0]
   expected = flex_tests.flex_attention_reference(q, k, v, is_causal=True)
   assert mosaic_tests._rel(forward(), expected) < mosaic_tests._TOL[jnp.bfloat16]
-  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  monkeypatch.setattr(flex_triton, "refresh_frozen", lambda *args: args[-2:])
   out = np.asarray(forward(), np.float32)
   # Rows 200-255 see the far key; only with it on the kept maxima are they lost.
   assert np.isfinite(out[:, :200]).all()
@@ -212,7 +213,7 @@ def test_second_pass_recomputes_only_flagged_tiles_in_groups(options, frozen, mo
     return pallas._forward(st, *args, None if lists is None else lists["fwd"])
   expected = flex_tests.flex_attention_reference(q, k, v, **options)
   assert flex_tests._rel(fn()[0], expected) < flex_tests._TOL[jnp.float32]
-  monkeypatch.setattr(pallas, "_refresh_frozen", lambda *args: args[-2:])
+  monkeypatch.setattr(flex_triton, "refresh_frozen", lambda *args: args[-2:])
   flagged = np.isnan(np.asarray(fn()[1])).all(axis=1)  # [B, T]: NaN lse in both heads
   np.testing.assert_array_equal(flagged, np.stack([np.zeros(384, bool), np.asarray(far)]))
 
