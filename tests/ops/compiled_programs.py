@@ -57,6 +57,16 @@ def compile_and_run(mesh, forward, grad, args) -> tuple:
                "forward_gathers": len(re.findall(r" all-gather(?:-start)?\(", forward.as_text()))}
 
 
+def traced_error(mesh, fn, *args) -> str:
+  """The ValueError message of tracing `jax.jit(fn)(*args)` under `mesh`, or "no error"."""
+  try:
+    with jax.set_mesh(mesh):
+      jax.jit(fn).trace(*args)
+    return "no error"
+  except ValueError as e:
+    return str(e)
+
+
 def max_err(got, want) -> float:
   """The largest error over the leaves of two pytrees, relative to 1 + max |want|."""
   return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))

@@ -27,7 +27,8 @@ import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
 from ops.flex_attention import ring
-from tests.ops.compiled_programs import collective_kinds, collectives, longest_axis, max_err
+from tests.ops.compiled_programs import (collective_kinds, collectives, longest_axis, max_err,
+                                        traced_error)
 
 assert jax.device_count() == 8, jax.devices()
 B, T, N, K, H = 2, 128, 4, 2, 16
@@ -90,14 +91,7 @@ for name, (attention, mesh, batch, heads) in CASES.items():
                          if schedules else None,
                "zigzag": schedules[0].zigzag if schedules else None}
 
-def error(fn, *args):
-  try:
-    with jax.set_mesh(data_seq):
-      jax.jit(fn).trace(*args)
-    return "no error"
-  except ValueError as e:
-    return str(e)
-
+error = lambda fn, *args: traced_error(data_seq, fn, *args)
 on = lambda x, spec: jax.device_put(x, NamedSharding(data_seq, spec))
 # The sequence of q and k split over different axes.
 out["mismatch_error"] = error(ops.flex_attention, on(q, P(None, "seq")), on(k, P(None, "data")),
