@@ -175,8 +175,9 @@ class Registry:
       chosen = self._measured_choice(fits, established, measured_at)
       if chosen is not None:
         return chosen
-    if not established:
-      raise AssertionError(f"{self.op}: no established implementation supports the call")
+    if not established:  # e.g. a split sequence with what only one device can take
+      raise ValueError(f"{self.op}: " + "; ".join(
+          f"{name}: {self._implementations[name].supports(call)}" for name in self.established))
     return established[0]
 
   def _measured_choice(self, fits, established, measured_at) -> Implementation | None:

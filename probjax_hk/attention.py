@@ -31,6 +31,7 @@ import numpy as np
 from ops import registry
 from ops.decode_attention import api as decode_api
 from ops.flex_attention import api as flex_api
+from ops.flex_attention import ring
 from probjax_hk import arguments
 from probjax_hk import layers
 
@@ -49,6 +50,10 @@ def _cudnn_limit(query, key, bias, window, is_causal) -> str | None:
   `_call` normalized it), else why not."""
   if not registry.on_nvidia_gpu():
     return f"cuDNN attention needs an NVIDIA GPU; the default backend is {jax.default_backend()!r}"
+  split = ring.splits_sequence(query, key)
+  if split is not None:
+    return (f"cuDNN attention cannot split the sequence axis of `{split}` (axis 1, split "
+            "over Explicit mesh axes); 'xla' runs ring attention")
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN attention takes float16 or bfloat16 inputs, got query.dtype={query.dtype}"
   head_dim = query.shape[-1]
@@ -366,9 +371,23 @@ def dot_product_attention(
 
 def _run_jax_nn(implementation):
   def run(query, key, value, bias, mask, **options):
+    if ring.splits_sequence(query, key):  # `_xla_supports` admitted it: no bias or mask.
+      return _run_flex("xla")(query, key, value, bias, mask, **options)
     return _jax_nn_attention(query, key, value, bias, mask, implementation=implementation,
                              **options)
   return run
+
+
+def _xla_supports(call):
+  """'xla' takes every call but one whose sequence is split over Explicit
+  mesh axes, which runs as ring attention (`ops.flex_attention`)."""
+  split = ring.splits_sequence(call["query"], call["key"])
+  if split is None:
+    return None
+  limit = _flex_limit(call["query"], call["bias"], call["mask"], call["query_seq_lengths"],
+                      call["scale"], call["return_residual"])
+  return limit and (f"with the sequence axis of `{split}` split over Explicit mesh axes, "
+                    f"'xla' runs ring attention (ops.flex_attention), and {limit}")
 
 
 def _run_flex(implementation):
@@ -418,7 +437,7 @@ def _decode_supports(call):
 # takes the call, else XLA.
 IMPLEMENTATIONS = registry.Registry("dot_product_attention", table="attention",
                                     established=("cudnn", "xla"))
-IMPLEMENTATIONS.register("xla", _run_jax_nn("xla"))
+IMPLEMENTATIONS.register("xla", _run_jax_nn("xla"), supports=_xla_supports)
 IMPLEMENTATIONS.register("cudnn", _run_jax_nn("cudnn"), supports=_cudnn_supports)
 IMPLEMENTATIONS.register("flex", _run_flex("pallas"), supports=_flex_supports("pallas"),
                          kernel=True)

@@ -141,14 +141,21 @@ class _Ring:
   score_mod: reference.ScoreMod | None
 
 
+def splits_sequence(q, k) -> str | None:
+  """The argument ('q' or 'k') whose sequence axis (axis 1) is split over
+  Explicit mesh axes, or None: such a call runs as ring attention."""
+  return next((name for name, x in (("q", q), ("k", k))
+               if _sequence_parallel.splits_time(x)), None)
+
+
 def kernel_limit(q, k) -> str | None:
   """Why the kernels decline a call whose sequence axis is split (None when it is not)."""
-  for name, x in (("q", q), ("k", k)):
-    if _sequence_parallel.splits_time(x):
-      return (f"`{name}` is split along its sequence axis (axis 1) over Explicit mesh "
-              "axes, which the kernels cannot split yet (they take no global positions); "
-              "implementation='xla' or None runs ring attention")
-  return None
+  name = splits_sequence(q, k)
+  if name is None:
+    return None
+  return (f"`{name}` is split along its sequence axis (axis 1) over Explicit mesh "
+          "axes, which the kernels cannot split yet (they take no global positions); "
+          "implementation='xla' or None runs ring attention")
 
 
 def plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths) -> _sharding.Plan | None:

@@ -75,7 +75,7 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
       applies it only together with the sigmoid; here it always doubles).
     implementation: None (on NVIDIA GPUs the faster of the Triton kernels and
       XLA where measured, `ops/dispatch_tables/gated_delta_rule.json`, at K,
-      V <= 128; XLA elsewhere), 'triton' (the kernels of pallas.py, with their
+      V <= 128; XLA elsewhere), 'triton' (the kernels of triton.py, with their
       Mosaic GPU state walks on Hopper where those take the shapes; interpret
       mode off GPU; 'pallas' is its alias), 'xla' (the chunked WY form of
       xla.py), or a sequence of these tried in order (`ops.registry`).

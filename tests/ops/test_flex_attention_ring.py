@@ -9,6 +9,7 @@ outputs and the gradients of q, k and v equal one device's; the compiled
 fwd+bwd programs move only shards, by collective-permutes (no all-gather, no
 array as long as the sequence); the causal schedule the ring ran balances the
 devices' work, and the window's skips the blocks outside it.
+`probjax_hk.dot_product_attention` on a split sequence runs the ring.
 """
 
 import math
@@ -101,6 +102,15 @@ out["uneven_error"] = error(ops.flex_attention, on(q, P(None, "seq")), k[:, :66]
 # A kernel asked for by name declines the split.
 out["kernel_error"] = error(lambda q: ops.flex_attention(q, q, q, implementation="triton"),
                             on(q, P(None, "seq")))
+# probjax_hk.dot_product_attention's default runs the ring on a split sequence.
+import probjax_hk as pk
+mha = lambda q, k, v: pk.dot_product_attention(q, k, v, is_causal=True)
+placed = [on(x, P("data", "seq")) for x in (q, k, v)]
+with jax.set_mesh(data_seq):
+  out["mha_chosen"] = pk.choose_attention_implementation(*placed, is_causal=True)
+  out["mha_err"] = max_err(jax.jit(mha)(*placed), jax.jit(mha)(q, k, v))
+out["mha_bias_error"] = error(
+    lambda q: pk.dot_product_attention(q, q, q, bias=jnp.zeros((1, 1, T, T))), placed[0])
 print("RESULT" + json.dumps(out))
 '''
 
@@ -179,3 +189,12 @@ def test_arguments_split_differently_are_an_error(results):
 def test_a_kernel_named_declines_the_split(results):
   message = results["kernel_error"]
   assert "`q`" in message and "sequence axis" in message and "'xla'" in message, message
+
+
+def test_dot_product_attention_runs_the_ring(results):
+  """The models' attention: 'xla' (the default off GPUs) runs the ring on a
+  split sequence; what the ring cannot take is an error naming the split."""
+  assert results["mha_chosen"] == "xla", results
+  assert results["mha_err"] < 1e-5, results
+  message = results["mha_bias_error"]
+  assert "`q`" in message and "ring attention" in message and "bias" in message, message
