@@ -227,7 +227,7 @@ class TokenModel(hk.Module):
                              init=hk.initializers.TruncatedNormal())
     valid = (tokens >= 0) & (tokens < self.vocab_size)
     # NaN rather than a wrapped (-1 -> V - 1) or clipped row: the logits show it.
-    x = jnp.where(valid[..., None], jnp.take(table, tokens, axis=0, mode="clip"), jnp.nan)
+    x = jnp.where(valid[..., None], _rows(table, tokens), jnp.nan)
     return x if self.dtype is None else x.astype(self.dtype)
 
   @hk.transparent
@@ -235,6 +235,17 @@ class TokenModel(hk.Module):
     """[..., D] in the compute dtype -> [..., V] float32 (the projection runs
     in y's dtype; the softmax and sampling want float32)."""
     return layers.Linear(self.vocab_size, name="logits")(y).astype(jnp.float32)
+
+
+def _rows(table, tokens):
+  """table [V, E] at tokens [...] (clipped) -> [..., E], split like `tokens`
+  where Explicit mesh axes split them (JAX cannot infer a gather's layout)."""
+  sharding = getattr(jax.typeof(tokens), "sharding", None)
+  if sharding is None or not any(sharding.spec):
+    return jnp.take(table, tokens, axis=0, mode="clip")
+  out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
+      *sharding.spec, None))
+  return table.at[tokens].get(mode="clip", out_sharding=out)
 
 
 def _penalize(logits, seen, penalty):

@@ -208,7 +208,8 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("state", "x", T), ("validation_data", [], V), ("eval_every", 0, V),
         ("callbacks", lambda step, metrics: None, T), ("checkpoint_dir", 5, T),
         ("checkpoint_every", 0, V), ("keep_checkpoints", 0, V), ("resume", "no", T),
-        ("mesh", "cpu", T), ("parameter_sharding", "tensor", V), ("donate", "yes", T),
+        ("mesh", "cpu", T), ("parameter_sharding", "tensor", V),
+        ("sequence_axis", "time", V), ("donate", "yes", T),
         ("progress", "yes", T), ("log_every", 0, V), ("last_batch", "keep", V),
         ("on_nonfinite", "ignore", V), ("steps_per_call", 0, V)]),
     "fit_model": (dict(transformed=_NET, data=DATA, num_steps=1, progress=False), [

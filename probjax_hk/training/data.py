@@ -173,9 +173,11 @@ class StreamData:
 
   def __init__(self, data: Iterable, *, batch_size: int | None,
                last_batch: str, mesh, argname: str = "data",
-               steps_per_call: int = 1, background: bool | None = None):
+               steps_per_call: int = 1, background: bool | None = None,
+               sequence_axis: str | None = None):
     """`background`: prepare items in a thread (`Prefetcher`); None: unless
-    every device of `mesh` is a CPU (module docstring)."""
+    every device of `mesh` is a CPU (module docstring). `sequence_axis`: the
+    mesh axis each batch's time axis is split over (`sharding.batch_spec`)."""
     iterator = iter(data)
     first = next(iterator, _END)
     if first is _END:
@@ -199,6 +201,7 @@ class StreamData:
     self.background = background
     self.first = first
     self.mesh = mesh
+    self.sequence_axis = sequence_axis
     self._iterator = itertools.chain([first], iterator)
     self._prefetcher = None
 
@@ -218,6 +221,8 @@ class StreamData:
     if n > local_size:
       raise ValueError(f"a stream batch has {n} rows, more than `batch_size`"
                        f"={self.batch_size} (per process: {local_size})")
+    sharding_lib.check_time_length(batch, self.mesh, self.sequence_axis,
+                                   "stream batch")
     mask = None
     if self.last_batch == "pad":
       batch, mask = pad_rows(batch, local_size)
@@ -228,8 +233,10 @@ class StreamData:
   def _put(self, batch, mask, count: int = 1) -> StreamItem:
     stacked = count > 1
     return StreamItem(
-        sharding_lib.put_batch(batch, self.mesh, stacked=stacked),
-        None if mask is None else sharding_lib.put_batch(mask, self.mesh, stacked=stacked),
+        sharding_lib.put_batch(batch, self.mesh, stacked=stacked,
+                               sequence_axis=self.sequence_axis),
+        None if mask is None else sharding_lib.put_batch(
+            mask, self.mesh, stacked=stacked, sequence_axis=self.sequence_axis),
         count)
 
   def _prepare(self, batch) -> StreamItem | None:

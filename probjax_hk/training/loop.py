@@ -69,7 +69,7 @@ _FIT_ARGUMENTS = (
     "optimizer", "batch_size", "num_steps", "epochs", "rng", "state",
     "validation_data", "eval_every", "callbacks", "checkpoint_dir",
     "checkpoint_every", "keep_checkpoints", "resume", "mesh",
-    "parameter_sharding", "donate",
+    "parameter_sharding", "sequence_axis", "donate",
     "progress", "log_every", "last_batch", "on_nonfinite", "steps_per_call")
 
 
@@ -192,33 +192,77 @@ def _signature(tree):
                         for x in leaves)
 
 
-def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state, mesh):
+def _abstract(tree, shardings=None):
+  """ShapeDtypeStructs of `tree`'s leaves, placed by `shardings` (a
+  matching tree) or nowhere: the arrays' own placement (another mesh's)
+  must not clash with the mesh in context."""
+  if shardings is None:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), tree)
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(np.shape(x), _dtype(x), sharding=s),
+      tree, shardings)
+
+
+def _failing_module(error: BaseException) -> str:
+  """Where `error` was raised: the innermost Haiku module in its traceback,
+  as " in <class> '<module name>'" ('' outside any module)."""
+  frame, name = error.__traceback__, ""
+  while frame is not None:
+    module = frame.tb_frame.f_locals.get("self")
+    if isinstance(module, hk.Module):
+      name = f" in {type(module).__name__} '{module.module_name}'"
+    frame = frame.tb_next
+  return name
+
+
+def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state, mesh,
+                    sequence_axis=None, param_specs=None):
   """Traces `loss_fn` under `jax.set_mesh(mesh)`, as the step will be (no
-  compile; cached); checks the loss.
+  compile; cached); checks the loss. On a mesh with Explicit axes the
+  parameters and the batch carry their layouts (`param_specs`, and
+  `sharding.batch_spec` with `sequence_axis`), which those axes make part
+  of the arrays' types, so a model that cannot take them fails here.
 
   Returns:
     (has_aux, the step's metric names).
   """
-  key = (loss_fn, has_state, mesh,
+  key = (loss_fn, has_state, mesh, sequence_axis,
+         None if param_specs is None else sharding_lib.Layout.of(param_specs),
          _signature((params, state, rng, batch, mask)))
   if key not in _structure_cache:
     if len(_structure_cache) > 64:
       _structure_cache.clear()
-    # Shapes only: the arrays' own placement (another mesh's) must not
-    # clash with the mesh in context.
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)),
-        (params, state, rng, batch, mask))
+    typed = sharding_lib.has_explicit_axes(mesh)
+    abstract_params = _abstract(params, (
+        sharding_lib.Layout.of(param_specs).shardings(mesh)
+        if typed and param_specs is not None else None))
+    abstract_batch = _abstract(batch, sharding_lib.batch_shardings(
+        batch, mesh, sequence_axis=sequence_axis) if typed else None)
     with jax.set_mesh(mesh):
       _structure_cache[key] = _trace_loss_structure(
-          loss_fn, *abstract, has_state)
+          loss_fn, abstract_params, *_abstract((state, rng)), abstract_batch,
+          _abstract(mask), has_state, sequence_axis)
   return _structure_cache[key]
 
 
-def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
+def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state,
+                          sequence_axis=None):
   args = (params, state, rng, batch) if has_state else (params, rng, batch)
   kwargs = {} if mask is None else {"mask": mask}
-  out = jax.eval_shape(lambda a, k: loss_fn(*a, **k), args, kwargs)
+  try:
+    out = jax.eval_shape(lambda a, k: loss_fn(*a, **k), args, kwargs)
+  except Exception as e:  # pylint: disable=broad-except
+    # An op refusing the split raises a ValueError; JAX's sharding rules a
+    # ShardingTypeError (not public) or a TypeError.
+    if sequence_axis is None or not (
+        isinstance(e, (ValueError, TypeError))
+        or type(e).__name__ == "ShardingTypeError"):
+      raise
+    # The split is what is new to the model: say so, and where it failed.
+    raise ValueError(
+        f"`sequence_axis`={sequence_axis!r}: `loss_fn` cannot take batches"
+        f" whose time axis (axis 1) is split over mesh axis {sequence_axis!r}"
+        f"{_failing_module(e)}: {type(e).__name__}: {e}") from e
   if has_state:
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
       raise ValueError("`loss_fn` with a Haiku `state` must return"
@@ -233,7 +277,8 @@ def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state):
 
 
 def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
-                           rng, use_mask, has_state, mesh) -> None:
+                           rng, use_mask, has_state, mesh, sequence_axis=None,
+                           param_specs=None) -> None:
   """Traces the loss (no compile; cached) on a batch like the first
   validation batch, so that a batch the loss cannot take fails now, not at
   the first evaluation after training steps."""
@@ -248,9 +293,11 @@ def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
       lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None)
                                      or np.asarray(x).dtype), first)
   mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if use_mask else None
+  if not sharding_lib.splits_evenly(example, mesh, sequence_axis):
+    sequence_axis = None  # evaluated replicated (runner.py)
   try:
     _loss_structure(loss_fn, params, state, rng, example, mask, has_state,
-                    mesh)
+                    mesh, sequence_axis, param_specs)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"`validation_data` batches do not fit `loss_fn` (the"
                      f" training batches do): {type(e).__name__}: {e}") from e
@@ -272,6 +319,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         resume: bool = True,
         mesh: jax.sharding.Mesh | None = None,
         parameter_sharding: str | sharding_lib.ParameterShardingFn = "replicated",
+        sequence_axis: str | None = None,
         donate: bool = True,
         progress: bool = True,
         log_every: int | None = None,
@@ -328,9 +376,14 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       earlier run, which this one replaces (a warning says so): they stay
       until this run's first save and are deleted once it is written, so
       the directory never mixes two runs.
-    mesh: the device mesh; the batch is split over all its axes (and the
-      compiled steps run under `jax.set_mesh(mesh)`, so that the Pallas
-      kernels run per shard). Default: one axis over `jax.devices()`.
+    mesh: the device mesh; the batch is split over all its axes but
+      `sequence_axis` (and the compiled steps run under `jax.set_mesh(mesh)`,
+      so that the Pallas kernels run per shard). Its axes may be Auto (the
+      partitioner places what the batch and parameters do not fix) or
+      Explicit (`jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))`:
+      every array's layout is part of its type; 'fsdp' then hands the loss
+      the gathered parameters, its gradients reduced back onto their
+      shards). Default: one Auto axis over `jax.devices()`.
     parameter_sharding: how the parameters and their optimizer state are
       placed on the mesh (Haiku state is always replicated; D devices; P, O
       the bytes of the parameters and optimizer state):
@@ -354,7 +407,24 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         the mesh axes its spec names.
 
       `FitResult.params` and `opt_state` come back with these shardings.
-    donate: donate the training state's buffers to the step (saves memory;
+    sequence_axis: None, or the name of a mesh axis of size C to split time
+      over (context parallelism, for sequences too long for one device):
+      every batch leaf of rank >= 2 is [B, T, ...] with time on axis 1, and
+      is placed with B over the mesh's other axes (`batch_size` divisible by
+      their D / C devices) and T over this one (each device holds T / C
+      steps of B * C / D rows); leaves of rank 1 ([B]) are split by rows
+      only. Every mesh axis must be Explicit and T divisible by C. The
+      model sees arrays [B, T, ...] whose types say how they are split:
+      `ops.linear_scan`, `ops.ssd`, `ops.selective_scan` and
+      `ops.gated_delta_rule` then run each device's steps and pass the
+      states between devices, the short convolutions of the Mamba cells
+      exchange their W - 1 boundary steps, `dot_product_attention` runs
+      ring attention, and layers that work per step (projections, norms,
+      MLPs, embeddings) need no communication. A model or loss that cannot
+      take the split (an attention kernel asked for by name, a slice such
+      as `x[:, 1:]` along time: shift targets in the data instead) is a
+      ValueError naming `sequence_axis` and the module where it failed,
+      raised before anything is compiled.    donate: donate the training state's buffers to the step (saves memory;
       the state is fit()'s own copy, never the caller's arrays).
     progress: show a tqdm bar with the loss and steps/s.
     log_every: `absl.logging.info` a line every this many steps.
@@ -393,7 +463,10 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     ValueError: a bad argument, before anything is compiled (among them a
       `parameter_sharding` that is not a mode or a callable, or a spec it
       returns naming an axis not in `mesh` or not dividing its dimension:
-      the message names the parameter's path); a checkpoint to resume from
+      the message names the parameter's path; a `sequence_axis` not in
+      `mesh`, on a mesh with an axis that is not Explicit, or not dividing
+      a batch leaf's time length, or a model that cannot take its split);
+      a checkpoint to resume from
       that is from another model or optimizer, or none of whose steps can be
       read (the message names the directory and the ways out).
     NonFiniteLossError: see `on_nonfinite`.
@@ -426,6 +499,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     steps_per_call = _auto_steps_per_call(params, state, optimizer, callbacks,
                                           checkpoint_dir)
   mesh = sharding_lib.default_mesh() if mesh is None else mesh
+  sharding_lib.check_sequence_axis(sequence_axis, mesh)
   param_specs = sharding_lib.parameter_specs(params, parameter_sharding, mesh)
   rng = _as_raw_key(rng)
 
@@ -450,26 +524,34 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                        f" batches, got {type(data)}")
     source = data_lib.StreamData(data, batch_size=batch_size,
                                  last_batch=last_batch, mesh=mesh,
-                                 steps_per_call=steps_per_call)
+                                 steps_per_call=steps_per_call,
+                                 sequence_axis=sequence_axis)
     if auto_steps:
       source.limit_steps_per_call(AUTO_STREAM_ITEM_BYTES)
     total = num_steps
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((source.batch_size,) + np.shape(x)[1:],
                                        np.asarray(x).dtype), source.first)
-  sharding_lib.check_batch_size(source.batch_size, mesh)
+  sharding_lib.check_batch_size(source.batch_size, mesh, sequence_axis)
+  sharding_lib.check_time_length(example, mesh, sequence_axis)
   validation = None
   if validation_data is not None:
     validation = data_lib.validation_batches(validation_data, source.batch_size)
 
   has_state = state is not None
+  # Under Explicit axes the loss sees the parameters' layout in their types.
+  gather_params = (parameter_sharding == "fsdp"
+                   and sharding_lib.has_explicit_axes(mesh))
+  loss_param_specs = None if gather_params else param_specs
   mask_example = (jax.ShapeDtypeStruct((source.batch_size,), jnp.bool_)
                   if last_batch == "pad" else None)
   has_aux, names = _loss_structure(loss_fn, params, state, rng, example,
-                                   mask_example, has_state, mesh)
+                                   mask_example, has_state, mesh,
+                                   sequence_axis, loss_param_specs)
   if validation is not None:
     _check_validation_fits(validation_data, source.batch_size, loss_fn, params,
-                           state, rng, last_batch == "pad", has_state, mesh)
+                           state, rng, last_batch == "pad", has_state, mesh,
+                           sequence_axis, loss_param_specs)
   initial = {
       "params": params, "state": state if has_state else {},
       "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
@@ -481,7 +563,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       loss_fn=loss_fn, optimizer=optimizer, has_state=has_state,
       has_aux=has_aux, use_mask=last_batch == "pad",
       on_nonfinite=on_nonfinite, mesh=mesh, donate=donate,
-      metric_names=names, layout=layout)
+      metric_names=names, layout=layout, sequence_axis=sequence_axis,
+      gather_params=gather_params)
   shardings = layout.shardings(mesh)
 
   history: dict[str, list] = {"step": []}

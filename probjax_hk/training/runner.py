@@ -406,8 +406,9 @@ class Runner:
     total, rows = 0.0, 0
     for batch in validation():
       n = data_lib.leading_dim(batch, "validation_data batch")
-      if n % mesh.size == 0:
-        batch = sharding_lib.put_batch(batch, mesh)
+      sequence_axis = self.spec.sequence_axis
+      if sharding_lib.splits_evenly(batch, mesh, sequence_axis):
+        batch = sharding_lib.put_batch(batch, mesh, sequence_axis=sequence_axis)
       else:
         batch = jax.device_put(batch, sharding_lib.replicated(mesh))
       loss = eval_fn(self.ts["params"], self.ts["state"], self.ts["rng"], batch)

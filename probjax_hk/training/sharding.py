@@ -2,7 +2,9 @@
 
 `fit()` splits each batch along its leading axis over all of a
 `jax.sharding.Mesh`'s axes (SPMD data parallelism: XLA inserts the gradient
-reduction) and places the parameters by `parameter_sharding`:
+reduction), or with a `sequence_axis` over the other axes, each leaf of rank
+>= 2 then also split along its time axis (axis 1) over that one (context
+parallelism: `batch_spec`). It places the parameters by `parameter_sharding`:
 
 - `'replicated'`: a full copy of the parameters and optimizer state on every
   device (plain data parallelism; the gradients are all-reduced).
@@ -19,7 +21,13 @@ state (Haiku state, step, key, counters) is replicated. The default mesh holds
 `jax.devices()`: every local device in a single process, every device of every
 process after `jax.distributed.initialize()`.
 
-Glossary of shapes: B global batch, P number of processes, D devices in the mesh.
+Inside the compiled step the batch is placed with `constrain`: a sharding
+constraint on Auto mesh axes (the partitioner's freedom elsewhere), `reshard`
+on Explicit ones (whose layout is part of the arrays' types, which the ops
+read to split their work).
+
+Glossary of shapes: B global batch, T time, P number of processes, D devices
+in the mesh.
 """
 
 import dataclasses
@@ -30,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
@@ -55,19 +64,140 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_sharding(mesh: Mesh, *, stacked: bool = False) -> NamedSharding:
-  """The sharding of a batch: leading axis split over every mesh axis (the
-  second axis for `stacked` batches [K, B, ...], K steps' worth)."""
-  axes = tuple(mesh.axis_names)
-  return NamedSharding(mesh, PartitionSpec(None, axes) if stacked else PartitionSpec(axes))
+def batch_axes(mesh: Mesh, sequence_axis: str | None = None) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: all but `sequence_axis`."""
+  return tuple(a for a in mesh.axis_names if a != sequence_axis)
 
 
-def check_batch_size(batch_size: int, mesh: Mesh) -> None:
-  """Raises a ValueError unless `batch_size` splits evenly over the mesh."""
-  if batch_size % mesh.size:
+def _entry(axes: tuple[str, ...]):
+  return axes[0] if len(axes) == 1 else (axes or None)
+
+
+def batch_spec(ndim: int, mesh: Mesh, *, stacked: bool = False,
+               sequence_axis: str | None = None) -> PartitionSpec:
+  """The layout of one batch leaf of rank `ndim`: [B, T, ...] rows over
+  `batch_axes`, time over `sequence_axis` (leaves of rank >= 2; an axis of
+  size 1 leaves time whole, as it is anyway, and the ops their usual path);
+  `stacked` leaves [K, B, T, ...] hold K steps' worth."""
+  entries = [_entry(batch_axes(mesh, sequence_axis))]
+  if (sequence_axis is not None and mesh.shape[sequence_axis] > 1
+      and ndim >= 2 + stacked):
+    entries.append(sequence_axis)
+  return PartitionSpec(*([None] * stacked + entries))
+
+
+def batch_sharding(mesh: Mesh, *, stacked: bool = False,
+                   sequence_axis: str | None = None) -> NamedSharding:
+  """The sharding of a batch's rows: leading axis split over `batch_axes`
+  (the second axis for `stacked` batches [K, B, ...], K steps' worth)."""
+  return NamedSharding(mesh, batch_spec(1 + stacked, mesh, stacked=stacked,
+                                        sequence_axis=sequence_axis))
+
+
+def batch_shardings(batch, mesh: Mesh, *, stacked: bool = False,
+                    sequence_axis: str | None = None):
+  """One NamedSharding per leaf of `batch` (arrays or ShapeDtypeStructs),
+  by `batch_spec`."""
+  return jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(
+      len(np.shape(x)), mesh, stacked=stacked, sequence_axis=sequence_axis)),
+                      batch)
+
+
+def _axis_types(mesh) -> dict[str, Any]:
+  return dict(zip(mesh.axis_names, mesh.axis_types))
+
+
+def has_explicit_axes(mesh) -> bool:
+  """Whether any axis of `mesh` is Explicit (its layouts are in the types)."""
+  return AxisType.Explicit in _axis_types(mesh).values()
+
+
+def _spec_of_kind(spec: PartitionSpec, types: dict, kind) -> PartitionSpec:
+  """`spec` with only the mesh axes of type `kind` kept."""
+  return PartitionSpec(*(_entry(tuple(a for a in _spec_axes(e) if types[a] == kind))
+                         for e in spec))
+
+
+def constrain(tree, shardings):
+  """Inside jit: `tree`'s leaves laid out by `shardings` (a matching tree of
+  NamedShardings): `reshard` over the Explicit mesh axes (a
+  sharding constraint there is an assertion), a sharding constraint over the
+  Auto ones."""
+  def one(x, sharding):
+    types = _axis_types(sharding.mesh)
+    if AxisType.Explicit in types.values():
+      x = jax.sharding.reshard(x, _spec_of_kind(sharding.spec, types, AxisType.Explicit))
+    if AxisType.Auto in types.values():
+      x = jax.lax.with_sharding_constraint(x, NamedSharding(
+          sharding.mesh, _spec_of_kind(sharding.spec, types, AxisType.Auto)))
+    return x
+  return jax.tree.map(one, tree, shardings)
+
+
+def check_sequence_axis(sequence_axis, mesh: Mesh) -> None:
+  """Raises a ValueError unless `sequence_axis` is None or an axis of `mesh`
+  whose axes are all Explicit (an Auto axis cannot say in the arrays' types
+  that time is split, and the ops read the types)."""
+  if sequence_axis is None:
+    return
+  types = _axis_types(mesh)
+  axes = (f"mesh axes {dict(mesh.shape)} of types"
+          f" {tuple(t.name for t in types.values())}")
+  if not isinstance(sequence_axis, str) or sequence_axis not in types:
+    raise ValueError(
+        f"`sequence_axis` must be None or the name of a mesh axis, got"
+        f" {sequence_axis=} and {axes}")
+  if any(t != AxisType.Explicit for t in types.values()):
+    raise ValueError(
+        f"`sequence_axis` needs a mesh whose axes are all Explicit (the ops"
+        f" read the time split from the arrays' types, and split the batch"
+        f" beside it over Explicit axes only), got {sequence_axis=} and"
+        f" {axes}: make the mesh with jax.make_mesh(...,"
+        f" axis_types=(AxisType.Explicit,) * len(axis_names))")
+
+
+def check_time_length(batch, mesh: Mesh, sequence_axis: str | None,
+                      argname: str = "data") -> None:
+  """Raises a ValueError unless every leaf of rank >= 2 of `batch` (arrays or
+  ShapeDtypeStructs [B, T, ...]) has a time length T divisible by the size
+  of `sequence_axis`."""
+  if sequence_axis is None:
+    return
+  size = mesh.shape[sequence_axis]
+  for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+    shape = np.shape(x)
+    if len(shape) >= 2 and shape[1] % size:
+      raise ValueError(
+          f"`sequence_axis`={sequence_axis!r} splits axis 1 (time) of every"
+          f" {argname} leaf of rank >= 2 over its {size} devices, but leaf"
+          f" {jax.tree_util.keystr(path) or '<root>'} of shape {shape} has"
+          f" T={shape[1]}, not divisible by {size} (mesh axes"
+          f" {dict(mesh.shape)})")
+
+
+def splits_evenly(batch, mesh: Mesh, sequence_axis: str | None = None) -> bool:
+  """Whether `batch_spec` cuts every leaf of `batch` (arrays or
+  ShapeDtypeStructs) into equal shards."""
+  rows = math.prod(mesh.shape[a] for a in batch_axes(mesh, sequence_axis))
+  time = 1 if sequence_axis is None else mesh.shape[sequence_axis]
+  return all(np.shape(x)[0] % rows == 0
+             and (len(np.shape(x)) < 2 or np.shape(x)[1] % time == 0)
+             for x in jax.tree.leaves(batch))
+
+
+def check_batch_size(batch_size: int, mesh: Mesh,
+                     sequence_axis: str | None = None) -> None:
+  """Raises a ValueError unless `batch_size` splits evenly over the mesh
+  (over the axes other than `sequence_axis`)."""
+  axes = batch_axes(mesh, sequence_axis)
+  devices = math.prod(mesh.shape[a] for a in axes)
+  if batch_size % devices:
+    where = (f"{devices} devices {dict(mesh.shape)}" if sequence_axis is None
+             else f"{devices} devices of mesh axes {axes} (all but"
+                  f" `sequence_axis`={sequence_axis!r}; mesh {dict(mesh.shape)})")
     raise ValueError(
         f"`batch_size` must be divisible by the number of devices in the mesh,"
-        f" got {batch_size=} and {mesh.size} devices {dict(mesh.shape)}")
+        f" got {batch_size=} and {where}")
   if batch_size % jax.process_count():
     raise ValueError(
         f"`batch_size` must be divisible by the number of processes, got"
@@ -84,19 +214,21 @@ def put_replicated(tree, mesh: Mesh):
   return jax.device_put(tree, replicated(mesh))
 
 
-def put_batch(batch, mesh: Mesh, *, stacked: bool = False):
-  """Places a host batch on the mesh, split along the batch axis.
+def put_batch(batch, mesh: Mesh, *, stacked: bool = False,
+              sequence_axis: str | None = None):
+  """Places a host batch on the mesh, split by `batch_spec`.
 
   In one process `batch` is the global batch [B, ...] ([K, B, ...] when
   `stacked`). With several processes each one passes its own slice
   [B / P, ...] (the rows its devices hold) and the result is the global array.
   """
-  sharding = batch_sharding(mesh, stacked=stacked)
+  shardings = batch_shardings(batch, mesh, stacked=stacked,
+                              sequence_axis=sequence_axis)
   if jax.process_count() == 1:
-    return jax.device_put(batch, sharding)
+    return jax.device_put(batch, shardings)
   return jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-      batch)
+      lambda x, s: jax.make_array_from_process_local_data(s, np.asarray(x)),
+      batch, shardings)
 
 
 # --- parameter layouts --------------------------------------------------------

@@ -70,6 +70,13 @@ class StepSpec(NamedTuple):
   # The training state's PartitionSpecs (sharding.train_state_layout);
   # None: all replicated.
   layout: sharding_lib.Layout | None = None
+  # The Explicit mesh axis that splits each batch leaf's time axis (axis 1 of
+  # leaves of rank >= 2); None: batches are split along their rows only.
+  sequence_axis: str | None = None
+  # The loss sees whole parameters, gathered from their layout ('fsdp' on a
+  # mesh with Explicit axes, whose types would otherwise carry the split into
+  # every layer); gradients are reduced back onto the layout.
+  gather_params: bool = False
 
 
 BASE_METRICS = ("loss", "grad_norm", "finite")
@@ -128,6 +135,8 @@ def eval_key(rng):
 
 def call_loss(spec: StepSpec, params, state, rng, batch, mask):
   """Calls the user's loss; returns (loss f32 scalar, new_state, aux)."""
+  if spec.gather_params:
+    params = jax.sharding.reshard(params, jax.sharding.PartitionSpec())
   args = (params, state, rng, batch) if spec.has_state else (params, rng, batch)
   kwargs = {"mask": mask} if spec.use_mask else {}
   out = spec.loss_fn(*args, **kwargs)
@@ -282,8 +291,8 @@ def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,
   offset = ((ts["step"] // steps_per_epoch) % epochs_in_block) * epoch_length
   index = jax.lax.dynamic_slice_in_dim(perm, offset + start, batch_size)
   batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
-  batch = jax.lax.with_sharding_constraint(
-      batch, sharding_lib.batch_sharding(spec.mesh))
+  batch = sharding_lib.constrain(batch, sharding_lib.batch_shardings(
+      batch, spec.mesh, sequence_axis=spec.sequence_axis))
   mask = None
   if spec.use_mask:
     mask = start + jnp.arange(batch_size) < num_examples  # [B]

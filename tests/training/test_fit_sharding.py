@@ -4,8 +4,11 @@ A small Transformer whose attention is the Pallas flex kernel (interpret mode
 on the CPU) trains under 'replicated', 'fsdp' and a tensor-parallel callable;
 the checks read the compiled step's HLO (which all-gathers it holds), the
 arrays' addressable shards, a resume from 8 devices onto 4, and the caller's
-arrays after repeated fits. All 8-device checks run in one subprocess (pytest
-workers have already imported JAX with one device; see test_sharding.py).
+arrays after repeated fits. On meshes with Explicit axes: data parallelism
+and 'fsdp', and `sequence_axis` (an LRU and a Mamba-2 model with the batch
+over 'data' and time over 'context', against one device), with its errors.
+All 8-device checks run in one subprocess (pytest workers have already
+imported JAX with one device; see test_sharding.py).
 """
 
 
@@ -26,15 +29,18 @@ import sys
 import haiku as hk
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import optax
 
 import probjax_hk as pk
+from probjax_hk.ssm import causal_conv
 from probjax_hk.training import checkpoints
 from probjax_hk.training import data as data_lib
+from probjax_hk.training import programs
 from probjax_hk.training import sharding
 from probjax_hk.training import step as step_lib
+from tests.training import common
 
 assert jax.device_count() == 8, jax.devices()
 out = {}
@@ -224,6 +230,72 @@ out["resumed_step"] = resumed.step
 out["resumed_vs_whole"] = max_diff(resumed.params, results["fsdp"].params)
 out["resumed_devices"] = sorted({len(x.sharding.device_set) for x in jax.tree.leaves(resumed.params)})
 out["resumed_param_fraction"] = largest_shard_fraction(resumed.params, sharding.FSDP_MIN_SIZE)
+
+# Explicit mesh axes: the batch is resharded (a sharding constraint there is
+# an assertion). Data parallel here; 'fsdp' with sequence_axis below.
+explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+one = Mesh(np.asarray(jax.devices()[:1]), ("data",))
+mlp_kw = dict(kw, optimizer=common.OPTIMIZER, num_steps=3)
+out["explicit_dp_losses"] = [
+    pk.fit(common.loss_fn, common.init_params(), common.make_data(), mesh=m, **mlp_kw)
+    .history["loss"].tolist() for m in (one, explicit)]
+
+# sequence_axis: the batch over 'data', time over 'context'; 'fsdp' hands the
+# loss gathered parameters.
+seen_specs = []  # the layout of the batch each trace of the loss saw
+
+
+def _long_loss(batch):
+  """An LRU cell (ops.linear_scan), then a Mamba-2 model (its short
+  convolution, ops.ssd, norms and MLP): [B, T, 4] -> mean squared error."""
+  seen_specs.append(str(jax.typeof(batch["x"]).sharding.spec))
+  h = pk.LRUCell(8, model_dim=4)(batch["x"])
+  y = pk.SSMModel(4, 16, 4, 1, cell=pk.Mamba2Cell,
+                  cell_kwargs=dict(head_dim=8, state_dim=4))(h)
+  return jnp.mean((y - batch["y"]) ** 2)
+
+
+LONG = hk.transform(_long_loss)
+seq_data = {"x": rs.randn(8, 16, 4).astype(np.float32),
+            "y": rs.randn(8, 16, 4).astype(np.float32)}
+seq_params = jax.jit(LONG.init)(jax.random.PRNGKey(0), seq_data)
+seq_mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Explicit,) * 2)
+seq_kw = dict(kw, batch_size=4, num_steps=3, validation_data=seq_data)
+whole = pk.fit(LONG.apply, seq_params, seq_data, mesh=one, **seq_kw)
+seen_specs.clear()
+split = pk.fit(LONG.apply, seq_params, seq_data, mesh=seq_mesh, sequence_axis="context",
+               parameter_sharding="fsdp", **seq_kw)
+out["sequence_losses"] = [r.history["loss"].tolist() for r in (whole, split)]
+out["sequence_val_losses"] = [r.history["val_loss"].tolist() for r in (whole, split)]
+out["sequence_seen_specs"] = sorted(set(seen_specs))
+out["sequence_sharded_params"] = len(sharded_params(split.params))
+
+# The convolution's split path, with a state to continue from: outputs and
+# final state as on one device.
+x, state = rs.randn(2, 16, 6).astype(np.float32), rs.randn(2, 3, 6).astype(np.float32)
+w, b = rs.randn(4, 6).astype(np.float32), rs.randn(6).astype(np.float32)
+expected = causal_conv.causal_conv(x, w, b, state)
+with jax.set_mesh(seq_mesh):
+  got = jax.jit(causal_conv.causal_conv)(
+      jax.device_put(x, NamedSharding(seq_mesh, P("data", "context"))), w, b, state)
+out["conv_split"] = [max_diff(expected, got), spec_entries(got[0])]
+
+seq_errors = {}
+auto_mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
+for name, net, net_params, d, m, axis in [
+    ("not_in_mesh", LONG, seq_params, seq_data, seq_mesh, "time"),
+    ("auto_axis", LONG, seq_params, seq_data, auto_mesh, "context"),
+    ("indivisible", LONG, seq_params, {k: v[:, :10] for k, v in seq_data.items()},
+     seq_mesh, "context"),
+    ("named_kernel", NET, params, data, seq_mesh, "context")]:
+  compiles = programs.stats().get("compiles", 0)
+  try:
+    pk.fit(net.apply, net_params, d, num_steps=1, mesh=m, sequence_axis=axis,
+           **dict(kw, batch_size=4))
+    seq_errors[name] = ["no error", 0]
+  except ValueError as e:
+    seq_errors[name] = [str(e), programs.stats().get("compiles", 0) - compiles]
+out["sequence_errors"] = seq_errors
 print("RESULT" + json.dumps(out))
 '''
 
@@ -305,6 +377,35 @@ def test_resume_on_four_devices_equals_uninterrupted(eight_devices):
   assert out["resumed_devices"] == [4], out
   assert out["resumed_param_fraction"] and all(
       f <= 1 / 4 for f in out["resumed_param_fraction"].values()), out
+
+
+def test_explicit_mesh_trains_like_one_device(eight_devices):
+  np.testing.assert_allclose(*eight_devices["explicit_dp_losses"], rtol=1e-5)
+
+
+def test_sequence_axis_trains_like_one_device(eight_devices):
+  out = eight_devices
+  whole, split = out["sequence_losses"]
+  assert len(whole) == 3, out
+  np.testing.assert_allclose(split, whole, rtol=1e-5)
+  np.testing.assert_allclose(*out["sequence_val_losses"], rtol=1e-5)
+  # The model saw [B, T, 4] split by rows and time (the ops' per-shard path).
+  assert out["sequence_seen_specs"] == ["P('data', 'context', None)"], out
+  assert out["sequence_sharded_params"] > 0, out
+  assert out["conv_split"][0] < 1e-5, out
+  assert out["conv_split"][1] == ["data", "context", None], out
+
+
+def test_sequence_axis_errors_before_compiling(eight_devices):
+  errors = eight_devices["sequence_errors"]
+  for name, (message, compiles) in errors.items():
+    assert "`sequence_axis`" in message, (name, message)
+    assert compiles == 0, (name, compiles)
+  assert "'data': 2, 'context': 4" in errors["not_in_mesh"][0], errors
+  assert "Explicit" in errors["auto_axis"][0] and "Auto" in errors["auto_axis"][0], errors
+  assert "T=10" in errors["indivisible"][0], errors
+  # NET asks for the flex kernel by name, which declines a split sequence.
+  assert "MultiHeadAttention 'transformer/block_0/attention'" in errors["named_kernel"][0], errors
 
 
 @pytest.mark.parametrize("value", ["zero3", 3, None, P("data")])
