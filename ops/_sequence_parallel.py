@@ -18,8 +18,9 @@ state passing of Mamba-2's SSD, Dao and Gu 2024):
 So the only communication is the summaries: O(devices x state), never O(T).
 The op runs steps 1 and 3 per shard with `run` (`ops/_sharding.py`'s
 `Plan.run`), with "seq" among the labels its plan splits: the arrays'
-layouts say which mesh axes split the sequence. Only Explicit mesh axes are
-read that way (under Auto axes the types do not say how an array is split).
+layouts say which mesh axes split the sequence: Explicit mesh axes, and
+Auto ones only for arrays passed outside a trace (under `jax.jit` the types
+do not say how an array is split over Auto axes).
 """
 
 from typing import Any, Callable
@@ -27,7 +28,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType
 
 from ops import _sharding
 
@@ -53,20 +53,13 @@ def time_axes(plan: _sharding.Plan) -> tuple[str, ...]:
 
 
 def splits_time(*arrays: jax.Array | None, axis: int = 1) -> bool:
-  """Whether any of `arrays` has its time axis (`axis`) sharded over an
-  Explicit mesh axis: the call then takes the per-shard path. Read before an
-  op plans its call, so a call whose time axis is whole keeps the op's usual
-  path (and its usual freedom over the other axes)."""
-  for x in arrays:
-    sharding = None if x is None else getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or sharding.mesh.empty or len(sharding.spec) <= axis:
-      continue
-    types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
-    entry = sharding.spec[axis]
-    if any(types.get(a) == AxisType.Explicit
-           for a in (entry if isinstance(entry, tuple) else (entry,))):
-      return True
-  return False
+  """Whether any of `arrays` has its time axis (`axis`) known to be split
+  (`_sharding.placement`: over Explicit mesh axes, or over Auto ones for an
+  array outside a trace): the call then takes the per-shard path. Read
+  before an op plans its call, so a call whose time axis is whole keeps the
+  op's usual path (and its usual freedom over the other axes)."""
+  return any(x is not None and len(placed := _sharding.placement(x)) > axis
+             and placed[axis] for x in arrays)
 
 
 def run(plan: _sharding.Plan, chunk: Callable, out_layouts) -> Any:

@@ -121,10 +121,11 @@ class MoELayer(hk.Module):
 
   - Data parallel (no `expert_axis`): the tokens split like the batch, over
     the mesh axes `x` is sharded over (Explicit types) or, for Auto axes, over
-    the longest run of the mesh's axes whose product divides T. Each device
-    routes, sorts and runs the experts on its own T/N tokens: no token leaves
-    its device, only the loss, the aux losses and the weight gradients are
-    all-reduced. Each device holds every expert: 2 E D F floats (3 E D F for
+    all of the mesh's axes, a T they do not divide padded (with
+    `capacity_factor`, where a padded token would take capacity, such a T
+    is a ValueError). Each device routes, sorts and runs the experts on its
+    own T/N tokens: no token leaves its device, only the loss, the aux
+    losses and the weight gradients are all-reduced. Each device holds every expert: 2 E D F floats (3 E D F for
     SwiGLU), plus their gradients and optimizer state.
   - Capacity (`capacity_factor`) is per shard, as in GShard and Switch: each
     device gives each expert C = ceil(capacity_factor * (T/N) * k / E) slots

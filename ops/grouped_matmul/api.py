@@ -7,6 +7,7 @@ are sorted by expert (MegaBlocks, https://arxiv.org/abs/2211.15841).
 Glossary of shapes: M rows, K contraction, N output columns, G groups.
 """
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -79,15 +80,17 @@ def run_rows_per_shard(op: str, kernel_path, rows: tuple[str, jax.Array],
   """
   name, x = rows
   named = ((name, x, ("batch", None)), *((n, w, None) for n, w in weights))
-  shards = _sharding.plan(op, named).size("batch")
+  plan = _sharding.plan(op, named)
+  shards = plan.size("batch")
   starts, ends = reference.group_bounds(group_sizes, x.shape[0])  # [G] each
-  local = x.shape[0] // shards
+  local = -(-x.shape[0] // shards)  # rows padded past M belong to no group
   offsets = jnp.arange(shards, dtype=jnp.int32)[:, None] * local  # [shards, 1]
   starts, ends = (jnp.clip(b[None] - offsets, 0, local) for b in (starts, ends))
-  return _sharding.run(
-      op, lambda x, *rest: kernel_path(x, *rest[:-2], rest[-2][0], rest[-1][0]),
-      (*named, ("group_sizes", starts, ("batch", None)), ("group_sizes", ends, ("batch", None))),
-      ("batch", None))
+  bounds = (("batch", None),) * 2  # [shards, G] each: one row per shard
+  plan = dataclasses.replace(plan, args=(*plan.args, starts, ends),
+                             layouts=(*plan.layouts, *bounds))
+  return plan.run(lambda x, *rest: kernel_path(x, *rest[:-2], rest[-2][0], rest[-1][0]),
+                  ("batch", None))
 
 
 def canonical_precision(precision):

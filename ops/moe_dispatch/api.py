@@ -178,12 +178,13 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
   Under a mesh (`jax.set_mesh(mesh)`, or inputs with Explicit-axis types) the
   experts run once per shard of the tokens (one `jax.shard_map`), which split
   like a batch: over the axes `x`'s Explicit type names, else over the
-  longest run of the mesh's Auto axes whose product divides T. With
-  `expert_axis` (n devices) the experts split over it too, device i holding
-  experts [i E/n, (i+1) E/n), and the tokens move by all-to-all in
-  [n, T_s k, D] buffers sized so that nothing drops; `w_in` and `w_out` split
-  along E over `expert_axis` are never gathered. Under Explicit types `y`
-  returns in `x`'s layout.
+  mesh's Auto axes (`ops/_sharding.py`: a T they do not divide is padded,
+  except with `capacity_factor`, where a padded token would take capacity
+  and such a T is a ValueError). With `expert_axis` (n devices) the experts
+  split over it too, device i holding experts [i E/n, (i+1) E/n), and the
+  tokens move by all-to-all in [n, T_s k, D] buffers sized so that nothing
+  drops; `w_in` and `w_out` split along E over `expert_axis` are never
+  gathered. Under Explicit types `y` returns in `x`'s layout.
 
   Args:
     x: [T, D] tokens, float32 or bfloat16 (the experts compute in its dtype).
@@ -221,7 +222,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
     ValueError: for bad shapes or dtypes, an unknown option, a
       `capacity_factor` <= 0 or with `expert_axis`; with `expert_axis`, when
       it is not an axis of the mesh in context or E or T is not a multiple of
-      its size.
+      its size; with `capacity_factor`, when T does not split evenly over
+      the mesh's Auto axes.
   """
   _check_options(activation, dropless_impl, capacity_factor, expert_axis,
                  grouped_matmul_implementation)
@@ -234,7 +236,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, gates: jax.Array, w_in: ja
   if impl == "dense" or capacity_factor is not None:
     w_in, w_out = w_in.astype(x.dtype), w_out.astype(x.dtype)
   # else the sorted paths cast in `experts.sorted_experts` ('gmm' inside its op).
-  plan = dispatch_plan(_OP, x, expert_ids, gates, w_in, w_out, expert_axis)
+  plan = dispatch_plan(_OP, x, expert_ids, gates, w_in, w_out, expert_axis,
+                       dropless=capacity_factor is None)
   capacity = None
   if capacity_factor is not None:  # per shard: the formula on its own tokens
     capacity = expert_capacity(capacity_factor, num_tokens // plan.size("batch"), top_k,

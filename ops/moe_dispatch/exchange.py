@@ -34,32 +34,44 @@ EXPERTS = ("experts", None, None)  # [E, D, F']: split over `expert_axis` only
 
 def dispatch_plan(op: str, x: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                   w_in: jax.Array, w_out: jax.Array,
-                  expert_axis: str | None) -> _sharding.Plan:
+                  expert_axis: str | None, *, dropless: bool = True) -> _sharding.Plan:
   """How the dispatch splits over the mesh (`ops/_sharding.plan`).
 
   Tokens split like a batch: over the axes their Explicit types name, else
-  over the context mesh's Auto axes (`_sharding`'s rule). Without
-  `expert_axis` the expert weights are replicated; with it they split over
-  `expert_axis` alone, and the tokens over their batch axes plus
-  `expert_axis` (or over `expert_axis` alone when the token count does not
-  divide that product), so each group of devices along `expert_axis`
-  exchanges its own tokens.
+  over the context mesh's Auto axes (`_sharding`'s rule, padding a token
+  count they do not divide when `dropless`: a padded token then takes no
+  other token's place). Without `expert_axis` the expert weights are
+  replicated; with it they split over `expert_axis` alone, and the tokens
+  over their batch axes plus `expert_axis` (or over `expert_axis` alone when
+  the token count does not divide that product), so each group of devices
+  along `expert_axis` exchanges its own tokens.
 
   Args:
     op: the op's name, for messages.
     x: [T, D]; expert_ids, gates: [T, k]; w_in: [E, D, F']; w_out: [E, F, D].
     expert_axis: None, or the mesh axis the experts split over.
+    dropless: False when each shard's experts take a capacity of its tokens.
 
   Raises:
     ValueError: when `expert_axis` is not an Auto or Explicit axis of the
-      mesh in context, or when the experts or tokens do not divide over it.
+      mesh in context, when the experts or tokens do not divide over it, or
+      when a capacity is kept and the tokens do not divide over the mesh.
   """
   weights = EXPERTS if expert_axis is not None else (None,) * 3
   plan = _sharding.plan(op, (
       ("x", x, TOKENS), ("expert_ids", expert_ids, TOKENS), ("gates", gates, TOKENS),
       ("w_in", w_in, weights), ("w_out", w_out, weights)),
-      split=("batch", "experts") if expert_axis is not None else ("batch",))
+      split=("batch", "experts") if expert_axis is not None else ("batch",),
+      pad=expert_axis is None)
   if expert_axis is None:
+    if plan.rows is not None and not dropless:
+      axes = plan.axes["batch"]
+      raise ValueError(
+          f"{op}: the token count {x.shape[0]} (every leading axis of `x`) cannot be "
+          f"split evenly over mesh axes {axes} of sizes "
+          f"{tuple(plan.mesh.shape[a] for a in axes)}, and with `capacity_factor` the "
+          "tokens cannot be padded (a padded token would take capacity): make it a "
+          f"multiple of {plan.size('batch')}")
     return plan
   mesh = plan.mesh
   if mesh.empty or expert_axis not in mesh.axis_names:

@@ -4,7 +4,9 @@ XLA's partitioner replicates a Pallas kernel (an opaque custom call) unless
 the op runs it per shard (`ops/_sharding.py`). On 8 simulated CPU devices,
 with every kernel forced on (interpret mode), each op is differentiated with
 its batch split over a mesh: the compiled program must hold no all-gather,
-and the values and gradients must equal one device's. pytest workers import
+and the values and gradients must equal one device's; a batch the mesh does
+not divide is padded, not run whole on every device; and an array placed on
+Auto axes outside a trace is read as placed. pytest workers import
 JAX with one CPU device, so the 8-device run is a subprocess (one for the
 whole file: its compile time is the cost). The library's models, the same
 way: tests/models/test_sharding.py.
@@ -100,6 +102,62 @@ try:
   out["sequence_error"] = "no error"
 except ValueError as e:
   out["sequence_error"] = str(e)
+
+# Auto axes, a batch of 3 on 8 devices: padded to 8, one row per device (the
+# kernel sees batch 1), no operand gathered or resharded.
+import time
+from ops import _sequence_parallel, _sharding
+from tests.ops import compiled_programs
+start = time.perf_counter()
+fn, args, specs = test_shard_map._cases()["ssd"]
+args = [jnp.concatenate([a, a])[:3] for a in args]
+grad = jax.jit(jax.value_and_grad(sin_sum(fn), argnums=(0, 1, 2, 3)))
+seen, real = [], ssd_pallas.ssd_pallas
+ssd_pallas.ssd_pallas = lambda q, *a, **kw: (seen.append(q.shape[0]), real(q, *a, **kw))[1]
+with jax.set_mesh(auto):
+  compiled = grad.lower(*args).compile()
+  got = compiled(*args)
+ssd_pallas.ssd_pallas = real
+out["padded_batch"] = {"kinds": compiled_programs.collective_kinds(compiled.as_text()),
+                       "kernel_batch": seen, "err": max_err(got, grad(*args))}
+# Rows of a grouped matmul likewise: padded rows belong to no group.
+x, w = jax.random.normal(key[0], (61, 16)), jax.random.normal(key[1], (3, 16, 24))
+grad = jax.jit(jax.value_and_grad(sin_sum(lambda x, w: ops.grouped_matmul(
+    x, w, jnp.array([10, 0, 51], jnp.int32), implementation="pallas")), argnums=(0, 1)))
+with jax.set_mesh(auto):
+  compiled = grad.lower(x, w).compile()
+  got = compiled(x, w)
+out["padded_rows"] = {"kinds": compiled_programs.collective_kinds(compiled.as_text()),
+                      "err": max_err(got, grad(x, w))}
+# MoE with a capacity cannot pad: a padded token would take a real one's slot.
+try:
+  with jax.set_mesh(auto):
+    jax.eval_shape(functools.partial(ops.moe_dispatch, capacity_factor=1.0), x[:12],
+                   jnp.zeros((12, 2), jnp.int32), jnp.ones((12, 2)), w, w.transpose(0, 2, 1))
+  out["capacity_error"] = "no error"
+except ValueError as e:
+  out["capacity_error"] = str(e)
+
+# Outside a trace an array's Auto split is known: split where the op can,
+# an error naming the argument and the axis where it cannot.
+mesh2 = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+q = jax.random.normal(key[0], (4, 24, 4, 16))
+on = lambda mesh, *spec: jax.device_put(q, NamedSharding(mesh, P(*spec)))
+heads = _sharding.plan("ssd", [("q", on(mesh2, None, None, "model"), ("batch", "seq", "heads", None))],
+                       split=("batch", "heads")).axes
+traced = []
+jax.jit(lambda x: traced.append(_sequence_parallel.splits_time(x)) or x).trace(
+    on(auto, None, "data"))
+out["eager"] = {"heads_axes": {k: list(v) for k, v in heads.items()},
+                "time_split": _sequence_parallel.splits_time(on(auto, None, "data")),
+                "time_split_traced": traced[0]}
+try:
+  with jax.set_mesh(auto):
+    ops.ssd(q, on(auto, None, None, None, "data"), q, decay, implementation="pallas")
+  out["eager"]["key_size_error"] = "no error"
+except ValueError as e:
+  out["eager"]["key_size_error"] = str(e)
+out["added_seconds"] = time.perf_counter() - start
 print("RESULT" + json.dumps(out))
 '''
 
@@ -128,6 +186,29 @@ def test_the_kernel_called_directly_is_gathered(results):
 
 def test_arrays_placed_on_a_mesh_need_no_mesh_in_context(results):
   assert results["placed_without_set_mesh_gathers"] == 0, results
+
+
+def test_a_batch_the_auto_axes_do_not_divide_is_padded(results):
+  """3 rows on 8 devices: one each, nothing gathered or resharded (the
+  all-reduce returns the gradients, replicated as the inputs were)."""
+  case = results["padded_batch"]
+  assert case["kernel_batch"] == [1], case
+  assert set(case["kinds"]) <= {"all-reduce"} and case["err"] < 2e-5, case
+  case = results["padded_rows"]
+  assert set(case["kinds"]) <= {"all-reduce"} and case["err"] < 2e-5, case
+  message = results["capacity_error"]
+  assert "token count 12" in message and "('data',)" in message and "(8,)" in message, message
+
+
+def test_an_auto_split_outside_a_trace_is_read(results):
+  """An array placed on Auto axes and passed outside jit: its heads split as
+  placed, its time split seen, and a split the op cannot take refused; under
+  jit the same split is not visible."""
+  eager = results["eager"]
+  assert eager["heads_axes"] == {"heads": ["model"], "batch": ["data"]}, eager
+  assert eager["time_split"] and not eager["time_split_traced"], eager
+  message = eager["key_size_error"]
+  assert "`k`" in message and "axis 3" in message and "cannot split" in message, message
 
 
 def test_a_sharded_sequence_axis_is_an_error(results):
