@@ -91,8 +91,12 @@ def ssd_xla(q, k, v, log_decay, *, initial_state=None, chunk_size=None, cu_seqle
   states = einsum("bclnk,bclnv->bcnkv", (kc * weights[..., None]).astype(dtype), vc)             # [B, C, N, K, V]
 
   # 3. State passing across chunks.
-  h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key, value), _F32) if initial_state is None
-        else initial_state.astype(_F32))
+  if cu_seqlens is None:  # placed like the chunk states (a batch split over Explicit axes)
+    h0 = jnp.zeros_like(states[:, 0], _F32)
+    h0 = h0 if initial_state is None else h0 + initial_state.astype(_F32)
+  else:
+    h0 = (jnp.zeros((varlen.num_states(batch, cu_seqlens), heads, key, value), _F32)
+          if initial_state is None else initial_state.astype(_F32))
   if lay is None:
     states = jnp.concatenate([h0[:, None], states], axis=1)        # [B, C + 1, N, K, V]
     padded_last = jnp.pad(b_last, ((0, 0), (1, 0), (0, 0)))        # [B, C + 1, N]
