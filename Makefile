@@ -13,8 +13,9 @@ STAMP := $(VENV)/.installed
 # the GPU machines' and runs every test. The second runs what a release can
 # break, the tests marked `jax_release` by this rule (tests/conftest.py holds
 # the lists): every test of the files that exercise JAX's moving parts as a
-# whole (the Triton and shared lowering, shard_map, the 8-device sharding and
-# multi-process runs, checkpoints, the README and docs examples, the wheel's
+# whole, one file per mechanism (the Triton and shared lowering, shard_map,
+# the ops per shard, the sequence pass and the ring, expert parallelism, fit on
+# a mesh, several processes, checkpoints, the README's examples, the wheel's
 # install), every test that lowers for Hopper (the `hopper_lowering` fixture),
 # and per kernel one interpret-mode numerics test against its reference. A new
 # kernel adds its numerics test to the list; collection fails on a listed test

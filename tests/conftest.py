@@ -30,23 +30,25 @@ _CACHE_ENV = "PROBJAX_HK_TEST_COMPILE_CACHE"
 
 # The tests a JAX release can break, marked `jax_release`; `make test` runs
 # them again on the second JAX version (Makefile: test-jax-next). A test is in
-# the set when (1) its file exercises JAX's moving parts as a whole (lowering,
-# sharding and collectives, several processes, the README's and docs' examples,
-# the wheel's install), (2) it uses the `hopper_lowering` fixture (a Triton or
-# Mosaic GPU lowering), or (3) it is listed below: each kernel's one
-# interpret-mode numerics test against its reference (a new kernel adds its
-# own), and the multi-device or lowering tests that share a file with others.
-# The models' sharding (tests/models/test_sharding.py) composes the ops'
-# (tests/ops/test_sharding.py) and runs on the first version only.
+# the set when (1) its file exercises one of JAX's moving parts as a whole, one
+# file per mechanism (lowering, per-shard kernels, the sequence passes of the
+# recurrences and the ring's permutes, expert-parallel exchange, fit on a mesh,
+# several processes, checkpoints, the README's examples, the wheel's install),
+# (2) it uses the `hopper_lowering` fixture (a Triton or Mosaic GPU lowering),
+# or (3) it is listed below: each kernel's one interpret-mode numerics test
+# against its reference (a new kernel adds its own), and the multi-device or
+# lowering tests that share a file with others. On the first version only: what
+# composes a mechanism checked here (the models' sharding, tests/models/
+# test_sharding.py, composes the ops'; the other recurrences' sequence splits
+# share ssd's pass, ops/_sequence_parallel.py) and the docs pages' examples
+# (the public calls the README's examples make, at more length).
 _JAX_RELEASE_FILES = frozenset(f"tests/{path}" for path in (
     "ops/test_triton_lowering.py", "ops/test_shared_lowering.py", "ops/test_shard_map.py",
-    "ops/test_sharding.py", "ops/test_linear_scan_sequence_parallel.py",
-    "ops/test_ssd_sequence_parallel.py",
-    "ops/test_selective_scan_sequence_parallel.py",
-    "ops/test_gated_delta_rule_sequence_parallel.py", "ops/test_flex_attention_ring.py",
-    "models/test_moe_sharding.py", "training/test_sharding.py",
-    "training/test_fit_sharding.py", "training/test_multiprocess.py",
-    "training/test_checkpoints.py", "test_readme.py", "test_docs.py", "test_packaging.py"))
+    "ops/test_sharding.py", "ops/test_ssd_sequence_parallel.py",
+    "ops/test_flex_attention_ring.py", "models/test_moe_sharding.py",
+    "training/test_sharding.py", "training/test_fit_sharding.py",
+    "training/test_multiprocess.py", "training/test_checkpoints.py", "test_readme.py",
+    "test_packaging.py"))
 _JAX_RELEASE_TESTS = frozenset(f"tests/{test}" for test in (
     "ops/test_flex_attention.py::test_kernel_matches_reference[causal_t17_h32_f32]",
     "ops/test_flex_attention_mosaic.py::test_forward_and_gradients_match_reference"
