@@ -53,7 +53,7 @@ def _cudnn_limit(query, key, bias, window, is_causal) -> str | None:
   split = ring.splits_sequence(query, key)
   if split is not None:
     return (f"cuDNN attention cannot split the sequence axis of `{split}` (axis 1, split "
-            "over Explicit mesh axes); 'xla' runs ring attention")
+            "over mesh axes); 'xla' runs ring attention")
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN attention takes float16 or bfloat16 inputs, got query.dtype={query.dtype}"
   head_dim = query.shape[-1]
@@ -386,7 +386,7 @@ def _xla_supports(call):
     return None
   limit = _flex_limit(call["query"], call["bias"], call["mask"], call["query_seq_lengths"],
                       call["scale"], call["return_residual"])
-  return limit and (f"with the sequence axis of `{split}` split over Explicit mesh axes, "
+  return limit and (f"with the sequence axis of `{split}` split over mesh axes, "
                     f"'xla' runs ring attention (ops.flex_attention), and {limit}")
 
 

@@ -143,7 +143,8 @@ class _Ring:
 
 def splits_sequence(q, k) -> str | None:
   """The argument ('q' or 'k') whose sequence axis (axis 1) is split over
-  Explicit mesh axes, or None: such a call runs as ring attention."""
+  mesh axes (Explicit ones, or any of an array placed outside a trace), or
+  None: such a call runs as ring attention."""
   return next((name for name, x in (("q", q), ("k", k))
                if _sequence_parallel.splits_time(x)), None)
 
@@ -153,7 +154,7 @@ def kernel_limit(q, k) -> str | None:
   name = splits_sequence(q, k)
   if name is None:
     return None
-  return (f"`{name}` is split along its sequence axis (axis 1) over Explicit mesh "
+  return (f"`{name}` is split along its sequence axis (axis 1) over mesh "
           "axes, which the kernels cannot split yet (they take no global positions); "
           "implementation='xla' or None runs ring attention")
 
