@@ -16,6 +16,9 @@ from ops.gated_delta_rule import api
 from ops.gated_delta_rule import gated_delta_rule
 from ops.gated_delta_rule import gated_delta_rule_reference
 from tests.ops import test_measured
+from tests.ops.outputs_and_grads import fixed_weights_loss
+from tests.ops.outputs_and_grads import outputs_and_grads
+from tests.ops.outputs_and_grads import sin_loss
 
 # Max error relative to max(1, max |reference|), per dtype: (forward, gradients).
 _TOL = tolerances.GATED_DELTA_RULE
@@ -29,51 +32,46 @@ def _rel(x, ref):
 
 
 def _inputs(batch, time, heads, key, value, dtype, *, decay=None, seed=0, groups=None):
-  ks = jax.random.split(jax.random.key(seed), 6)
+  """q, k, v, log_decay, beta in `dtype` and a float32 initial state, drawn
+  with NumPy (an eager `jax.random` call compiles a program per shape)."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
   groups = groups or heads
-  q = jax.random.normal(ks[0], (batch, time, groups, key))
-  k = jax.random.normal(ks[1], (batch, time, groups, key))
-  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(ks[2], (batch, time, heads, value))
+  q = normal(batch, time, groups, key)
+  k = normal(batch, time, groups, key)
+  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  v = normal(batch, time, heads, value)
   if decay is None:
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, time, heads)) - 1.0)
+    g = -np.logaddexp(0.0, normal(batch, time, heads) - 1.0)  # -softplus
   else:
-    g = jnp.full((batch, time, heads), decay)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, time, heads)))
-  h0 = jax.random.normal(ks[5], (batch, heads, key, value))
-  return tuple(x.astype(dtype) for x in (q, k, v, g, beta)) + (h0,)
+    g = np.full((batch, time, heads), decay, np.float32)
+  beta = 1.0 / (1.0 + np.exp(-normal(batch, time, heads)))
+  h0 = normal(batch, heads, key, value)
+  return tuple(jnp.asarray(x.astype(dtype)) for x in (q, k, v, g, beta)) + (jnp.asarray(h0),)
 
 
 @functools.lru_cache(maxsize=None)
 def _fns(implementation, chunk_size, with_state, scale=None):
+  """One jitted program: (y, final) and the gradients of every input."""
   def fn(q, k, v, g, beta, h0):
     h0 = h0 if with_state else None
     if implementation == "reference":
       return gated_delta_rule_reference(q, k, v, g, beta, scale=scale, initial_state=h0)
     return gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=h0,
                             chunk_size=chunk_size, implementation=implementation)
-
-  def loss(*args):
-    """Linear in (y, final): the cotangents are exact in every dtype."""
-    y, final = fn(*args)
-    wy = jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape))
-    wf = jnp.sin(jnp.arange(final.size, dtype=jnp.float32).reshape(final.shape))
-    return jnp.sum(y.astype(jnp.float32) * wy) + jnp.sum(final * wf)
-  argnums = tuple(range(6 if with_state else 5))
-  return jax.jit(fn), jax.jit(jax.grad(loss, argnums=argnums))
+  return outputs_and_grads(fn, fixed_weights_loss, range(6 if with_state else 5))
 
 
 def _check(implementation, chunk_size, dtype, shape, *, with_state=True, decay=None,
            groups=None, scale=None):
   args = _inputs(*shape, dtype, decay=decay, groups=groups)
-  fwd, grad = _fns(implementation, chunk_size, with_state, scale)
-  ref_fwd, ref_grad = _fns("reference", None, with_state, scale)
-  (y, final), (y_ref, final_ref) = fwd(*args), ref_fwd(*args)
+  (y, final), grads = _fns(implementation, chunk_size, with_state, scale)(*args)
+  (y_ref, final_ref), ref_grads = _fns("reference", None, with_state, scale)(*args)
   assert y.dtype == args[2].dtype and final.dtype == jnp.float32
   fwd_tol, grad_tol = _TOL[dtype]
   assert _rel(y, y_ref) < fwd_tol
   assert _rel(final, final_ref) < fwd_tol
-  for name, a, b in zip(_NAMES, grad(*args), ref_grad(*args)):
+  for name, a, b in zip(_NAMES, grads, ref_grads):
     assert a.shape == b.shape, name
     assert _rel(a, b) < grad_tol, name
 
@@ -107,8 +105,7 @@ def test_unit_lower_inverse(case, block):
   from ops.gated_delta_rule import triton as gdr_triton
   chunk = 32
   if case == "random":
-    a = np.asarray(jax.random.uniform(jax.random.key(0), (chunk, chunk), minval=-0.5,
-                                      maxval=0.5))
+    a = np.random.default_rng(0).uniform(-0.5, 0.5, (chunk, chunk))
   else:
     a = np.ones((chunk, chunk), np.float32)
   a = np.tril(a, -1).astype(np.float32)
@@ -138,11 +135,11 @@ def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_
   kernel = lambda *a: gdr_pallas_lib.gated_delta_rule_pallas(
       *a[:5], initial_state=a[5], blocks=blocks)
   reference = lambda *a: gated_delta_rule_reference(*a[:5], initial_state=a[5])
-  loss = lambda fn: lambda *a: sum(jnp.sum(jnp.sin(x)) for x in fn(*a))
-  for got, want in zip(jax.jit(kernel)(*args), reference(*args)):
+  outputs, grads = outputs_and_grads(kernel, sin_loss)(*args)
+  ref_outputs, ref_grads = outputs_and_grads(reference, sin_loss)(*args)
+  for got, want in zip(outputs, ref_outputs):
     assert _rel(got, want) < 2e-5
-  grads = jax.jit(jax.grad(loss(kernel), argnums=range(6)))(*args)
-  for name, a, b in zip(_NAMES, grads, jax.grad(loss(reference), argnums=range(6))(*args)):
+  for name, a, b in zip(_NAMES, grads, ref_grads):
     assert a.shape == b.shape, name
     assert _rel(a, b) < 2e-4, name
 
@@ -150,7 +147,11 @@ def test_kernels_loop_over_several_value_tiles(block_v, state_block_v, grad_num_
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
 @pytest.mark.parametrize("decay", [-20.0, 0.0])
 def test_strong_and_no_decay_stay_finite(implementation, decay):
-  _check(implementation, 16, jnp.float32, (1, 40, 2, 16, 16), decay=decay)
+  # The last case's shapes and options (several chunks, a padded tail): its
+  # compiled programs, other values.
+  time, chunk, dtype, groups, with_state, scale = _CASES[-1]
+  _check(implementation, chunk, dtype, (1, time, 4, 16, 24), decay=decay, groups=groups,
+         with_state=with_state, scale=scale)
 
 
 def test_default_implementation_on_cpu_is_xla(monkeypatch):
@@ -159,9 +160,9 @@ def test_default_implementation_on_cpu_is_xla(monkeypatch):
   monkeypatch.setattr(api, "gated_delta_rule_xla",
                       lambda *a, **kw: called.append(1) or real(*a, **kw))
   args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
-  y, _ = gated_delta_rule(*args)
+  y, _ = jax.jit(lambda *a: gated_delta_rule(*a))(*args)  # a trace of its own
   assert called == ([] if _backend.on_nvidia_gpu() else [1])
-  np.testing.assert_allclose(y, gated_delta_rule_reference(*args)[0], atol=2e-5)
+  np.testing.assert_allclose(y, jax.jit(gated_delta_rule_reference)(*args)[0], atol=2e-5)
   assert ops.gated_delta_rule is gated_delta_rule
 
 
@@ -181,7 +182,8 @@ def test_kernel_limits_raise_for_pallas_only():
   args = _inputs(1, 8, 2, 16, 16, jnp.float32)[:5]
   with pytest.raises(ValueError, match="chunk_size"):
     gated_delta_rule(*args, chunk_size=24, implementation="pallas")
-  gated_delta_rule(*args, chunk_size=24, implementation="xla")
+  jax.eval_shape(functools.partial(gated_delta_rule, chunk_size=24, implementation="xla"),
+                 *args)  # traced only: whether it raises
   big = _inputs(1, 4, 1, 512, 16, jnp.float32)[:5]
   with pytest.raises(ValueError, match="must be <= 256"):
     gated_delta_rule(*big, implementation="pallas")
