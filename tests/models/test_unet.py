@@ -1,13 +1,12 @@
 """UNet: shapes, conditioning, remat, dtypes, attention dispatch, train step, errors.
 
 Compilation dominates on a CPU, so shape checks run under `jax.eval_shape`,
-parameters are drawn by one jitted function (Haiku's truncated-normal
-initializers compile slowly, once per shape), and the compiled functions are
-shared through module-scoped fixtures.
+inputs come from NumPy and parameters are drawn on the host
+(tests/models/random_params.py), a test's several cases run in one compiled
+program, and the compiled functions are shared through module-scoped fixtures.
 """
 
 import inspect
-import math
 
 import chex
 import haiku as hk
@@ -19,6 +18,7 @@ import pytest
 
 import probjax_hk as pk
 from probjax_hk import unet as unet_lib
+from tests.models.random_params import random_params
 
 B, C_IN, D_C = 2, 3, 5
 SMALL = dict(norm_groups=4, num_heads=2)
@@ -33,46 +33,21 @@ def _transform(context=False, **kwargs):
   return hk.transform(lambda x, t: pk.UNet(C_IN, channels, **kwargs)(x, t))
 
 
-def _inputs(size=8, dtype=jnp.float32, seed=0, channels=C_IN):
-  kx, kt, kc = jax.random.split(jax.random.key(seed), 3)
-  height, width = (size, size) if isinstance(size, int) else size
-  return (jax.random.normal(kx, (B, height, width, channels), dtype),
-          jax.random.uniform(kt, (B,), minval=0, maxval=1000),
-          jax.random.normal(kc, (B, D_C)))
-
-
-def _random_params(model, *args, seed=1):
-  """Parameters of `model`'s structure, drawn on the host (nothing to compile).
-
-  Weights have variance 1 / fan-in, norm scales 1 +- 0.1, every other vector
-  +- 0.1 (so no bias or offset is trivially zero).
-  """
-  shapes = jax.eval_shape(model.init, jax.random.key(0), *args)
+def _inputs(size=8, dtype=np.float32, seed=0, channels=C_IN):
+  """x [B, H, W, C], t [B] and context [B, D_C], as NumPy arrays."""
   rng = np.random.default_rng(seed)
-
-  def draw(path, leaf):
-    std = 1.0 / math.sqrt(math.prod(leaf.shape[:-1])) if leaf.ndim >= 2 else 0.1
-    u = rng.uniform(-1.0, 1.0, leaf.shape) * std * math.sqrt(3.0)
-    if jax.tree_util.keystr(path).endswith("'scale']"):
-      u = u + 1.0
-    return jnp.asarray(u, leaf.dtype)
-
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  height, width = (size, size) if isinstance(size, int) else size
+  return (rng.normal(size=(B, height, width, channels)).astype(dtype),
+          rng.uniform(0, 1000, size=(B,)).astype(np.float32),
+          rng.normal(size=(B, D_C)).astype(np.float32))
 
 
 @pytest.fixture(scope="module")
 def context_model():
   """(model, params, jitted apply) of a context-conditioned 2-level UNet."""
   model = _transform(context=True)
-  params = _random_params(model, *_inputs())
+  params = random_params(model, *_inputs())
   return model, params, jax.jit(model.apply)
-
-
-@pytest.fixture(scope="module")
-def plain_model():
-  model = _transform()
-  x, t, _ = _inputs()
-  return model, _random_params(model, x, t)
 
 
 # --- shapes (traced, not compiled) -------------------------------------------
@@ -124,14 +99,15 @@ def test_parameter_names_and_counts():
 def test_time_and_context_change_the_output(context_model):
   _, params, apply = context_model
   x, t, c = _inputs()
-  y = apply(params, None, x, t, c)
-  assert bool(jnp.all(jnp.isfinite(y)))
+  y = np.asarray(apply(params, None, x, t, c))
+  assert np.all(np.isfinite(y))
   y_t = apply(params, None, x, t + 250.0, c)
   y_c = apply(params, None, x, t, c + 1.0)
   for other in (y_t, y_c):
-    assert float(jnp.max(jnp.abs(other - y))) > 1e-2
+    assert np.max(np.abs(other - y)) > 1e-2
   # Each example's output depends on its own time only.
-  t_first = t.at[1].add(250.0)
+  t_first = t.copy()
+  t_first[1] += 250.0
   y_first = apply(params, None, x, t_first, c)
   np.testing.assert_allclose(y_first[0], y[0], rtol=1e-5, atol=1e-5)
 
@@ -143,30 +119,31 @@ def test_bf16_in_bf16_out_with_f32_params(context_model):
   y16 = apply(params, None, x.astype(jnp.bfloat16), t, c)
   assert y16.dtype == jnp.bfloat16
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  scale = float(jnp.max(jnp.abs(y32)))
-  assert float(jnp.max(jnp.abs(y16.astype(jnp.float32) - y32))) < 0.1 * scale
+  scale = np.max(np.abs(y32))
+  assert np.max(np.abs(np.asarray(y16, np.float32) - y32)) < 0.1 * scale
 
 
-def _loss_and_grad(model, params, x, t):
-  loss = lambda p: jnp.mean(jnp.square(model.apply(p, None, x, t).astype(jnp.float32)))
-  return jax.jit(jax.value_and_grad(loss))(params)
-
-
-def test_remat_equals_no_remat_and_every_parameter_gets_a_gradient(plain_model):
-  model, params = plain_model
-  remat = _transform(remat_policy="full")
+def test_remat_equals_no_remat_and_every_parameter_gets_a_gradient():
+  model, remat = _transform(), _transform(remat_policy="full")
   x, t, _ = _inputs()
+  params = random_params(model, x, t)
   chex.assert_trees_all_equal_shapes(
       params, jax.eval_shape(remat.init, jax.random.key(0), x, t))
-  loss_p, grad_p = _loss_and_grad(model, params, x, t)
-  loss_r, grad_r = _loss_and_grad(remat, params, x, t)
+
+  @jax.jit  # One compiled program for both models.
+  def losses_and_grads(p, x, t):
+    return [jax.value_and_grad(lambda p: jnp.mean(jnp.square(
+        m.apply(p, None, x, t).astype(jnp.float32))))(p) for m in (model, remat)]
+
+  (loss_p, grad_p), (loss_r, grad_r) = losses_and_grads(params, x, t)
   chex.assert_trees_all_close(loss_r, loss_p, rtol=1e-6)
   chex.assert_trees_all_close(grad_r, grad_p, atol=1e-6, rtol=1e-5)
   # jit + grad reach every parameter.
   for name, leaves in grad_p.items():
     for leaf_name, g in leaves.items():
-      assert bool(jnp.all(jnp.isfinite(g))), (name, leaf_name)
-      assert float(jnp.max(jnp.abs(g))) > 0, (name, leaf_name)
+      g = np.asarray(g)
+      assert np.all(np.isfinite(g)), (name, leaf_name)
+      assert np.max(np.abs(g)) > 0, (name, leaf_name)
 
 
 def test_remat_wraps_blocks_in_checkpoints():
@@ -187,7 +164,7 @@ def test_dropout_only_when_training_with_an_rng():
 
   model = hk.transform(unet)
   x, t, _ = _inputs(4)
-  params = _random_params(model, x, t)
+  params = random_params(model, x, t)
 
   @jax.jit  # One compiled program for the five cases.
   def outputs(p):
@@ -200,8 +177,8 @@ def test_dropout_only_when_training_with_an_rng():
   y_eval, y_eval_rng, y_train_no_rng, y_a, y_b = outputs(params)
   np.testing.assert_array_equal(y_eval_rng, y_eval)
   np.testing.assert_array_equal(y_train_no_rng, y_eval)
-  assert float(jnp.max(jnp.abs(y_a - y_eval))) > 1e-3
-  assert float(jnp.max(jnp.abs(y_a - y_b))) > 1e-3
+  assert np.max(np.abs(y_a - y_eval)) > 1e-3
+  assert np.max(np.abs(y_a - y_b)) > 1e-3
 
 
 # --- attention dispatch ------------------------------------------------------
@@ -248,38 +225,41 @@ def _conv_reference(x, w, b, stride):
 @pytest.mark.parametrize("kernel_size, stride", [(3, 1), (3, 2), (1, 1)])
 def test_conv2d_matches_direct_sum(kernel_size, stride):
   conv = hk.transform(lambda x: unet_lib.Conv2D(4, kernel_size, stride=stride)(x))
-  x = jax.random.normal(jax.random.key(0), (2, 6, 8, 3))
-  params = conv.init(jax.random.key(1), x)
-  params = {"conv2_d": {"w": params["conv2_d"]["w"], "b": jnp.arange(4.0)}}
-  y = conv.apply(params, None, x)
+  x = np.random.default_rng(0).normal(size=(2, 6, 8, 3)).astype(np.float32)
+  params = random_params(conv, x)
+  params = {"conv2_d": {"w": params["conv2_d"]["w"], "b": np.arange(4.0, dtype=np.float32)}}
+  apply = jax.jit(conv.apply)
+  y = apply(params, None, x)
   np.testing.assert_allclose(y, _conv_reference(x, params["conv2_d"]["w"],
                                                 params["conv2_d"]["b"], stride),
                              rtol=1e-5, atol=1e-5)
-  y16 = conv.apply(params, None, x.astype(jnp.bfloat16))
+  y16 = apply(params, None, x.astype(jnp.bfloat16))
   assert y16.dtype == jnp.bfloat16
   assert params["conv2_d"]["w"].dtype == jnp.float32
 
 
 def test_group_norm_matches_numpy():
   norm = hk.transform(lambda x: unet_lib.GroupNorm(2)(x))
-  x = jax.random.normal(jax.random.key(0), (2, 3, 5, 6)) * 3 + 1
-  params = {"group_norm": {"scale": jnp.linspace(0.5, 1.5, 6), "offset": jnp.arange(6.0)}}
-  y = norm.apply(params, None, x)
+  x = (np.random.default_rng(0).normal(size=(2, 3, 5, 6)) * 3 + 1).astype(np.float32)
+  params = {"group_norm": {"scale": np.linspace(0.5, 1.5, 6, dtype=np.float32),
+                           "offset": np.arange(6.0, dtype=np.float32)}}
+  apply = jax.jit(norm.apply)
+  y = apply(params, None, x)
   xn = np.asarray(x, np.float64).reshape(2, 3, 5, 2, 3)
   mean = xn.mean(axis=(1, 2, 4), keepdims=True)
   var = xn.var(axis=(1, 2, 4), keepdims=True)
   expected = ((xn - mean) / np.sqrt(var + 1e-5)).reshape(x.shape)
   expected = expected * np.asarray(params["group_norm"]["scale"]) + np.arange(6.0)
   np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
-  y16 = norm.apply(params, None, x.astype(jnp.bfloat16))
+  y16 = apply(params, None, x.astype(jnp.bfloat16))
   assert y16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(y16.astype(jnp.float32), expected, rtol=0.05, atol=0.05)
+  np.testing.assert_allclose(np.asarray(y16, np.float32), expected, rtol=0.05, atol=0.05)
 
 
 def test_upsample_nearest():
-  x = jnp.arange(2 * 2 * 3 * 2.0).reshape(2, 2, 3, 2)
+  x = np.arange(2 * 2 * 3 * 2.0, dtype=np.float32).reshape(2, 2, 3, 2)
   y = unet_lib.upsample_nearest(x)
-  np.testing.assert_array_equal(y, jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))
+  np.testing.assert_array_equal(y, np.repeat(np.repeat(x, 2, axis=1), 2, axis=2))
 
 
 # --- train step ---------------------------------------------------------------
@@ -288,20 +268,22 @@ def test_upsample_nearest():
 def test_train_step_donates_and_trains():
   model = hk.transform(lambda x, t: pk.UNet(
       1, (4,), num_res_blocks=1, attention_levels=(), norm_groups=2)(x, t))
-  x0 = jax.random.normal(jax.random.key(0), (2, 4, 4, 1))
-  params = _random_params(model, x0, jnp.zeros((2,)))
+  x0 = np.random.default_rng(0).normal(size=(2, 4, 4, 1)).astype(np.float32)
+  params = random_params(model, x0, np.zeros((2,), np.float32))
   optimizer = optax.adam(1e-2)
-  opt_state = optimizer.init(params)
+  opt_state = jax.jit(optimizer.init)(params)
   num_buffers = len(jax.tree.leaves((params, opt_state)))
   args = (params, opt_state, jax.random.key(1), x0)
-  for donate in (True, False):
+  steps = {donate: unet_lib.make_train_step(model, optimizer, donate=donate)
+           for donate in (True, False)}
+  for donate, step in steps.items():
     # Donation is a property of the lowered program (CPU runtimes may still
     # copy); every parameter and optimizer-state buffer is marked.
-    text = unet_lib.make_train_step(model, optimizer, donate=donate).lower(*args).as_text()
+    text = step.lower(*args).as_text()
     donated = text.count("tf.aliasing_output") + text.count("jax.buffer_donor")
     assert donated == (num_buffers if donate else 0), (donate, donated, num_buffers)
   # The same batch, t and noise at every step: the loss falls.
-  step = unet_lib.make_train_step(model, optimizer, donate=False)
+  step = steps[False]
   losses = []
   for _ in range(5):
     params, opt_state, loss = step(params, opt_state, jax.random.key(1), x0)
