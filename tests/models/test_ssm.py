@@ -1,5 +1,12 @@
 """SSMModel, LRUCell and MambaCell: decoding equals the sequence path,
-bidirectional, dtypes, remat, scanned stacks, jit/grad/vmap, bad arguments."""
+bidirectional, dtypes, remat, scanned stacks, jit/grad/vmap, bad arguments.
+
+Compilation dominates on a CPU, so inputs come from NumPy, parameters are
+drawn on the host (tests/models/random_params.py), and the paths a test
+compares run in one compiled program.
+"""
+
+import functools
 
 import haiku as hk
 import jax
@@ -8,14 +15,16 @@ import numpy as np
 import pytest
 
 import probjax_hk as pj
+from tests.models.random_params import random_params
 
 B, T, D_IN, D, D_OUT, L = 2, 6, 3, 8, 5, 2
 _CELLS = {"lru": (pj.LRUCell, {}),
           "mamba": (pj.MambaCell, {"state_dim": 4, "conv_width": 3})}
 
 
-def _x(dtype=jnp.float32, time=T, seed=0):
-  return jax.random.normal(jax.random.key(seed), (B, time, D_IN), dtype)
+def _x(dtype=np.float32, time=T, seed=0, dim=D_IN):
+  """[B, time, dim] as a NumPy array."""
+  return np.random.default_rng(seed).normal(size=(B, time, dim)).astype(dtype)
 
 
 def _model(cell, **kwargs):
@@ -23,11 +32,24 @@ def _model(cell, **kwargs):
   return pj.SSMModel(D_IN, D, D_OUT, L, cell=cls, cell_kwargs=cell_kwargs, **kwargs)
 
 
-def _sequence_and_decode(cell, **kwargs):
-  """Transformed (sequence, decode) functions over the same parameters."""
-  def sequence(x):
-    return _model(cell, **kwargs)(x)
+def _forward(cell, **kwargs):
+  return hk.without_apply_rng(hk.transform(lambda x: _model(cell, **kwargs)(x)))
 
+
+@functools.cache
+def _params(cell):
+  """Parameters of `_model(cell)`; its remat and dropout variants hold the same tree."""
+  return random_params(_forward(cell), _x())
+
+
+@functools.cache
+def _apply(cell):
+  """`_model(cell)`'s jitted apply, shared by the tests that run it as is."""
+  return jax.jit(_forward(cell).apply)
+
+
+def _decode(cell, **kwargs):
+  """The transformed step-by-step decoding of `_model(cell, **kwargs)`."""
   def decode(x):
     model = _model(cell, **kwargs)
     state = model.initial_state(x.shape[0])
@@ -36,8 +58,7 @@ def _sequence_and_decode(cell, **kwargs):
       y, state = model.step(x[:, t], state)
       ys.append(y)
     return jnp.stack(ys, axis=1)
-  return (hk.without_apply_rng(hk.transform(sequence)),
-          hk.without_apply_rng(hk.transform(decode)))
+  return hk.without_apply_rng(hk.transform(decode))
 
 
 @pytest.mark.parametrize("cell", ["lru", "mamba"])
@@ -55,32 +76,38 @@ def test_cell_decode_matches_sequence(cell):
     return y, jnp.stack(steps, axis=1)
 
   f = hk.transform(both)
-  x = jax.random.normal(jax.random.key(0), (B, T, D))
-  y, y_steps = f.apply(f.init(jax.random.key(1), x), None, x)
+  x = _x(dim=D)
+  y, y_steps = jax.jit(f.apply)(random_params(f, x), None, x)
   assert y.shape == (B, T, D)
   np.testing.assert_allclose(y_steps, y, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cell,scan_layers", [("lru", True), ("mamba", False)])
 def test_model_decode_matches_sequence(cell, scan_layers):
-  sequence, decode = _sequence_and_decode(cell, scan_layers=scan_layers)
+  sequence, decode = _forward(cell, scan_layers=scan_layers), _decode(cell, scan_layers=scan_layers)
   x = _x()
-  params = sequence.init(jax.random.key(1), x)
-  y = sequence.apply(params, x)
+  params = random_params(sequence, x)
+
+  @jax.jit  # One compiled program for both paths.
+  def both(params, x):
+    return sequence.apply(params, x), decode.apply(params, x)
+
+  y, y_decoded = both(params, x)
   assert y.shape == (B, T, D_OUT)
-  np.testing.assert_allclose(decode.apply(params, x), y, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(y_decoded, y, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("cell", ["lru", "mamba"])
 def test_bidirectional_sees_the_future_and_cannot_decode(cell):
+  x = _x()
+  changed = x.copy()
+  changed[:, -1] += 1.0
   for bidirectional in (False, True):
-    f = hk.without_apply_rng(hk.transform(
-        lambda x: _model(cell, bidirectional=bidirectional)(x)))
-    x = _x()
-    params = f.init(jax.random.key(1), x)
+    f = _forward(cell, bidirectional=bidirectional)
+    params = random_params(f, x)
     assert any("cell_reverse" in name for name in params) == bidirectional
-    changed = f.apply(params, x.at[:, -1].add(1.0))
-    first_step_moved = np.abs(changed[:, 0] - f.apply(params, x)[:, 0]).max() > 1e-4
+    apply = jax.jit(f.apply) if bidirectional else _apply(cell)
+    first_step_moved = np.abs(apply(params, changed)[:, 0] - apply(params, x)[:, 0]).max() > 1e-4
     assert first_step_moved == bidirectional
   decode = hk.transform(lambda: _model(cell, bidirectional=True).initial_state(B))
   with pytest.raises(ValueError, match="bidirectional"):
@@ -89,13 +116,13 @@ def test_bidirectional_sees_the_future_and_cannot_decode(cell):
 
 @pytest.mark.parametrize("cell", ["lru", "mamba"])
 def test_bf16_in_bf16_out(cell):
-  f = hk.without_apply_rng(hk.transform(lambda x: _model(cell)(x)))
   x = _x()
-  params = f.init(jax.random.key(1), x)
-  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  y16 = f.apply(params, x.astype(jnp.bfloat16))
+  shapes = jax.eval_shape(_forward(cell).init, jax.random.key(1), x)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(shapes))
+  params = _params(cell)
+  y16 = _apply(cell)(params, x.astype(jnp.bfloat16))
   assert y16.dtype == jnp.bfloat16
-  y32 = f.apply(params, x)
+  y32 = _apply(cell)(params, x)
   np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.1, rtol=0.1)
 
 
@@ -105,13 +132,16 @@ def _loss(f):
 
 def test_remat_matches_no_remat():
   x = _x()
-  plain = hk.without_apply_rng(hk.transform(lambda x: _model("mamba")(x)))
-  remat = hk.without_apply_rng(hk.transform(
-      lambda x: _model("mamba", remat_policy="full")(x)))
-  params = plain.init(jax.random.key(1), x)
-  assert jax.tree.structure(remat.init(jax.random.key(1), x)) == jax.tree.structure(params)
-  value, grads = jax.value_and_grad(_loss(plain))(params, x)
-  value_r, grads_r = jax.value_and_grad(_loss(remat))(params, x)
+  plain, remat = _forward("mamba"), _forward("mamba", remat_policy="full")
+  params = _params("mamba")
+  assert (jax.tree.structure(jax.eval_shape(remat.init, jax.random.key(1), x))
+          == jax.tree.structure(params))
+
+  @jax.jit  # One compiled program for both models.
+  def both(params, x):
+    return [jax.value_and_grad(_loss(f))(params, x) for f in (plain, remat)]
+
+  (value, grads), (value_r, grads_r) = both(params, x)
   np.testing.assert_allclose(value_r, value, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5),
                grads_r, grads)
@@ -119,30 +149,32 @@ def test_remat_matches_no_remat():
 
 def test_scanned_matches_unrolled():
   x = _x()
-  unrolled = hk.without_apply_rng(hk.transform(lambda x: _model("lru")(x)))
-  scanned = hk.without_apply_rng(hk.transform(lambda x: _model("lru", scan_layers=True)(x)))
-  params = unrolled.init(jax.random.key(1), x)
-  stacked = pj.stack_layer_params(params)
-  assert (jax.tree.structure(stacked)
-          == jax.tree.structure(scanned.init(jax.random.key(1), x)))
-  np.testing.assert_allclose(scanned.apply(stacked, x), unrolled.apply(params, x),
-                             atol=1e-6, rtol=1e-6)
+  scanned = _forward("lru", scan_layers=True)
+  params = _params("lru")
+  assert (jax.tree.structure(jax.eval_shape(pj.stack_layer_params, params))
+          == jax.tree.structure(jax.eval_shape(scanned.init, jax.random.key(1), x)))
+  y_scanned = jax.jit(lambda p, x: scanned.apply(pj.stack_layer_params(p), x))(params, x)
+  np.testing.assert_allclose(y_scanned, _apply("lru")(params, x), atol=1e-6, rtol=1e-6)
   with pytest.raises(ValueError, match="stack_layer_params"):
-    scanned.apply(params, x)
+    jax.eval_shape(scanned.apply, params, x)
 
 
 def test_jit_grad_vmap_and_dropout():
   f = hk.transform(lambda x, is_training: _model("lru", dropout_rate=0.5)(
       x, is_training=is_training))
   x = _x()
-  params = f.init(jax.random.key(1), x, False)
-  apply = jax.jit(f.apply, static_argnums=3)
-  y = apply(params, None, x, False)
-  np.testing.assert_allclose(apply(params, None, x, False), y)
-  assert np.abs(apply(params, jax.random.key(2), x, True) - y).max() > 1e-3
-  grads = jax.jit(jax.grad(lambda p: jnp.sum(f.apply(p, None, x, False) ** 2)))(params)
+
+  @jax.jit  # One compiled program for every case.
+  def outputs(params, x, rng):
+    return (f.apply(params, None, x, False), f.apply(params, rng, x, False),
+            f.apply(params, rng, x, True),
+            jax.grad(lambda p: jnp.sum(f.apply(p, None, x, False) ** 2))(params),
+            jax.vmap(lambda xi: f.apply(params, None, xi[None], False)[0])(x))
+
+  y, y_eval_rng, y_train, grads, per_example = outputs(_params("lru"), x, jax.random.key(2))
+  np.testing.assert_allclose(y_eval_rng, y)  # no dropout outside training
+  assert np.abs(y_train - y).max() > 1e-3
   assert all(np.isfinite(g).all() and np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
-  per_example = jax.vmap(lambda xi: f.apply(params, None, xi[None], False)[0])(x)
   np.testing.assert_allclose(per_example, y, atol=1e-5, rtol=1e-5)
 
 
@@ -173,11 +205,11 @@ def test_pallas_cells_match_xla(cell):
   # The cells' sequence path on the Pallas kernels (interpret mode here),
   # both directions through a bidirectional model.
   cls, cell_kwargs = _CELLS[cell]
-  outputs = []
-  for implementation in ("xla", "pallas"):
-    kwargs = {**cell_kwargs, "implementation": implementation}
-    f = hk.without_apply_rng(hk.transform(lambda x: pj.SSMModel(
-        D_IN, D, D_OUT, 1, cell=cls, cell_kwargs=kwargs, bidirectional=True)(x)))
-    x = _x()
-    outputs.append(f.apply(f.init(jax.random.key(1), x), x))
-  np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+  models = [hk.without_apply_rng(hk.transform(lambda x, implementation=implementation: (
+      pj.SSMModel(D_IN, D, D_OUT, 1, cell=cls, bidirectional=True,
+                  cell_kwargs={**cell_kwargs, "implementation": implementation})(x))))
+            for implementation in ("xla", "pallas")]
+  x = _x()
+  y_xla, y_pallas = jax.jit(lambda p, x: [m.apply(p, x) for m in models])(
+      random_params(models[0], x), x)
+  np.testing.assert_allclose(y_pallas, y_xla, atol=1e-5, rtol=1e-5)
