@@ -1,7 +1,12 @@
 """The decoding interface of every sequence model: a prompt's prefill, then
 steps (or a second prefill), equal the sequence path on the whole sequence;
 the Transformer's KV cache (GQA, sliding windows, scan_layers, remat, bf16),
-`cached_attention`, and the errors."""
+`cached_attention`, and the errors.
+
+Compilation dominates on a CPU, so inputs come from NumPy, parameters are
+drawn on the host (tests/models/random_params.py) and the errors are raised
+while tracing.
+"""
 
 import haiku as hk
 import jax
@@ -11,13 +16,14 @@ import pytest
 
 import probjax_hk as pk
 from probjax_hk import attention
+from tests.models.random_params import random_params
 
 B, T, P, D_IN, D, N, L = 2, 7, 4, 5, 16, 4, 2
 _F32_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-def _x(dtype=jnp.float32, seed=0):
-  return jax.random.normal(jax.random.key(seed), (B, T, D_IN)).astype(dtype)
+def _x(dtype=np.float32, seed=0, shape=(B, T, D_IN)):
+  return np.random.default_rng(seed).normal(size=shape).astype(dtype)
 
 
 def _decode_paths(model, x, max_length):
@@ -43,7 +49,7 @@ def _check_decoding(make_model, x, tol, max_length=T + 2):
     model = make_model()
     return model(x), *_decode_paths(model, x, max_length)
   decode = hk.without_apply_rng(hk.transform(decode))
-  params = jax.jit(sequence.init)(jax.random.key(1), x.astype(jnp.float32))
+  params = random_params(sequence, x.astype(np.float32))
   y, *decoded = jax.jit(decode.apply)(params, x)
   assert y.dtype == x.dtype and y.shape[:2] == (B, T)
   for path, y_path in zip(("prefill + steps", "two prefills"), decoded):
@@ -73,7 +79,7 @@ def test_transformer_window_changes_the_output():
     f = hk.without_apply_rng(hk.transform(
         lambda x, window=window: pk.Transformer(D, N, 1, is_causal=True,
                                                 local_window_size=window)(x)))
-    params = jax.jit(f.init)(jax.random.key(1), _x()) if window is None else params
+    params = random_params(f, _x()) if window is None else params
     outputs.append(jax.jit(f.apply)(params, _x()))
   np.testing.assert_allclose(outputs[1][:, :3], outputs[0][:, :3], **_F32_TOL)
   assert (np.abs(outputs[1][:, 3:] - outputs[0][:, 3:]).max(axis=(0, 2)) > 1e-3).all()
@@ -118,7 +124,7 @@ def test_transformer_steps_continue_at_each_sequences_length():
     return y, y_0
   f = hk.without_apply_rng(hk.transform(f))
   x = _x()
-  y, y_0 = jax.jit(f.apply)(jax.jit(f.init)(jax.random.key(1), x), x)
+  y, y_0 = jax.jit(f.apply)(random_params(f, x), x)
   np.testing.assert_allclose(y_0, jnp.stack([y[0, P - 1], y[1, P]]), **_F32_TOL)
 
 
@@ -155,8 +161,8 @@ def test_ssm_cell_prefill_state_is_the_stepped_state():
       _, state = cell.step(x[:, t], state)
     return prefilled, state
   f = hk.transform(f)
-  x = jax.random.normal(jax.random.key(0), (B, 4, 8))
-  prefilled, stepped = jax.jit(f.apply)(jax.jit(f.init)(jax.random.key(1), x), None, x)
+  x = _x(shape=(B, 4, 8))
+  prefilled, stepped = jax.jit(f.apply)(random_params(f, x), None, x)
   conv_state = prefilled[0]
   assert conv_state.shape == (B, 2, conv_state.shape[-1])
   for a, b in zip(jax.tree.leaves(prefilled), jax.tree.leaves(stepped)):
@@ -166,11 +172,9 @@ def test_ssm_cell_prefill_state_is_the_stepped_state():
 def test_cached_attention_matches_causal_attention():
   """The last T_q rows of causal attention over S tokens, whatever the cache
   holds past each sequence's length, with GQA and a window."""
-  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
   s, t_q, heads, kv_heads, h = 9, 3, 4, 2, 8
-  q = jax.random.normal(k1, (2, s, heads, h))
-  k = jax.random.normal(k2, (2, s, kv_heads, h))
-  v = jax.random.normal(k3, (2, s, kv_heads, h))
+  q = _x(shape=(2, s, heads, h))
+  k, v = _x(seed=1, shape=(2, s, kv_heads, h)), _x(seed=2, shape=(2, s, kv_heads, h))
   lengths = (6, 9)
 
   @jax.jit
@@ -195,7 +199,7 @@ def test_cached_attention_matches_causal_attention():
 
 def _raises(fn, match, *args):
   with pytest.raises(ValueError, match=match):
-    hk.transform(fn).init(jax.random.key(0), *args)
+    jax.eval_shape(hk.transform(fn).init, jax.random.key(0), *args)
 
 
 def test_bad_decoding_arguments_raise():
