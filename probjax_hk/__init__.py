@@ -35,6 +35,7 @@ from probjax_hk.ssm import SSMModel
 from probjax_hk.stacking import remat_policy_names
 from probjax_hk.stacking import stack_layer_params
 from probjax_hk.stacking import unstack_layer_params
+from probjax_hk.tensor_parallel import tensor_parameter_sharding
 from probjax_hk.training import Checkpoint
 from probjax_hk.training import EarlyStopping
 from probjax_hk.training import fit
@@ -89,6 +90,7 @@ __all__ = (
     "SSDCell",
     "SSMModel",
     "stack_layer_params",
+    "tensor_parameter_sharding",
     "TimestepEmbedding",
     "Transformer",
     "TransformerState",

@@ -528,6 +528,21 @@ def _check_logits_operand(name, x, logits_shape):
                      f"got shape {shape}")
 
 
+def _check_head_split(parameter: str, heads: int, y: jax.Array) -> None:
+  """A projection's output [B, T, heads * H] split over Explicit mesh axes
+  (tensor parallelism: the weight's columns split) must split whole heads,
+  so that attention runs per head shard; a ValueError naming `parameter`
+  otherwise."""
+  axes, devices = layers.last_axis_split(y)
+  if heads % devices:
+    kind = "query heads N" if parameter.endswith("query/w") else "key/value heads K"
+    raise ValueError(
+        f"parameter '{parameter}' splits its columns over mesh axes {axes} ({devices}"
+        f" devices), but its {kind}={heads} do not divide among them: tensor parallelism"
+        f" splits whole heads; use a multiple of {devices} heads, or fewer devices on"
+        f" {axes}")
+
+
 class MultiHeadAttention(hk.Module):
   """Multi-head (or grouped-query) attention with projections.
 
@@ -752,6 +767,9 @@ class MultiHeadAttention(hk.Module):
     q = layers.Linear(self.num_heads * head_dim, with_bias=self.with_bias, name="query")(x)
     k = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="key")(context)
     v = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="value")(context)
+    for name, heads, y in (("query", self.num_heads, q), ("key", self.num_kv_heads, k),
+                           ("value", self.num_kv_heads, v)):
+      _check_head_split(f"{self.module_name}/{name}/w", heads, y)
     q = q.reshape(batch, seq_len, self.num_heads, head_dim)  # [B, T, N, H]
     k = k.reshape(batch, kv_len, self.num_kv_heads, head_dim)  # [B, S, K, H]
     v = v.reshape(batch, kv_len, self.num_kv_heads, head_dim)

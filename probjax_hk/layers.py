@@ -69,6 +69,36 @@ def sequence_mask(lengths, x: jax.Array, name: str = "lengths") -> tuple[jax.Arr
   return lengths, jnp.arange(time) < lengths[:, None]
 
 
+def _typed_spec(x: jax.Array) -> jax.sharding.PartitionSpec | None:
+  """x's layout over Explicit mesh axes, from its type (None: no mesh)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return spec if spec is not None and len(spec) == x.ndim else None
+
+
+def last_axis_split(x: jax.Array) -> tuple[tuple[str, ...], int]:
+  """The Explicit mesh axes x's last axis is split over, from its type, and
+  their number of devices: ((), 1) when it is whole."""
+  spec = _typed_spec(x)
+  entry = spec[-1] if spec else None
+  if entry is None:
+    return (), 1
+  axes = entry if isinstance(entry, tuple) else (entry,)
+  return axes, math.prod(jax.typeof(x).sharding.mesh.shape[a] for a in axes)
+
+
+def summed_sharding(x: jax.Array) -> jax.sharding.PartitionSpec | None:
+  """Where a product contracting x's last axis [..., D_in] puts its output.
+
+  None (JAX's rule) unless that axis is split over Explicit mesh axes, as
+  the heads or hidden units entering a row-split weight are under tensor
+  parallelism; then x's spec with the last axis whole: each device's
+  partial sums are all-reduced, and the weight is never gathered.
+  """
+  if not last_axis_split(x)[0]:
+    return None
+  return jax.sharding.PartitionSpec(*_typed_spec(x)[:-1], None)
+
+
 class Linear(hk.Module):
   """`y = x @ w + b` with float32 parameters cast to the input's dtype.
 
@@ -117,7 +147,7 @@ class Linear(hk.Module):
     input_size = x.shape[-1]
     w_init = self.w_init or hk.initializers.TruncatedNormal(1.0 / math.sqrt(input_size))
     w = hk.get_parameter("w", [input_size, self.output_size], jnp.float32, init=w_init)
-    y = jnp.dot(x, w.astype(x.dtype))
+    y = jnp.dot(x, w.astype(x.dtype), out_sharding=summed_sharding(x))
     if self.with_bias:
       b = hk.get_parameter("b", [self.output_size], jnp.float32, init=self.b_init)
       y = y + b.astype(x.dtype)
@@ -251,6 +281,14 @@ class MLP(hk.Module):
     output_dim = self.output_dim or x.shape[-1]
     if self.activation == "swiglu":
       gate_and_value = Linear(2 * self.hidden_dim, with_bias=False, name="w_in")(x)
+      axes, devices = last_axis_split(gate_and_value)
+      if axes:
+        raise ValueError(
+            f"parameter '{self.module_name}/w_in/w' of MLP(activation='swiglu') splits its"
+            f" [D, 2F] columns over mesh axes {axes} ({devices} devices), but its first and"
+            f" second halves are the gate and the value of the same hidden units, which"
+            f" such a split does not keep together: use activation='gelu' for tensor"
+            f" parallelism, or keep w_in and w_out whole")
       gate, value = jnp.split(gate_and_value, 2, axis=-1)
       h = jax.nn.silu(gate) * value
     else:

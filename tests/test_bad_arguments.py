@@ -128,6 +128,8 @@ TABLE: dict[str, tuple[dict[str, Any], list[tuple[str, Any, type]]]] = {
         ("grouped_matmul_implementation", "cuda", V), *_name_rows()]),
     "expert_parameter_sharding": (dict(expert_axis="expert"), [
         ("expert_axis", 5, V), ("expert_axis", "", V)]),
+    "tensor_parameter_sharding": ({}, [
+        ("tensor_axis", 5, V), ("tensor_axis", "", V)]),
     "LRUCell": ({}, [
         ("state_dim", 0, V), ("state_dim", 4.0, T), ("model_dim", -1, V),
         ("r_min", -0.1, V), ("r_min", "0", T),

@@ -174,10 +174,11 @@ class StreamData:
   def __init__(self, data: Iterable, *, batch_size: int | None,
                last_batch: str, mesh, argname: str = "data",
                steps_per_call: int = 1, background: bool | None = None,
-               sequence_axis: str | None = None):
+               sequence_axis: str | None = None, tensor_axis: str | None = None):
     """`background`: prepare items in a thread (`Prefetcher`); None: unless
     every device of `mesh` is a CPU (module docstring). `sequence_axis`: the
-    mesh axis each batch's time axis is split over (`sharding.batch_spec`)."""
+    mesh axis each batch's time axis is split over, `tensor_axis` one it is
+    kept whole along (`sharding.batch_spec`)."""
     iterator = iter(data)
     first = next(iterator, _END)
     if first is _END:
@@ -202,6 +203,7 @@ class StreamData:
     self.first = first
     self.mesh = mesh
     self.sequence_axis = sequence_axis
+    self.tensor_axis = tensor_axis
     self._iterator = itertools.chain([first], iterator)
     self._prefetcher = None
 
@@ -231,13 +233,10 @@ class StreamData:
     return batch, mask
 
   def _put(self, batch, mask, count: int = 1) -> StreamItem:
-    stacked = count > 1
-    return StreamItem(
-        sharding_lib.put_batch(batch, self.mesh, stacked=stacked,
-                               sequence_axis=self.sequence_axis),
-        None if mask is None else sharding_lib.put_batch(
-            mask, self.mesh, stacked=stacked, sequence_axis=self.sequence_axis),
-        count)
+    place = lambda x: sharding_lib.put_batch(
+        x, self.mesh, stacked=count > 1, sequence_axis=self.sequence_axis,
+        tensor_axis=self.tensor_axis)
+    return StreamItem(place(batch), None if mask is None else place(mask), count)
 
   def _prepare(self, batch) -> StreamItem | None:
     on_host = self._on_host(batch)

@@ -216,17 +216,18 @@ def _failing_module(error: BaseException) -> str:
 
 
 def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state, mesh,
-                    sequence_axis=None, param_specs=None):
+                    sequence_axis=None, param_specs=None, tensor_axis=None):
   """Traces `loss_fn` under `jax.set_mesh(mesh)`, as the step will be (no
   compile; cached); checks the loss. On a mesh with Explicit axes the
   parameters and the batch carry their layouts (`param_specs`, and
-  `sharding.batch_spec` with `sequence_axis`), which those axes make part
-  of the arrays' types, so a model that cannot take them fails here.
+  `sharding.batch_spec` with `sequence_axis` and `tensor_axis`), which those
+  axes make part of the arrays' types, so a model that cannot take them
+  fails here.
 
   Returns:
     (has_aux, the step's metric names).
   """
-  key = (loss_fn, has_state, mesh, sequence_axis,
+  key = (loss_fn, has_state, mesh, sequence_axis, tensor_axis,
          None if param_specs is None else sharding_lib.Layout.of(param_specs),
          _signature((params, state, rng, batch, mask)))
   if key not in _structure_cache:
@@ -237,7 +238,8 @@ def _loss_structure(loss_fn, params, state, rng, batch, mask, has_state, mesh,
         sharding_lib.Layout.of(param_specs).shardings(mesh)
         if typed and param_specs is not None else None))
     abstract_batch = _abstract(batch, sharding_lib.batch_shardings(
-        batch, mesh, sequence_axis=sequence_axis) if typed else None)
+        batch, mesh, sequence_axis=sequence_axis, tensor_axis=tensor_axis)
+                               if typed else None)
     with jax.set_mesh(mesh):
       _structure_cache[key] = _trace_loss_structure(
           loss_fn, abstract_params, *_abstract((state, rng)), abstract_batch,
@@ -278,7 +280,7 @@ def _trace_loss_structure(loss_fn, params, state, rng, batch, mask, has_state,
 
 def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
                            rng, use_mask, has_state, mesh, sequence_axis=None,
-                           param_specs=None) -> None:
+                           param_specs=None, tensor_axis=None) -> None:
   """Traces the loss (no compile; cached) on a batch like the first
   validation batch, so that a batch the loss cannot take fails now, not at
   the first evaluation after training steps."""
@@ -293,11 +295,11 @@ def _check_validation_fits(validation_data, batch_size, loss_fn, params, state,
       lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", None)
                                      or np.asarray(x).dtype), first)
   mask = jax.ShapeDtypeStruct((n,), jnp.bool_) if use_mask else None
-  if not sharding_lib.splits_evenly(example, mesh, sequence_axis):
+  if not sharding_lib.splits_evenly(example, mesh, sequence_axis, tensor_axis):
     sequence_axis = None  # evaluated replicated (runner.py)
   try:
     _loss_structure(loss_fn, params, state, rng, example, mask, has_state,
-                    mesh, sequence_axis, param_specs)
+                    mesh, sequence_axis, param_specs, tensor_axis)
   except Exception as e:  # pylint: disable=broad-except
     raise ValueError(f"`validation_data` batches do not fit `loss_fn` (the"
                      f" training batches do): {type(e).__name__}: {e}") from e
@@ -377,7 +379,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       until this run's first save and are deleted once it is written, so
       the directory never mixes two runs.
     mesh: the device mesh; the batch is split over all its axes but
-      `sequence_axis` (and the compiled steps run under `jax.set_mesh(mesh)`,
+      `sequence_axis` and a tensor-parallel `parameter_sharding`'s
+      `tensor_axis` (and the compiled steps run under `jax.set_mesh(mesh)`,
       so that the Pallas kernels run per shard). Its axes may be Auto (the
       partitioner places what the batch and parameters do not fix) or
       Explicit (`jax.make_mesh(..., axis_types=(AxisType.Explicit, ...))`:
@@ -404,7 +407,11 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
         parallelism; `path` is the parameter's keys joined by '/'
         ('transformer/block_0/attention/query/w'); the optimizer state
         follows. Memory: each leaf's size over the product of the sizes of
-        the mesh axes its spec names.
+        the mesh axes its spec names. A callable with a `tensor_axis`
+        attribute (`probjax_hk.tensor_parameter_sharding(tensor_axis)`:
+        Megatron-style tensor parallelism, attention heads and MLP hidden
+        units split over that mesh axis) also keeps each batch whole
+        along that axis: every device along it sees the same rows.
 
       `FitResult.params` and `opt_state` come back with these shardings.
     sequence_axis: None, or the name of a mesh axis of size C to split time
@@ -424,7 +431,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       take the split (an attention kernel asked for by name, a slice such
       as `x[:, 1:]` along time: shift targets in the data instead) is a
       ValueError naming `sequence_axis` and the module where it failed,
-      raised before anything is compiled.    donate: donate the training state's buffers to the step (saves memory;
+      raised before anything is compiled.
+    donate: donate the training state's buffers to the step (saves memory;
       the state is fit()'s own copy, never the caller's arrays).
     progress: show a tqdm bar with the loss and steps/s.
     log_every: `absl.logging.info` a line every this many steps.
@@ -463,7 +471,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     ValueError: a bad argument, before anything is compiled (among them a
       `parameter_sharding` that is not a mode or a callable, or a spec it
       returns naming an axis not in `mesh` or not dividing its dimension:
-      the message names the parameter's path; a `sequence_axis` not in
+      the message names the parameter's path; a `tensor_axis` not in
+      `mesh` or equal to `sequence_axis`; a `sequence_axis` not in
       `mesh`, on a mesh with an axis that is not Explicit, or not dividing
       a batch leaf's time length, or a model that cannot take its split);
       a checkpoint to resume from
@@ -500,6 +509,8 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                                           checkpoint_dir)
   mesh = sharding_lib.default_mesh() if mesh is None else mesh
   sharding_lib.check_sequence_axis(sequence_axis, mesh)
+  tensor_axis = sharding_lib.tensor_axis_of(parameter_sharding)
+  sharding_lib.check_tensor_axis(tensor_axis, mesh, sequence_axis)
   param_specs = sharding_lib.parameter_specs(params, parameter_sharding, mesh)
   rng = _as_raw_key(rng)
 
@@ -525,14 +536,16 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
     source = data_lib.StreamData(data, batch_size=batch_size,
                                  last_batch=last_batch, mesh=mesh,
                                  steps_per_call=steps_per_call,
-                                 sequence_axis=sequence_axis)
+                                 sequence_axis=sequence_axis,
+                                 tensor_axis=tensor_axis)
     if auto_steps:
       source.limit_steps_per_call(AUTO_STREAM_ITEM_BYTES)
     total = num_steps
     example = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((source.batch_size,) + np.shape(x)[1:],
                                        np.asarray(x).dtype), source.first)
-  sharding_lib.check_batch_size(source.batch_size, mesh, sequence_axis)
+  sharding_lib.check_batch_size(source.batch_size, mesh, sequence_axis,
+                                tensor_axis)
   sharding_lib.check_time_length(example, mesh, sequence_axis)
   validation = None
   if validation_data is not None:
@@ -547,11 +560,11 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
                   if last_batch == "pad" else None)
   has_aux, names = _loss_structure(loss_fn, params, state, rng, example,
                                    mask_example, has_state, mesh,
-                                   sequence_axis, loss_param_specs)
+                                   sequence_axis, loss_param_specs, tensor_axis)
   if validation is not None:
     _check_validation_fits(validation_data, source.batch_size, loss_fn, params,
                            state, rng, last_batch == "pad", has_state, mesh,
-                           sequence_axis, loss_param_specs)
+                           sequence_axis, loss_param_specs, tensor_axis)
   initial = {
       "params": params, "state": state if has_state else {},
       "step": np.int32(0), "rng": rng, "nonfinite": np.int32(0),
@@ -564,7 +577,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       has_aux=has_aux, use_mask=last_batch == "pad",
       on_nonfinite=on_nonfinite, mesh=mesh, donate=donate,
       metric_names=names, layout=layout, sequence_axis=sequence_axis,
-      gather_params=gather_params)
+      tensor_axis=tensor_axis, gather_params=gather_params)
   shardings = layout.shardings(mesh)
 
   history: dict[str, list] = {"step": []}

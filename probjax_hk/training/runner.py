@@ -406,9 +406,10 @@ class Runner:
     total, rows = 0.0, 0
     for batch in validation():
       n = data_lib.leading_dim(batch, "validation_data batch")
-      sequence_axis = self.spec.sequence_axis
-      if sharding_lib.splits_evenly(batch, mesh, sequence_axis):
-        batch = sharding_lib.put_batch(batch, mesh, sequence_axis=sequence_axis)
+      axes = dict(sequence_axis=self.spec.sequence_axis,
+                  tensor_axis=self.spec.tensor_axis)
+      if sharding_lib.splits_evenly(batch, mesh, **axes):
+        batch = sharding_lib.put_batch(batch, mesh, **axes)
       else:
         batch = jax.device_put(batch, sharding_lib.replicated(mesh))
       loss = eval_fn(self.ts["params"], self.ts["state"], self.ts["rng"], batch)

@@ -4,7 +4,10 @@
 `jax.sharding.Mesh`'s axes (SPMD data parallelism: XLA inserts the gradient
 reduction), or with a `sequence_axis` over the other axes, each leaf of rank
 >= 2 then also split along its time axis (axis 1) over that one (context
-parallelism: `batch_spec`). It places the parameters by `parameter_sharding`:
+parallelism: `batch_spec`). A `tensor_axis` (the axis a tensor-parallel
+`parameter_sharding` splits heads and hidden units over, `tensor_axis_of`)
+holds whole batches: every device along it sees the same rows. It places the
+parameters by `parameter_sharding`:
 
 - `'replicated'`: a full copy of the parameters and optimizer state on every
   device (plain data parallelism; the gradients are all-reduced).
@@ -13,7 +16,9 @@ parallelism: `batch_spec`). It places the parameters by `parameter_sharding`:
   optimizer state alike; XLA gathers each layer's parameters where they are
   used and reduce-scatters their gradients. Smaller leaves are replicated.
 - a callable `(path, leaf) -> PartitionSpec | None`: any layout per
-  parameter (tensor or expert parallelism); None replicates the leaf.
+  parameter (tensor or expert parallelism); None replicates the leaf. One
+  with a `tensor_axis` attribute (`probjax_hk.tensor_parameter_sharding`)
+  names the mesh axis the batch is not split over.
 
 Optimizer state leaves take the sharding of the parameter they mirror (matched
 by key path and shape, `optimizer_state_specs`); the rest of the training
@@ -64,9 +69,20 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def batch_axes(mesh: Mesh, sequence_axis: str | None = None) -> tuple[str, ...]:
-  """The mesh axes a batch's rows are split over: all but `sequence_axis`."""
-  return tuple(a for a in mesh.axis_names if a != sequence_axis)
+def batch_axes(mesh: Mesh, sequence_axis: str | None = None,
+               tensor_axis: str | None = None) -> tuple[str, ...]:
+  """The mesh axes a batch's rows are split over: all but `sequence_axis`
+  and `tensor_axis`."""
+  return tuple(a for a in mesh.axis_names if a not in (sequence_axis, tensor_axis))
+
+
+def tensor_axis_of(parameter_sharding) -> str | None:
+  """The mesh axis a tensor-parallel `parameter_sharding` splits heads and
+  hidden units over (its `tensor_axis` attribute), which the batch is not
+  split over; None for the modes and for plain callables."""
+  if isinstance(parameter_sharding, str):
+    return None
+  return getattr(parameter_sharding, "tensor_axis", None)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -74,12 +90,14 @@ def _entry(axes: tuple[str, ...]):
 
 
 def batch_spec(ndim: int, mesh: Mesh, *, stacked: bool = False,
-               sequence_axis: str | None = None) -> PartitionSpec:
+               sequence_axis: str | None = None,
+               tensor_axis: str | None = None) -> PartitionSpec:
   """The layout of one batch leaf of rank `ndim`: [B, T, ...] rows over
   `batch_axes`, time over `sequence_axis` (leaves of rank >= 2; an axis of
-  size 1 leaves time whole, as it is anyway, and the ops their usual path);
-  `stacked` leaves [K, B, T, ...] hold K steps' worth."""
-  entries = [_entry(batch_axes(mesh, sequence_axis))]
+  size 1 leaves time whole, as it is anyway, and the ops their usual path),
+  whole along `tensor_axis`; `stacked` leaves [K, B, T, ...] hold K steps'
+  worth."""
+  entries = [_entry(batch_axes(mesh, sequence_axis, tensor_axis))]
   if (sequence_axis is not None and mesh.shape[sequence_axis] > 1
       and ndim >= 2 + stacked):
     entries.append(sequence_axis)
@@ -87,20 +105,23 @@ def batch_spec(ndim: int, mesh: Mesh, *, stacked: bool = False,
 
 
 def batch_sharding(mesh: Mesh, *, stacked: bool = False,
-                   sequence_axis: str | None = None) -> NamedSharding:
+                   sequence_axis: str | None = None,
+                   tensor_axis: str | None = None) -> NamedSharding:
   """The sharding of a batch's rows: leading axis split over `batch_axes`
   (the second axis for `stacked` batches [K, B, ...], K steps' worth)."""
   return NamedSharding(mesh, batch_spec(1 + stacked, mesh, stacked=stacked,
-                                        sequence_axis=sequence_axis))
+                                        sequence_axis=sequence_axis,
+                                        tensor_axis=tensor_axis))
 
 
 def batch_shardings(batch, mesh: Mesh, *, stacked: bool = False,
-                    sequence_axis: str | None = None):
+                    sequence_axis: str | None = None,
+                    tensor_axis: str | None = None):
   """One NamedSharding per leaf of `batch` (arrays or ShapeDtypeStructs),
   by `batch_spec`."""
   return jax.tree.map(lambda x: NamedSharding(mesh, batch_spec(
-      len(np.shape(x)), mesh, stacked=stacked, sequence_axis=sequence_axis)),
-                      batch)
+      len(np.shape(x)), mesh, stacked=stacked, sequence_axis=sequence_axis,
+      tensor_axis=tensor_axis)), batch)
 
 
 def _axis_types(mesh) -> dict[str, Any]:
@@ -156,6 +177,23 @@ def check_sequence_axis(sequence_axis, mesh: Mesh) -> None:
         f" axis_types=(AxisType.Explicit,) * len(axis_names))")
 
 
+def check_tensor_axis(tensor_axis, mesh: Mesh, sequence_axis: str | None) -> None:
+  """Raises a ValueError unless `tensor_axis` (`tensor_axis_of` the
+  `parameter_sharding`) is None or an axis of `mesh` other than
+  `sequence_axis`."""
+  if tensor_axis is None:
+    return
+  if not isinstance(tensor_axis, str) or tensor_axis not in mesh.shape:
+    raise ValueError(
+        f"`parameter_sharding` splits heads and hidden units over mesh axis"
+        f" {tensor_axis!r} (its `tensor_axis`), which is not an axis of the"
+        f" mesh {dict(mesh.shape)}")
+  if tensor_axis == sequence_axis:
+    raise ValueError(
+        f"`parameter_sharding`'s `tensor_axis` and `sequence_axis` must be"
+        f" different mesh axes, got both {tensor_axis!r}")
+
+
 def check_time_length(batch, mesh: Mesh, sequence_axis: str | None,
                       argname: str = "data") -> None:
   """Raises a ValueError unless every leaf of rank >= 2 of `batch` (arrays or
@@ -175,10 +213,11 @@ def check_time_length(batch, mesh: Mesh, sequence_axis: str | None,
           f" {dict(mesh.shape)})")
 
 
-def splits_evenly(batch, mesh: Mesh, sequence_axis: str | None = None) -> bool:
+def splits_evenly(batch, mesh: Mesh, sequence_axis: str | None = None,
+                  tensor_axis: str | None = None) -> bool:
   """Whether `batch_spec` cuts every leaf of `batch` (arrays or
   ShapeDtypeStructs) into equal shards."""
-  rows = math.prod(mesh.shape[a] for a in batch_axes(mesh, sequence_axis))
+  rows = math.prod(mesh.shape[a] for a in batch_axes(mesh, sequence_axis, tensor_axis))
   time = 1 if sequence_axis is None else mesh.shape[sequence_axis]
   return all(np.shape(x)[0] % rows == 0
              and (len(np.shape(x)) < 2 or np.shape(x)[1] % time == 0)
@@ -186,15 +225,18 @@ def splits_evenly(batch, mesh: Mesh, sequence_axis: str | None = None) -> bool:
 
 
 def check_batch_size(batch_size: int, mesh: Mesh,
-                     sequence_axis: str | None = None) -> None:
+                     sequence_axis: str | None = None,
+                     tensor_axis: str | None = None) -> None:
   """Raises a ValueError unless `batch_size` splits evenly over the mesh
-  (over the axes other than `sequence_axis`)."""
-  axes = batch_axes(mesh, sequence_axis)
+  (over the axes other than `sequence_axis` and `tensor_axis`)."""
+  axes = batch_axes(mesh, sequence_axis, tensor_axis)
   devices = math.prod(mesh.shape[a] for a in axes)
   if batch_size % devices:
-    where = (f"{devices} devices {dict(mesh.shape)}" if sequence_axis is None
+    others = [f"`{arg}`={axis!r}" for arg, axis in (
+        ("sequence_axis", sequence_axis), ("tensor_axis", tensor_axis)) if axis]
+    where = (f"{devices} devices {dict(mesh.shape)}" if not others
              else f"{devices} devices of mesh axes {axes} (all but"
-                  f" `sequence_axis`={sequence_axis!r}; mesh {dict(mesh.shape)})")
+                  f" {' and '.join(others)}; mesh {dict(mesh.shape)})")
     raise ValueError(
         f"`batch_size` must be divisible by the number of devices in the mesh,"
         f" got {batch_size=} and {where}")
@@ -215,7 +257,7 @@ def put_replicated(tree, mesh: Mesh):
 
 
 def put_batch(batch, mesh: Mesh, *, stacked: bool = False,
-              sequence_axis: str | None = None):
+              sequence_axis: str | None = None, tensor_axis: str | None = None):
   """Places a host batch on the mesh, split by `batch_spec`.
 
   In one process `batch` is the global batch [B, ...] ([K, B, ...] when
@@ -223,7 +265,7 @@ def put_batch(batch, mesh: Mesh, *, stacked: bool = False,
   [B / P, ...] (the rows its devices hold) and the result is the global array.
   """
   shardings = batch_shardings(batch, mesh, stacked=stacked,
-                              sequence_axis=sequence_axis)
+                              sequence_axis=sequence_axis, tensor_axis=tensor_axis)
   if jax.process_count() == 1:
     return jax.device_put(batch, shardings)
   return jax.tree.map(

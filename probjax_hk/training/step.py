@@ -73,6 +73,9 @@ class StepSpec(NamedTuple):
   # The Explicit mesh axis that splits each batch leaf's time axis (axis 1 of
   # leaves of rank >= 2); None: batches are split along their rows only.
   sequence_axis: str | None = None
+  # The mesh axis a tensor-parallel layout splits heads over, along which
+  # each batch stays whole; None: the batch's rows are split over it too.
+  tensor_axis: str | None = None
   # The loss sees whole parameters, gathered from their layout ('fsdp' on a
   # mesh with Explicit axes, whose types would otherwise carry the split into
   # every layer); gradients are reduced back onto the layout.
@@ -292,7 +295,8 @@ def _array_step(spec: StepSpec, ts, data, perm, batch_size, steps_per_epoch,
   index = jax.lax.dynamic_slice_in_dim(perm, offset + start, batch_size)
   batch = jax.tree.map(lambda x: jnp.take(x, index, axis=0), data)
   batch = sharding_lib.constrain(batch, sharding_lib.batch_shardings(
-      batch, spec.mesh, sequence_axis=spec.sequence_axis))
+      batch, spec.mesh, sequence_axis=spec.sequence_axis,
+      tensor_axis=spec.tensor_axis))
   mask = None
   if spec.use_mask:
     mask = start + jnp.arange(batch_size) < num_examples  # [B]

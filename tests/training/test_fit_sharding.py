@@ -7,6 +7,9 @@ arrays' addressable shards, a resume from 8 devices onto 4, and the caller's
 arrays after repeated fits. On meshes with Explicit axes: data parallelism
 and 'fsdp', and `sequence_axis` (an LRU and a Mamba-2 model with the batch
 over 'data' and time over 'context', against one device), with its errors.
+Tensor parallelism on Explicit axes (`tensor_parameter_sharding`): heads
+and hidden units over 'model', the batch over 'data' only, against the
+replicated fit, with no gathered parameter, and its error for indivisible heads.
 All 8-device checks run in one subprocess (pytest workers have already
 imported JAX with one device; see test_sharding.py).
 """
@@ -25,6 +28,7 @@ import functools
 import json
 import re
 import sys
+import time
 
 import haiku as hk
 import jax
@@ -45,12 +49,14 @@ from tests.training import common
 assert jax.device_count() == 8, jax.devices()
 out = {}
 traced_meshes = []  # the context mesh each trace of the loss saw
+traced_batch_specs = []  # and the layout of its batch
 
 
-def _loss(batch, num_layers=1, scan_layers=False):
+def _loss(batch, num_layers=1, scan_layers=False, num_kv_heads=None):
   traced_meshes.append(dict(jax.sharding.get_abstract_mesh().shape))
+  traced_batch_specs.append(str(jax.typeof(batch["x"]).sharding.spec))
   attention = functools.partial(pk.dot_product_attention, implementation="flex")
-  y = pk.Transformer(32, 2, num_layers, attention_fn=attention,
+  y = pk.Transformer(32, 2, num_layers, num_kv_heads=num_kv_heads, attention_fn=attention,
                      scan_layers=scan_layers)(batch["x"])  # [B, T, D]
   return jnp.mean((y - batch["y"]) ** 2)
 
@@ -119,22 +125,24 @@ mesh = sharding.default_mesh()
 source = data_lib.ArrayData(data, batch_size=16, last_batch="drop", mesh=mesh)
 
 
-def compiled_step(net, mode, params, opt_state=None):
+def compiled_step(net, mode, params, opt_state=None, step_mesh=mesh, step_source=source):
   """(fit's StepSpec for `net`, the HLO of its compiled one-step call)."""
-  specs = sharding.parameter_specs(params, mode, mesh)
+  specs = sharding.parameter_specs(params, mode, step_mesh)
   layout = sharding.train_state_layout(params, specs, jax.eval_shape(OPT.init, params), {})
-  spec = step_lib.StepSpec(net.apply, OPT, False, False, False, "raise", mesh, True,
-                           metric_names=step_lib.BASE_METRICS, layout=layout)
-  placed = layout.shardings(mesh)
+  spec = step_lib.StepSpec(net.apply, OPT, False, False, False, "raise", step_mesh, True,
+                           metric_names=step_lib.BASE_METRICS, layout=layout,
+                           tensor_axis=sharding.tensor_axis_of(mode))
+  placed = layout.shardings(step_mesh)
   ts = sharding.copy_to(dict(params=params, state={}, step=np.int32(0),
                              rng=jax.random.PRNGKey(1), nonfinite=np.int32(0),
                              first_nonfinite=np.int32(-1)),
                         {k: v for k, v in placed.items() if k != "opt_state"})
   ts["opt_state"] = (step_lib.init_optimizer(spec)(ts["params"]) if opt_state is None
                      else sharding.copy_to(opt_state, placed["opt_state"]))
-  hlo = step_lib.array_step(spec).lower(
-      ts, source.arrays, source.permutation(jax.random.PRNGKey(1), 0), 16,
-      source.steps_per_epoch, 32).compile().as_text()
+  with jax.set_mesh(step_mesh):  # as fit() traces it
+    hlo = step_lib.array_step(spec).lower(
+        ts, step_source.arrays, step_source.permutation(jax.random.PRNGKey(1), 0), 16,
+        step_source.steps_per_epoch, 32).compile().as_text()
   return spec, ts, hlo
 
 
@@ -239,6 +247,44 @@ mlp_kw = dict(kw, optimizer=common.OPTIMIZER, num_steps=3)
 out["explicit_dp_losses"] = [
     pk.fit(common.loss_fn, common.init_params(), common.make_data(), mesh=m, **mlp_kw)
     .history["loss"].tolist() for m in (one, explicit)]
+
+# Tensor parallelism on Explicit axes: NET's 2 heads and 128 hidden units
+# over 'model', the batch over 'data' only; the flex kernel runs per head
+# shard. Against the replicated fit above (the same steps, data and key).
+tp_started = time.perf_counter()
+tp_mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+tp_rule = pk.tensor_parameter_sharding("model")
+traced_batch_specs.clear()
+tp_split = pk.fit(NET.apply, params, data, num_steps=4, mesh=tp_mesh,
+                  parameter_sharding=tp_rule, **kw)
+out["tp_explicit_losses"] = [r.history["loss"].tolist() for r in (results["replicated"], tp_split)]
+out["tp_explicit_vs_replicated"] = max_diff(tp_split.params, results["replicated"].params)
+out["tp_explicit_batch_specs"] = sorted(set(traced_batch_specs))
+out["tp_explicit_fractions"] = {
+    name: max(s.data.size for s in w.addressable_shards) / w.size
+    for name, w in ((name, tp_split.params[f"transformer/block_0/{name}"]["w"])
+                    for name in ("attention/query", "attention/key", "attention/value",
+                                 "attention/output", "mlp/w_in", "mlp/w_out"))}
+_, _, hlo = compiled_step(NET, tp_rule, params, step_mesh=tp_mesh,
+                          step_source=data_lib.ArrayData(data, batch_size=16, last_batch="drop",
+                                                         mesh=tp_mesh))
+out["tp_explicit_gathers"] = gathers(hlo)
+# The all-reduced [B / 4, T, D] activations, alone or in a tuple.
+out["tp_explicit_activation_reduces"] = sum(
+    line.split(" all-reduce(")[0].count("f32[4,8,32]") for line in hlo.splitlines()
+    if " all-reduce(" in line)
+# One key/value head (MQA) cannot be split over 2 devices: traced, not compiled.
+mqa = hk.transform(functools.partial(_loss, num_kv_heads=1))
+mqa_params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), jax.eval_shape(
+    mqa.init, jax.random.PRNGKey(0), {k: v[:2] for k, v in data.items()}))
+compiles = programs.stats().get("compiles", 0)
+try:
+  pk.fit(mqa.apply, mqa_params, data, num_steps=1, mesh=tp_mesh, parameter_sharding=tp_rule,
+         **kw)
+  out["tp_explicit_error"] = ["no error", 0]
+except ValueError as e:
+  out["tp_explicit_error"] = [str(e), programs.stats().get("compiles", 0) - compiles]
+out["tp_explicit_seconds"] = time.perf_counter() - tp_started
 
 # sequence_axis: the batch over 'data', time over 'context'; 'fsdp' hands the
 # loss gathered parameters.
@@ -383,6 +429,23 @@ def test_explicit_mesh_trains_like_one_device(eight_devices):
   np.testing.assert_allclose(*eight_devices["explicit_dp_losses"], rtol=1e-5)
 
 
+def test_tensor_parallel_splits_heads_not_the_batch(eight_devices):
+  out = eight_devices
+  replicated, split = out["tp_explicit_losses"]
+  assert len(split) == 4, out
+  np.testing.assert_allclose(split, replicated, rtol=1e-5)
+  assert out["tp_explicit_vs_replicated"] < 1e-5, out
+  # Rows over 'data' only: each device holds B / 4 of them, not B / 8.
+  assert out["tp_explicit_batch_specs"] == ["P('data', None, None)"], out
+  assert all(f == 1 / 2 for f in out["tp_explicit_fractions"].values()), out
+  # No parameter is gathered; the row-split products are all-reduced as
+  # [B / 4, T, D]: attention's and the MLP's, forward and backward.
+  assert out["tp_explicit_gathers"][1] == 0, out["tp_explicit_gathers"]
+  assert out["tp_explicit_activation_reduces"] >= 4, out
+  message, compiles = out["tp_explicit_error"]
+  assert "transformer/block_0/attention/key/w" in message and "K=1" in message, message
+  assert "2 devices" in message, message
+  assert compiles == 0, compiles
 def test_sequence_axis_trains_like_one_device(eight_devices):
   out = eight_devices
   whole, split = out["sequence_losses"]
