@@ -2,7 +2,12 @@
 forward pass at each position, sampling is reproducible and respects top_k;
 each logits filter against a numpy version of Hugging Face's, stop tokens,
 log-probabilities; a float32 model generating in bfloat16; bad arguments
-raise."""
+raise.
+
+Compilation dominates on a CPU: the prompt comes from NumPy, parameters are
+drawn on the host (tests/models/random_params.py), and the Transformer has
+one layer (generate sees a model only through prefill and step).
+"""
 
 import functools
 
@@ -15,13 +20,14 @@ import pytest
 
 import probjax_hk as pk
 from probjax_hk import generation
+from tests.models.random_params import random_params
 
 V, B, T, G = 13, 3, 4, 6
 
 
 def _transformer_lm(dtype=None):
   return generation.TokenModel(
-      pk.Transformer(16, 4, 2, num_kv_heads=2, is_causal=True, use_rope=True,
+      pk.Transformer(16, 4, 1, num_kv_heads=2, is_causal=True, use_rope=True,
                      local_window_size=5), vocab_size=V, dtype=dtype)
 
 
@@ -36,11 +42,11 @@ def _forward(model_fn):
   return hk.without_apply_rng(hk.transform(lambda tokens: model_fn()(tokens)))
 
 
-@functools.cache  # One parameter initialization per model for the whole file.
+@functools.cache  # One prompt and parameter draw per model for the whole file.
 def _setup(model_fn):
-  prompt = jax.random.randint(jax.random.key(0), (B, T), 0, V)
+  prompt = np.random.default_rng(0).integers(0, V, (B, T)).astype(np.int32)
   forward = _forward(model_fn)
-  return prompt, forward, jax.jit(forward.init)(jax.random.key(1), prompt)
+  return prompt, forward, random_params(forward, prompt)
 
 
 @pytest.mark.parametrize("model_fn", [_transformer_lm, _ssm_lm], ids=["transformer", "ssm"])
