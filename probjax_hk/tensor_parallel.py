@@ -6,12 +6,13 @@ block the query, key and value projections are split by their output columns
 heads), the MLP's `w_in` by its columns and `w_out` by its rows (hidden
 units). Each device then computes its own heads and hidden units from the
 whole activations, and one all-reduce per branch sums the row-split
-products (`layers.summed_sharding`): two per block forward, two more
-backward, never a gather of a weight.
+products (`layers.summed_sharding`): two per block forward, and backward
+one for each input gradient of a column-split projection; never a gather
+of a weight.
 
-Glossary of shapes: L stacked layers (`scan_layers`), D model width, N query
-heads, K key/value heads, H head size, F MLP hidden width, n devices on the
-tensor axis.
+Glossary of shapes: L stacked layers (`scan_layers`), T time, D model
+width, N query heads, K key/value heads, H head size, F MLP hidden width, n
+devices on the tensor axis.
 """
 
 import dataclasses
@@ -97,10 +98,11 @@ def tensor_parameter_sharding(tensor_axis: str = "model") -> TensorParallelShard
   On a mesh whose axes are Explicit the model sees its weights' layout in
   their types: attention runs per head shard and the row-split products are
   all-reduced (two [B', T, D] all-reduces per block forward, B' the rows per
-  device). N and K must be multiples of n: otherwise tracing the loss (before
-  anything is compiled) raises a ValueError naming the projection. On Auto
-  axes the parameters are placed alike and XLA's partitioner chooses how to
-  compute with them.
+  device). N and K must be multiples of n, and the MLP must be GELU: otherwise
+  tracing the loss (before anything is compiled) raises a ValueError naming
+  the parameter. On Auto axes the parameters are placed alike and XLA's
+  partitioner chooses how to compute with them (an attention kernel then
+  gathers the weights: docs/guide/scaling.md).
 
   Compose it with another rule for other layers:
   `lambda path, leaf: expert_rule(path, leaf) or tp(path, leaf)` (a lambda
