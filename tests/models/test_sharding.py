@@ -5,7 +5,8 @@ on 8 simulated CPU devices, every model of the library with its kernels
 forced on (interpret mode) is differentiated with its batch split over an
 Auto mesh and over an Explicit one; the compiled program must hold no
 all-gather, and the values and gradients must equal one device's. One
-subprocess for the file.
+subprocess for the file; its parameters are drawn on the host
+(tests/models/random_params.py).
 """
 
 import pytest
@@ -28,10 +29,13 @@ models = {
     "LRUCell": lambda x: pk.SSMModel(64, 32, 64, 1, cell=pk.LRUCell, cell_kwargs=dict(
         state_dim=32, implementation="pallas"))(x),
 }
-x = jax.random.normal(jax.random.PRNGKey(2), (8, 16, 64))
+# Inputs and parameters from NumPy: an eager init would compile op by op,
+# each interpret-mode kernel included, on 8 devices.
+from tests.models.random_params import random_params
+x = np.random.default_rng(2).normal(size=(8, 16, 64)).astype(np.float32)
 for name, forward in models.items():
   model = hk.without_apply_rng(hk.transform(forward))
-  params = model.init(jax.random.PRNGKey(3), x)
+  params = random_params(model, x)
   check(f"model/{name}", lambda p, x: jnp.sum(jnp.sin(model.apply(p, x))),
         [params, x], [P(), P("data")], auto,
         also_explicit=jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,)))
