@@ -15,20 +15,31 @@ from ops.gated_delta_rule import gated_delta_rule_reference
 from ops.gated_delta_rule import mosaic
 from ops.gated_delta_rule import pallas as gdr_pallas
 from ops.gated_delta_rule import triton as gdr_triton
+from tests.ops.outputs_and_grads import outputs_and_grads
+from tests.ops.outputs_and_grads import sin_loss
 
 _SIZE = 128  # the walk's K = V
 
 
+def _normal(rng, *shape):
+  return rng.standard_normal(shape, np.float32)
+
+
+def _bf16(x):
+  return jnp.asarray(x.astype(jnp.bfloat16))
+
+
 def _walk_inputs(batch, time, heads, groups, chunk, seed=0):
-  ks = jax.random.split(jax.random.key(seed), 5)
-  k = jax.random.normal(ks[0], (batch, time, groups, _SIZE)) / np.sqrt(_SIZE)
-  w = jax.random.normal(ks[1], (batch, time, heads, _SIZE)) / np.sqrt(_SIZE)
-  u_tilde = jax.random.normal(ks[2], (batch, time, heads, _SIZE))
-  log_decay = -0.2 * jax.random.uniform(ks[3], (batch, heads, time // chunk, chunk))
-  b = jnp.cumsum(log_decay, axis=-1).reshape(batch, heads, time)
-  h0 = jax.random.normal(ks[4], (batch, heads, _SIZE, _SIZE))
-  bf16 = lambda x: x.astype(jnp.bfloat16)
-  return bf16(k), bf16(w), bf16(u_tilde), b, h0
+  """k, w, u_tilde (bf16), b and h0 (float32), drawn with NumPy (an eager
+  `jax.random` call compiles a program per shape)."""
+  rng = np.random.default_rng(seed)
+  k = _normal(rng, batch, time, groups, _SIZE) / np.sqrt(_SIZE)
+  w = _normal(rng, batch, time, heads, _SIZE) / np.sqrt(_SIZE)
+  u_tilde = _normal(rng, batch, time, heads, _SIZE)
+  log_decay = -0.2 * rng.uniform(size=(batch, heads, time // chunk, chunk))
+  b = np.cumsum(log_decay, axis=-1).reshape(batch, heads, time).astype(np.float32)
+  h0 = _normal(rng, batch, heads, _SIZE, _SIZE)
+  return _bf16(k), _bf16(w), _bf16(u_tilde), jnp.asarray(b), jnp.asarray(h0)
 
 
 def _triton_walk_blocks(chunk):
@@ -86,12 +97,14 @@ def _walk_float64(q, k, w, u_tilde, b, h0, chunk, scale):
 
 
 def _queries(k, seed):
-  q = jax.random.normal(jax.random.key(seed), k.shape) / np.sqrt(_SIZE)
-  return q.astype(jnp.bfloat16)
+  return _bf16(_normal(np.random.default_rng(seed), *k.shape) / np.sqrt(_SIZE))
 
 
-@pytest.mark.parametrize("chunk, slots", [(32, 2), (16, 3)])
-def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
+# Both input rings wrap (2 slots for 3 chunks, 3 for 6). The walk without
+# residuals only leaves out the residuals' stores, so it runs at one of them.
+@pytest.mark.parametrize("chunk, slots, also_without_residuals", [(32, 2, False),
+                                                                  (16, 3, True)])
+def test_walk_matches_float64_and_the_triton_walk(chunk, slots, also_without_residuals):
   """Y, the final state, the states entering each chunk and U; two heads share
   each key group. The Mosaic walk and the Triton walk with the output kernel
   round the same products to bfloat16 (in different places), so both are held
@@ -99,8 +112,13 @@ def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
   k, w, u_tilde, b, h0 = _walk_inputs(1, 96, 4, 2, chunk)
   q = _queries(k, seed=5)
   blocks = _triton_walk_blocks(chunk)
-  states, u, final = gdr_triton.states(k, w, u_tilde, b, h0, blocks)
-  y, _ = gdr_triton.output(q, k, u, b, states, 0.25, blocks, save_scores=True)
+
+  @jax.jit
+  def triton_walk(q, k, w, u_tilde, b, h0):
+    states, u, final = gdr_triton.states(k, w, u_tilde, b, h0, blocks)
+    y, _ = gdr_triton.output(q, k, u, b, states, 0.25, blocks, save_scores=True)
+    return y, final, states, u
+  y, final, states, u = triton_walk(q, k, w, u_tilde, b, h0)
   y_walk, final_walk, (states_walk, u_walk) = mosaic.walk_forward(
       q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, interpret=True)
   want = _walk_float64(q, k, w, u_tilde, b, h0, chunk, 0.25)
@@ -109,6 +127,8 @@ def test_walk_matches_float64_and_the_triton_walk(chunk, slots):
                              (y, final, states, u))
   assert y_walk.dtype == states_walk.dtype == u_walk.dtype == jnp.bfloat16
   assert final_walk.dtype == jnp.float32
+  if not also_without_residuals:
+    return
   y_only, final_only, none = mosaic.walk_forward(
       q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, residuals=False,
       interpret=True)
@@ -146,7 +166,7 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
   k, w, dy, b, dfinal = _walk_inputs(1, 96, 4, 2, chunk, seed=2)
   q = _queries(k, seed=3)
   blocks = _triton_walk_blocks(chunk)
-  states = jnp.zeros((1, 4, 96 // chunk, _SIZE, _SIZE), jnp.bfloat16)
+  states = jnp.asarray(np.zeros((1, 4, 96 // chunk, _SIZE, _SIZE), jnp.bfloat16))
   _, scores_t = gdr_triton.output(q, k, dy, b, states, 0.25, blocks, save_scores=True)
   triton = gdr_triton.states_bwd(q, k, w, dy, b, scores_t, dfinal, 0.25, blocks)
   walk = mosaic.walk_reverse(q, k, w, dy, b, dfinal, chunk=chunk, scale=0.25, slots=slots,
@@ -155,33 +175,40 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
   _assert_as_close_as_triton(("adjoints", "du", "dh0"), walk, want, triton)
 
 
+def _op_reference(q, k, v, g, beta, h0):
+  return gated_delta_rule_reference(q, k, v, g, beta, initial_state=h0)
+
+
+# One program for every seed and kernel configuration.
+_OP_REFERENCE = outputs_and_grads(_op_reference, sin_loss)
+
+
 def assert_op_matches_reference(seed, check_outputs=True, **blocks_changes):
   """The whole op with `TritonConfig` changed so (V 100 pads to 128, T 70
   to three chunks, two heads): outputs and every gradient against the step
   reference. Shared by the Mosaic kernels' test modules."""
-  ks = jax.random.split(jax.random.key(seed), 6)
+  rng = np.random.default_rng(seed)
   shape = (1, 70, 2)
-  q = jax.random.normal(ks[0], shape + (_SIZE,))
-  k = jax.random.normal(ks[1], shape + (_SIZE,))
-  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(ks[2], shape + (100,))
-  g = -jax.nn.softplus(jax.random.normal(ks[3], shape) - 1.0)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], shape))
-  h0 = jax.random.normal(ks[5], (1, 2, _SIZE, 100))
-  args = tuple(x.astype(jnp.bfloat16) for x in (q, k, v)) + (g, beta, h0)
+  q = _normal(rng, *shape, _SIZE)
+  k = _normal(rng, *shape, _SIZE)
+  k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  v = _normal(rng, *shape, 100)
+  g = -np.logaddexp(0.0, _normal(rng, *shape) - 1.0)  # -softplus
+  beta = 1.0 / (1.0 + np.exp(-_normal(rng, *shape)))
+  h0 = _normal(rng, 1, 2, _SIZE, 100)
+  args = tuple(_bf16(x) for x in (q, k, v)) + tuple(jnp.asarray(x) for x in (g, beta, h0))
   blocks = dataclasses.replace(gdr_configs.TritonConfig.get_default(70, _SIZE, _SIZE),
                                **blocks_changes)
   kernel = lambda *a: gdr_pallas.gated_delta_rule_pallas(*a[:5], initial_state=a[5],
                                                          blocks=blocks)
-  reference = lambda *a: gated_delta_rule_reference(*a[:5], initial_state=a[5])
-  loss = lambda fn: lambda *a: sum(jnp.sum(jnp.sin(x.astype(jnp.float32))) for x in fn(*a))
   rel = lambda x, ref: (np.abs(np.asarray(x, np.float32) - np.asarray(ref, np.float32)).max()
                         / max(1.0, np.abs(np.asarray(ref, np.float32)).max()))
+  outputs, grads = outputs_and_grads(kernel, sin_loss)(*args)
+  ref_outputs, ref_grads = _OP_REFERENCE(*args)
   if check_outputs:
-    for got, want in zip(jax.jit(kernel)(*args), reference(*args)):
+    for got, want in zip(outputs, ref_outputs):
       assert rel(got, want) < 3e-2
-  grads = jax.jit(jax.grad(loss(kernel), argnums=range(6)))(*args)
-  for a, b in zip(grads, jax.grad(loss(reference), argnums=range(6))(*args)):
+  for a, b in zip(grads, ref_grads):
     assert a.shape == b.shape and rel(a, b) < 6e-2
 
 

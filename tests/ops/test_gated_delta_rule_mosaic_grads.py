@@ -3,6 +3,8 @@ the Triton value- and key-gradient kernels in Mosaic GPU interpret mode, inside
 the op (every gradient against the reference), its lowering for Hopper, and its
 limits."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +21,10 @@ _SIZE = 128  # the kernel's K = V
 _L = mosaic_grads.CHUNK
 
 
+@functools.partial(jax.jit, static_argnums=range(5))
 def _inputs(batch, time, heads, groups, seed):
-  """Random operands of the chunk gradients, rounded as the op stores them."""
+  """Random operands of the chunk gradients, rounded as the op stores them
+  (drawn in one program: eager `jax.random` calls compile one each)."""
   ks = jax.random.split(jax.random.key(seed), 11)
   bf16 = lambda x: x.astype(jnp.bfloat16)
   rows = lambda key, n, s=1.0: bf16(s * jax.random.normal(key, (batch, time, n, _SIZE)))
@@ -49,11 +53,15 @@ def test_matches_the_triton_gradient_kernels(heads, groups, splits, chunks):
   q, k, v, u, du, dy, tt, b, beta, m0, dm1 = _inputs(1, time, heads, groups,
                                                       seed=heads + groups)
   blocks = gdr_configs.TritonConfig(chunk=_L, block_v=64, grad_block_k=_SIZE)
-  dv, dru, dsd, dkk, db, dbeta = gdr_triton.value_grads(q, k, v, u, du, dy, b, beta, tt,
-                                                        0.25, blocks)
-  dq, dk, db_keys, dbeta_keys = gdr_triton.key_grads(q, k, u, dru, dy, b, beta, dsd, dkk,
-                                                     m0, dm1, 0.25, blocks)
-  want = (dq, dk, dv, db + db_keys.sum(0), dbeta + dbeta_keys.sum(0))
+
+  @jax.jit
+  def triton_grads(q, k, v, u, du, dy, tt, b, beta, m0, dm1):
+    dv, dru, dsd, dkk, db, dbeta = gdr_triton.value_grads(q, k, v, u, du, dy, b, beta, tt,
+                                                          0.25, blocks)
+    dq, dk, db_keys, dbeta_keys = gdr_triton.key_grads(q, k, u, dru, dy, b, beta, dsd, dkk,
+                                                       m0, dm1, 0.25, blocks)
+    return dq, dk, dv, db + db_keys.sum(0), dbeta + dbeta_keys.sum(0)
+  want = triton_grads(q, k, v, u, du, dy, tt, b, beta, m0, dm1)
   got = mosaic_grads.chunk_grads(q, k, v, u, du, dy, tt, b, beta, m0, dm1, scale=0.25,
                                  splits=splits, interpret=True)
   for name, x, y in zip(("dq", "dk", "dv", "db", "dbeta"), got, want):
