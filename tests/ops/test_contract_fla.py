@@ -26,6 +26,8 @@ from ops.ssd import ssd
 from ops.ssd import ssd_reference
 from ops.ssd import configs as ssd_configs
 from ops.ssd import pallas as ssd_pallas_lib
+from tests.ops.outputs_and_grads import fixed_weights_loss
+from tests.ops.outputs_and_grads import outputs_and_grads
 
 _F32 = jnp.float32
 # Max error relative to max(1, max |reference|): (forward, gradients), per dtype.
@@ -41,42 +43,48 @@ def _rel(x, ref):
 
 
 def _inputs(time, heads, key, value, *, states=1, dtype=_F32, seed=0, unit_keys=True):
-  """q, k, v, log_decay, beta, initial_state ([states, N, K, V]), batch 1."""
-  ks = jax.random.split(jax.random.key(seed), 6)
-  q = jax.random.normal(ks[0], (1, time, heads, key))
-  k = jax.random.normal(ks[1], (1, time, heads, key))
+  """q, k, v, log_decay, beta, initial_state ([states, N, K, V]), batch 1; drawn
+  with NumPy (an eager `jax.random` call compiles a program per shape)."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.standard_normal(shape, np.float32)
+  q = normal(1, time, heads, key)
+  k = normal(1, time, heads, key)
   if unit_keys:
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  v = jax.random.normal(ks[2], (1, time, heads, value))
-  g = -jax.nn.softplus(jax.random.normal(ks[3], (1, time, heads)) - 1.0)
-  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, time, heads)))
-  h0 = jax.random.normal(ks[5], (states, heads, key, value))
-  return tuple(x.astype(dtype) for x in (q, k, v)) + (g, beta, h0)
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+  v = normal(1, time, heads, value)
+  g = -np.logaddexp(0.0, normal(1, time, heads) - 1.0)  # -softplus
+  beta = 1.0 / (1.0 + np.exp(-normal(1, time, heads)))
+  h0 = normal(states, heads, key, value)
+  return (tuple(jnp.asarray(x.astype(dtype)) for x in (q, k, v))
+          + tuple(jnp.asarray(x) for x in (g, beta, h0)))
 
 
-def _loss(fn):
-  """Linear in (y, final) with fixed weights: the cotangents are exact in every dtype."""
-  def loss(*args):
-    y, final = fn(*args)
-    wy = jnp.cos(jnp.arange(y.size, dtype=_F32).reshape(y.shape))
-    wf = jnp.sin(jnp.arange(final.size, dtype=_F32).reshape(final.shape))
-    return jnp.sum(y.astype(_F32) * wy) + jnp.sum(final * wf)
-  return loss
+# Outputs and gradients of the references, by key: the tiers compared with
+# one reference on the same inputs share its compiled program and results.
+_REFERENCE_RESULTS = {}
 
 
-def _check(fn, reference, args, argnums, dtype=_F32, *, names=None):
+def _reference_results(reference, args, argnums, key):
+  if key is None:
+    return outputs_and_grads(reference, fixed_weights_loss, argnums)(*args)
+  if key not in _REFERENCE_RESULTS:
+    _REFERENCE_RESULTS[key] = outputs_and_grads(reference, fixed_weights_loss, argnums)(*args)
+  return _REFERENCE_RESULTS[key]
+
+
+def _check(fn, reference, args, argnums, dtype=_F32, *, names=None, reference_key=None):
   """`fn` against `reference` (float32 inputs) on y, final state and the
-  gradients of `argnums`; the extra trailing `args` (offsets) pass through."""
+  gradients of `argnums`; the extra trailing `args` (offsets) pass through.
+  `reference_key`: the reference's results are computed once per key."""
   fwd_tol, grad_tol = _TOL[dtype]
   ref_args = tuple(x.astype(_F32) if x is not None and jnp.issubdtype(x.dtype, jnp.floating)
                    else x for x in args)
-  (y, final), (y_ref, final_ref) = jax.jit(fn)(*args), jax.jit(reference)(*ref_args)
+  (y, final), grads = outputs_and_grads(fn, fixed_weights_loss, argnums)(*args)
+  (y_ref, final_ref), want = _reference_results(reference, ref_args, argnums, reference_key)
   assert y.dtype == args[2].dtype and final.dtype == _F32
   assert y.shape == y_ref.shape and final.shape == final_ref.shape
   assert _rel(y, y_ref) < fwd_tol
   assert _rel(final, final_ref) < fwd_tol
-  grads = jax.jit(jax.grad(_loss(fn), argnums))(*args)
-  want = jax.jit(jax.grad(_loss(reference), argnums))(*ref_args)
   for i, a, b in zip(argnums, grads, want):
     assert a.shape == b.shape, (names or argnums)[i]
     assert _rel(a, b) < grad_tol, (names or argnums)[i]
@@ -103,7 +111,8 @@ def test_gated_delta_rule_options(implementation, case):
   q, k, v, g, beta, h0 = _inputs(37, 2, 16, 24, dtype=dtype, seed=1,
                                  unit_keys=not options.get("use_qk_l2norm_in_kernel"))
   if options.get("use_beta_sigmoid_in_kernel"):
-    beta = jax.random.normal(jax.random.key(7), beta.shape) * 2.0  # logits
+    beta = jnp.asarray(np.random.default_rng(7).standard_normal(beta.shape, np.float32)
+                       * 2.0)  # logits
   log_decay = g if gated else None
 
   def fn(q, k, v, beta, h0, log_decay):
@@ -115,7 +124,8 @@ def test_gated_delta_rule_options(implementation, case):
                                       **options)
   argnums = (0, 1, 2, 3, 4, 5) if gated else (0, 1, 2, 3, 4)
   _check(fn, reference, (q, k, v, beta, h0, log_decay), argnums, dtype,
-         names=("q", "k", "v", "beta", "initial_state", "log_decay"))
+         names=("q", "k", "v", "beta", "initial_state", "log_decay"),
+         reference_key=("options", case))
 
 
 def test_head_size_256_on_the_kernel():
@@ -142,7 +152,7 @@ def test_head_size_dispatch_on_gpu(monkeypatch):
   q, k, v, g, beta, _ = _inputs(8, 1, 256, 256)
   assert "pallas_call" not in jaxpr(q, k, v, g, beta)
   assert "pallas_call" in jaxpr(q, k, v, g, beta, implementation="pallas")
-  q = jnp.zeros((1, 8, 1, 512))
+  q = jnp.asarray(np.zeros((1, 8, 1, 512), np.float32))
   with pytest.raises(ValueError, match="K = 512 and V = 256 must be <= 256"):
     gated_delta_rule(q, q, v, g, beta, implementation="pallas")
 
@@ -150,7 +160,7 @@ def test_head_size_dispatch_on_gpu(monkeypatch):
 def _per_sequence(reference, args, cu):
   """`reference` on each packed sequence alone, from its own initial state:
   (y [1, T, ...], final states [S, ...]); an empty sequence keeps its state."""
-  *tokens, h0 = args
+  *tokens, h0 = (np.asarray(x) for x in args)  # sliced on the host
   ys, finals = [], []
   for s in range(len(cu) - 1):
     a, b = cu[s], cu[s + 1]
@@ -158,9 +168,9 @@ def _per_sequence(reference, args, cu):
       finals.append(h0[s])
       continue
     y, final = reference(*(x[:, a:b] for x in tokens), h0[s:s + 1])
-    ys.append(y)
-    finals.append(final[0])
-  return jnp.concatenate(ys, axis=1), jnp.stack(finals)
+    ys.append(np.asarray(y))
+    finals.append(np.asarray(final)[0])
+  return np.concatenate(ys, axis=1), np.stack(finals)
 
 
 _OPS = {
@@ -182,8 +192,8 @@ def test_packed_reference_is_each_sequence_alone(op):
   _, reference, _ = _OPS[op]
   args = _inputs(_CU[-1], 2, 16, 8, states=len(_CU) - 1, seed=4)
   cu = jnp.asarray(_CU, jnp.int32)
-  got = reference(*args, cu_seqlens=cu)
-  want = _per_sequence(lambda *a: reference(*a[:5], a[5]), args, _CU)
+  got = jax.jit(lambda *a: reference(*a, cu_seqlens=cu))(*args)
+  want = _per_sequence(jax.jit(lambda *a: reference(*a[:5], a[5])), args, _CU)
   for a, b in zip(got, want):
     assert _rel(a, b) < 1e-6
 
@@ -195,12 +205,13 @@ def test_packed_sequences(op, implementation):
   heads, V padded by the kernels; every gradient, the initial states' too."""
   fn, reference, argnums = _OPS[op]
   q, k, v, g, beta, h0 = _inputs(_CU[-1], 2, 16, 24, states=len(_CU) - 1, seed=5)
-  q, k = q[:, :, :1], k[:, :, :1]
+  q, k = (jnp.asarray(np.asarray(x)[:, :, :1]) for x in (q, k))
   cu = jnp.asarray(_CU, jnp.int32)
   _check(lambda *a: fn(*a[:6], cu_seqlens=a[6], chunk_size=16,
                        implementation=implementation),
          lambda *a: reference(*a[:6], cu_seqlens=a[6]),
-         (q, k, v, g, beta, h0, cu), argnums, names=_GDR_NAMES)
+         (q, k, v, g, beta, h0, cu), argnums, names=_GDR_NAMES,
+         reference_key=("packed", op))
 
 
 def test_packed_ssd_kernel_restarts_inside_chunk_groups():
@@ -222,7 +233,9 @@ def test_packed_without_initial_states(op):
   fn, reference, _ = _OPS[op]
   args = _inputs(_CU[-1], 2, 16, 8, seed=8)[:5] + (None,)
   cu = jnp.asarray(_CU, jnp.int32)
-  for a, b in zip(fn(*args, cu_seqlens=cu), reference(*args, cu_seqlens=cu)):
+  got = jax.jit(lambda *a: fn(*a, cu_seqlens=cu))(*args)
+  want = jax.jit(lambda *a: reference(*a, cu_seqlens=cu))(*args)
+  for a, b in zip(got, want):
     assert a.shape == b.shape
     assert _rel(a, b) < 2e-5
 
@@ -240,9 +253,10 @@ def test_packed_without_initial_states(op):
 def test_bad_offsets_raise(op, change, error, match):
   fn, _, _ = _OPS[op]
   batch = change.get("batch", 1)
-  x = jnp.zeros((batch, 48, 2, 16))
-  v, g = jnp.zeros((batch, 48, 2, 8)), jnp.zeros((batch, 48, 2))
-  h0 = jnp.zeros((change.get("states", 3), 2, 16, 8))
+  zeros = lambda *shape: jnp.asarray(np.zeros(shape, np.float32))
+  x = zeros(batch, 48, 2, 16)
+  v, g = zeros(batch, 48, 2, 8), zeros(batch, 48, 2)
+  h0 = zeros(change.get("states", 3), 2, 16, 8)
   cu = change.get("cu", np.array([0, 5, 20, 48], np.int32))
   with pytest.raises(error, match=match):
     fn(x, x, v, g, g, h0, cu_seqlens=cu)
