@@ -5,8 +5,11 @@ on the CPU) trains under 'replicated', 'fsdp' and a tensor-parallel callable;
 the checks read the compiled step's HLO (which all-gathers it holds), the
 arrays' addressable shards, a resume from 8 devices onto 4, and the caller's
 arrays after repeated fits. On meshes with Explicit axes: data parallelism
-and 'fsdp', and `sequence_axis` (an LRU and a Mamba-2 model with the batch
-over 'data' and time over 'context', against one device), with its errors.
+and 'fsdp', and `sequence_axis` (an LRU and a Mamba-2 model, then a causal
+Transformer with the rotary embedding, with the batch over 'data' and time
+over 'context', 20 steps against one device; a DiffusionTransformer's
+predictions so), with its errors, and the temporary memory of a compiled step
+at T = 32,768 split 8 ways against one device.
 Tensor parallelism on Explicit axes (`tensor_parameter_sharding`): heads
 and hidden units over 'model', the batch over 'data' only, against the
 replicated fit, with no gathered parameter, and its error for indivisible heads.
@@ -306,7 +309,7 @@ seq_data = {"x": rs.randn(8, 16, 4).astype(np.float32),
             "y": rs.randn(8, 16, 4).astype(np.float32)}
 seq_params = jax.jit(LONG.init)(jax.random.PRNGKey(0), seq_data)
 seq_mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(AxisType.Explicit,) * 2)
-seq_kw = dict(kw, batch_size=4, num_steps=3, validation_data=seq_data)
+seq_kw = dict(kw, batch_size=4, num_steps=20, validation_data=seq_data)
 whole = pk.fit(LONG.apply, seq_params, seq_data, mesh=one, **seq_kw)
 seen_specs.clear()
 split = pk.fit(LONG.apply, seq_params, seq_data, mesh=seq_mesh, sequence_axis="context",
@@ -325,6 +328,74 @@ with jax.set_mesh(seq_mesh):
   got = jax.jit(causal_conv.causal_conv)(
       jax.device_put(x, NamedSharding(seq_mesh, P("data", "context"))), w, b, state)
 out["conv_split"] = [max_diff(expected, got), spec_entries(got[0])]
+
+# A causal Transformer with the rotary embedding under sequence_axis: the
+# zig-zag ring, with global positions.
+def _causal_loss(batch, width=16):
+  y = pk.Transformer(width, 2, 1, is_causal=True, use_rope=True)(batch["x"])  # [B, T, D]
+  return jnp.mean((y - batch["y"]) ** 2)
+
+
+CAUSAL = hk.transform(_causal_loss)
+causal_data = {"x": rs.randn(8, 64, 16).astype(np.float32),
+               "y": rs.randn(8, 64, 16).astype(np.float32)}
+causal_params = jax.jit(CAUSAL.init)(jax.random.PRNGKey(0), causal_data)
+causal_kw = dict(kw, batch_size=4, num_steps=20)
+out["causal_losses"] = [r.history["loss"].tolist() for r in (
+    pk.fit(CAUSAL.apply, causal_params, causal_data, mesh=one, **causal_kw),
+    pk.fit(CAUSAL.apply, causal_params, causal_data, mesh=seq_mesh,
+           sequence_axis="context", **causal_kw))]
+
+
+# A DiffusionTransformer on a batch placed as fit() places it (the full ring;
+# its time embedding per row): one device's predictions. Random parameters:
+# its output projection starts at zero.
+def _diffusion(batch):
+  return pk.DiffusionTransformer(16, 2, 1)(batch["x"], batch["t"])  # [B, T, 16]
+
+
+DIFFUSION = hk.without_apply_rng(hk.transform(_diffusion))
+diffusion_data = dict(causal_data, t=rs.rand(8).astype(np.float32))  # t [B]: rows only
+diffusion_params = jax.tree.map(
+    lambda a: (0.1 * rs.randn(*a.shape)).astype(a.dtype),
+    jax.eval_shape(DIFFUSION.init, jax.random.PRNGKey(0), diffusion_data))
+diffusion_whole = jax.jit(DIFFUSION.apply)(diffusion_params, diffusion_data)
+with jax.set_mesh(seq_mesh):
+  diffusion_split = jax.jit(DIFFUSION.apply)(diffusion_params, sharding.put_batch(
+      diffusion_data, seq_mesh, sequence_axis="context"))
+out["diffusion_split"] = [max_diff(diffusion_whole, diffusion_split),
+                          float(np.max(np.abs(diffusion_whole))), spec_entries(diffusion_split)]
+
+# Memory: the gradient of each loss at T = 32,768 (compiled, never run), one
+# sequence on one device against the same split 8 ways over 'context', placed
+# as fit() places them (parameters replicated, the batch by batch_spec).
+LONG_T = 32768
+context_mesh = jax.make_mesh((8,), ("context",), axis_types=(AxisType.Explicit,))
+
+
+def _mamba2_loss(batch):
+  y = pk.SSMModel(32, 32, 32, 1, cell=pk.Mamba2Cell)(batch["x"])
+  return jnp.mean((y - batch["y"]) ** 2)
+
+
+def temp_bytes(net, mesh, sequence_axis=None):
+  """Temporary bytes per device of jit(grad(loss)) on one [1, LONG_T, 32] batch."""
+  x = jax.ShapeDtypeStruct((1, LONG_T, 32), jnp.float32)
+  batch = {"x": x, "y": x}
+  params = jax.eval_shape(net.init, jax.random.PRNGKey(0), batch)
+  placed = lambda tree, shardings: jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+  batch = placed(batch, sharding.batch_shardings(batch, mesh, sequence_axis=sequence_axis))
+  params = placed(params, jax.tree.map(lambda _: sharding.replicated(mesh), params))
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.grad(net.apply)).lower(params, None, batch).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+out["context_temp_bytes"] = {
+    name: [temp_bytes(net, one), temp_bytes(net, context_mesh, "context")]
+    for name, net in (("transformer", hk.transform(functools.partial(_causal_loss, width=32))),
+                      ("mamba2", hk.transform(_mamba2_loss)))}
 
 seq_errors = {}
 auto_mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "context"))
@@ -449,7 +520,7 @@ def test_tensor_parallel_splits_heads_not_the_batch(eight_devices):
 def test_sequence_axis_trains_like_one_device(eight_devices):
   out = eight_devices
   whole, split = out["sequence_losses"]
-  assert len(whole) == 3, out
+  assert len(whole) == 20, out
   np.testing.assert_allclose(split, whole, rtol=1e-5)
   np.testing.assert_allclose(*out["sequence_val_losses"], rtol=1e-5)
   # The model saw [B, T, 4] split by rows and time (the ops' per-shard path).
@@ -457,6 +528,23 @@ def test_sequence_axis_trains_like_one_device(eight_devices):
   assert out["sequence_sharded_params"] > 0, out
   assert out["conv_split"][0] < 1e-5, out
   assert out["conv_split"][1] == ["data", "context", None], out
+
+
+def test_attention_models_train_on_a_split_sequence_like_one_device(eight_devices):
+  out = eight_devices
+  whole, split = out["causal_losses"]
+  assert len(whole) == 20, out
+  np.testing.assert_allclose(split, whole, rtol=1e-5)
+  difference, largest, spec = out["diffusion_split"]
+  assert difference < 1e-5 * largest, out
+  assert spec == ["data", "context", None], out
+
+
+def test_context_parallel_gradient_needs_a_fifth_of_the_temporary_memory(eight_devices):
+  # One device's attention holds [T, T] logits, the ring [T/16, T/16] blocks;
+  # the Mamba-2 model's activations are T/8 per device, plus small states.
+  for name, (one_device, per_device) in eight_devices["context_temp_bytes"].items():
+    assert 0 < per_device <= 0.2 * one_device, (name, one_device, per_device)
 
 
 def test_sequence_axis_errors_before_compiling(eight_devices):
