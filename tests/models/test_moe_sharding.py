@@ -74,12 +74,13 @@ def shard_shapes(a):
   return sorted({tuple(s.data.shape) for s in a.addressable_shards})
 
 
-x = jax.random.normal(jax.random.PRNGKey(0), (8, 8, D))  # T = 64: 8 tokens a device
+# T = 64: 8 tokens a device.
+x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8, D)), jnp.float32)
 PALLAS = dict(grouped_matmul_implementation="pallas")  # interpret mode on CPU
 
 # 1. Data parallel: the batch split over ('data',), the weights replicated.
 # Every path is compared with the unsharded 'dense' reference.
-params, _ = make(4).init(jax.random.PRNGKey(1), x)
+params, _ = jax.jit(make(4).init)(jax.random.PRNGKey(1), x)  # one compile, not one per op
 want = value_and_grad(4, dropless_impl="dense")(params, x)
 cases = [("Auto", "dense", {}), ("Auto", "ragged_dot", {}), ("Auto", "sort", {}),
          ("Auto", "gmm", PALLAS), ("Explicit", "gmm", PALLAS)]
@@ -113,7 +114,7 @@ for impl in ("sort", "dense"):
       aux_diff=max_diff([state[k] for k in aux], [whole[0][1][1][k] for k in aux]))
 
 # 3. Expert parallel: 8 experts placed with `expert_parameter_sharding`.
-params8, _ = make(8).init(jax.random.PRNGKey(1), x)
+params8, _ = jax.jit(make(8).init)(jax.random.PRNGKey(1), x)
 want = value_and_grad(8, dropless_impl="dense")(params8, x)
 rule = moe.expert_parameter_sharding("expert")
 cases = [(("expert",), (8,), "Auto", "gmm", PALLAS, P("expert")),
@@ -138,8 +139,8 @@ for names, shape, axis_type, impl, extra, x_spec in cases:
 errors = {}
 with jax.set_mesh(jax.make_mesh((8,), ("expert",), axis_types=(AxisType.Auto,))):
   for name, experts, tokens in (("experts", 4, x), ("tokens", 8, x[:1, :6])):
-    try:
-      make(experts, expert_axis="expert").init(jax.random.PRNGKey(1), tokens)
+    try:  # raised while tracing
+      jax.eval_shape(make(experts, expert_axis="expert").init, jax.random.PRNGKey(1), tokens)
       errors[name] = "no error"
     except ValueError as e:
       errors[name] = str(e)
@@ -161,7 +162,7 @@ eager = make(8, expert_axis="expert")
 with jax.set_mesh(mesh):
   eager_params, eager_state = eager.init(jax.random.PRNGKey(1), x)
   y_eager, _ = eager.apply(eager_params, eager_state, None, x)
-y_whole, _ = make(8).apply(eager_params, {}, None, x)
+y_whole, _ = jax.jit(make(8).apply)(eager_params, {}, None, x)  # the reference, compiled
 out["eager_size1_diff"] = float(jnp.max(jnp.abs(y_eager - y_whole)))
 print("RESULT" + json.dumps(out))
 '''
