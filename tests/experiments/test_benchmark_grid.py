@@ -117,20 +117,8 @@ def test_moe_stand_in_tokamax_is_unsup_off_nvidia_gpus(tmp_path):
   assert rows and all(r["status"] == "unsup" and "NVIDIA GPU" in r["message"] for r in rows)
 
 
-def test_ssd_grid_smoke_rows_and_summary(tmp_path):
-  rows, _ = _run(tmp_path, "experiments.benchmark_kernel_ssd", "--grid", "--quick",
-                 "--nocheck", "--impls=ssd/pallas,ssd/xla")
-  point = shape_grid.chunked_grid("smoke")[0]
-  ops = [r for r in rows if r["kind"] == "op"]
-  assert len(ops) == 4 and all(r["status"] == "ok" and r["point"] == point.name for r in ops)
-  assert {(r["B"], r["T"], r["N"], r["K"], r["V"]) for r in ops} == {point.shape}
-  summary = [r for r in rows if r["kind"] == "summary"]
-  assert [(r["op"], r["mode"], r["default_impl"]) for r in summary] == [
-      ("ssd", "fwd", "xla"), ("ssd", "fwd+bwd", "xla")]
-  assert all(r["default_vs_xla"] == 1.0 for r in summary)
-
-
-# The scan grid's smoke run is tests/experiments/test_grid_check_chunked.py's (with --grid_check).
+# The chunked and scan grids' smoke runs are tests/experiments/test_grid_check_chunked.py's
+# (with --grid_check).
 
 
 def test_tuner_sweeps_at_grid_points(tmp_path):

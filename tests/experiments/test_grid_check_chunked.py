@@ -1,11 +1,12 @@
-"""`--grid --grid_check` of benchmark_kernel_ssm and benchmark_kernel_ssd on the CPU.
+"""`--grid --grid_check` of benchmark_kernel_ssm and benchmark_kernel_ssd on the CPU
+(their only `--grid` smoke runs: the timings and the summary rows too).
 
 At every grid point each implementation the programs time there is first
 checked against its op's float32 reference: the selective scan's Pallas and
 XLA tiers by benchmark_kernel_ssm, and, in the benchmark_kernel_ssd process it
-launches with the flag passed on, every ssd and gated-delta-rule
-implementation. The programs run as subprocesses (they define absl flags at
-import, some with the same names).
+launches with the flag passed on, ssd's (after its fixed `--check` of both
+tiers of ssd and the gated delta rule). The programs run as subprocesses
+(they define absl flags at import, some with the same names).
 """
 
 import json
@@ -90,27 +91,40 @@ def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
     assert max(r["err_y"], r["err_final"], *errors) < 1e-5, r
     assert r["err_grads"] == max(errors)
   assert all(_checked_before_timed(rows, p, "check", "time") for p in points)
+  # Then the fixed check, forward and reverse.
+  fixed = [r for r in rows if r["kind"] == "check" and "grid" not in r]
+  assert sorted((r["impl"], r["reverse"]) for r in fixed) == [
+      (i, reverse) for i in ("pallas", "xla") for reverse in (False, True)]
+  assert all(r["status"] == "ok" and r["err_y"] < 1e-5 for r in fixed), fixed
 
   # The chunked ops, in the benchmark_kernel_ssd process it launches with the
-  # flag passed on: every implementation timed there (two of them here, one a
-  # kernel, one per op), bfloat16 against the float32 reference.
+  # flag passed on: first --check (on by default; bfloat16 under --quick, at the
+  # grid's point), both tiers of both ops; then at the point every
+  # implementation timed there (ssd's kernel and XLA here), bfloat16 against
+  # the float32 reference.
   [(module, chunked_output, flags)] = json.loads(text.split("LAUNCHED ", 1)[1].splitlines()[0])
   assert module == "experiments.benchmark_kernel_ssd" and "--grid_check" in flags
   assert chunked_output == str(tmp_path / "chunked_grid.json")
   code, text = _python("-m", module, f"--output={chunked_output}", *flags,
-                       "--impls=ssd/pallas,gated_delta_rule/xla")
+                       "--impls=ssd/pallas,ssd/xla")
   assert code == 0, text[-3000:]
   rows = _rows(chunked_output)
   points = {p.name: p.shape for p in shape_grid.chunked_grid("smoke")}
-  timed = {(r["point"], r["name"]) for r in rows if r["kind"] == "op"}
-  names = {name for _, name in timed}
-  assert names == {"ssd/pallas", "gated_delta_rule/xla"}
-  assert timed == {(p, n) for p in points for n in names}
+  fixed = [r for r in rows if r["kind"] == "check" and "grid" not in r]
+  assert sorted(r["name"] for r in fixed) == sorted(
+      f"{op}/{impl}_chunk64" for op in ("ssd", "gated_delta_rule") for impl in ("pallas", "xla"))
+  ops = [r for r in rows if r["kind"] == "op"]
+  assert {(r["name"], r["mode"]) for r in ops} == {
+      (n, m) for n in ("ssd/pallas", "ssd/xla") for m in ("fwd", "fwd+bwd")}
+  for r in ops:
+    assert r["status"] == "ok" and (r["B"], r["T"], r["N"], r["K"], r["V"]) == points[r["point"]]
+  timed = {(r["point"], r["name"]) for r in ops}
+  assert timed == {(p, n) for p in points for n in ("ssd/pallas", "ssd/xla")}
   checks = [r for r in rows if r["kind"] == "check" and r.get("grid") == "chunked"]
   assert sorted((r["point"], r["name"]) for r in checks) == sorted(timed)
-  for r in checks:
+  for r in fixed + checks:
     assert r["status"] == "ok" and r["dtype"] == "bfloat16", r
-    assert (r["B"], r["T"], r["N"], r["K"], r["V"]) == points[r["point"]]
+    assert (r["B"], r["T"], r["N"], r["K"], r["V"]) == next(iter(points.values()))
     inputs = ["q", "k", "v", "log_decay"] + (["beta"] if r["op"] == "gated_delta_rule" else [])
     assert sorted(k for k in r if k.startswith("d") and k.endswith("_err")) == sorted(
         f"d{n}_err" for n in inputs)
@@ -120,6 +134,13 @@ def test_grid_check_checks_every_timed_implementation_at_every_point(tmp_path):
     assert r["grad_err"] == max(errors)
   assert all(_checked_before_timed(rows, p, "check", "op") for p in points)
   assert f'"point": "{next(iter(points))}", "name": "ssd/pallas"' in text  # a line a row
+  # A summary row per (point, mode): the CPU's default is XLA; the kernel's
+  # rows carry their ratio to it.
+  summary = [r for r in rows if r["kind"] == "summary"]
+  assert sorted((r["op"], r["point"], r["mode"]) for r in summary) == sorted(
+      ("ssd", p, mode) for p in points for mode in ("fwd", "fwd+bwd"))
+  assert all(r["default_impl"] == "xla" and r["default_vs_xla"] == 1.0 for r in summary)
+  assert all(r["ratio_vs_xla"] > 0 for r in ops if r["name"] == "ssd/pallas")
 
 
 _CHECK_SCRIPT = textwrap.dedent("""
