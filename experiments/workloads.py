@@ -132,12 +132,12 @@ def moe_inputs(tokens: int, layer) -> tuple:
   """(params, state, x, cotangent) of a MoE layer case at `tokens`.
 
   x [tokens, d_model] bf16 and the cotangent (like x) are random; params (f32)
-  and state come from an init on x's first 8 rows: they do not depend on the
-  token count, and an eager init on all of x would run the dense path (and its
-  memory peak) at every size.
+  and state come from a jitted init on x's first 8 rows: they do not depend on
+  the token count, an init on all of x would run the dense path (and its
+  memory peak) at every size, and an eager one compiles each of its ops apart.
   """
   x = jax.random.normal(jax.random.key(0), (tokens, layer.d_model), jnp.bfloat16)
-  params, state = moe_layer("dense", layer).init(jax.random.key(1), x[:8])
+  params, state = jax.jit(moe_layer("dense", layer).init)(jax.random.key(1), x[:8])
   cotangent = jax.random.normal(jax.random.key(5), x.shape, x.dtype)
   return params, state, x, cotangent
 

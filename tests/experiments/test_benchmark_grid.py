@@ -107,14 +107,8 @@ def test_attention_grid_times_and_checks_every_implementation_at_a_point(tmp_pat
   assert "default_vs_best_peer" in text
 
 
-# The MoE grid's smoke run is tests/experiments/test_grid_check_moe.py's (with --grid_check).
-
-
-def test_moe_stand_in_tokamax_is_unsup_off_nvidia_gpus(tmp_path):
-  rows, _ = _run(tmp_path, "experiments.benchmark_kernel_moe", "--smoke", "--grid",
-                 "--sections=op", tokamax=_STAND_IN)
-  rows = [r for r in rows if r.get("impl") == "tokamax_ragged_dot"]
-  assert rows and all(r["status"] == "unsup" and "NVIDIA GPU" in r["message"] for r in rows)
+# The MoE grid's smoke run, with the stand-in tokamax, is
+# tests/experiments/test_grid_check_moe.py's (with --grid_check).
 
 
 # The chunked and scan grids' smoke runs are tests/experiments/test_grid_check_chunked.py's

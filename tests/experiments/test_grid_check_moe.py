@@ -2,8 +2,10 @@
 timed at a MoE grid point is first checked there against float32.
 
 The program defines absl flags at import, so it runs in a subprocess: once
-from its command line, once as a module whose check functions a script calls
-with implementations that fail, give wrong values, or a reference that fails.
+from its command line (the MoE grid's one smoke run, with a tokamax that
+imports but cannot run off an NVIDIA GPU), once as a module whose check
+functions a script calls with implementations that fail, give wrong values,
+need a tokamax that is not installed, or a reference that fails.
 """
 
 import json
@@ -12,13 +14,15 @@ import subprocess
 import sys
 
 from experiments import shape_grid
-from tests.experiments.test_benchmark_grid import MISSING
+from tests.experiments.test_benchmark_grid import _STAND_IN
 from tests.experiments.test_benchmark_grid import ROOT
 from tests.experiments.test_benchmark_grid import _run
 from tests.experiments.test_benchmark_grid import _status
 
 # bf16 against float32 at the smoke point: about 2e-3 to 8e-3 on the CPU.
 _BF16_ERR = 3e-2
+# The MoE layer's paths the grid run times (--grid_moe_impls).
+_LAYER = "dense,gmm,auto"
 
 
 def _errors(row: dict) -> dict:
@@ -27,8 +31,11 @@ def _errors(row: dict) -> dict:
 
 
 def test_grid_check_rows_at_every_point_for_every_timed_implementation(tmp_path):
+  # The layer's paths: the reference ('dense'), the kernel's ('gmm') and what the
+  # summary rates ('auto'); tests/models/test_moe.py checks every path against 'dense'.
   rows, text = _run(tmp_path, "experiments.benchmark_kernel_moe", "--smoke", "--grid",
-                    "--grid_check", "--sections=check,op,moe")
+                    "--grid_check", "--sections=check,op,moe", f"--grid_moe_impls={_LAYER}",
+                    tokamax=_STAND_IN)
   checks = [r for r in rows if r["section"] == "check" and r.get("grid") == "moe"]
   for point in shape_grid.moe_grid("smoke"):
     for case, names in (("op", ("out", "dlhs", "drhs")), ("moe", ("out", "dparams", "dx"))):
@@ -41,14 +48,13 @@ def test_grid_check_rows_at_every_point_for_every_timed_implementation(tmp_path)
                 r["rows"]) == (point.experts, point.top_k, point.d_model, point.d_hidden,
                                point.tokens, point.tokens * point.top_k)
         assert f'"case": "{case}", "impl": "{r["impl"]}", "status": ' in text  # its line
-        if r["impl"] == "tokamax_ragged_dot":
-          assert r["status"] == "unsup" and MISSING in r["message"]
+        if r["impl"] == "tokamax_ragged_dot":  # installed, but no NVIDIA GPU here
+          assert r["status"] == "unsup" and "NVIDIA GPU" in r["message"]
           continue
         assert r["status"] == "ok", r.get("message")
         assert sorted(_errors(r)) == sorted(f"rel_err_{n}" for n in names)
         assert all(0 < e < _BF16_ERR for e in _errors(r).values()), r  # bf16 vs float32
-  assert {r["impl"] for r in checks if r["case"] == "moe"} == {
-      "dense", "ragged_dot", "sort", "gmm", "auto"}
+  assert {r["impl"] for r in checks if r["case"] == "moe"} == set(_LAYER.split(","))
   assert {r["impl"] for r in checks if r["case"] == "op"} == {
       "pallas", "pallas_triton", "ragged_dot", "tokamax_ragged_dot"}
   # Checked before timed; the check section still runs once.
@@ -62,21 +68,25 @@ def test_grid_check_rows_at_every_point_for_every_timed_implementation(tmp_path)
     assert _status(rows, section="op", mode=mode) == {
         "pallas": "ok", "pallas_triton": "ok", "ragged_dot": "ok",
         "tokamax_ragged_dot": "unsup", "dense_matmul_same_flops": "ok"}
-    assert _status(rows, section="moe", mode=mode) == {
-        i: "ok" for i in ("dense", "ragged_dot", "sort", "gmm", "auto")}
+    assert _status(rows, section="moe", mode=mode) == {i: "ok" for i in _LAYER.split(",")}
   op = [r for r in rows if r["section"] == "op"]
   assert {r["rows"] for r in op} == {point.rows} and {r["point"] for r in op} == {point.name}
   checks = {(r["case"], r["dtype"]): r for r in rows if r["section"] == "check"}
   assert checks[("grouped_matmul_vs_reference", "float32")]["rel_err_out"] < 1e-5
-  assert checks[("tokamax_ragged_dot_vs_reference", "bfloat16")]["status"] == "unsup"
+  tokamax = [r for r in rows if r.get("impl") == "tokamax_ragged_dot"
+             or r.get("case", "").startswith("tokamax")]
+  assert len(tokamax) == 2 + 1 + 2  # the check section's, the grid check's, the timings'
+  assert all(r["status"] == "unsup" and "NVIDIA GPU" in r["message"] for r in tokamax)
   summary = [r for r in rows if r["section"] == "grid_summary"]
   assert [r["mode"] for r in summary] == ["forward", "fwd+bwd"]
-  assert all(r["best_layer_impl"] in ("dense", "ragged_dot", "sort", "gmm")
-             and r["auto_vs_best"] > 0 for r in summary)
+  assert all(r["best_layer_impl"] in ("dense", "gmm") and r["auto_vs_best"] > 0
+             for r in summary)
 
 
 _SCRIPT = '''
 import json
+import sys
+
 import jax
 from experiments import benchmark_kernel_moe as bench
 from experiments import shape_grid
@@ -87,8 +97,10 @@ point = shape_grid.MoePoint(4, 2, 32, 16, tokens=24)
 def broken(a, b, s):
   raise RuntimeError("broken on purpose")
 
+sys.modules["tokamax"] = None  # its import fails, as where it is not installed
 impls = {"ragged_dot": bench.op_impls(grid=True)["ragged_dot"], "broken": broken,
-         "doubled": lambda a, b, s: 2 * jax.lax.ragged_dot(a, b, s)}
+         "doubled": lambda a, b, s: 2 * jax.lax.ragged_dot(a, b, s),
+         "tokamax_ragged_dot": bench.op_impls(grid=True)["tokamax_ragged_dot"]}
 rows = bench.op_check_rows(point, impls) + bench.moe_check_rows(point, ("sort", "no_such_path"))
 reference.grouped_matmul_reference = broken
 rows += bench.op_check_rows(point, {"ragged_dot": impls["ragged_dot"]})
@@ -102,12 +114,13 @@ def test_a_failing_or_wrong_implementation_is_a_result():
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   rows = json.loads(proc.stdout.strip().splitlines()[-1])
-  (ok, broken, doubled, moe_ok, moe_bad, no_reference) = rows
+  (ok, broken, doubled, missing, moe_ok, moe_bad, no_reference) = rows
   assert ok["status"] == "ok" and all(0 < e < _BF16_ERR for e in _errors(ok).values())
   assert (ok["point"], ok["rows"], ok["grid"]) == ("e4_k2_d32_f16", 48, "moe")
   assert broken["status"] == "error" and "RuntimeError: broken on purpose" in broken["message"]
   assert doubled["status"] == "ok"  # the errors say it is wrong: 2x is 100 % off
   assert 0.9 < doubled["rel_err_out"] < 1.1 and 0.9 < doubled["rel_err_dlhs"] < 1.1
+  assert missing["status"] == "unsup" and "tokamax is not installed" in missing["message"]
   assert moe_ok["status"] == "ok" and all(0 < e < _BF16_ERR for e in _errors(moe_ok).values())
   assert moe_bad["status"] == "error" and "dropless_impl" in moe_bad["message"]
   assert no_reference["status"] == "error"
