@@ -99,12 +99,22 @@ def _eps(dtype) -> float:
   return float(jnp.finfo(dtype).eps) if dtype.itemsize < 4 else 0.0
 
 
-def _inputs(case: Case, seed: int = 0):
+@functools.partial(jax.jit, static_argnums=range(5))
+def _draw(m, k, g, n, seed):
+  """Float32 lhs, rhs and cotangent, drawn in one program per shape (eager
+  `jax.random` calls compile one each)."""
   k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-  lhs = jax.random.normal(k1, (case.m, case.k), jnp.float32).astype(case.lhs)
-  rhs = jax.random.normal(k2, (len(case.sizes), case.k, case.n), jnp.float32).astype(case.rhs)
-  cotangent = jax.random.normal(k3, (case.m, case.n), jnp.float32)
-  return lhs, rhs, jnp.asarray(case.sizes, case.sizes_dtype), cotangent
+  return (jax.random.normal(k1, (m, k), jnp.float32),
+          jax.random.normal(k2, (g, k, n), jnp.float32),
+          jax.random.normal(k3, (m, n), jnp.float32))
+
+
+def _inputs(case: Case, seed: int = 0):
+  lhs, rhs, cotangent = _draw(case.m, case.k, len(case.sizes), case.n, seed)
+  # Rounded on the host (round to nearest even, as XLA's convert).
+  lhs, rhs = (jnp.asarray(np.asarray(x).astype(dtype))
+              for x, dtype in ((lhs, case.lhs), (rhs, case.rhs)))
+  return lhs, rhs, jnp.asarray(np.asarray(case.sizes, case.sizes_dtype)), cotangent
 
 
 def _value_and_grads(fn, lhs, rhs, sizes, cotangent):
@@ -239,9 +249,9 @@ _FALLBACK = {
 
 
 def _operands(lhs_dtype, rhs_dtype):
-  lhs = (jnp.arange(8 * 4) % 7 - 3).reshape(8, 4).astype(lhs_dtype)
-  rhs = (jnp.arange(2 * 4 * 3) % 5 - 2).reshape(2, 4, 3).astype(rhs_dtype)
-  return lhs, rhs, jnp.asarray([3, 4], jnp.int32)
+  lhs = (np.arange(8 * 4) % 7 - 3).reshape(8, 4).astype(lhs_dtype)
+  rhs = (np.arange(2 * 4 * 3) % 5 - 2).reshape(2, 4, 3).astype(rhs_dtype)
+  return jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(np.array([3, 4], np.int32))
 
 
 @pytest.mark.parametrize("name", sorted(_FALLBACK))
