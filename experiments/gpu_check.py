@@ -44,7 +44,8 @@ row failed (status fail, error or OOM); a table of every row ends the output.
 
 `--smoke` runs the same list on the CPU (the kernels in Pallas interpret
 mode) at tiny sizes: each op at one shape with the odd shapes' features,
-timed there with one call per sample; it checks the program, not the numbers
+timed there with one call per sample, and one SSM cell of the five
+(`SMOKE_MODELS`); it checks the program, not the numbers
 (tests/experiments/test_gpu_check.py).
 """
 
@@ -88,6 +89,9 @@ SECTIONS = ("ops", "models", "generate", "sharded")
 OPS = ("flex_attention", "ssd", "gated_delta_rule", "grouped_mlp", "grouped_matmul",
        "selective_scan", "linear_scan", "decode_attention")
 FAILED = ("fail", "error", "OOM")
+# The models of --smoke: each case of `model_steps` once. The SSM cells share
+# `ssm_case` (on the CPU each runs its op's XLA tier): one stands for the five.
+SMOKE_MODELS = ("transformer", "dit", "ssm_ssd", "moe", "unet")
 
 _OUTPUT = flags.DEFINE_string("output", "docs/benchmarks/gpu_check.json",
                               "JSON path (the curated suite file; another for trial runs).")
@@ -562,7 +566,7 @@ def model_rows(smoke: bool, record: Callable[[dict], dict]) -> None:
   profile = model_steps.SMALL if smoke else model_steps.STANDARD
   batch, tokens, side = (1, 8, 8) if smoke else (4, 1024, 32)
   dtype = jnp.bfloat16
-  for name in model_steps.MODELS:
+  for name in SMOKE_MODELS if smoke else model_steps.MODELS:
     length = side if name == "unet" else tokens
     row = dict(kind="model", model=name, batch=batch, tokens=length,
                dtype=jnp.dtype(dtype).name)
