@@ -24,6 +24,7 @@ from ops.grouped_matmul import pallas as gmm_pallas
 from ops.grouped_matmul import reference
 from ops.grouped_mlp import pallas as mlp_pallas
 from ops.grouped_mlp import reference as mlp_reference
+from tests.ops.outputs_and_grads import outputs_and_grads
 
 # Small tiles so that a few hundred rows make many tiles and boundaries.
 _TILES = {
@@ -36,36 +37,58 @@ _TILES = {
 }
 
 
+_STRADDLING = (50, 0, 70, 60)
+_WHOLE_TILES = (128, 0, 64, 108)
+
+
+def _normal(rng, *shape, dtype=jnp.bfloat16, scale=1.0):
+  """A NumPy draw as a device array (an eager `jax.random` call compiles a
+  program per shape)."""
+  return jnp.asarray((scale * rng.standard_normal(shape, np.float32)).astype(dtype))
+
+
+@jax.jit
+def _ragged_dot_f32(lhs, rhs, sizes):
+  return jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+
+
+_group_bounds = jax.jit(reference.group_bounds, static_argnums=1)
+
+
 def _operands(m, k, n, sizes, *, transpose, seed=0):
-  k1, k2 = jax.random.split(jax.random.key(seed))
-  lhs = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
-  rhs = (jax.random.normal(k2, (len(sizes), k, n), jnp.float32) / np.sqrt(k)).astype(
-      jnp.bfloat16)
-  sizes = jnp.asarray(sizes, jnp.int32)
-  want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
-  return lhs, (jnp.swapaxes(rhs, 1, 2) if transpose else rhs), sizes, want
+  rng = np.random.default_rng(seed)
+  lhs = _normal(rng, m, k)
+  rhs = _normal(rng, len(sizes), k, n, scale=1 / np.sqrt(k))
+  sizes = jnp.asarray(np.asarray(sizes, np.int32))
+  want = _ragged_dot_f32(lhs, rhs, sizes)
+  rhs_t = jnp.asarray(np.swapaxes(np.asarray(rhs), 1, 2))
+  return lhs, (rhs_t if transpose else rhs), sizes, want
 
 
 def _assert_bf16_close(got, want):
   chex.assert_trees_all_close(got.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("split", ["n", "m"])
-@pytest.mark.parametrize("transpose", [False, True])
-@pytest.mark.parametrize("sizes", [
-    (50, 0, 70, 60),    # every boundary inside a tile, an empty group, 20 rows after
-    (128, 0, 64, 108),  # whole tiles, then a boundary
-], ids=["straddling", "whole_tiles"])
+# A covering set of split x transpose x sizes: every pair of values appears
+# once (the warpgroup split decides both which rows of a straddling tile a
+# warpgroup stores and how it slices a transposed rhs).
+# Straddling: every boundary inside a tile, an empty group, 20 rows after;
+# whole tiles: then a boundary.
+@pytest.mark.parametrize("split, transpose, sizes", [
+    ("n", False, _STRADDLING), ("m", True, _STRADDLING),
+    ("n", True, _WHOLE_TILES), ("m", False, _WHOLE_TILES),
+], ids=["straddling-n", "straddling-transposed-m", "whole_tiles-transposed-n",
+        "whole_tiles-m"])
 def test_gmm_matches_ragged_dot(split, transpose, sizes):
   m = 200 if sum(sizes) < 300 else 300
   lhs, rhs, sizes, want = _operands(m, 64, 128, sizes, transpose=transpose)
-  _, ends = reference.group_bounds(sizes, m)
+  _, ends = _group_bounds(sizes, m)
   [got] = mosaic.gmm(lhs, rhs, ends, transpose_rhs=transpose, config=_TILES[split],
                      interpret=True)
   assert got.shape == (m, 128) and got.dtype == jnp.bfloat16
   _assert_bf16_close(got, want)
   # Rows after the last group are zero, not left over.
-  np.testing.assert_array_equal(np.asarray(got[int(ends[-1]):], np.float32), 0.0)
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[int(ends[-1]):], 0.0)
 
 
 def test_gmm_epilogue_reads_extras_and_writes_several_outputs():
@@ -73,8 +96,8 @@ def test_gmm_epilogue_reads_extras_and_writes_several_outputs():
   out0 = acc * e[:, :N], out1[:, N:] = acc + e[:, N:]."""
   m, k, n = 150, 64, 128
   lhs, rhs, sizes, want = _operands(m, k, n, (40, 90, 20), transpose=False, seed=1)
-  _, ends = reference.group_bounds(sizes, m)
-  extra = jax.random.normal(jax.random.key(2), (m, 2 * n), jnp.float32).astype(jnp.bfloat16)
+  _, ends = _group_bounds(sizes, m)
+  extra = _normal(np.random.default_rng(2), m, 2 * n)
   epilogue = mosaic.Epilogue(
       fn=lambda accs, extras: [accs[0] * extras[0], accs[0] + extras[1]],
       extras=((0, 0), (0, n)), results=((0, 0), (1, n)))
@@ -92,13 +115,13 @@ def test_grouped_matmul_values_and_gradients():
   """The op's Pallas path on the Mosaic kernels, the weight gradient's
   (`mosaic_tgmm.py`) included; K and N padded to their tiles."""
   m, k, n = 200, 40, 72
-  lhs, rhs, sizes, _ = _operands(m, k, n, (50, 0, 70, 60), transpose=False, seed=3)
-  starts, ends = reference.group_bounds(sizes, m)
-  cot = jax.random.normal(jax.random.key(4), (m, n), jnp.float32).astype(jnp.bfloat16)
+  lhs, rhs, sizes, _ = _operands(m, k, n, _STRADDLING, transpose=False, seed=3)
+  starts, ends = _group_bounds(sizes, m)
+  cot = _normal(np.random.default_rng(4), m, n)
 
   def run(fn):
-    out, pullback = jax.vjp(fn, lhs, rhs)
-    return (out.astype(jnp.float32), *pullback(cot.astype(out.dtype)))
+    out, grads = outputs_and_grads(fn, lambda out: cot.astype(out.dtype))(lhs, rhs)
+    return (out.astype(jnp.float32), *grads)
 
   got = run(lambda a, b: gmm_pallas.grouped_matmul_pallas(a, b, starts, ends, mosaic=True,
                                                           mosaic_tgmm=True))
@@ -111,18 +134,17 @@ def test_grouped_matmul_values_and_gradients():
 
 def test_vmap_over_batches_of_groupings():
   m, k, n = 64, 32, 64
-  lhs = jax.random.normal(jax.random.key(6), (2, m, k), jnp.float32).astype(jnp.bfloat16)
-  rhs = jax.random.normal(jax.random.key(7), (2, 2, k, n), jnp.float32).astype(jnp.bfloat16)
-  sizes = jnp.array([[30, 34], [10, 40]], jnp.int32)
+  rng = np.random.default_rng(6)
+  lhs, rhs = _normal(rng, 2, m, k), _normal(rng, 2, 2, k, n)
+  sizes = jnp.asarray(np.array([[30, 34], [10, 40]], np.int32))
 
   def fn(a, b, s):
     return gmm_pallas.grouped_matmul_pallas(a, b, *reference.group_bounds(s, m),
                                             mosaic=True)
 
-  got = jax.vmap(fn)(lhs, rhs, sizes)
+  got = jax.jit(jax.vmap(fn))(lhs, rhs, sizes)
   for i in range(2):
-    want = jax.lax.ragged_dot(lhs[i].astype(jnp.float32), rhs[i].astype(jnp.float32),
-                              sizes[i])
+    want = _ragged_dot_f32(*(jnp.asarray(np.asarray(x)[i]) for x in (lhs, rhs, sizes)))
     _assert_bf16_close(got[i], want)
 
 
@@ -133,17 +155,18 @@ def test_vmap_over_batches_of_groupings():
 ])
 def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
   m, d, f, d_out = 200, 64, 96, 48
-  k1, k2, k3, k4 = jax.random.split(jax.random.key(5), 4)
-  x = jax.random.normal(k1, (m, d), jnp.float32).astype(jnp.bfloat16)
-  w_in = jax.random.normal(k2, (4, d, f * (2 if activation == "swiglu" else 1))) / 8
-  w_out = jax.random.normal(k3, (4, f, d_out)) / 8
-  sizes = jnp.asarray([50, 0, 70, 60], jnp.int32)
-  starts, ends = reference.group_bounds(sizes, m)
-  cot = jax.random.normal(k4, (m, d_out), jnp.float32).astype(jnp.bfloat16)
+  rng = np.random.default_rng(5)
+  x = _normal(rng, m, d)
+  w_in = _normal(rng, 4, d, f * (2 if activation == "swiglu" else 1), dtype=jnp.float32,
+                 scale=1 / 8)
+  w_out = _normal(rng, 4, f, d_out, dtype=jnp.float32, scale=1 / 8)
+  sizes = jnp.asarray(np.asarray(_STRADDLING, np.int32))
+  starts, ends = _group_bounds(sizes, m)
+  cot = _normal(rng, m, d_out)
 
   def run(fn):
-    out, pullback = jax.vjp(fn, x, w_in, w_out)
-    return (out, *pullback(cot.astype(out.dtype)))
+    out, grads = outputs_and_grads(fn, lambda out: cot.astype(out.dtype))(x, w_in, w_out)
+    return (out, *grads)
 
   got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
       *a, starts, ends, activation=activation, mosaic=fused_on_mosaic,
