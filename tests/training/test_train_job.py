@@ -46,7 +46,10 @@ def _lines_as_seen(screen: str) -> list[str]:
 
 
 @pytest.mark.parametrize("model", train.MODELS)
-def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path):
+def test_each_model_trains_and_writes_checkpoint_and_pictures(model, tmp_path,
+                                                              monkeypatch):
+  # One UNet level: the job's wiring is under test, the levels in test_unet.py.
+  monkeypatch.setattr(train, "UNET_LEVELS", (1,))
   # The ssm case also shows the progress bar (on stderr, the same screen).
   progress = ["--progress"] if model == "ssm" else []
   # lm runs in bfloat16 (float32 parameters); its float32 model is tests/models'.
