@@ -100,8 +100,13 @@ def _queries(k, seed):
   return _bf16(_normal(np.random.default_rng(seed), *k.shape) / np.sqrt(_SIZE))
 
 
-# Both input rings wrap (2 slots for 3 chunks, 3 for 6). The walk without
-# residuals only leaves out the residuals' stores, so it runs at one of them.
+def _ring_wrapping_time(chunk, slots):
+  """One chunk more than the input ring holds: its slots are reused."""
+  return (slots + 1) * chunk
+
+
+# The walk without residuals only leaves out the residuals' stores, so it
+# runs at one of the two rings.
 @pytest.mark.parametrize("chunk, slots, also_without_residuals", [(32, 2, False),
                                                                   (16, 3, True)])
 def test_walk_matches_float64_and_the_triton_walk(chunk, slots, also_without_residuals):
@@ -109,16 +114,11 @@ def test_walk_matches_float64_and_the_triton_walk(chunk, slots, also_without_res
   each key group. The Mosaic walk and the Triton walk with the output kernel
   round the same products to bfloat16 (in different places), so both are held
   to the float64 walk with the same tolerance."""
-  k, w, u_tilde, b, h0 = _walk_inputs(1, 96, 4, 2, chunk)
+  k, w, u_tilde, b, h0 = _walk_inputs(1, _ring_wrapping_time(chunk, slots), 4, 2, chunk)
   q = _queries(k, seed=5)
   blocks = _triton_walk_blocks(chunk)
-
-  @jax.jit
-  def triton_walk(q, k, w, u_tilde, b, h0):
-    states, u, final = gdr_triton.states(k, w, u_tilde, b, h0, blocks)
-    y, _ = gdr_triton.output(q, k, u, b, states, 0.25, blocks, save_scores=True)
-    return y, final, states, u
-  y, final, states, u = triton_walk(q, k, w, u_tilde, b, h0)
+  states, u, final = gdr_triton.states(k, w, u_tilde, b, h0, blocks)
+  y, _ = gdr_triton.output(q, k, u, b, states, 0.25, blocks, save_scores=True)
   y_walk, final_walk, (states_walk, u_walk) = mosaic.walk_forward(
       q, k, w, u_tilde, b, h0, chunk=chunk, scale=0.25, slots=slots, interpret=True)
   want = _walk_float64(q, k, w, u_tilde, b, h0, chunk, 0.25)
@@ -163,10 +163,11 @@ def test_reverse_walk_matches_float64_and_the_triton_walk(chunk, slots):
   """The adjoint of the state leaving each chunk, dU and d initial_state; the
   Triton walk reads the scores the output kernel stores, the Mosaic walk forms
   them."""
-  k, w, dy, b, dfinal = _walk_inputs(1, 96, 4, 2, chunk, seed=2)
+  time = _ring_wrapping_time(chunk, slots)
+  k, w, dy, b, dfinal = _walk_inputs(1, time, 4, 2, chunk, seed=2)
   q = _queries(k, seed=3)
   blocks = _triton_walk_blocks(chunk)
-  states = jnp.asarray(np.zeros((1, 4, 96 // chunk, _SIZE, _SIZE), jnp.bfloat16))
+  states = jnp.asarray(np.zeros((1, 4, time // chunk, _SIZE, _SIZE), jnp.bfloat16))
   _, scores_t = gdr_triton.output(q, k, dy, b, states, 0.25, blocks, save_scores=True)
   triton = gdr_triton.states_bwd(q, k, w, dy, b, scores_t, dfinal, 0.25, blocks)
   walk = mosaic.walk_reverse(q, k, w, dy, b, dfinal, chunk=chunk, scale=0.25, slots=slots,
@@ -216,8 +217,8 @@ def test_op_with_the_mosaic_walk_matches_reference():
   assert_op_matches_reference(seed=1, mosaic_walk=True)
 
 
-def lowered_gradient(groups, **blocks_changes):
-  """StableHLO of the op's gradient lowered for a Hopper GPU (run under the
+def traced_gradient(groups, **blocks_changes):
+  """The op's gradient traced as for a Hopper GPU (run under the
   `hopper_lowering` fixture), keys in `groups` groups of four heads."""
   blocks = dataclasses.replace(gdr_configs.TritonConfig.get_default(256, _SIZE, _SIZE),
                                **blocks_changes)
@@ -227,7 +228,12 @@ def lowered_gradient(groups, **blocks_changes):
   spec = lambda *s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(s, dtype)
   specs = (spec(2, 256, groups, _SIZE), spec(2, 256, groups, _SIZE), spec(2, 256, 4, _SIZE),
            spec(2, 256, 4, dtype=jnp.float32), spec(2, 256, 4, dtype=jnp.float32))
-  return jax.jit(jax.grad(loss, argnums=range(5))).trace(*specs).lower(
+  return jax.jit(jax.grad(loss, argnums=range(5))).trace(*specs)
+
+
+def lowered_gradient(groups, **blocks_changes):
+  """StableHLO of `traced_gradient` lowered for a Hopper GPU."""
+  return traced_gradient(groups, **blocks_changes).lower(
       lowering_platforms=("cuda",)).as_text()
 
 
