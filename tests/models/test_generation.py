@@ -49,13 +49,24 @@ def _setup(model_fn):
   return prompt, forward, random_params(forward, prompt)
 
 
+@functools.cache
+def _jitted_apply(forward):
+  return jax.jit(forward.apply)
+
+
+def _next_logits(forward, params, prompt, tokens):
+  """[B, G, V] NumPy logits of the full forward pass at the positions that
+  predict `tokens` [B, G] after `prompt` [B, T]."""
+  logits = _jitted_apply(forward)(params, np.concatenate([prompt, tokens], axis=1))
+  return np.asarray(logits)[:, T - 1:-1]
+
+
 @pytest.mark.parametrize("model_fn", [_transformer_lm, _ssm_lm], ids=["transformer", "ssm"])
 def test_greedy_is_the_argmax_of_the_full_forward(model_fn):
   prompt, forward, params = _setup(model_fn)
   tokens = generation.generate(model_fn, params, prompt, G, temperature=0)
   assert tokens.shape == (B, G) and tokens.dtype == jnp.int32
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
-  np.testing.assert_array_equal(tokens, jnp.argmax(logits[:, T - 1:-1], axis=-1))
+  np.testing.assert_array_equal(tokens, _next_logits(forward, params, prompt, tokens).argmax(-1))
 
 
 def test_sampling_is_reproducible_and_stays_in_the_top_k():
@@ -65,13 +76,12 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k():
   tokens = sample(0, top_k=3)
   np.testing.assert_array_equal(sample(0, top_k=3), tokens)
   assert not np.array_equal(sample(1, top_k=3), tokens)
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
-  top_3 = jax.lax.top_k(logits[:, T - 1:-1], 3)[1]                       # [B, G, 3]
-  assert (top_3 == tokens[..., None]).any(-1).all()
+  top_3 = np.argsort(-_next_logits(forward, params, prompt, tokens), -1)[..., :3]  # [B, G, 3]
+  assert (top_3 == np.asarray(tokens)[..., None]).any(-1).all()
   # Without top_k, a hot temperature leaves the top 3 somewhere.
-  free = sample(0)
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, free], axis=1))
-  assert not (jax.lax.top_k(logits[:, T - 1:-1], 3)[1] == free[..., None]).any(-1).all()
+  free = np.asarray(sample(0))
+  top_3 = np.argsort(-_next_logits(forward, params, prompt, free), -1)[..., :3]
+  assert not (top_3 == free[..., None]).any(-1).all()
 
 
 # Plain numpy versions of Hugging Face's logits processors
@@ -79,6 +89,11 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k():
 def _np_softmax(x):
   e = np.exp(x - x.max(-1, keepdims=True))
   return e / e.sum(-1, keepdims=True)
+
+
+def _np_log_softmax(x):
+  x = np.asarray(x, np.float64) - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
 def _np_repetition_penalty(scores, seen, penalty):
@@ -141,8 +156,9 @@ def test_choose_samples_the_warped_distribution():
   temperature 0 takes the argmax of the penalized logits."""
   choose = jax.jit(generation._choose, static_argnames=(
       "greedy", "top_k", "top_p", "min_p", "repetition_penalty"))
-  logits = jnp.log(jnp.array([[0.1, 0.4, 0.2, 0.3]] * 4000))
-  temperature = jnp.ones(4000).at[0].set(0.0)
+  logits = np.log(np.array([[0.1, 0.4, 0.2, 0.3]] * 4000, np.float32))
+  temperature = np.ones(4000, np.float32)
+  temperature[0] = 0.0
   # top_p=0.6 keeps 0.4 and 0.3 (the mass above 0.2 is 0.7).
   keys = jax.random.split(jax.random.key(0), 4000)                    # one per row
   tokens, log_probs = choose(logits, keys, None, temperature, greedy=False,
@@ -154,9 +170,10 @@ def test_choose_samples_the_warped_distribution():
                                                      np.log(3 / 7)), rtol=1e-5)
   assert tokens[0] == 1 and np.isclose(log_probs[0], np.log(0.4))
   # A penalty of 4 on token 1 (logit log 0.4 < 0: times 4) hands the argmax to token 3.
-  seen = jnp.zeros((2, 4), bool).at[:, 1].set(True)
-  tokens, log_probs = choose(logits[:2], None, seen, jnp.zeros(2), greedy=True, top_k=None,
-                             top_p=None, min_p=None, repetition_penalty=4.0)
+  seen = np.zeros((2, 4), bool)
+  seen[:, 1] = True
+  tokens, log_probs = choose(logits[:2], None, seen, np.zeros(2, np.float32), greedy=True,
+                             top_k=None, top_p=None, min_p=None, repetition_penalty=4.0)
   penalized = _np_repetition_penalty(np.log([0.1, 0.4, 0.2, 0.3]), [0, 1, 0, 0], 4.0)
   np.testing.assert_array_equal(tokens, 3)
   np.testing.assert_allclose(log_probs, np.log(_np_softmax(penalized)[3]), rtol=1e-5)
@@ -190,9 +207,8 @@ def test_stop_tokens_pad_the_rest_and_end_the_loop_early():
                                           return_log_probs=True)
   jax.effects_barrier()
   assert len(_CountingLM.steps) == max(ends) < G - 1        # no step once all are done
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, plain], axis=1))
-  plain_log_probs = np.take_along_axis(jax.nn.log_softmax(logits[:, T - 1:-1]),
-                                       plain[..., None], axis=-1)[..., 0]
+  plain_log_probs = np.take_along_axis(_np_log_softmax(
+      _next_logits(forward, params, prompt, plain)), plain[..., None], axis=-1)[..., 0]
   for b, end in enumerate(ends):
     np.testing.assert_array_equal(tokens[b], [*plain[b, :end + 1], *[V] * (G - end - 1)])
     np.testing.assert_allclose(log_probs[b, :end + 1], plain_log_probs[b, :end + 1],
@@ -217,8 +233,7 @@ def test_sampled_log_probs_are_the_filtered_forward_logits():
       _transformer_lm, params, prompt, G, rng=3, temperature=temperature, top_k=8, top_p=0.9,
       min_p=0.05, repetition_penalty=1.3, return_log_probs=True)
   tokens = np.asarray(tokens)
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
-  logits = np.asarray(logits[:, T - 1:-1], np.float64)                  # [B, G, V]
+  logits = _next_logits(forward, params, prompt, tokens).astype(np.float64)  # [B, G, V]
   sequences = np.concatenate([prompt, tokens], axis=1)
   for g in range(G):
     seen = np.zeros((B, V), bool)
@@ -247,12 +262,11 @@ def test_a_float32_model_generates_in_bfloat16(model_fn):
   prompt, forward, params = _setup(model_fn)
   tokens, log_probs = generation.generate(_BF16[model_fn], params, prompt, G, temperature=0,
                                           return_log_probs=True)
-  logits = jax.jit(forward.apply)(params, jnp.concatenate([prompt, tokens], axis=1))
-  logits = np.asarray(logits[:, T - 1:-1])                             # [B, G, V] float32
-  chosen = np.take_along_axis(logits, np.asarray(tokens)[..., None], axis=-1)[..., 0]
+  tokens = np.asarray(tokens)
+  logits = _next_logits(forward, params, prompt, tokens)               # [B, G, V] float32
+  chosen = np.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
   assert (chosen >= logits.max(-1) - 0.05).all()
-  want = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
-                            np.asarray(tokens)[..., None], axis=-1)[..., 0]
+  want = np.take_along_axis(_np_log_softmax(logits), tokens[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(log_probs, want, atol=0.05)
   # Shapes and dtypes only: traced, not run.
   prefill = jax.eval_shape(hk.transform(
