@@ -187,13 +187,26 @@ _OPS = {
 }
 
 
+def _packed_args():
+  """q, k (shared by both heads), v (V padded by the kernels), log_decay, beta,
+  the initial states and the offsets `_CU`."""
+  q, k, v, g, beta, h0 = _inputs(_CU[-1], 2, 16, 24, states=len(_CU) - 1, seed=5)
+  q, k = (jnp.asarray(np.asarray(x)[:, :, :1]) for x in (q, k))
+  return q, k, v, g, beta, h0, jnp.asarray(_CU, jnp.int32)
+
+
+def _packed_reference_results(op):
+  """The packed reference's outputs and gradients on `_packed_args()`, once per op."""
+  _, reference, argnums = _OPS[op]
+  return _reference_results(lambda *a: reference(*a[:6], cu_seqlens=a[6]), _packed_args(),
+                            argnums, ("packed", op))
+
+
 @pytest.mark.parametrize("op", sorted(_OPS))
 def test_packed_reference_is_each_sequence_alone(op):
   _, reference, _ = _OPS[op]
-  args = _inputs(_CU[-1], 2, 16, 8, states=len(_CU) - 1, seed=4)
-  cu = jnp.asarray(_CU, jnp.int32)
-  got = jax.jit(lambda *a: reference(*a, cu_seqlens=cu))(*args)
-  want = _per_sequence(jax.jit(lambda *a: reference(*a[:5], a[5])), args, _CU)
+  got, _ = _packed_reference_results(op)
+  want = _per_sequence(jax.jit(lambda *a: reference(*a[:5], a[5])), _packed_args()[:6], _CU)
   for a, b in zip(got, want):
     assert _rel(a, b) < 1e-6
 
@@ -204,27 +217,24 @@ def test_packed_sequences(op, implementation):
   """Offsets traced (an argument of the jitted function), q/k shared by both
   heads, V padded by the kernels; every gradient, the initial states' too."""
   fn, reference, argnums = _OPS[op]
-  q, k, v, g, beta, h0 = _inputs(_CU[-1], 2, 16, 24, states=len(_CU) - 1, seed=5)
-  q, k = (jnp.asarray(np.asarray(x)[:, :, :1]) for x in (q, k))
-  cu = jnp.asarray(_CU, jnp.int32)
   _check(lambda *a: fn(*a[:6], cu_seqlens=a[6], chunk_size=16,
                        implementation=implementation),
          lambda *a: reference(*a[:6], cu_seqlens=a[6]),
-         (q, k, v, g, beta, h0, cu), argnums, names=_GDR_NAMES,
-         reference_key=("packed", op))
+         _packed_args(), argnums, names=_GDR_NAMES, reference_key=("packed", op))
 
 
 def test_packed_ssd_kernel_restarts_inside_chunk_groups():
-  """The SSD walks fold groups of chunks (here 2 groups of 3 of the 6
-  chunks); a sequence starts or ends inside a group, where the fold passes
-  nothing across (log-decay -inf): no NaN, the same values and gradients."""
-  q, k, v, g, _, h0 = _inputs(_CU[-1], 1, 16, 16, states=len(_CU) - 1, seed=6)
-  cu = jnp.asarray(_CU, jnp.int32)
-  blocks = ssd_configs.TritonConfig(chunk=16, state_programs=2)
-  _check(lambda *a: ssd_pallas_lib.ssd_pallas(*a[:4], initial_state=a[4], cu_seqlens=cu,
+  """The SSD walks fold groups of chunks (here 2 groups of 4 of the packed
+  layout's 7 chunks: two programs, one per head, for a target of four); a
+  sequence starts or ends inside a group, where the fold passes nothing
+  across (log-decay -inf): no NaN, the same values and gradients."""
+  blocks = ssd_configs.TritonConfig(chunk=16, state_programs=4)
+  assert ssd_pallas_lib._state_groups(2, 7, blocks.state_programs) == (2, 4)
+  _, reference, argnums = _OPS["ssd"]
+  _check(lambda *a: ssd_pallas_lib.ssd_pallas(*a[:4], initial_state=a[5], cu_seqlens=a[6],
                                               blocks=blocks),
-         lambda *a: ssd_reference(*a[:4], initial_state=a[4], cu_seqlens=cu),
-         (q, k, v, g, h0), (0, 1, 2, 3, 4))
+         lambda *a: reference(*a[:6], cu_seqlens=a[6]),
+         _packed_args(), argnums, names=_GDR_NAMES, reference_key=("packed", "ssd"))
 
 
 @pytest.mark.parametrize("op", sorted(_OPS))
