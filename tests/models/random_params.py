@@ -27,6 +27,6 @@ def random_params(transformed, *args, seed: int = 1):
     u = rng.uniform(-1.0, 1.0, leaf.shape) * std * math.sqrt(3.0)
     if jax.tree_util.keystr(path).endswith("'scale']"):
       u = u + 1.0
-    return jnp.asarray(u, leaf.dtype)  # a transfer, not a compile
+    return jnp.asarray(np.asarray(u, leaf.dtype))  # cast on the host: no compile
 
   return jax.tree_util.tree_map_with_path(draw, shapes)
