@@ -148,12 +148,16 @@ def test_vmap_over_batches_of_groupings():
     _assert_bf16_close(got[i], want)
 
 
-@pytest.mark.parametrize("activation, fused_on_mosaic", [
-    ("gelu", True), ("swiglu", True),  # every kernel on Mosaic GPU
+@pytest.mark.parametrize("activation, fused_on_mosaic, given_tiles", [
+    # Every kernel on Mosaic GPU with the tiles it chooses.
+    ("swiglu", True, False),
+    # Every kernel on Mosaic GPU with the tiles GELU's kernels choose, given
+    # (`mosaic_config`): the widths pad to them (128), not to every candidate's.
+    ("gelu", True, True),
     # Triton's fused kernels and weight gradients, the plain matmuls on Mosaic GPU
-    ("gelu", False),
+    ("gelu", False, False),
 ])
-def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
+def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic, given_tiles):
   m, d, f, d_out = 200, 64, 96, 48
   rng = np.random.default_rng(5)
   x = _normal(rng, m, d)
@@ -170,7 +174,8 @@ def test_grouped_mlp_values_and_gradients(activation, fused_on_mosaic):
 
   got = run(lambda *a: mlp_pallas.grouped_mlp_pallas(
       *a, starts, ends, activation=activation, mosaic=fused_on_mosaic,
-      mosaic_plain=True, mosaic_tgmm=fused_on_mosaic))
+      mosaic_plain=True, mosaic_tgmm=fused_on_mosaic,
+      mosaic_config=mosaic.choose_config(128) if given_tiles else None))
   want = run(lambda x, *w: mlp_reference.grouped_mlp_reference(
       x.astype(jnp.float32), *w, sizes, activation=activation))
   assert got[0].dtype == jnp.bfloat16
