@@ -27,12 +27,13 @@ def _rel(a, b):
 
 
 def _inputs(shape_q, shape_kv, dtype, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], shape_q, jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], shape_kv, jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], shape_kv, jnp.float32).astype(dtype)
-  w = jax.random.normal(keys[3], shape_q, jnp.float32)  # output cotangent
-  return q, k, v, w
+  """q [shape_q], k, v [shape_kv] in `dtype` and the output cotangent w
+  [shape_q] in f32, standard normal. NumPy draws them: an eager jax.random
+  call compiles a program for each new shape."""
+  rng = np.random.default_rng(seed)
+  normal = lambda shape, dtype: jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))
+  return (normal(shape_q, dtype), normal(shape_kv, dtype), normal(shape_kv, dtype),
+          normal(shape_q, np.float32))
 
 
 def _vjp(fn, q, k, v, w):
@@ -89,9 +90,10 @@ def test_kernel_matches_reference(name):
 def test_gqa_8_to_1_matches_repeated_heads():
   """MQA 8:1 equals ordinary attention with K/V repeated over the 8 heads."""
   q, k, v, _ = _inputs((1, 32, 8, 32), (1, 32, 1, 32), jnp.float32, seed=3)
-  out = flex_attention(q, k, v, is_causal=True, implementation="pallas")
   rep = lambda x: jnp.repeat(x, 8, axis=2)
-  expected = flex_attention_reference(q, rep(k), rep(v), is_causal=True)
+  out, expected = jax.jit(lambda q, k, v: (
+      flex_attention(q, k, v, is_causal=True, implementation="pallas"),
+      flex_attention_reference(q, rep(k), rep(v), is_causal=True)))(q, k, v)
   assert _rel(out, expected) < _TOL[jnp.float32]
 
 
@@ -99,8 +101,9 @@ def test_empty_rows_give_zeros_and_finite_gradients():
   """Zero key length, and a query segment no key shares: zeros, no NaN."""
   b, t, h = 2, 32, 16
   q, k, v, w = _inputs((b, t, 2, h), (b, t, 2, h), jnp.float32, seed=5)
-  q_ids = jnp.zeros((b, t), jnp.int32).at[:, 20:].set(7)  # segment 7: no keys
-  kv_ids = jnp.zeros((b, t), jnp.int32)
+  q_ids = np.zeros((b, t), np.int32)
+  q_ids[:, 20:] = 7  # segment 7: no keys
+  q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(np.zeros_like(q_ids))
   lengths = jnp.array([0, 32])
   out, grads = _check(b, t, t, 2, 2, h, jnp.float32, segment_ids=(q_ids, kv_ids),
                       key_value_seq_lengths=lengths)
@@ -113,9 +116,9 @@ def test_empty_rows_give_zeros_and_finite_gradients():
 def test_head_size_256_forward():
   """The largest head size (H = 16, the smallest, is in the mod cases)."""
   q, k, v, _ = _inputs((1, 16, 1, 256), (1, 20, 1, 256), jnp.bfloat16, seed=2)
-  out = flex_attention(q, k, v, implementation="pallas")
-  ref = flex_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
-                                 v.astype(jnp.float32))
+  f32 = lambda x: x.astype(jnp.float32)
+  out, ref = jax.jit(lambda q, k, v: (flex_attention(q, k, v, implementation="pallas"),
+                                      flex_attention_reference(f32(q), f32(k), f32(v))))(q, k, v)
   assert _rel(out, ref) < _TOL[jnp.bfloat16]
 
 
@@ -123,8 +126,8 @@ def test_default_implementation_on_cpu_is_xla_and_matches_reference():
   q, k, v, _ = _inputs((1, 16, 2, 32), (1, 16, 2, 32), jnp.float32)
   call = dict(q=q, k=k, q_ids=None, mask_mod=None, score_mod=None)
   assert api.IMPLEMENTATIONS.choose(None, call).name == "xla"  # no dispatch table
-  out = flex_attention(q, k, v, is_causal=True)
-  ref = flex_attention_reference(q, k, v, is_causal=True)
+  out, ref = jax.jit(lambda q, k, v: (flex_attention(q, k, v, is_causal=True),
+                                      flex_attention_reference(q, k, v, is_causal=True)))(q, k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
@@ -144,7 +147,7 @@ def test_default_implementation_on_cpu_is_xla_and_matches_reference():
 ])
 def test_bad_inputs_raise(kwargs, match):
   shapes = dict(q=(2, 8, 4, 32), k=(2, 8, 2, 32), v=(2, 8, 2, 32))
-  args = {name: jnp.zeros(kwargs.pop(name, shape), jnp.float32)
+  args = {name: jnp.asarray(np.zeros(kwargs.pop(name, shape), np.float32))
           for name, shape in shapes.items()}
   kwargs = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
   with pytest.raises(ValueError, match=match):
@@ -199,31 +202,35 @@ def test_mods_match_reference(name):
 def test_mask_mod_tile_lists_skip_empty_tiles():
   """A block-diagonal mask_mod: each 16-query tile visits 2 of 8 key tiles."""
   from ops.flex_attention import masks, reference
-  dense = reference.allowed_mask(1, 1, 128, 128,
-                                 mask_mod=lambda b, n, t, s: (t // 32) == (s // 32))
-  full_count, full_index, part_count, _ = masks.tile_lists(dense, 16, 16, 2, 3)
+
+  @jax.jit  # one program
+  def lists():
+    dense = reference.allowed_mask(1, 1, 128, 128,
+                                   mask_mod=lambda b, n, t, s: (t // 32) == (s // 32))
+    # The dK/dV lists' counts: the transpose, grouped by key/value head (G = 3).
+    return (masks.tile_lists(dense, 16, 16, 2, 3),
+            masks.tile_lists(dense, 16, 16, 2, 3, groups=3)[0])
+  (full_count, full_index, part_count, _), counts = lists()
   assert full_count.shape == (2, 3, 8, 1) and (full_count == 2).all()
   assert (part_count == 0).all()
   rows = np.asarray(full_index[0, 0, :, :2])
   np.testing.assert_array_equal(rows, (np.arange(8)[:, None] // 2) * 2 + np.arange(2))
-  # The dK/dV lists are the transpose, grouped by key/value head (G = 3).
-  counts = masks.tile_lists(dense, 16, 16, 2, 3, groups=3)[0]
   assert counts.shape == (2, 1, 3, 8, 1) and (counts == 2).all()
 
 
 def test_score_mod_minus_inf_rows_give_zeros():
   """A score_mod that sends every logit of some rows to -inf: zeros there,
   as the reference gives, never NaN (the rows' running max stays -inf)."""
-  q, k, v, _ = _inputs((1, 64, 1, 32), (1, 64, 1, 32), jnp.float32, seed=4)
+  q, k, v, w = _inputs((1, 64, 1, 32), (1, 64, 1, 32), jnp.float32, seed=4)
   mod = lambda score, b, n, t, s: jnp.where(t < 8, -jnp.inf, score)
-  out = flex_attention(q, k, v, score_mod=mod, implementation="pallas")
-  expected = flex_attention_reference(q, k, v, score_mod=mod)
+  kernel = lambda q, k, v: flex_attention(q, k, v, score_mod=mod, implementation="pallas")
+  # The output and the gradients from one program.
+  out, grads = jax.jit(lambda *a: _vjp(kernel, *a))(q, k, v, w)
+  expected = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, score_mod=mod))(q, k, v)
   assert not np.isnan(np.asarray(out)).any()
   assert (np.asarray(out)[0, :8] == 0).all()
   assert _rel(out, expected) < _TOL[jnp.float32]
-  loss = lambda q, k, v: jnp.sum(flex_attention(q, k, v, score_mod=mod,
-                                                implementation="pallas"))
-  assert all(np.isfinite(np.asarray(g)).all() for g in jax.grad(loss, (0, 1, 2))(q, k, v))
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
 def _pallas_int_operands(jaxpr):
@@ -242,22 +249,26 @@ def test_key_lengths_are_an_operand_only_when_given(lengths):
   """Without `key_value_seq_lengths` the kernels take the static S: no [B, 1] array
   is built (an XLA broadcast kernel per call on the GPU) or read; with them,
   forward and both gradient kernels read it. (S = 200 pads the keys, so the
-  kernels still mask s >= S.)"""
-  q, k, v, _ = _inputs((2, 100, 2, 32), (2, 200, 2, 32), jnp.float32)
+  kernels still mask s >= S.) The traced program only: the numerics of both
+  forms are test_kernel_matches_reference's (gqa8to2_cross pads the keys
+  without lengths, mqa4to1 and window_both_sides pass them)."""
+  q = jax.ShapeDtypeStruct((2, 100, 2, 32), jnp.float32)
+  k = v = jax.ShapeDtypeStruct((2, 200, 2, 32), jnp.float32)
   kw = dict(key_value_seq_lengths=jnp.array([200, 150])) if lengths else {}
   fn = lambda q, k, v: jnp.sum(flex_attention(q, k, v, implementation="pallas", **kw))
   jaxpr = jax.make_jaxpr(jax.grad(fn, (0, 1, 2)))(q, k, v).jaxpr
   assert _pallas_int_operands(jaxpr) == ([(2, 1)] * 3 if lengths else [])
-  _check(2, 100, 200, 2, 2, 32, jnp.float32, **kw)
 
 
 def test_named_lowerings_triton_and_mosaic():
   q, k, v, _ = _inputs((1, 16, 2, 32), (1, 16, 2, 32), jnp.float32)
-  ref = flex_attention_reference(q, k, v, is_causal=True)
-  out = flex_attention(q, k, v, is_causal=True, implementation="triton")
+  causal = lambda implementation: jax.jit(lambda q, k, v: flex_attention(
+      q, k, v, is_causal=True, implementation=implementation))
+  ref = jax.jit(lambda q, k, v: flex_attention_reference(q, k, v, is_causal=True))(q, k, v)
+  out = causal("triton")(q, k, v)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
   if not _mosaic_gpu.on_hopper():
     with pytest.raises(ValueError, match=r"implementation='mosaic'\): .*Hopper GPU"):
       flex_attention(q, k, v, is_causal=True, implementation="mosaic")
-    out = flex_attention(q, k, v, is_causal=True, implementation=("mosaic", "xla"))
+    out = causal(("mosaic", "xla"))(q, k, v)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
