@@ -6,7 +6,9 @@ Interpret mode simulates the three warpgroups, the TMA ring, the barriers and
 wgmma, so these tests check the kernel's indexing and masks: each warpgroup's
 key-tile ranges inside the block's (causal, windows on one or both sides, key
 lengths, an empty row), padding of T and S, GQA, and that its log-sum-exp is
-the one the Triton backward expects (the gradients run through it).
+the one the Triton backward expects (the gradients run through it). (Under
+vmap it runs with the Mosaic GPU backward:
+test_flex_attention_mosaic_backward.py::test_vmap_of_gradients.)
 """
 
 import dataclasses
@@ -24,6 +26,7 @@ from ops.flex_attention import configs
 from ops.flex_attention import mosaic
 from ops.flex_attention import mosaic_tiles
 from ops.flex_attention import pallas
+from tests.ops.test_flex_attention import _inputs as flex_inputs
 from tests.ops.test_flex_attention import _vjp
 
 # Relative L2 error bounds by input dtype, as in test_flex_attention.py.
@@ -41,12 +44,23 @@ def _rel(a, b):
 
 
 def _inputs(b, t, s, n, kh, h, dtype, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32).astype(dtype)
-  k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32).astype(dtype)
-  v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32).astype(dtype)
-  w = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)  # output cotangent
-  return q, k, v, w
+  """q [B, T, N, H], k, v [B, S, K, H] in `dtype`, the output cotangent w
+  [B, T, N, H] in f32 (`test_flex_attention._inputs`: NumPy's draws)."""
+  return flex_inputs((b, t, n, h), (b, s, kh, h), dtype, seed)
+
+
+def _prepared(shape_q, shape_kv, dtype, **call):
+  """`pallas.prepare` on q [shape_q] and k = v [shape_kv] in `dtype`, traced
+  only (run eagerly, each pad compiles a program): (its static description,
+  the padded q's shape, the padded k's)."""
+  static = []
+  def prepare(q, k):
+    st, args = pallas.prepare(q, k, k, **call)
+    static.append(st)
+    return args[:2]
+  q, k = jax.eval_shape(prepare, *(jax.ShapeDtypeStruct(shape, dtype)
+                                   for shape in (shape_q, shape_kv)))
+  return static[0], q.shape, k.shape
 
 
 def _reference(**options):
@@ -69,14 +83,15 @@ def _kernel(config, *, is_causal=False, local_window_size=None, key_value_seq_le
 
 # b, t, s, n, kh, h, dtype, options: causal and not, windows (one and both
 # sides), key lengths (one of them 0: a batch row of empty rows), GQA 4:2 and
-# MQA 2:1, cross attention with T and S padded, H 32, 64, 80 (padded to 128), 128.
+# MQA 2:1, cross attention with T and S padded, H 32, 80 (padded to 128), 128.
+# (H64, whose tiles take H128's swizzle: the lse's test below, the walks of
+# test_flex_attention_first_tile_max.py and the vmap test of
+# test_flex_attention_mosaic_backward.py.)
 _CASES = {
-    "causal_gqa4to2_h64_bf16": (1, 256, 256, 4, 2, 64, jnp.bfloat16,
-                                dict(is_causal=True)),
     "cross_padded_lengths_h80_f16": (2, 200, 300, 2, 1, 80, jnp.float16,
                                      dict(key_value_seq_lengths=np.array([0, 250]))),
-    "window_causal_h128_bf16": (1, 256, 256, 2, 1, 128, jnp.bfloat16,
-                                dict(is_causal=True, local_window_size=(40, 0))),
+    "window_causal_gqa4to2_h128_bf16": (1, 256, 256, 4, 2, 128, jnp.bfloat16,
+                                        dict(is_causal=True, local_window_size=(40, 0))),
     "window_both_sides_lengths_h32_bf16": (1, 128, 192, 2, 2, 32, jnp.bfloat16,
                                            dict(local_window_size=(30, 20),
                                                 key_value_seq_lengths=np.array([150]))),
@@ -89,10 +104,11 @@ def test_forward_and_gradients_match_reference(name):
   options = {k: jnp.asarray(v) if isinstance(v, np.ndarray) else v
              for k, v in options.items()}
   q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
-  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
-                         window=options.get("local_window_size"), q_segment_ids=None,
-                         kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
-                         config=_CONFIG)
+  st, _, _ = _prepared(q.shape, k.shape, dtype, scale=1.0,
+                       is_causal=options.get("is_causal", False),
+                       window=options.get("local_window_size"), q_segment_ids=None,
+                       kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
+                       config=_CONFIG)
   assert st.config.mosaic_fwd == _TILES  # this call runs the Mosaic forward
   out, grads = jax.jit(functools.partial(_vjp, _kernel(_CONFIG, **options)))(q, k, v, w)
   out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
@@ -106,16 +122,16 @@ def test_forward_and_gradients_match_reference(name):
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("ping_pong", [True, False])
-def test_128_row_tiles_match_reference(ping_pong):
-  """The head-size-32 entry's tiles: 128 rows per warpgroup (two wgmma row
-  tiles each), 128-row key tiles; causal, T padded to two blocks; with the
-  warpgroups taking turns and running freely."""
+def test_128_row_tiles_match_reference():
+  """The head-size-32 entry's tiles for causal calls: 128 rows per warpgroup
+  (two wgmma row tiles each), 128-row key tiles, the warpgroups running
+  freely; T padded to two blocks. (The turns, which do not depend on the
+  rows: the other walks.)"""
   config = dataclasses.replace(_CONFIG, mosaic_fwd=configs.MosaicConfig(
-      block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=ping_pong))
+      block_q=128, block_k=128, max_concurrent_steps=2, ping_pong=False))
   q, k, v, _ = _inputs(1, 300, 300, 2, 1, 32, jnp.bfloat16, seed=2)
-  got = _kernel(config, is_causal=True)(q, k, v)
-  want = _reference(is_causal=True)(q, k, v)
+  got = jax.jit(_kernel(config, is_causal=True))(q, k, v)
+  want = jax.jit(_reference(is_causal=True))(q, k, v)
   assert _rel(got, want) < _TOL[jnp.bfloat16]
 
 
@@ -127,10 +143,11 @@ def _check_tiles_against_reference(tiles, options, *, seed, seq_q=200, seq_kv=23
              for k, v in options.items()}
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
   q, k, v, w = _inputs(2, seq_q, seq_kv, 2, 1, 32, jnp.bfloat16, seed=seed)
-  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=options.get("is_causal", False),
-                         window=options.get("local_window_size"), q_segment_ids=None,
-                         kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
-                         config=config)
+  st, _, _ = _prepared(q.shape, k.shape, jnp.bfloat16, scale=1.0,
+                       is_causal=options.get("is_causal", False),
+                       window=options.get("local_window_size"), q_segment_ids=None,
+                       kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
+                       config=config)
   assert st.config.mosaic_fwd is not None  # the Mosaic forward takes the call
   out, grads = jax.jit(functools.partial(_vjp, _kernel(config, **options)))(q, k, v, w)
   out_r, grads_r = jax.jit(functools.partial(_vjp, _reference(**options)))(q, k, v, w)
@@ -140,46 +157,37 @@ def _check_tiles_against_reference(tiles, options, *, seed, seq_q=200, seq_kv=23
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
 
 
-@pytest.mark.parametrize("options, extra, shape", [
-    (dict(local_window_size=(70, 10), key_value_seq_lengths=np.array([0, 180])), dict(), (200, 230)),
-    (dict(), dict(block_q=128, block_k=128, ping_pong=False, persistent=True), (300, 230)),
-    (dict(key_value_seq_lengths=np.array([0, 257])),
-     dict(block_k=256, ping_pong=False, persistent=True), (200, 300)),
-], ids=["turns_window_lengths_empty_row", "free_128_rows_persistent",
-        "h32_table_walk_lengths"])
-def test_tensor_core_sums_match_reference(options, extra, shape):
+def test_tensor_core_sums_match_reference():
   """`tensor_core_sums=True`: the row sums come from P @ ones beside P V (a
   [block_q, 16] accumulator rescaled with the output's on the online tiles),
-  read back once at the end. Masked tiles on both sides of the open ones with
-  a batch row that sees no key (its sums stay 0: zeros, +inf lse); full
-  attention on 128 rows per warpgroup, persistent; and the H32 table's
-  full-attention walk (256-key tiles, free-running, persistent) with key
-  lengths (a batch row with none, one that ends inside the second tile). GQA
-  2:1, T and S padded, forward and gradients."""
-  tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, tensor_core_sums=True)
-  _check_tiles_against_reference(configs.MosaicConfig(**{**tiles, **extra}), options,
-                                 seed=7, seq_q=shape[0], seq_kv=shape[1])
+  read back once at the end. The H32 table's full-attention walk (256-key
+  tiles, free-running, persistent) on 128 rows per warpgroup, with key
+  lengths: a batch row that sees no key (its sums stay 0: zeros, +inf lse)
+  and one that ends inside the second tile. GQA 2:1, T and S padded, forward
+  and gradients. (The sums with a window's masked tiles on both sides of the
+  open ones, and with the turns: test_flex_attention_first_tile_max.py.)"""
+  tiles = configs.MosaicConfig(block_q=128, block_k=256, max_concurrent_steps=2,
+                               ping_pong=False, persistent=True, tensor_core_sums=True)
+  _check_tiles_against_reference(tiles, dict(key_value_seq_lengths=np.array([0, 257])),
+                                 seed=7, seq_q=300, seq_kv=300)
 
 
 @pytest.mark.parametrize("options, extra", [
-    (dict(), dict()),
     (dict(local_window_size=(70, None), key_value_seq_lengths=np.array([0, 180])),
-     dict(ping_pong=False, max_concurrent_steps=3)),
+     dict(ping_pong=False, max_concurrent_steps=3, prefetch_query=True)),
     (dict(is_causal=True), dict(persistent_right_bounded=True)),
-    (dict(key_value_seq_lengths=np.array([0, 180])), dict(prefetch_query=True, ping_pong=False)),
-], ids=["full_ping_pong", "left_window_lengths_empty_row_free", "causal_heaviest_first",
-        "lengths_empty_row_prefetch_query"])
+], ids=["left_window_lengths_empty_row_free_prefetch_query", "causal_heaviest_first"])
 def test_persistent_blocks_match_reference(options, extra):
   """`persistent=True`: three blocks (interpret mode's grid) walk the 2 x 2 x 2
   items in rounds dealt back and forth, so the ring's slots and barrier phases
   run on across items, each warpgroup loads its next query tile under the
   last item's epilogue (with `prefetch_query`, into its other query buffer
   under the walk: a block's items alternate between the two), and the output
-  goes through its own buffer. Full attention with the turns; a left-only
-  window with key lengths (batch row 0: no key) on the free-running walk
-  with a ring of three slots; causal with the items heaviest first
-  (`persistent_right_bounded`); the prefetch on the free-running walk with
-  key lengths. GQA 2:1, T and S padded, forward and gradients."""
+  goes through its own buffer. A left-only window with key lengths (batch
+  row 0: no key) on the free-running walk with a ring of three slots and the
+  query tiles prefetched; causal with the turns and the items heaviest first
+  (`persistent_right_bounded`). (Full attention, persistent: the row sums'
+  walk above.) GQA 2:1, T and S padded, forward and gradients."""
   tiles = dict(block_q=64, block_k=64, max_concurrent_steps=2, persistent=True)
   _check_tiles_against_reference(configs.MosaicConfig(**{**tiles, **extra}), options,
                                  seed=6)
@@ -196,10 +204,10 @@ def test_persistent_only_without_a_right_bound(is_causal, window, right_bounded_
   tiles = configs.MosaicConfig(persistent=True,
                                persistent_right_bounded=right_bounded_too)
   config = dataclasses.replace(_CONFIG, mosaic_fwd=tiles)
-  q, k, v, _ = _inputs(1, 256, 256, 2, 1, 64, jnp.bfloat16)
-  st, _ = pallas.prepare(q, k, v, scale=1.0, is_causal=is_causal, window=window,
-                         q_segment_ids=None, kv_segment_ids=None, key_value_seq_lengths=None,
-                         interpret=True, config=config)
+  st, _, _ = _prepared((1, 256, 2, 64), (1, 256, 1, 64), jnp.bfloat16, scale=1.0,
+                       is_causal=is_causal, window=window, q_segment_ids=None,
+                       kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
+                       config=config)
   assert st.config.mosaic_fwd == dataclasses.replace(tiles, persistent=persistent)
 
 
@@ -216,35 +224,27 @@ def test_log_sum_exp_is_the_triton_forwards():
   """The backward reads the forward's base-2 lse; +inf where a row is empty."""
   q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=3)
   lengths = jnp.array([0, 77])
-  st, args = pallas.prepare(q, k, v, scale=0.125, is_causal=True, window=None,
-                            q_segment_ids=None, kv_segment_ids=None,
-                            key_value_seq_lengths=lengths, interpret=True, config=_CONFIG)
-  out, lse = pallas._forward(st, *args[:6])
-  triton = dataclasses.replace(st, config=dataclasses.replace(st.config, mosaic_fwd=None))
-  out_t, lse_t = pallas._forward(triton, *args[:6])
+  def forwards(q, k, v):  # the Mosaic forward's (out, lse) and the Triton one's
+    st, args = pallas.prepare(q, k, v, scale=0.125, is_causal=True, window=None,
+                              q_segment_ids=None, kv_segment_ids=None,
+                              key_value_seq_lengths=lengths, interpret=True, config=_CONFIG)
+    triton = dataclasses.replace(st, config=dataclasses.replace(st.config, mosaic_fwd=None))
+    return pallas._forward(st, *args[:6]), pallas._forward(triton, *args[:6])
+  (out, lse), (out_t, lse_t) = jax.jit(forwards)(q, k, v)
   assert lse.shape == lse_t.shape == (2, 2, 128)
   assert np.all(np.isinf(np.asarray(lse[0])))
   np.testing.assert_allclose(np.asarray(lse[1]), np.asarray(lse_t[1]), rtol=1e-5, atol=1e-5)
   assert _rel(out, out_t) < 1e-2
 
 
-def test_vmap():
-  q, k, v, _ = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=1)
-  kernel = _kernel(_CONFIG, is_causal=True)
-  got = jax.vmap(kernel)(q[:, None], k[:, None], v[:, None])[:, 0]
-  assert _rel(got, _reference(is_causal=True)(q, k, v)) < _TOL[jnp.bfloat16]
-
-
 def test_prepare_gives_it_only_the_calls_it_takes():
   def chosen(shape_q, shape_kv, dtype=jnp.bfloat16, **kw):
-    q = jnp.zeros(shape_q, dtype)
-    k = jnp.zeros(shape_kv, dtype)
     options = dict(scale=1.0, is_causal=False, window=None, q_segment_ids=None,
                    kv_segment_ids=None, key_value_seq_lengths=None, interpret=True,
                    config=_CONFIG)
     options.update(kw)
-    st, args = pallas.prepare(q, k, k, **options)
-    return st.config.mosaic_fwd, args[0].shape, args[1].shape
+    st, q_shape, k_shape = _prepared(shape_q, shape_kv, dtype, **options)
+    return st.config.mosaic_fwd, q_shape, k_shape
 
   tiles, q_shape, k_shape = chosen((1, 200, 2, 80), (1, 300, 2, 80))
   assert tiles == _TILES
@@ -367,7 +367,9 @@ def test_prefetch_query_buffers():
 def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   """Interpret mode does not run the Mosaic GPU compiler; lowering for CUDA
   does (registers as the P operand, layouts, TMA shapes), without a GPU. The
-  backward's kernels lower in the same program."""
+  backward lowers in the same program: the table's Mosaic GPU backward at
+  each of these head sizes (its other tiles:
+  test_flex_attention_mosaic_backward.py)."""
   del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
   attention = _kernel(config, is_causal=is_causal, scale=0.1, interpret=False)
@@ -380,9 +382,9 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, hopper_lowering):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(
       spec_q, spec_kv, spec_kv).lower(lowering_platforms=("cuda",)).as_text()
   assert "flex_attention_mosaic_fwd" in text
-  # The backward: the Triton kernels, or the Mosaic one where the table has it.
-  assert "mosaic_gpu" in text and ("flex_attention_dkdv" in text
-                                   or "flex_attention_mosaic_bwd" in text)
+  # The backward: the table's Mosaic one (it has one at each head size here).
+  assert config.mosaic_bwd is not None
+  assert "flex_attention_mosaic_bwd" in text and "flex_attention_dkdv" not in text
 
 
 def test_frozen_masked_tiles_lower_for_hopper(hopper_lowering):

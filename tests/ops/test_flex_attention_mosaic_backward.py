@@ -23,7 +23,8 @@ from ops.flex_attention import configs
 from ops.flex_attention import mosaic_backward
 from ops.flex_attention import pallas
 from tests.ops.test_flex_attention import _vjp
-from tests.ops.test_flex_attention_mosaic import _inputs, _reference, _rel, _TOL
+from tests.ops.test_flex_attention_mosaic import _CONFIG as _FORWARD_CONFIG
+from tests.ops.test_flex_attention_mosaic import _inputs, _prepared, _reference, _rel, _TOL
 
 _TILES = configs.MosaicBackwardConfig(block_q=64, block_k=64, max_concurrent_steps=2)
 _CONFIG = dataclasses.replace(configs.get_config(64, jnp.bfloat16, interpret=True),
@@ -36,31 +37,34 @@ def _options(is_causal=False, local_window_size=None, key_value_seq_lengths=None
 
 
 # b, t, s, n, kh, h, dtype, options: causal with a window, key lengths and GQA
-# 4:2 (two query heads per block's loop); cross attention with T padded to
-# the query tile and S to the block's 128 keys (f16, H128); a window on both
-# sides at H80 (padded to 128), MQA 4:1; causal at H24 (padded to 32, where
-# the dS^T tile takes the head's 64-byte swizzle, as wgmma needs both of the
-# dQ product's operands swizzled alike).
+# 4:2 (two query heads per block's loop) at H24 (padded to 32, where the
+# dS^T tile takes the head's 64-byte swizzle, as wgmma needs both of the dQ
+# product's operands swizzled alike); cross attention with T padded to the
+# query tile and S to the block's 128 keys (f16, H128); a window on both
+# sides at H80 (padded to 128), MQA 4:1. (H64, causal: test_vmap_of_gradients.)
 _CASES = {
-    "causal_window_lengths_gqa_h64_bf16": (
-        2, 200, 200, 4, 2, 64, jnp.bfloat16,
-        dict(is_causal=True, local_window_size=(70, 0), key_value_seq_lengths=np.array([200, 77]))),
+    "causal_window_lengths_gqa_h24_bf16": (
+        2, 150, 150, 4, 2, 24, jnp.bfloat16,
+        dict(is_causal=True, local_window_size=(70, 0), key_value_seq_lengths=np.array([150, 77]))),
     "cross_padded_h128_f16": (1, 100, 300, 2, 2, 128, jnp.float16, {}),
     "window_both_sides_mqa_h80_bf16": (1, 128, 256, 4, 1, 80, jnp.bfloat16,
                                        dict(local_window_size=(40, 30))),
-    "causal_lengths_gqa_h24_bf16": (2, 150, 150, 4, 2, 24, jnp.bfloat16,
-                                    dict(is_causal=True, key_value_seq_lengths=np.array([150, 101]))),
 }
 
 
+# Each case runs once, on the default tiles or with one option, so that every
+# option meets the case it matters for: the dQ product in two 64-column
+# slices at H128 (one slice at H128: the H80 case); two dS^T slots, where each
+# warpgroup waits only for the steps whose dQ it forms, with GQA at H24 (the
+# slots in the 64-byte swizzle; one slot: the other cases).
 @pytest.mark.parametrize("name, tiles", [
-    *((name, _TILES) for name in _CASES),
-    # The dQ product in two 64-column slices (H128).
-    ("cross_padded_h128_f16", dataclasses.replace(_TILES, dq_column_chunks=2)),
-    # Two dS^T slots: each warpgroup waits only for the steps whose dQ it forms.
-    ("causal_window_lengths_gqa_h64_bf16", dataclasses.replace(_TILES, ds_slots=2)),
-    ("causal_lengths_gqa_h24_bf16", dataclasses.replace(_TILES, ds_slots=2)),
-])
+    pytest.param(name, tiles, id=name + suffix) for name, tiles, suffix in [
+        ("causal_window_lengths_gqa_h24_bf16", dataclasses.replace(_TILES, ds_slots=2),
+         "-ds_slots_2"),
+        ("window_both_sides_mqa_h80_bf16", _TILES, ""),
+        ("cross_padded_h128_f16", dataclasses.replace(_TILES, dq_column_chunks=2),
+         "-dq_column_chunks_2"),
+    ]])
 def test_gradients_match_reference(name, tiles):
   config = dataclasses.replace(_CONFIG, mosaic_bwd=tiles)
   b, t, s, n, kh, h, dtype, options = _CASES[name]
@@ -68,7 +72,7 @@ def test_gradients_match_reference(name, tiles):
              for k, v in options.items()}
   q, k, v, w = _inputs(b, t, s, n, kh, h, dtype)
   call = dict(_options(**options), scale=h ** -0.5)
-  st, _ = pallas.prepare(q, k, v, interpret=True, config=config, **call)
+  st, _, _ = _prepared(q.shape, k.shape, dtype, interpret=True, config=config, **call)
   assert st.config.mosaic_bwd == tiles  # this call runs the Mosaic backward
   kernel = lambda q, k, v: pallas.flex_attention_pallas(
       q, k, v, interpret=True, config=config, **call)
@@ -82,11 +86,11 @@ def test_gradients_match_reference(name, tiles):
 
 def test_prepare_gives_it_only_the_calls_it_takes():
   def chosen(shape_q, shape_kv, dtype=jnp.bfloat16, config=_CONFIG, **kw):
-    q, k = jnp.zeros(shape_q, dtype), jnp.zeros(shape_kv, dtype)
     options = dict(_options(), scale=1.0)
     options.update(kw)
-    st, args = pallas.prepare(q, k, k, interpret=True, config=config, **options)
-    return st.config.mosaic_bwd, args[0].shape, args[1].shape
+    st, q_shape, k_shape = _prepared(shape_q, shape_kv, dtype, interpret=True, config=config,
+                                     **options)
+    return st.config.mosaic_bwd, q_shape, k_shape
 
   tiles, q_shape, k_shape = chosen((1, 100, 2, 80), (1, 300, 2, 80))
   assert tiles == _TILES
@@ -138,9 +142,10 @@ def test_table_and_config_checks():
   assert 2 * registers.compute_registers + registers.memory_registers <= 504
 
 
+# The pipelined step (compiled only), with one and two dS^T slots. (The
+# table's own tiles at H32, H64 and H128 lower with the Mosaic forward:
+# test_flex_attention_mosaic.py::test_lowers_to_mosaic_gpu_for_hopper.)
 @pytest.mark.parametrize("head_dim, is_causal, options", [
-    (32, False, {}), (64, True, {}), (128, False, {}),
-    # The pipelined step (compiled only), with one and two dS^T slots.
     (32, True, dict(pipelined=True)), (64, False, dict(pipelined=True, ds_slots=2)),
 ])
 def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, options, hopper_lowering):
@@ -149,9 +154,8 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, options, hopper_lo
   without a GPU. The table's tiles for the head size, with `options`."""
   del hopper_lowering
   config = configs.get_config(head_dim, jnp.bfloat16, interpret=False, generation="sm90")
-  if options:
-    tiles = dataclasses.replace(config.mosaic_bwd, block_q=64, **options)
-    config = dataclasses.replace(config, mosaic_bwd=tiles)
+  tiles = dataclasses.replace(config.mosaic_bwd, block_q=64, **options)
+  config = dataclasses.replace(config, mosaic_bwd=tiles)
   def loss(q, k, v):
     out = pallas.flex_attention_pallas(q, k, v, interpret=False, config=config,
                                        **dict(_options(is_causal=is_causal), scale=0.1))
@@ -164,15 +168,21 @@ def test_lowers_to_mosaic_gpu_for_hopper(head_dim, is_causal, options, hopper_lo
 
 
 def test_vmap_of_gradients():
-  """The kernel's dQ buffer is a `jax.new_ref` operand; vmap batches it."""
+  """The kernel's dQ buffer is a `jax.new_ref` operand; vmap batches it. The
+  Mosaic GPU forward runs before it, under the same vmap (the forward's only
+  vmap test): outputs and gradients."""
   q, k, v, w = _inputs(2, 128, 128, 2, 1, 64, jnp.bfloat16, seed=4)
   call = dict(_options(is_causal=True), scale=0.125)
+  config = dataclasses.replace(_FORWARD_CONFIG, mosaic_bwd=_TILES)
+  st, _, _ = _prepared((1, 128, 2, 64), (1, 128, 1, 64), jnp.bfloat16, interpret=True,
+                       config=config, **call)
+  assert st.config.mosaic_fwd is not None and st.config.mosaic_bwd == _TILES
   kernel = lambda q, k, v: pallas.flex_attention_pallas(
-      q, k, v, interpret=True, config=_CONFIG, **call)
+      q, k, v, interpret=True, config=config, **call)
   ref = _reference(is_causal=True, scale=0.125)
-  def grads(fn):
-    loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * w[0])
-    return jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(
-        q[:, None], k[:, None], v[:, None])
-  for g, g_r in zip(grads(kernel), grads(ref)):
-    assert _rel(g, g_r) < _TOL[jnp.bfloat16]
+  def vjp(fn):  # vmap over the batch
+    return jax.jit(jax.vmap(functools.partial(_vjp, fn)))(
+        q[:, None], k[:, None], v[:, None], w[:, None])
+  (out, grads), (out_r, grads_r) = vjp(kernel), vjp(ref)
+  for name, x, x_r in [("out", out, out_r), *zip(("dq", "dk", "dv"), grads, grads_r)]:
+    assert _rel(x, x_r) < _TOL[jnp.bfloat16], name
