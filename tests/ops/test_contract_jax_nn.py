@@ -31,7 +31,9 @@ _TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (1e-2, 2e-2), jnp.float16: (1e-
 
 
 def _normal(i, shape, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(i), shape, dtype)
+  """Standard normal draws of seed `i` (NumPy's: an eager jax.random call
+  compiles a program for each new shape)."""
+  return jnp.asarray(np.random.default_rng(i).standard_normal(shape, np.float32).astype(dtype))
 
 
 def _lengths(*values):
@@ -138,20 +140,24 @@ def _called(fn, case, options):
       q, k, v, bias, mapped)
 
 
-def _run(fn, case):
-  """(outputs, gradients or None) of `fn` on the case's inputs."""
+def _run(fn, case, *, compiled=True):
+  """(outputs, gradients or None) of `fn` on the case's inputs; `compiled`:
+  as one jitted program (one compile), else op by op (each op compiles at
+  each new shape)."""
   options = case.options()
   bias = options.get("bias")
   call = _called(fn, case, dict(options))
-  args = _inputs(case)
-  if not case.grad:
-    return call(*args, bias), None
-  wrt = args + ((bias,) if bias is not None else ())
-  out, vjp = jax.vjp(lambda *a: call(*a[:3], a[3] if len(a) > 3 else bias), *wrt)
-  primal = out[0] if isinstance(out, tuple) else out
-  cotangent = _normal(6, primal.shape, primal.dtype)
-  cotangents = (cotangent, jnp.zeros_like(out[1])) if isinstance(out, tuple) else cotangent
-  return out, vjp(cotangents)
+
+  def run(q, k, v, bias):
+    if not case.grad:
+      return call(q, k, v, bias), None
+    wrt = (q, k, v) + ((bias,) if bias is not None else ())
+    out, vjp = jax.vjp(lambda *a: call(*a[:3], a[3] if len(a) > 3 else bias), *wrt)
+    primal = out[0] if isinstance(out, tuple) else out
+    cotangent = _normal(6, primal.shape, primal.dtype)
+    cotangents = (cotangent, jnp.zeros_like(out[1])) if isinstance(out, tuple) else cotangent
+    return out, vjp(cotangents)
+  return (jax.jit(run) if compiled else run)(*_inputs(case), bias)
 
 
 def _assert_close(ours, want, tol):
@@ -180,7 +186,9 @@ def test_matches_jax_nn(case, implementation):
         q, k, v, options.pop("bias", None), options.pop("mask", None), **options) == "xla"
   out, grads = _run(ours, case)
   if case.name not in _REFERENCE:
-    _REFERENCE[case.name] = _run(jax.nn.dot_product_attention, case)
+    # jax.nn's float16 dot does not compile on a CPU (test_jit_16_bit).
+    _REFERENCE[case.name] = _run(jax.nn.dot_product_attention, case,
+                                 compiled=case.dtype != jnp.float16)
   want, want_grads = _REFERENCE[case.name]
   out_tol, grad_tol = _TOL[case.dtype]
   _assert_close(out, want, out_tol)
@@ -206,19 +214,23 @@ def test_rows_that_see_no_key():
   default path) return the mean of the values, 'flex' returns zeros."""
   q, k, v = _inputs(Case(""))
   options = dict(key_value_seq_lengths=_lengths(0, S), is_causal=True)
-  want = jax.nn.dot_product_attention(q, k, v, **options)
-  _assert_close(pk.dot_product_attention(q, k, v, **options), want, 0.0)
-  flex = pk.dot_product_attention(q, k, v, **options, implementation="flex")
+  want, ours, flex = jax.jit(lambda q, k, v: (  # one program
+      jax.nn.dot_product_attention(q, k, v, **options),
+      pk.dot_product_attention(q, k, v, **options),
+      pk.dot_product_attention(q, k, v, **options, implementation="flex")))(q, k, v)
+  _assert_close(ours, want, 0.0)
   _assert_close(flex[1], want[1], _TOL[jnp.float32][0])
   np.testing.assert_array_equal(flex[0], 0.0)
-  np.testing.assert_allclose(want[0], jnp.broadcast_to(v[0].mean(0), (T, N, H)), atol=1e-6)
+  np.testing.assert_allclose(want[0], np.broadcast_to(np.asarray(v[0]).mean(0), (T, N, H)),
+                             atol=1e-6)
 
 
 def test_float64_takes_the_xla_path():
   with jax.enable_x64(True):
     q, k, v = (x.astype(jnp.float64) for x in _inputs(Case("")))
-    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    out = pk.dot_product_attention(q, k, v, is_causal=True)
+    both = jax.jit(lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                                    pk.dot_product_attention(q, k, v, is_causal=True)))
+    want, out = both(q, k, v)
     assert out.dtype == jnp.float64
     np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="flex.*query.dtype=float64"):
@@ -256,10 +268,10 @@ def test_flex_reference_log_sum_exp_is_jax_nn_residual():
   [B, N, T] that jax.nn returns as [B, T, N] (-inf for a row with no key)."""
   q, k, v = _inputs(Case(""))
   lengths = _lengths(0, 11)
-  out, lse = flex_attention_reference(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                      return_lse=True)
-  want, residual = jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, key_value_seq_lengths=lengths, return_residual=True)
+  options = dict(is_causal=True, key_value_seq_lengths=lengths)
+  (out, lse), (want, residual) = jax.jit(lambda q, k, v: (  # one program
+      flex_attention_reference(q, k, v, **options, return_lse=True),
+      jax.nn.dot_product_attention(q, k, v, **options, return_residual=True)))(q, k, v)
   np.testing.assert_allclose(lse[1].transpose(1, 0), residual[1], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(out[1], want[1], rtol=1e-5, atol=1e-5)
   assert np.all(np.isneginf(lse[0]))
