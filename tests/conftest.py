@@ -26,6 +26,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
       os.environ.get("XLA_FLAGS", "")
       + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true").strip()
 
+# Importing Pallas's fuser adds a setting to JAX's trace context; imported
+# lazily by a test's first kernel, it would make every function jitted before
+# that trace again. Imported here, before any test traces.
+import jax.experimental.pallas.fuser  # pylint: disable=unused-import,g-import-not-at-top
+
 _CACHE_ENV = "PROBJAX_HK_TEST_COMPILE_CACHE"
 
 # The tests a JAX release can break, marked `jax_release`; `make test` runs
