@@ -53,7 +53,7 @@ def _cudnn_limit(query, key, bias, window, is_causal) -> str | None:
   split = ring.splits_sequence(query, key)
   if split is not None:
     return (f"cuDNN attention cannot split the sequence axis of `{split}` (axis 1, split "
-            "over mesh axes); 'xla' runs ring attention")
+            "over mesh axes); 'xla' and the flex kernels run ring attention")
   if query.dtype not in (jnp.bfloat16, jnp.float16):
     return f"cuDNN attention takes float16 or bfloat16 inputs, got query.dtype={query.dtype}"
   head_dim = query.shape[-1]
@@ -416,7 +416,9 @@ def _flex_supports(lowering):
     limit = _flex_limit(call["query"], call["bias"], call["mask"], call["query_seq_lengths"],
                         call["scale"], call["return_residual"])
     return limit or flex_api.IMPLEMENTATIONS[lowering].supports(dict(
-        q=call["query"], k=call["key"], q_ids=None, mask_mod=None, score_mod=None))
+        q=call["query"], k=call["key"], v=call["value"], is_causal=call["is_causal"],
+        window=call["local_window_size"], q_ids=None, kv_ids=None,
+        key_value_seq_lengths=call["key_value_seq_lengths"], mask_mod=None, score_mod=None))
   return supports
 
 

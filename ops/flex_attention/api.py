@@ -118,8 +118,10 @@ def flex_attention(
 
   With the sequence axis split over Explicit mesh axes it runs as ring
   attention (`ops/flex_attention/ring.py`: key/value shards passed between
-  the devices, partial outputs merged by log-sum-exp, causal work balanced),
-  on XLA blocks, as the kernels decline such a call.
+  the devices, partial outputs merged by log-sum-exp, causal work balanced).
+  The kernels run its blocks where no block needs global positions (full or
+  causal attention with T == S, key lengths, segment ids); windows that
+  cut blocks, and mods, run on XLA blocks.
 
   Args:
     q: [B, T, N, H] queries.
@@ -181,15 +183,19 @@ def flex_attention(
               window=window, q_ids=q_ids, kv_ids=kv_ids,
               key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod,
               score_mod=score_mod)
+  # Arguments split differently are an error before any choice.
+  ring.plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths)
+  return IMPLEMENTATIONS.choose(implementation, call).run(**call)
+
+
+def _xla(q, k, v, *, is_causal, scale, segment_ids, window, q_ids, kv_ids,
+         key_value_seq_lengths, mask_mod, score_mod, **call):
   split = ring.plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths)
-  chosen = IMPLEMENTATIONS.choose(implementation, call)
-  if split is not None:  # Only 'xla' takes it: ring attention over XLA blocks.
-    return ring.flex_attention_ring(split, **call)
-  return chosen.run(**call)
-
-
-def _xla(q, k, v, *, is_causal, scale, segment_ids, window, key_value_seq_lengths,
-         mask_mod, score_mod, **_):
+  if split is not None:
+    return ring.flex_attention_ring(
+        split, q=q, k=k, v=v, is_causal=is_causal, scale=scale, window=window, q_ids=q_ids,
+        kv_ids=kv_ids, key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod,
+        score_mod=score_mod)
   return reference.flex_attention_reference(
       q, k, v, is_causal=is_causal, scale=scale, segment_ids=segment_ids,
       local_window_size=window, key_value_seq_lengths=key_value_seq_lengths,
@@ -202,6 +208,12 @@ def _kernels(tiles=lambda config: config):
           mask_mod, score_mod, **_):
     interpret = _backend.pallas_interpret()
     config = tiles(configs.get_config(_padded_head_dim(q), q.dtype, interpret=interpret))
+    split = ring.plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths)
+    if split is not None:  # `ring.kernel_limit` admitted it
+      return ring.flex_attention_ring(
+          split, q=q, k=k, v=v, is_causal=is_causal, scale=scale, window=window, q_ids=q_ids,
+          kv_ids=kv_ids, key_value_seq_lengths=key_value_seq_lengths, mask_mod=mask_mod,
+          score_mod=score_mod, kernels=ring.Kernels(config, interpret))
 
     def kernel_path(q, k, v, q_ids, kv_ids, lengths):
       return pallas.flex_attention_pallas(
@@ -233,7 +245,7 @@ def _padded_head_dim(q) -> int:
 
 
 def _kernel_supports(call) -> str | None:
-  return kernel_limit(call["q"]) or ring.kernel_limit(call["q"], call["k"])
+  return kernel_limit(call["q"]) or ring.kernel_limit(call)
 
 
 def _all_triton(config: configs.FlexConfig) -> configs.FlexConfig:
@@ -257,13 +269,14 @@ def _mosaic_supports(call) -> str | None:
     return f"no Mosaic GPU tiles are tuned for head size {q.shape[-1]} ({q.dtype})"
   unsupported = dict(segments=call["q_ids"] is not None,
                      mods=call["mask_mod"] is not None or call["score_mod"] is not None)
-  sizes = (q.dtype, _padded_head_dim(q), q.shape[1], k.shape[1])
+  sizes = (q.dtype, _padded_head_dim(q), *ring.block_lengths(call))
   if not (mosaic.takes(*sizes, config.mosaic_fwd, **unsupported)
           and mosaic_backward.takes(*sizes, config.mosaic_bwd, **unsupported)):
     return ("the Mosaic GPU kernels take no `segment_ids`, `mask_mod` or `score_mod`, and "
             f"at least {max(config.mosaic_fwd.rows_per_block, config.mosaic_bwd.block_q)} "
             f"queries and {max(config.mosaic_fwd.block_k, config.mosaic_bwd.keys_per_block)} "
-            f"keys, got T={q.shape[1]}, S={k.shape[1]}")
+            "keys{}, got T={}, S={}".format(
+                " per ring block" if ring.splits_sequence(q, k) else "", *ring.block_lengths(call)))
   return None
 
 

@@ -227,6 +227,55 @@ def prepare(q, k, v, *, scale: float, is_causal: bool, window,
   return st, (q, k, v, kv_len, q_seg, k_seg, lists)
 
 
+def forward_with_lse(q, k, v, **options) -> tuple[jax.Array, jax.Array]:
+  """The kernels' forward with each row's log-sum-exp, for a caller that
+  merges attentions over parts of the keys (ring attention).
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H].
+    **options: `scale`, `is_causal`, `window`, `q_segment_ids`,
+      `kv_segment_ids`, `key_value_seq_lengths`, `interpret` and `config`, as
+      `flex_attention_pallas` takes them (no mods).
+
+  Returns:
+    out [B, T, N, H] f32 and lse [B, N, T] f32: the natural log of the sum of
+    exp(scaled logit) over the keys a query sees; -inf (and zeros in out)
+    for a query that sees none.
+  """
+  seq_q, head_dim = q.shape[1], q.shape[3]
+  st, (q, k, v, kv_len, q_seg, k_seg, _) = prepare(q, k, v, **options)
+  out, lse = _forward(st, q, k, v, kv_len, q_seg, k_seg)
+  lse = lse[:, :, :seq_q]  # base 2, +inf for a query that sees no key
+  return (out[:, :seq_q, :, :head_dim].astype(jnp.float32),
+          jnp.where(lse == jnp.inf, -jnp.inf, lse * math.log(2)))
+
+
+def backward_with_lse(q, k, v, out, lse, dout, **options) -> tuple[jax.Array, ...]:
+  """dq, dk, dv (f32) of the part of an attention that keys `k`, `v` take,
+  given the whole attention's rows.
+
+  Args:
+    q: [B, T, N, H]; k, v: [B, S, K, H]: the queries and a part of their keys.
+    out: [B, T, N, H] and lse: [B, N, T] (natural log, -inf where a query
+      sees no key): the attention over every key, of which this part's
+      contributions to the gradients are computed, so the parts' gradients
+      sum to the whole's.
+    dout: [B, T, N, H], the cotangent of `out`.
+    **options: as `forward_with_lse`.
+  """
+  seq_q, seq_kv, head_dim = q.shape[1], k.shape[1], q.shape[3]
+  st, (qp, kp, vp, kv_len, q_seg, k_seg, _) = prepare(q, k, v, **options)
+  tp, hp = qp.shape[1], qp.shape[3]
+  pad = lambda x: _shapes.pad_axis(_shapes.pad_axis(x, 1, tp), 3, hp)
+  # The kernels' base-2 statistics; a padded query (zero dout) sees nothing.
+  lse = _shapes.pad_axis(jnp.where(lse == -jnp.inf, jnp.inf, lse / math.log(2)), 2, tp,
+                         value=jnp.inf)
+  grads = _backward(st, qp, kp, vp, kv_len, q_seg, k_seg, None, pad(out.astype(jnp.float32)),
+                    lse, pad(dout.astype(q.dtype)))
+  return tuple(g[:, :n, :, :head_dim].astype(jnp.float32)
+               for g, n in zip(grads, (seq_q, seq_kv, seq_kv)))
+
+
 def flex_attention_pallas(
     q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     is_causal: bool, window: tuple[int | None, int | None] | None,

@@ -24,9 +24,14 @@ ring stops after the last step any device needs. Masks, key lengths, segment
 ids and the mods see global positions, and global batch and head indices
 where those axes are split too.
 
-The blocks are the XLA reference (`reference.flex_attention_reference` with
-`indices`), even where an unsplit call would run a kernel: the kernels take
-no global query and key offsets yet.
+A block runs on XLA (`reference.flex_attention_reference` with `indices`) or
+on the Pallas kernels (`pallas.forward_with_lse`, `pallas.backward_with_lse`;
+`Kernels`). The kernels take no global positions, so they take the blocks
+that need none: every key open to every query (FULL), or the queries and
+keys at the same positions, where the call's own causal mask and window
+apply unchanged (ALIGNED: the diagonal blocks). Key lengths and segment ids
+become the block's own. A window that cuts a block off the diagonal, T != S
+under a causal mask, or a mod needs the XLA blocks (`kernel_limit` says why).
 
 Glossary of shapes: B batch, T query tokens, S key/value tokens, N query
 heads, K key/value heads, H head size (B, N and K a device's share where
@@ -43,12 +48,19 @@ import numpy as np
 
 from ops import _sequence_parallel
 from ops import _sharding
+from ops.flex_attention import configs
+from ops.flex_attention import pallas
 from ops.flex_attention import reference
 
 _OP = "flex_attention"
 _TOKENS = ("batch", "seq", "heads", None)  # q [B, T, N, H]; k, v [B, S, K, H]
 _IDS = ("batch", "seq")  # segment ids [B, T] or [B, S]
 _F32 = jnp.float32
+
+# What one (query tile, key tile) block needs: nothing (CLOSED: skipped), no
+# mask (FULL), the call's own masks at equal offsets (ALIGNED), or global
+# positions (PARTIAL: XLA blocks only).
+CLOSED, FULL, ALIGNED, PARTIAL = range(4)
 
 
 def _chunk(devices: int, device, tile: int):
@@ -67,7 +79,17 @@ class Schedule:
   """
   devices: int  # n, the ring's length
   zigzag: bool
-  visits: tuple  # [n][steps][c][c] bools: device, step, query tile, key tile
+  kinds: tuple  # [n][steps][c][c] block kinds: device, step, query tile, key tile
+
+  @property
+  def visits(self) -> tuple:
+    """[n][steps][c][c] bools: whether a block is computed."""
+    return _frozen(np.asarray(self.kinds) != CLOSED)
+
+  @property
+  def kernels_take(self) -> bool:
+    """Whether every block the ring computes can run on the kernels."""
+    return not np.any(np.asarray(self.kinds) == PARTIAL)
 
   @property
   def tiles(self) -> int:
@@ -98,23 +120,27 @@ def schedule(devices: int, seq_q: int, seq_kv: int, *, is_causal: bool, window,
   if is_causal:
     right = 0 if right is None else min(right, 0)
 
-  def open_block(q_chunk: int, k_chunk: int) -> bool:
+  def kind(q_chunk: int, k_chunk: int) -> int:
+    q_start, k_start = q_chunk * size_q, k_chunk * size_k
     # Over the block, s - t takes every integer from `nearest` to `farthest`.
-    nearest = k_chunk * size_k - (q_chunk * size_q + size_q - 1)
-    farthest = k_chunk * size_k + size_k - 1 - q_chunk * size_q
-    return (right is None or nearest <= right) and (left is None or farthest >= -left)
+    nearest, farthest = k_start - (q_start + size_q - 1), k_start + size_k - 1 - q_start
+    if not ((right is None or nearest <= right) and (left is None or farthest >= -left)):
+      return CLOSED
+    if (right is None or farthest <= right) and (left is None or nearest >= -left):
+      return FULL
+    return ALIGNED if (q_start, size_q) == (k_start, size_k) else PARTIAL
 
-  visits = np.array([[[[open_block(_chunk(devices, d, p), _chunk(devices, (d - j) % devices, r))
-                        for r in range(tiles)] for p in range(tiles)] for j in range(devices)]
-                     for d in range(devices)])  # [n, n, c, c]
-  used = np.flatnonzero(visits.any(axis=(0, 2, 3)))
+  kinds = np.array([[[[kind(_chunk(devices, d, p), _chunk(devices, (d - j) % devices, r))
+                       for r in range(tiles)] for p in range(tiles)] for j in range(devices)]
+                    for d in range(devices)])  # [n, n, c, c]
+  used = np.flatnonzero((kinds != CLOSED).any(axis=(0, 2, 3)))
   steps = int(used[-1]) + 1 if used.size else 1
-  return Schedule(devices, zigzag, _frozen(visits[:, :steps]))
+  return Schedule(devices, zigzag, _frozen(kinds[:, :steps]))
 
 
 def _frozen(a: np.ndarray):
-  """A bool array as nested tuples (hashable, for a static argument)."""
-  return tuple(map(_frozen, a)) if a.ndim else bool(a)
+  """An array as nested tuples (hashable, for a static argument)."""
+  return tuple(map(_frozen, a)) if a.ndim else a.item()
 
 
 def choose_schedule(devices: int, seq_q: int, seq_kv: int, *, is_causal: bool,
@@ -130,6 +156,13 @@ def choose_schedule(devices: int, seq_q: int, seq_kv: int, *, is_causal: bool,
 
 
 @dataclasses.dataclass(frozen=True)
+class Kernels:
+  """Blocks on the Pallas kernels, launched as `config` (a `configs.FlexConfig`) says."""
+  config: configs.FlexConfig
+  interpret: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class _Ring:
   """The static description of one call's ring."""
   schedule: Schedule
@@ -139,6 +172,7 @@ class _Ring:
   window: tuple | None
   mask_mod: reference.MaskMod | None
   score_mod: reference.ScoreMod | None
+  kernels: Kernels | None = None  # None: XLA blocks
 
 
 def splits_sequence(q, k) -> str | None:
@@ -149,14 +183,42 @@ def splits_sequence(q, k) -> str | None:
                if _sequence_parallel.splits_time(x)), None)
 
 
-def kernel_limit(q, k) -> str | None:
-  """Why the kernels decline a call whose sequence axis is split (None when it is not)."""
-  name = splits_sequence(q, k)
-  if name is None:
+def kernel_limit(call) -> str | None:
+  """Why ring attention on the kernels cannot take `call` (an `ops.flex_attention`
+  call's q, k, v, q_ids, kv_ids, key_value_seq_lengths, is_causal, window,
+  mask_mod and score_mod); None when it can, or when the sequence is whole."""
+  sched = _call_schedule(call)
+  if sched is None:
     return None
-  return (f"`{name}` is split along its sequence axis (axis 1) over mesh "
-          "axes, which the kernels cannot split yet (they take no global positions); "
-          "implementation='xla' or None runs ring attention")
+  if call["mask_mod"] is not None or call["score_mod"] is not None:
+    why = "`mask_mod` and `score_mod` see global positions, which the kernels do not take"
+  elif sched.kernels_take:
+    return None
+  else:
+    why = ("the mask cuts blocks off the diagonal (a window, or a causal mask with T != S), "
+           "which need global positions the kernels do not take")
+  return (f"`{splits_sequence(call['q'], call['k'])}` is split along its sequence axis (axis 1) over mesh "
+          f"axes (ring attention), and {why}; implementation='xla' runs the ring on XLA blocks")
+
+
+def _call_schedule(call) -> Schedule | None:
+  """The ring's schedule for an `ops.flex_attention` call; None when its
+  sequence is whole."""
+  q, k = call["q"], call["k"]
+  split = plan(q, k, call["v"], call["q_ids"], call["kv_ids"], call["key_value_seq_lengths"])
+  if split is None:
+    return None
+  return choose_schedule(split.size("seq"), q.shape[1], k.shape[1],
+                         is_causal=call["is_causal"], window=call["window"])
+
+
+def block_lengths(call) -> tuple[int, int]:
+  """(T, S) of the attention blocks a call runs: the whole call's, or the
+  ring's tiles where its sequence is split."""
+  q, k = call["q"], call["k"]
+  sched = _call_schedule(call)
+  cut = 1 if sched is None else sched.devices * sched.tiles
+  return q.shape[1] // cut, k.shape[1] // cut
 
 
 def plan(q, k, v, q_ids, kv_ids, key_value_seq_lengths) -> _sharding.Plan | None:
@@ -189,13 +251,38 @@ def _join(tiles: list, axis: int = 1) -> jax.Array:
   return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=axis)
 
 
-def _block(ring: _Ring, q, k, v, q_ids, kv_ids, lengths, indices):
-  """(out [B, tq, N, H] f32, lse [B, N, tq]) of one query tile against one key tile."""
+def _block(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices):
+  """(out [B, tq, N, H] f32, lse [B, N, tq]) of one query tile against one key
+  tile: on XLA (`kind` unused), or on the kernels (`kind` FULL or ALIGNED)."""
+  if ring.kernels is not None:
+    return pallas.forward_with_lse(
+        q, k, v, **_kernel_options(ring, kind, q_ids, kv_ids, lengths, indices))
   return reference.flex_attention_reference(
       q.astype(_F32), k.astype(_F32), v.astype(_F32), is_causal=ring.is_causal,
       scale=ring.scale, segment_ids=None if q_ids is None else (q_ids, kv_ids),
       local_window_size=ring.window, key_value_seq_lengths=lengths,
       mask_mod=ring.mask_mod, score_mod=ring.score_mod, return_lse=True, indices=indices)
+
+
+def _kernel_options(ring: _Ring, kind: int, q_ids, kv_ids, lengths, indices) -> dict:
+  """The kernels' arguments for a FULL or ALIGNED block: its own key lengths
+  and segment ids, and the call's masks where the block is ALIGNED."""
+  aligned = kind == ALIGNED
+  if lengths is not None:  # global lengths -> this key tile's
+    lengths = jnp.clip(lengths - indices[3][0], 0, indices[3].shape[0])
+  return dict(scale=ring.scale, is_causal=aligned and ring.is_causal,
+              window=ring.window if aligned else None, q_segment_ids=q_ids,
+              kv_segment_ids=kv_ids, key_value_seq_lengths=lengths,
+              interpret=ring.kernels.interpret, config=ring.kernels.config)
+
+
+def _computed(ring: _Ring, kind, block, skipped):
+  """`block(kind)` where the block is open (`kind` traced), else `skipped()`:
+  on XLA one branch for every open kind, on the kernels one per kind."""
+  if ring.kernels is None:
+    return jax.lax.cond(kind != CLOSED, lambda: block(None), skipped)
+  return jax.lax.switch(kind, [skipped] + [functools.partial(block, static_kind)
+                                           for static_kind in (FULL, ALIGNED)])
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -237,16 +324,16 @@ def _walk(ring: _Ring, compute, shard, sums, state):
 
 
 def _blocks(ring: _Ring, where, step, q, k):
-  """Each (query tile p, key tile r, whether it is computed at `step` on this
-  device, the block's global (b, n, t, s) indices)."""
+  """Each (query tile p, key tile r, its kind at `step` on this device, the
+  block's global (b, n, t, s) indices)."""
   sched = ring.schedule
   device, first_row, first_head = where[0], where[1], where[2]
   source = (device - step) % sched.devices
   size_q, size_k = q.shape[1] // sched.tiles, k.shape[1] // sched.tiles
-  visits = jnp.asarray(sched.visits)
+  kinds = jnp.asarray(sched.kinds, jnp.int32)
   for p in range(sched.tiles):
     for r in range(sched.tiles):
-      yield p, r, visits[device, step, p, r], (
+      yield p, r, kinds[device, step, p, r], (
           first_row + jnp.arange(q.shape[0]), first_head + jnp.arange(q.shape[2]),
           sched.chunk(device, p) * size_q + jnp.arange(size_q),
           sched.chunk(source, r) * size_k + jnp.arange(size_k))
@@ -262,27 +349,32 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, lengths, where):
   def compute(step, shard, sums, rows):
     k, v, kv_ids = shard
     rows = list(rows)
-    for p, r, visit, indices in _blocks(ring, where, step, q, k):
+    for p, r, kind, indices in _blocks(ring, where, step, q, k):
       out, lse = rows[p]
-      block = functools.partial(
-          _block, ring, _tile(q, p, c), _tile(k, r, c), _tile(v, r, c), _tile(q_ids, p, c),
-          _tile(kv_ids, r, c), lengths, indices)
       empty = lambda: (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
-      rows[p] = _merge(out, lse, *jax.lax.cond(visit, block, empty))
+      block = functools.partial(
+          _block, ring, q=_tile(q, p, c), k=_tile(k, r, c), v=_tile(v, r, c),
+          q_ids=_tile(q_ids, p, c), kv_ids=_tile(kv_ids, r, c), lengths=lengths,
+          indices=indices)
+      rows[p] = _merge(out, lse, *_computed(ring, kind, block, empty))
     return sums, rows
 
   _, rows = _walk(ring, compute, (k, v, kv_ids), (), rows)
   return _join([o for o, _ in rows]), _join([l for _, l in rows], axis=2)
 
 
-def _block_grads(ring: _Ring, q, k, v, q_ids, kv_ids, lengths, indices, out, lse, dout):
+def _block_grads(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices, out, lse, dout):
   """(dq, dk, dv) f32 of one block, from its rows' whole out, lse and dout.
 
-  A row's output is sum_b exp(lse_b - lse) out_b over its blocks b, so a
-  block's (out_b, lse_b) receive the cotangents w_b dout and
-  w_b sum_h dout (out_b - out), with w_b = exp(lse_b - lse)."""
+  On XLA: a row's output is sum_b exp(lse_b - lse) out_b over its blocks b,
+  so a block's (out_b, lse_b) receive the cotangents w_b dout and
+  w_b sum_h dout (out_b - out), with w_b = exp(lse_b - lse). The kernels'
+  backward takes the whole row's out and lse as they are."""
+  if ring.kernels is not None:
+    return pallas.backward_with_lse(
+        q, k, v, out, lse, dout, **_kernel_options(ring, kind, q_ids, kv_ids, lengths, indices))
   (out_b, lse_b), pull = jax.vjp(
-      lambda q, k, v: _block(ring, q, k, v, q_ids, kv_ids, lengths, indices),
+      lambda q, k, v: _block(ring, kind, q, k, v, q_ids, kv_ids, lengths, indices),
       q.astype(_F32), k.astype(_F32), v.astype(_F32))
   weight = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse), 0.0)  # [B, N, tq]
   d_lse = weight * jnp.swapaxes(jnp.sum(dout * (out_b - out), axis=-1), 1, 2)
@@ -297,11 +389,12 @@ def _backward(ring: _Ring, q, k, v, q_ids, kv_ids, lengths, where, out, lse, dou
     k, v, kv_ids = shard
     dq = list(dq)
     dk, dv = [_tile(sums[0], r, c) for r in range(c)], [_tile(sums[1], r, c) for r in range(c)]
-    for p, r, visit, indices in _blocks(ring, where, step, q, k):
+    for p, r, kind, indices in _blocks(ring, where, step, q, k):
       tiles = (_tile(q, p, c), _tile(k, r, c), _tile(v, r, c))
-      grads = jax.lax.cond(visit, functools.partial(
-          _block_grads, ring, *tiles, _tile(q_ids, p, c), _tile(kv_ids, r, c), lengths,
-          indices, _tile(out, p, c), _tile(lse, p, c, axis=2), _tile(dout, p, c)),
+      grads = _computed(ring, kind, functools.partial(
+          _block_grads, ring, q=tiles[0], k=tiles[1], v=tiles[2], q_ids=_tile(q_ids, p, c),
+          kv_ids=_tile(kv_ids, r, c), lengths=lengths, indices=indices,
+          out=_tile(out, p, c), lse=_tile(lse, p, c, axis=2), dout=_tile(dout, p, c)),
           lambda: tuple(jnp.zeros(x.shape, _F32) for x in tiles))
       dq[p], dk[r], dv[r] = dq[p] + grads[0], dk[r] + grads[1], dv[r] + grads[2]
     return (_join(dk), _join(dv)), dq
@@ -364,13 +457,18 @@ def _unzigzag(x, ring: _Ring, device):
 
 
 def flex_attention_ring(split: _sharding.Plan, *, q, k, v, is_causal, scale, window, q_ids,
-                        kv_ids, key_value_seq_lengths, mask_mod, score_mod, **_) -> jax.Array:
+                        kv_ids, key_value_seq_lengths, mask_mod, score_mod,
+                        kernels: Kernels | None = None, **_) -> jax.Array:
   """`flex_attention` on `split`'s arrays ([B, T, N, H] q, [B, S, K, H] k and
-  v), the sequence split over its mesh axes; [B, T, N, H] in q's dtype, split as q is."""
+  v), the sequence split over its mesh axes, its blocks on XLA or on the
+  kernels (`kernels`, where `kernel_limit` admits the call); [B, T, N, H] in
+  q's dtype, split as q is."""
   axes = _sequence_parallel.time_axes(split)
   ring = _Ring(choose_schedule(split.size("seq"), q.shape[1], k.shape[1], is_causal=is_causal,
                                window=window),
-               axes, is_causal, scale, window, mask_mod, score_mod)
+               axes, is_causal, scale, window, mask_mod, score_mod, kernels)
+  assert kernels is None or (ring.schedule.kernels_take and mask_mod is None
+                             and score_mod is None), "kernel_limit admits no such call"
   batch_axes, head_axes = split.axes.get("batch", ()), split.axes.get("heads", ())
   zigzag = ring.schedule.zigzag
   shared_ids = q_ids is kv_ids  # one [B, T] array for queries and keys

@@ -3,8 +3,10 @@
 On 8 simulated CPU devices (one subprocess for the file), Explicit axes:
 full attention with key lengths and a batch-dependent `mask_mod` (2 x 4,
 batch x sequence), causal grouped-query attention over packed documents
-(sequence split 8 ways: the zig-zag ring), and a sliding window with a
-position-dependent `score_mod` and `mask_mod` (2 x 4, heads x sequence). The
+(sequence split 8 ways: the zig-zag ring), a sliding window with a
+position-dependent `score_mod` and `mask_mod` (2 x 4, heads x sequence), and
+causal attention over documents and key lengths with its blocks on the
+kernels (interpret mode; 2 x 4, batch x sequence). The
 outputs and the gradients of q, k and v equal one device's; the compiled
 fwd+bwd programs move only shards, by collective-permutes (no all-gather, no
 array as long as the sequence); the causal schedule the ring ran balances the
@@ -27,7 +29,7 @@ import json
 import jax, jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import ops
-from ops.flex_attention import ring
+from ops.flex_attention import pallas, ring
 from tests.ops.compiled_programs import (collective_kinds, collectives, longest_axis, max_err,
                                         traced_error)
 
@@ -35,9 +37,15 @@ assert jax.device_count() == 8, jax.devices()
 B, T, N, K, H = 2, 128, 4, 2, 16
 out = {}
 
-# The schedule each ring runs with.
+# The schedule each ring runs with, and the blocks traced on the kernels.
 schedules, choose = [], ring.choose_schedule
 ring.choose_schedule = lambda *a, **kw: schedules.append(choose(*a, **kw)) or schedules[-1]
+kernel_blocks = []
+for name in ("forward_with_lse", "backward_with_lse"):
+  def counted(*a, _fn=getattr(pallas, name), _name=name, **kw):
+    kernel_blocks.append(_name)
+    return _fn(*a, **kw)
+  setattr(pallas, name, counted)
 
 keys = jax.random.split(jax.random.key(0), 3)
 q = jax.random.normal(keys[0], (B, T, N, H))
@@ -63,9 +71,13 @@ def window(q, k, v, lengths, documents):
   return ops.flex_attention(q, k, v, local_window_size=(20, 6), score_mod=alibi,
                             mask_mod=lambda b, n, t, s: t - s != 2)
 
+def kernels(q, k, v, lengths, documents):
+  return ops.flex_attention(q, k, v, is_causal=True, segment_ids=documents,
+                            key_value_seq_lengths=lengths, implementation="triton")
+
 # name: attention, mesh, batch axis, heads axis.
 CASES = {"full": (full, data_seq, "data", None), "causal": (causal, seq8, None, None),
-         "window": (window, heads_seq, None, "heads")}
+         "window": (window, heads_seq, None, "heads"), "kernels": (kernels, data_seq, "data", None)}
 args = (q, k, v, lengths, documents)
 
 def value_and_grads(attention):
@@ -81,6 +93,7 @@ for name, (attention, mesh, batch, heads) in CASES.items():
   specs = [P(batch, "seq", heads)] * 3 + [P(batch), P(batch, "seq")]
   placed = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
   schedules.clear()
+  kernel_blocks.clear()
   with jax.set_mesh(mesh):
     program = jax.jit(value_and_grads(attention)).lower(*placed).compile()
     got = program(*placed)
@@ -90,7 +103,8 @@ for name, (attention, mesh, batch, heads) in CASES.items():
                "kinds": sorted(set(collective_kinds(text))),
                "visits": [list(map(list, map(list, d))) for d in schedules[0].visits]
                          if schedules else None,
-               "zigzag": schedules[0].zigzag if schedules else None}
+               "zigzag": schedules[0].zigzag if schedules else None,
+               "kernel_blocks": sorted(set(kernel_blocks))}
 
 error = lambda fn, *args: traced_error(data_seq, fn, *args)
 on = lambda x, spec: jax.device_put(x, NamedSharding(data_seq, spec))
@@ -99,9 +113,10 @@ out["mismatch_error"] = error(ops.flex_attention, on(q, P(None, "seq")), on(k, P
                               on(v, P(None, "seq")))
 # Keys that cannot be cut like the queries (60 over 4 devices would be, 66 not).
 out["uneven_error"] = error(ops.flex_attention, on(q, P(None, "seq")), k[:, :66], v[:, :66])
-# A kernel asked for by name declines the split.
-out["kernel_error"] = error(lambda q: ops.flex_attention(q, q, q, implementation="triton"),
-                            on(q, P(None, "seq")))
+# A kernel asked for by name declines a window that cuts blocks off the diagonal.
+out["kernel_error"] = error(
+    lambda q: ops.flex_attention(q, q, q, local_window_size=(20, 6), implementation="triton"),
+    on(q, P(None, "seq")))
 # probjax_hk.dot_product_attention's default runs the ring on a split sequence.
 import probjax_hk as pk
 mha = lambda q, k, v: pk.dot_product_attention(q, k, v, is_causal=True)
@@ -115,7 +130,8 @@ print("RESULT" + json.dumps(out))
 '''
 
 # name: (sequence shards, batch per device, query heads per device).
-_CASES = {"full": (4, B // 2, N), "causal": (8, B, N), "window": (4, B, N // 2)}
+_CASES = {"full": (4, B // 2, N), "causal": (8, B, N), "window": (4, B, N // 2),
+          "kernels": (4, B // 2, N)}
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +142,7 @@ def results():
 @pytest.mark.parametrize("case", _CASES)
 def test_matches_one_device(results, case):
   assert results[case]["err"] < 1e-5, results[case]
-  batch = "data" if case == "full" else None
+  batch = "data" if case in ("full", "kernels") else None
   heads = "heads" if case == "window" else None
   assert results[case]["y_spec"][:3] == [batch, "seq", heads], results[case]  # split as q
 
@@ -186,9 +202,18 @@ def test_arguments_split_differently_are_an_error(results):
   assert "`k`" in message and "66" in message and "sequence axis" in message, message
 
 
-def test_a_kernel_named_declines_the_split(results):
+def test_kernels_run_the_blocks_that_need_no_global_positions(results):
+  """A causal ring with documents and key lengths runs its forward and
+  backward blocks on the kernels; the XLA rings run none."""
+  assert results["kernels"]["zigzag"], results["kernels"]
+  assert results["kernels"]["kernel_blocks"] == ["backward_with_lse", "forward_with_lse"]
+  assert not any(results[case]["kernel_blocks"] for case in ("full", "causal", "window"))
+
+
+def test_a_kernel_named_declines_a_window_off_the_diagonal(results):
   message = results["kernel_error"]
-  assert "`q`" in message and "sequence axis" in message and "'xla'" in message, message
+  assert "`q`" in message and "sequence axis" in message and "window" in message, message
+  assert "'xla'" in message, message
 
 
 def test_dot_product_attention_runs_the_ring(results):
