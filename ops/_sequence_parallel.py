@@ -98,6 +98,8 @@ def entering_states(step: Step, initial: Any, summary: Any, axes: tuple[str, ...
     (entering, final): the state entering this device's chunk, and the state
     leaving the last chunk processed (the same on every device of `axes`).
   """
+  if jax.lax.axis_size(axes) == 1:  # one chunk: nothing to exchange
+    return initial, step(initial, summary)
   gathered = jax.lax.all_gather(summary, axes)  # each leaf [n, ...]: the only communication
   gathered = jax.tree.map(_saved, gathered)
 

@@ -27,6 +27,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ops import registry
 from ops.decode_attention import api as decode_api
@@ -256,9 +257,25 @@ def _xla_compiles_dot_algorithm(dtype: np.dtype) -> bool:
   return True
 
 
+def _unit_splits_dropped(x):
+  """`x` with the Explicit mesh axes of size 1 taken out of its type (a free
+  reshard): jax.nn's XLA path (JAX 0.11) mis-types a batch of 1 split over a
+  size-1 axis and fails its own einsum."""
+  sharding = getattr(jax.typeof(x), "sharding", None) if x is not None else None
+  if sharding is None or sharding.mesh.empty or not any(sharding.spec):
+    return x
+  sizes = dict(sharding.mesh.shape)
+  keep = lambda e: tuple(a for a in (e if isinstance(e, tuple) else (e,)) if sizes[a] > 1) or None
+  spec = P(*(keep(e) if isinstance(e, (str, tuple)) else e for e in sharding.spec))
+  return x if spec == sharding.spec else jax.sharding.reshard(x, spec)
+
+
 def _jax_nn_attention(query, key, value, bias, mask, *, implementation, **options):
   """`jax.nn.dot_product_attention` on rank-4 inputs; 'xla' runs in float32
   (cast back to the inputs' dtype) where XLA cannot compile its 16-bit dot."""
+  spec = jax.typeof(query).sharding.spec
+  dropped = _unit_splits_dropped(query) is not query
+  query, key, value, bias, mask = map(_unit_splits_dropped, (query, key, value, bias, mask))
   dtype = query.dtype
   # Mixed dtypes are left to jax.nn, which refuses them.
   upcast = (implementation == "xla" and query.dtype == key.dtype == value.dtype
@@ -267,7 +284,13 @@ def _jax_nn_attention(query, key, value, bias, mask, *, implementation, **option
     query, key, value = (x.astype(jnp.float32) for x in (query, key, value))
   out = jax.nn.dot_product_attention(query, key, value, bias, mask,
                                      implementation=implementation, **options)
-  return jax.tree.map(lambda x: x.astype(dtype), out) if upcast else out
+  if upcast:
+    out = jax.tree.map(lambda x: x.astype(dtype), out)
+  if dropped:  # typed as the caller's query again
+    if isinstance(out, tuple):
+      return (jax.sharding.reshard(out[0], spec), *out[1:])
+    return jax.sharding.reshard(out, spec)
+  return out
 
 
 def dot_product_attention(

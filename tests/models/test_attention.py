@@ -87,3 +87,16 @@ def test_bad_shapes_raise(shapes, match):
   else:
     with pytest.raises(ValueError, match=match):
       pk.dot_product_attention(*arrays)
+
+
+def test_a_batch_of_one_split_over_a_size_one_axis():
+  """jax.nn's XLA path mis-types a batch of 1 on a size-1 Explicit axis; the
+  output equals the unsplit call's and keeps the query's type."""
+  mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  q = jnp.asarray(np.random.RandomState(0).randn(1, 8, 2, 16), jnp.float32)
+  attention = jax.jit(lambda q: pk.dot_product_attention(q, q, q, is_causal=True))
+  placed = jax.device_put(q, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  with jax.set_mesh(mesh):
+    got = attention(placed)
+  assert jax.typeof(got).sharding.spec[0] == "data"
+  np.testing.assert_allclose(got, attention(q), atol=1e-6)

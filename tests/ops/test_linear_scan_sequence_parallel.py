@@ -68,6 +68,19 @@ for name, (mesh, spec, impl, reverse, with_state, shared) in CASES.items():
   out[name] = {"err": max_err(got, want), "h_spec": list(got[0][0].sharding.spec),
                "scan_shapes": seen[:], **facts}
 
+# The time axis on a size-1 mesh axis (data 8 x seq 1), complex: one chunk,
+# nothing to exchange (jaxlib 0.11's CPU compiler crashed on the all-gather).
+unit = jax.make_mesh((8, 1), ("data", "seq"), axis_types=(AxisType.Explicit,) * 2)
+unit_args = (jnp.tile(a, (4, 1, 1)) * phase, jnp.tile(b, (4, 1, 1)) * (1 + 0.5j))  # B = 8
+unit_grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.abs(ops.linear_scan(a, b)[0]) ** 2),
+                             argnums=(0, 1)))
+unit_want = unit_grad(*unit_args)
+with jax.set_mesh(unit):
+  unit_got = unit_grad(*[jax.device_put(x, NamedSharding(unit, P("data", "seq")))
+                         for x in unit_args])
+out["unit_time_axis"] = [max_err(unit_got, unit_want),
+                         max(float(jnp.max(jnp.abs(g))) for g in unit_want)]
+
 # Not vacuous: the same program on one device's arrays holds the whole sequence.
 out["unsplit_longest_axis"] = longest_axis(
     jax.jit(lambda a, b: ops.linear_scan(a, b)[0]).lower(a, b).compile().as_text())
@@ -149,3 +162,8 @@ def test_time_axes_split_differently_is_an_error(results):
 def test_an_uneven_split_is_refused(results):
   message = results["uneven_error"]
   assert "evenly divide" in message or ("`b`" in message and "sequence axis" in message), message
+
+
+def test_a_size_one_time_axis_matches_one_device(results):
+  err, scale = results["unit_time_axis"]
+  assert err <= 2e-6 * max(1.0, scale), results["unit_time_axis"]
