@@ -7,7 +7,9 @@ With NUM_PROCESSES 1 it runs alone (the reference, on every local device);
 otherwise it first joins the others through `jax.distributed.initialize`.
 Every process runs the same fits: in memory (each process passes the whole
 data set), on a stream (each process yields its own rows of every global
-batch) and in memory with `parameter_sharding='fsdp'` (`fit_model`). It
+batch), in memory with `parameter_sharding='fsdp'` (`fit_model`), and a
+causal Transformer with its sequence split over a 'context' axis that
+crosses the processes (ring attention's permutes between them). It
 writes the gathered parameters, the loss history and how its arrays are
 placed to OUT_JSON.
 """
@@ -42,6 +44,14 @@ def _wide_loss(batch):
 
 
 WIDE_NET = hk.transform(_wide_loss)
+
+
+def _causal_loss(batch):
+  y = probjax_hk.Transformer(16, 2, 1, is_causal=True, use_rope=True)(batch["x"])  # [B, T, D]
+  return jnp.mean((y - batch["y"]) ** 2)
+
+
+CAUSAL_NET = hk.transform(_causal_loss)
 
 
 def local_stream(data, batch_size):
@@ -98,6 +108,16 @@ def main(out_path, num_processes, process_id, coordinator):
   # fit_model creates the parameters in their 'fsdp' shardings.
   out["fsdp"] = summary(probjax_hk.fit_model(
       WIDE_NET, data, num_steps=NUM_STEPS, parameter_sharding="fsdp", **kw))
+  # 'context' first: with the devices in process order, its two halves are
+  # the two processes' devices.
+  mesh = jax.make_mesh((2, 4), ("context", "data"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  out["context_processes"] = sorted({d.process_index for d in mesh.devices[:, 0]})
+  rs = np.random.RandomState(0)
+  sequences = {k: rs.randn(8, 16, 16).astype(np.float32) for k in ("x", "y")}  # [B, T, D]
+  out["context"] = summary(probjax_hk.fit_model(
+      CAUSAL_NET, sequences, num_steps=NUM_STEPS, mesh=mesh, sequence_axis="context",
+      **dict(kw, batch_size=8)))
   with open(out_path, "w") as f:
     json.dump(out, f)
 

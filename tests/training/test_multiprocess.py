@@ -3,8 +3,9 @@
 The test starts two processes of 4 CPU devices each that join through
 `jax.distributed.initialize` on a local coordinator, and a third, alone with
 8 CPU devices. All three run `multiprocess_worker.py`: `fit()` in memory, on
-a stream and with `parameter_sharding='fsdp'`; the two processes must end
-with the parameters and losses of the one.
+a stream, with `parameter_sharding='fsdp'`, and with a causal Transformer's
+sequence split over a 'context' mesh axis that spans the processes; the two
+processes must end with the parameters and losses of the one.
 
 Training on several hosts
 -------------------------
@@ -66,7 +67,7 @@ _NUM_DEVICES = _NUM_PROCESSES * _DEVICES_PER_PROCESS
 # process that dies leaves the other waiting in a collective, so the run
 # stops at the first failure and, at the latest, at this deadline.
 _DEADLINE_S = 420
-_FITS = ("arrays", "stream", "fsdp")
+_FITS = ("arrays", "stream", "fsdp", "context")
 # Gloo's all-reduce between the processes adds the per-device gradients in
 # another order than one process does: the last bits differ.
 _ATOL = 1e-5
@@ -154,6 +155,7 @@ def test_processes_form_one_mesh(runs):
     counts = (out["process_count"], out["device_count"],
               out["local_device_count"])
     assert counts == (_NUM_PROCESSES, _NUM_DEVICES, _DEVICES_PER_PROCESS), i
+    assert out["context_processes"] == [0, 1], i  # the 'context' axis spans both
   reference = runs["reference"]
   counts = (reference["process_count"], reference["device_count"])
   assert counts == (1, _NUM_DEVICES)
