@@ -119,9 +119,9 @@ def flex_attention(
   With the sequence axis split over Explicit mesh axes it runs as ring
   attention (`ops/flex_attention/ring.py`: key/value shards passed between
   the devices, partial outputs merged by log-sum-exp, causal work balanced).
-  The kernels run its blocks where no block needs global positions (full or
-  causal attention with T == S, key lengths, segment ids); windows that
-  cut blocks, and mods, run on XLA blocks.
+  Its blocks run on the implementation chosen, the kernels taking each
+  block's causal mask and window as a local window; a `mask_mod` or
+  `score_mod` (which see global positions) needs 'xla'.
 
   Args:
     q: [B, T, N, H] queries.

@@ -26,12 +26,13 @@ where those axes are split too.
 
 A block runs on XLA (`reference.flex_attention_reference` with `indices`) or
 on the Pallas kernels (`pallas.forward_with_lse`, `pallas.backward_with_lse`;
-`Kernels`). The kernels take no global positions, so they take the blocks
-that need none: every key open to every query (FULL), or the queries and
-keys at the same positions, where the call's own causal mask and window
-apply unchanged (ALIGNED: the diagonal blocks). Key lengths and segment ids
-become the block's own. A window that cuts a block off the diagonal, T != S
-under a causal mask, or a mod needs the XLA blocks (`kernel_limit` says why).
+`Kernels`). The kernels take no global positions, and need none: over a
+block whose keys start `shift` positions after its queries, s - t is the
+local s' - t' plus `shift`, so the causal mask and the window are the local
+window (left + shift, right - shift), a side that does not cut the block
+dropped (`Schedule.windows`). Key lengths and segment ids become the
+block's own. Only the mods see absolute positions: a call with a
+`mask_mod` or `score_mod` runs on XLA blocks (`kernel_limit`).
 
 Glossary of shapes: B batch, T query tokens, S key/value tokens, N query
 heads, K key/value heads, H head size (B, N and K a device's share where
@@ -57,10 +58,7 @@ _TOKENS = ("batch", "seq", "heads", None)  # q [B, T, N, H]; k, v [B, S, K, H]
 _IDS = ("batch", "seq")  # segment ids [B, T] or [B, S]
 _F32 = jnp.float32
 
-# What one (query tile, key tile) block needs: nothing (CLOSED: skipped), no
-# mask (FULL), the call's own masks at equal offsets (ALIGNED), or global
-# positions (PARTIAL: XLA blocks only).
-CLOSED, FULL, ALIGNED, PARTIAL = range(4)
+CLOSED = 0  # the kind of a block no query of which sees a key: skipped
 
 
 def _chunk(devices: int, device, tile: int):
@@ -79,17 +77,15 @@ class Schedule:
   """
   devices: int  # n, the ring's length
   zigzag: bool
-  kinds: tuple  # [n][steps][c][c] block kinds: device, step, query tile, key tile
+  # [n][steps][c][c] (device, step, query tile, key tile): CLOSED, or k >= 1
+  # for a block computed with the local window `windows[k - 1]`.
+  kinds: tuple
+  windows: tuple  # (left, right) local windows (a None side: unbounded)
 
   @property
   def visits(self) -> tuple:
     """[n][steps][c][c] bools: whether a block is computed."""
     return _frozen(np.asarray(self.kinds) != CLOSED)
-
-  @property
-  def kernels_take(self) -> bool:
-    """Whether every block the ring computes can run on the kernels."""
-    return not np.any(np.asarray(self.kinds) == PARTIAL)
 
   @property
   def tiles(self) -> int:
@@ -120,22 +116,25 @@ def schedule(devices: int, seq_q: int, seq_kv: int, *, is_causal: bool, window,
   if is_causal:
     right = 0 if right is None else min(right, 0)
 
+  windows = {}  # local window -> its kind
+
   def kind(q_chunk: int, k_chunk: int) -> int:
     q_start, k_start = q_chunk * size_q, k_chunk * size_k
     # Over the block, s - t takes every integer from `nearest` to `farthest`.
     nearest, farthest = k_start - (q_start + size_q - 1), k_start + size_k - 1 - q_start
     if not ((right is None or nearest <= right) and (left is None or farthest >= -left)):
       return CLOSED
-    if (right is None or farthest <= right) and (left is None or nearest >= -left):
-      return FULL
-    return ALIGNED if (q_start, size_q) == (k_start, size_k) else PARTIAL
+    shift = k_start - q_start  # s - t = s' - t' + shift, (t', s') the block's own
+    window = (None if left is None or nearest >= -left else left + shift,
+              None if right is None or farthest <= right else right - shift)
+    return windows.setdefault(window, len(windows) + 1)
 
   kinds = np.array([[[[kind(_chunk(devices, d, p), _chunk(devices, (d - j) % devices, r))
                        for r in range(tiles)] for p in range(tiles)] for j in range(devices)]
                     for d in range(devices)])  # [n, n, c, c]
   used = np.flatnonzero((kinds != CLOSED).any(axis=(0, 2, 3)))
   steps = int(used[-1]) + 1 if used.size else 1
-  return Schedule(devices, zigzag, _frozen(kinds[:, :steps]))
+  return Schedule(devices, zigzag, _frozen(kinds[:, :steps]), tuple(windows))
 
 
 def _frozen(a: np.ndarray):
@@ -185,20 +184,16 @@ def splits_sequence(q, k) -> str | None:
 
 def kernel_limit(call) -> str | None:
   """Why ring attention on the kernels cannot take `call` (an `ops.flex_attention`
-  call's q, k, v, q_ids, kv_ids, key_value_seq_lengths, is_causal, window,
-  mask_mod and score_mod); None when it can, or when the sequence is whole."""
-  sched = _call_schedule(call)
-  if sched is None:
+  call's q, k, mask_mod and score_mod); None when it can, or when the
+  sequence is whole."""
+  if call["mask_mod"] is None and call["score_mod"] is None:
     return None
-  if call["mask_mod"] is not None or call["score_mod"] is not None:
-    why = "`mask_mod` and `score_mod` see global positions, which the kernels do not take"
-  elif sched.kernels_take:
+  name = splits_sequence(call["q"], call["k"])
+  if name is None:
     return None
-  else:
-    why = ("the mask cuts blocks off the diagonal (a window, or a causal mask with T != S), "
-           "which need global positions the kernels do not take")
-  return (f"`{splits_sequence(call['q'], call['k'])}` is split along its sequence axis (axis 1) over mesh "
-          f"axes (ring attention), and {why}; implementation='xla' runs the ring on XLA blocks")
+  return (f"`{name}` is split along its sequence axis (axis 1) over mesh axes (ring "
+          "attention), and `mask_mod` and `score_mod` see global positions, which the "
+          "kernels do not take; implementation='xla' runs the ring on XLA blocks")
 
 
 def _call_schedule(call) -> Schedule | None:
@@ -251,12 +246,13 @@ def _join(tiles: list, axis: int = 1) -> jax.Array:
   return tiles[0] if len(tiles) == 1 else jnp.concatenate(tiles, axis=axis)
 
 
-def _block(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices):
+def _block(ring: _Ring, window, q, k, v, q_ids, kv_ids, lengths, indices):
   """(out [B, tq, N, H] f32, lse [B, N, tq]) of one query tile against one key
-  tile: on XLA (`kind` unused), or on the kernels (`kind` FULL or ALIGNED)."""
+  tile: on XLA (`window` unused), or on the kernels with the block's local
+  `window` (`Schedule.windows`)."""
   if ring.kernels is not None:
     return pallas.forward_with_lse(
-        q, k, v, **_kernel_options(ring, kind, q_ids, kv_ids, lengths, indices))
+        q, k, v, **_kernel_options(ring, window, q_ids, kv_ids, lengths, indices))
   return reference.flex_attention_reference(
       q.astype(_F32), k.astype(_F32), v.astype(_F32), is_causal=ring.is_causal,
       scale=ring.scale, segment_ids=None if q_ids is None else (q_ids, kv_ids),
@@ -264,25 +260,25 @@ def _block(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices):
       mask_mod=ring.mask_mod, score_mod=ring.score_mod, return_lse=True, indices=indices)
 
 
-def _kernel_options(ring: _Ring, kind: int, q_ids, kv_ids, lengths, indices) -> dict:
-  """The kernels' arguments for a FULL or ALIGNED block: its own key lengths
-  and segment ids, and the call's masks where the block is ALIGNED."""
-  aligned = kind == ALIGNED
+def _kernel_options(ring: _Ring, window, q_ids, kv_ids, lengths, indices) -> dict:
+  """The kernels' arguments for a block: its local window (the causal mask
+  included), its own key lengths and segment ids."""
   if lengths is not None:  # global lengths -> this key tile's
     lengths = jnp.clip(lengths - indices[3][0], 0, indices[3].shape[0])
-  return dict(scale=ring.scale, is_causal=aligned and ring.is_causal,
-              window=ring.window if aligned else None, q_segment_ids=q_ids,
+  return dict(scale=ring.scale, is_causal=False,
+              window=None if window == (None, None) else window, q_segment_ids=q_ids,
               kv_segment_ids=kv_ids, key_value_seq_lengths=lengths,
               interpret=ring.kernels.interpret, config=ring.kernels.config)
 
 
 def _computed(ring: _Ring, kind, block, skipped):
-  """`block(kind)` where the block is open (`kind` traced), else `skipped()`:
-  on XLA one branch for every open kind, on the kernels one per kind."""
+  """`block(window)` where the block is open (`kind` traced), else
+  `skipped()`: on XLA one branch for every open block, on the kernels one
+  per local window."""
   if ring.kernels is None:
     return jax.lax.cond(kind != CLOSED, lambda: block(None), skipped)
-  return jax.lax.switch(kind, [skipped] + [functools.partial(block, static_kind)
-                                           for static_kind in (FULL, ALIGNED)])
+  return jax.lax.switch(kind, [skipped] + [functools.partial(block, window)
+                                           for window in ring.schedule.windows])
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -363,7 +359,8 @@ def _forward(ring: _Ring, q, k, v, q_ids, kv_ids, lengths, where):
   return _join([o for o, _ in rows]), _join([l for _, l in rows], axis=2)
 
 
-def _block_grads(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices, out, lse, dout):
+def _block_grads(ring: _Ring, window, q, k, v, q_ids, kv_ids, lengths, indices, out, lse,
+                 dout):
   """(dq, dk, dv) f32 of one block, from its rows' whole out, lse and dout.
 
   On XLA: a row's output is sum_b exp(lse_b - lse) out_b over its blocks b,
@@ -372,9 +369,9 @@ def _block_grads(ring: _Ring, kind, q, k, v, q_ids, kv_ids, lengths, indices, ou
   backward takes the whole row's out and lse as they are."""
   if ring.kernels is not None:
     return pallas.backward_with_lse(
-        q, k, v, out, lse, dout, **_kernel_options(ring, kind, q_ids, kv_ids, lengths, indices))
+        q, k, v, out, lse, dout, **_kernel_options(ring, window, q_ids, kv_ids, lengths, indices))
   (out_b, lse_b), pull = jax.vjp(
-      lambda q, k, v: _block(ring, kind, q, k, v, q_ids, kv_ids, lengths, indices),
+      lambda q, k, v: _block(ring, window, q, k, v, q_ids, kv_ids, lengths, indices),
       q.astype(_F32), k.astype(_F32), v.astype(_F32))
   weight = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - lse), 0.0)  # [B, N, tq]
   d_lse = weight * jnp.swapaxes(jnp.sum(dout * (out_b - out), axis=-1), 1, 2)
@@ -467,8 +464,7 @@ def flex_attention_ring(split: _sharding.Plan, *, q, k, v, is_causal, scale, win
   ring = _Ring(choose_schedule(split.size("seq"), q.shape[1], k.shape[1], is_causal=is_causal,
                                window=window),
                axes, is_causal, scale, window, mask_mod, score_mod, kernels)
-  assert kernels is None or (ring.schedule.kernels_take and mask_mod is None
-                             and score_mod is None), "kernel_limit admits no such call"
+  assert kernels is None or (mask_mod is None and score_mod is None), "kernel_limit declines mods"
   batch_axes, head_axes = split.axes.get("batch", ()), split.axes.get("heads", ())
   zigzag = ring.schedule.zigzag
   shared_ids = q_ids is kv_ids  # one [B, T] array for queries and keys

@@ -428,7 +428,7 @@ def fit(loss_fn: Callable[..., Any], params, data, *,
       exchange their W - 1 boundary steps, `dot_product_attention` runs
       ring attention, and layers that work per step (projections, norms,
       MLPs, embeddings) need no communication. A model or loss that cannot
-      take the split (an attention kernel asked for by name, a slice such
+      take the split (cuDNN attention asked for by name, a slice such
       as `x[:, 1:]` along time: shift targets in the data instead) is a
       ValueError naming `sequence_axis` and the module where it failed,
       raised before anything is compiled.

@@ -3,7 +3,9 @@ attention over a part of the keys, as ring attention merges it.
 
 The keys are cut in two; each half's (out, lse) comes from the kernels, and
 the merge by log-sum-exp (`ring._merge`) equals the reference over every
-key. Each half's backward, given the merged rows, gives dK and dV of its
+key. The whole attention has a window on both sides; each half takes it as
+ring attention's blocks do, shifted by where its keys start (the second
+half's right side below zero: a key must lie that far left of the query). Each half's backward, given the merged rows, gives dK and dV of its
 keys and a part of dQ; together they equal the reference's gradients. The
 second row's key length ends inside the first half, so the second half has
 no key for it (lse -inf, zero gradients). On the Triton kernels (f32) and on
@@ -50,13 +52,15 @@ def test_halves_merge_to_the_whole(name):
   q, k, v, w = _inputs((2, seq, 4, head_dim), (2, seq, 2, head_dim), dtype, 0)
   lengths = jnp.array([seq, seq // 4], jnp.int32)
   half = seq // 2
-  options = dict(scale=head_dim ** -0.5, window=None, q_segment_ids=None, kv_segment_ids=None,
+  options = dict(scale=head_dim ** -0.5, q_segment_ids=None, kv_segment_ids=None,
                  interpret=True, config=config)
+
+  left, right = 3 * seq // 8, seq // 8
 
   def halves(q, k, v, w):
     parts = []
-    for first, is_causal in ((0, True), (half, False)):  # the diagonal block, then the keys after
-      part = dict(options, is_causal=is_causal,
+    for first in (0, half):
+      part = dict(options, is_causal=False, window=(left + first, right - first),
                   key_value_seq_lengths=jnp.clip(lengths - first, 0, half))
       parts.append((k[:, first:first + half], v[:, first:first + half], part))
     stats = [pallas.forward_with_lse(q, kp, vp, **part) for kp, vp, part in parts]
@@ -66,18 +70,17 @@ def test_halves_merge_to_the_whole(name):
             jnp.concatenate([grads[0][1], grads[1][1]], axis=1),
             jnp.concatenate([grads[0][2], grads[1][2]], axis=1))
 
-  # The second half is after every query in the first half's rows: the
-  # reference's mask is causal for the first half's keys and full after.
   def reference(q, k, v):
     f32 = lambda x: x.astype(jnp.float32)
-    keep = lambda b, n, t, s: (s <= t) | (s >= half)
     return flex_attention_reference(f32(q), f32(k), f32(v), scale=head_dim ** -0.5,
-                                    key_value_seq_lengths=lengths, mask_mod=keep)
+                                    local_window_size=(left, right),
+                                    key_value_seq_lengths=lengths)
 
   if name.startswith("mosaic"):  # both halves' calls go to the Mosaic GPU kernels
     static = []
     jax.eval_shape(lambda q, k: static.append(pallas.prepare(
-        q, k, k, is_causal=True, key_value_seq_lengths=lengths, **options)[0]), q, k[:, :half])
+        q, k, k, is_causal=False, window=(left + half, right - half),
+        key_value_seq_lengths=lengths, **options)[0]), q, k[:, :half])
     assert static[0].config.mosaic_fwd is not None and static[0].config.mosaic_bwd is not None
   out, second_lse, dq, dk, dv = jax.jit(halves)(q, k, v, w)
   want, pull = jax.vjp(reference, q, k, v)

@@ -98,7 +98,7 @@ check("explicit/selective_scan_channels", sin_sum(lambda u, dt, a, b, c: ops.sel
 try:
   bad = jax.device_put(q, NamedSharding(explicit, P(None, "data")))
   with jax.set_mesh(explicit):
-    ops.flex_attention(bad, bad, bad, local_window_size=(4, 0), implementation="pallas")
+    ops.flex_attention(bad, bad, bad, mask_mod=lambda b, n, t, s: s <= t, implementation="pallas")
   out["sequence_error"] = "no error"
 except ValueError as e:
   out["sequence_error"] = str(e)
@@ -212,6 +212,6 @@ def test_an_auto_split_outside_a_trace_is_read(results):
 
 
 def test_a_sharded_sequence_the_kernels_cannot_ring_is_an_error(results):
-  """A window that cuts the ring's blocks off the diagonal needs global positions."""
+  """A mod sees global positions, which the kernels' ring blocks do not have."""
   message = results["sequence_error"]
-  assert "`q`" in message and "sequence axis" in message and "window" in message, message
+  assert "`q`" in message and "sequence axis" in message and "mask_mod" in message, message

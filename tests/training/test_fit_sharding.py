@@ -55,13 +55,12 @@ traced_meshes = []  # the context mesh each trace of the loss saw
 traced_batch_specs = []  # and the layout of its batch
 
 
-def _loss(batch, num_layers=1, scan_layers=False, num_kv_heads=None, local_window_size=None):
+def _loss(batch, num_layers=1, scan_layers=False, num_kv_heads=None, implementation="flex"):
   traced_meshes.append(dict(jax.sharding.get_abstract_mesh().shape))
   traced_batch_specs.append(str(jax.typeof(batch["x"]).sharding.spec))
-  attention = functools.partial(pk.dot_product_attention, implementation="flex")
+  attention = functools.partial(pk.dot_product_attention, implementation=implementation)
   y = pk.Transformer(32, 2, num_layers, num_kv_heads=num_kv_heads, attention_fn=attention,
-                     scan_layers=scan_layers,
-                     local_window_size=local_window_size)(batch["x"])  # [B, T, D]
+                     scan_layers=scan_layers)(batch["x"])  # [B, T, D]
   return jnp.mean((y - batch["y"]) ** 2)
 
 
@@ -405,7 +404,7 @@ for name, net, net_params, d, m, axis in [
     ("auto_axis", LONG, seq_params, seq_data, auto_mesh, "context"),
     ("indivisible", LONG, seq_params, {k: v[:, :10] for k, v in seq_data.items()},
      seq_mesh, "context"),
-    ("named_kernel", hk.transform(functools.partial(_loss, local_window_size=(2, 0))), params,
+    ("named_kernel", hk.transform(functools.partial(_loss, implementation="cudnn")), params,
      data, seq_mesh, "context")]:
   compiles = programs.stats().get("compiles", 0)
   try:
@@ -557,7 +556,7 @@ def test_sequence_axis_errors_before_compiling(eight_devices):
   assert "'data': 2, 'context': 4" in errors["not_in_mesh"][0], errors
   assert "Explicit" in errors["auto_axis"][0] and "Auto" in errors["auto_axis"][0], errors
   assert "T=10" in errors["indivisible"][0], errors
-  # The flex kernels, asked for by name, decline a ring whose window cuts blocks.
+  # cuDNN, asked for by name, cannot split the sequence (nor run on a CPU).
   assert "MultiHeadAttention 'transformer/block_0/attention'" in errors["named_kernel"][0], errors
 
 
