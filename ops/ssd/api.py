@@ -105,7 +105,7 @@ def ssd(q: jax.Array, k: jax.Array, v: jax.Array, log_decay: jax.Array, *,
   On a mesh, the time axis may be split over Explicit mesh axes (with the
   batch and heads): each device runs its own chunk from a zero state, and
   only the chunks' final states and total log-decays cross devices
-  (`ops/ssd/sequence_parallel.py`; not with `cu_seqlens`).
+  (`ops/ssd/sequence_parallel.py`, packed sequences included).
 
   Args:
     q: [B, T, N, K] queries (Mamba-2's C), or [B, T, G, K] shared by N // G heads.
