@@ -43,8 +43,8 @@ def gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array,
   On a mesh, the time axis may be split over Explicit mesh axes (with the
   batch and heads): each device runs its own chunk once, from zero and from
   the identity, and only the chunks' final states and total transitions
-  [B, N, K, K] cross devices (`ops/gated_delta_rule/sequence_parallel.py`;
-  not with `cu_seqlens`).
+  [B, N, K, K] cross devices (`ops/gated_delta_rule/sequence_parallel.py`,
+  packed sequences included).
 
   Args:
     q: [B, T, N, K] queries, or [B, T, G, K] shared by N // G heads.
