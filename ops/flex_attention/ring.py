@@ -125,9 +125,9 @@ def schedule(devices: int, seq_q: int, seq_kv: int, *, is_causal: bool, window,
     if not ((right is None or nearest <= right) and (left is None or farthest >= -left)):
       return CLOSED
     shift = k_start - q_start  # s - t = s' - t' + shift, (t', s') the block's own
-    window = (None if left is None or nearest >= -left else left + shift,
-              None if right is None or farthest <= right else right - shift)
-    return windows.setdefault(window, len(windows) + 1)
+    local = (None if left is None or nearest >= -left else left + shift,
+             None if right is None or farthest <= right else right - shift)
+    return windows.setdefault(local, len(windows) + 1)
 
   kinds = np.array([[[[kind(_chunk(devices, d, p), _chunk(devices, (d - j) % devices, r))
                        for r in range(tiles)] for p in range(tiles)] for j in range(devices)]
