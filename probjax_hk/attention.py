@@ -789,9 +789,16 @@ class MultiHeadAttention(hk.Module):
     head_dim = self._head_dim(x.shape[-1])
     batch, seq_len = x.shape[:2]
     kv_len = context.shape[1]
-    q = layers.Linear(self.num_heads * head_dim, with_bias=self.with_bias, name="query")(x)
-    k = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="key")(context)
-    v = layers.Linear(self.num_kv_heads * head_dim, with_bias=self.with_bias, name="value")(context)
+    query, key, value = (
+        layers.Linear(heads * head_dim, with_bias=self.with_bias, name=name)
+        for heads, name in ((self.num_heads, "query"), (self.num_kv_heads, "key"),
+                            (self.num_kv_heads, "value")))
+    # One product per input and width: tensor parallelism then reduces one
+    # gradient of each (the narrower key and value of grouped heads apart).
+    if context is x and self.num_heads == self.num_kv_heads:
+      q, k, v = layers.shared_input(x, [query, key, value])
+    else:
+      (q,), (k, v) = layers.shared_input(x, [query]), layers.shared_input(context, [key, value])
     for name, heads, y in (("query", self.num_heads, q), ("key", self.num_kv_heads, k),
                            ("value", self.num_kv_heads, v)):
       _check_head_split(f"{self.module_name}/{name}/w", heads, y)

@@ -7,6 +7,7 @@ bf16 out), with norms and softmax-like reductions accumulated in float32.
 """
 
 import math
+from collections.abc import Sequence
 from typing import Literal
 
 import haiku as hk
@@ -144,14 +145,41 @@ class Linear(hk.Module):
     Returns:
       [..., output_size] in `x`'s dtype.
     """
-    input_size = x.shape[-1]
+    w, b = self.parameters(x.shape[-1])
+    y = jnp.dot(x, w.astype(x.dtype), out_sharding=summed_sharding(x))
+    return y if b is None else y + b.astype(x.dtype)
+
+  def parameters(self, input_size: int) -> tuple[jax.Array, jax.Array | None]:
+    """The float32 weight [input_size, output_size] and bias [output_size]
+    (None without one), created on first use."""
     w_init = self.w_init or hk.initializers.TruncatedNormal(1.0 / math.sqrt(input_size))
     w = hk.get_parameter("w", [input_size, self.output_size], jnp.float32, init=w_init)
-    y = jnp.dot(x, w.astype(x.dtype), out_sharding=summed_sharding(x))
-    if self.with_bias:
-      b = hk.get_parameter("b", [self.output_size], jnp.float32, init=self.b_init)
-      y = y + b.astype(x.dtype)
-    return y
+    if not self.with_bias:
+      return w, None
+    return w, hk.get_parameter("b", [self.output_size], jnp.float32, init=self.b_init)
+
+
+def shared_input(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
+  """`[linear(x) for linear in linears]`, as one product where the layers have
+  one output size and their weights are split alike along it over Explicit
+  mesh axes while x's last axis is whole (tensor parallelism's query, key and
+  value projections): the backward then all-reduces x's gradient once,
+  summed over the layers, instead of once per layer.
+
+  Args:
+    x: [..., D_in].
+    linears: `Linear`s taking x.
+
+  Returns:
+    Each layer's [..., output_size] in `x`'s dtype.
+  """
+  params = [linear.parameters(x.shape[-1]) for linear in linears]
+  specs = {str(_typed_spec(w)) for w, _ in params}
+  if (len(linears) < 2 or len(specs) != 1 or len({w.shape for w, _ in params}) != 1
+      or not last_axis_split(params[0][0])[0] or last_axis_split(x)[0]):
+    return [linear(x) for linear in linears]
+  ys = jnp.einsum("...d,gdh->g...h", x, jnp.stack([w.astype(x.dtype) for w, _ in params]))
+  return [y if b is None else y + b.astype(x.dtype) for y, (_, b) in zip(ys, params)]
 
 
 class RMSNorm(hk.Module):

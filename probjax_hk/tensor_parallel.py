@@ -6,9 +6,11 @@ block the query, key and value projections are split by their output columns
 heads), the MLP's `w_in` by its columns and `w_out` by its rows (hidden
 units). Each device then computes its own heads and hidden units from the
 whole activations, and one all-reduce per branch sums the row-split
-products (`layers.summed_sharding`): two per block forward, and backward
-one for each input gradient of a column-split projection; never a gather
-of a weight.
+products (`layers.summed_sharding`): two per block forward, and two
+backward, the query, key and value projections computed as one product
+(`layers.shared_input`) so that their input gradients are summed before
+one all-reduce (the query's apart with grouped key/value heads); never a
+gather of a weight.
 
 Glossary of shapes: L stacked layers (`scan_layers`), T time, D model
 width, N query heads, K key/value heads, H head size, F MLP hidden width, n
