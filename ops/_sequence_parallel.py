@@ -23,7 +23,7 @@ Auto ones only for arrays passed outside a trace (under `jax.jit` the types
 do not say how an array is split over Auto axes).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +109,36 @@ def entering_states(step: Step, initial: Any, summary: Any, axes: tuple[str, ...
   final, entering = jax.lax.scan(over_devices, initial, gathered, reverse=reverse)
   index = jax.lax.axis_index(axes)
   return jax.tree.map(lambda x: x[index], entering), final
+
+
+class PackedChunk(NamedTuple):
+  """Where one device's chunk of t tokens lies among packed sequences
+  (`cu_seqlens` [S + 1]), read per shard inside the `shard_map` over `axes`."""
+  first: jax.Array  # the chunk's first token
+  starts: jax.Array  # [S] each sequence's first token
+  ends: jax.Array  # [S] one past each sequence's last token
+  carried: jax.Array  # [S] bool: the sequence open at the chunk's start, begun on a device before
+  offsets: jax.Array  # [S + 1] the offsets cut to the chunk's tokens
+  last: jax.Array  # the sequence holding the chunk's last token
+
+
+def packed_chunk(cu_seqlens: jax.Array, axes: tuple[str, ...], tokens: int) -> PackedChunk:
+  """This device's `PackedChunk`, its chunk `tokens` long."""
+  first = jax.lax.axis_index(axes) * tokens
+  cu = cu_seqlens.astype(jnp.int32)
+  starts, ends = cu[:-1], cu[1:]
+  return PackedChunk(first, starts, ends, (starts < first) & (ends > first),
+                     jnp.clip(cu - first, 0, tokens),
+                     jnp.argmax((starts < first + tokens) & (ends >= first + tokens)))
+
+
+def collect_finals(chunk: PackedChunk, tokens: int, finals: jax.Array, initial: jax.Array,
+                   axes: tuple[str, ...]) -> jax.Array:
+  """Every sequence's final state [S, ...], the same on every device: each
+  from the device holding its last token (`finals`, this device's [S, ...]),
+  an empty sequence's its `initial` state."""
+  last = chunk.ends - 1
+  owned = (chunk.ends > chunk.starts) & (last >= chunk.first) & (last < chunk.first + tokens)
+  per_sequence = lambda mask: mask.reshape(-1, *[1] * (finals.ndim - 1))
+  finals = jax.lax.psum(jnp.where(per_sequence(owned), finals, 0.0), axes)
+  return finals + jnp.where(per_sequence(chunk.ends == chunk.starts), initial, 0.0)

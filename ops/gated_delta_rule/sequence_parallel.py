@@ -143,16 +143,13 @@ def _packed(implementation: registry.Implementation, axes, scale, chunk_size, q,
   """One device's chunk ([1, t, ...]) of packed sequences: (y [1, t, N, V],
   every sequence's final state [S, N, K, V] float32, the same on every device)."""
   t = q.shape[1]
-  t0 = jax.lax.axis_index(axes) * t  # the chunk's first token
-  cu = cu_seqlens.astype(jnp.int32)
-  starts, ends = cu[:-1], cu[1:]  # [S]
-  carried = (starts < t0) & (ends > t0)  # [S]: the sequence open at the chunk's start
+  packed = _sequence_parallel.packed_chunk(cu_seqlens, axes, t)
   heads, key, value = v.shape[2], k.shape[-1], v.shape[-1]
-  initial = (jnp.zeros((starts.shape[0], heads, key, value), _F32) if initial_state is None
-             else initial_state.astype(_F32))
-  is_carried = carried[:, None, None, None]
+  initial = (jnp.zeros((packed.ends.shape[0], heads, key, value), _F32)
+             if initial_state is None else initial_state.astype(_F32))
+  is_carried = packed.carried[:, None, None, None]
   call = dict(q=q, k=k, v=v, log_decay=log_decay, beta=beta, scale=scale, initial_state=None,
-              chunk_size=chunk_size, cu_seqlens=jnp.clip(cu - t0, 0, t))
+              chunk_size=chunk_size, cu_seqlens=packed.offsets)
   y, carried_y, finals, transitions = _with_transitions(
       implementation, call, jnp.where(is_carried, 0.0, initial),
       jnp.where(is_carried, jnp.eye(key, dtype=_F32), jnp.zeros((*initial.shape[:2], key, key),
@@ -160,15 +157,9 @@ def _packed(implementation: registry.Implementation, axes, scale, chunk_size, q,
   finals, transitions = finals.astype(_F32), transitions.astype(_F32)
   # The state leaving the chunk: that of the sequence holding its last token,
   # whose transition is 0 unless it is the carried one.
-  last = jnp.argmax((starts <= t0 + t - 1) & (ends > t0 + t - 1))
   entering, _ = _sequence_parallel.entering_states(
       _step, jnp.zeros((1, heads, key, value), _F32),
-      (finals[last][None], transitions[last][None]), axes)  # [1, N, K, V]: H_in
+      (finals[packed.last][None], transitions[packed.last][None]), axes)  # [1, N, K, V]: H_in
   y = y.astype(_F32) + einsum("btnj,bnjv->btnv", carried_y.astype(_F32), entering)
   finals = finals + einsum("snkj,njv->snkv", transitions, entering[0])
-  # Each sequence's final state from the device holding its last token; an
-  # empty sequence keeps its initial state.
-  owned = (ends > starts) & (ends - 1 >= t0) & (ends - 1 < t0 + t)
-  finals = jax.lax.psum(jnp.where(owned[:, None, None, None], finals, 0.0), axes)
-  finals = finals + jnp.where((ends == starts)[:, None, None, None], initial, 0.0)
-  return y.astype(v.dtype), finals
+  return y.astype(v.dtype), _sequence_parallel.collect_finals(packed, t, finals, initial, axes)

@@ -120,26 +120,23 @@ def _packed(ssd: Callable, axes, chunk_size, q, k, v, log_decay, initial_state, 
   """One device's chunk ([1, t, ...]) of packed sequences: (y [1, t, N, V],
   every sequence's final state [S, N, K, V] float32, the same on every device)."""
   t = q.shape[1]
-  t0 = jax.lax.axis_index(axes) * t  # the chunk's first token
-  cu = cu_seqlens.astype(jnp.int32)
-  starts, ends = cu[:-1], cu[1:]  # [S]
-  carried = (starts < t0) & (ends > t0)  # [S]: the sequence open at the chunk's start
+  packed = _sequence_parallel.packed_chunk(cu_seqlens, axes, t)
+  t0, ends, carried = packed.first, packed.ends, packed.carried
   heads, key, value = v.shape[2], q.shape[-1], v.shape[-1]
-  initial = (jnp.zeros((starts.shape[0], heads, key, value), _F32) if initial_state is None
+  initial = (jnp.zeros((ends.shape[0], heads, key, value), _F32) if initial_state is None
              else initial_state.astype(_F32))
   y, finals = ssd(q=q, k=k, v=v, log_decay=log_decay,
                   initial_state=jnp.where(carried[:, None, None, None], 0.0, initial),
-                  chunk_size=chunk_size, cu_seqlens=jnp.clip(cu - t0, 0, t))
+                  chunk_size=chunk_size, cu_seqlens=packed.offsets)
   finals = finals.astype(_F32)
   cumulative = jnp.cumsum(log_decay.astype(_F32), axis=1)  # [1, t, N]: G_t from the chunk's start
   # The carried sequence runs up to the chunk's first boundary.
-  boundary = jnp.min(jnp.where(cu > t0, cu, t0 + t)) - t0
-  # The state leaving the chunk: that of the sequence holding its last token.
-  last = jnp.argmax((starts <= t0 + t - 1) & (ends > t0 + t - 1))
+  boundary = jnp.min(jnp.where(ends > t0, ends, t0 + t)) - t0
   open_through = boundary >= t  # no boundary inside: the carried state passes through
   decay = jnp.where(open_through & carried.any(), jnp.exp(cumulative[:, -1]), 0.0)  # [1, N]
+  # The state leaving the chunk: that of the sequence holding its last token.
   entering, _ = _sequence_parallel.entering_states(
-      _decayed, jnp.zeros((1, heads, key, value), _F32), (finals[last][None], decay), axes)
+      _decayed, jnp.zeros((1, heads, key, value), _F32), (finals[packed.last][None], decay), axes)
   entering = jnp.where(carried.any(), entering, 0.0)  # [1, N, K, V]: H_in
   through = jnp.exp(cumulative) * (jnp.arange(t) < boundary)[None, :, None]  # [1, t, N]
   carried_y = einsum("btnk,bnkv->btnv", expand_groups(q, heads), entering.astype(v.dtype))
@@ -148,9 +145,4 @@ def _packed(ssd: Callable, axes, chunk_size, q, k, v, log_decay, initial_state, 
   at_end = jnp.exp(cumulative[0, jnp.clip(boundary - 1, 0, t - 1)])  # [N]
   finals = finals + jnp.where(carried & (ends <= t0 + t), 1.0, 0.0)[:, None, None, None] * (
       at_end[:, None, None] * entering[0])[None]
-  # Each sequence's final state from the device holding its last token; an
-  # empty sequence keeps its initial state.
-  owned = (ends > starts) & (ends - 1 >= t0) & (ends - 1 < t0 + t)
-  finals = jax.lax.psum(jnp.where(owned[:, None, None, None], finals, 0.0), axes)
-  finals = finals + jnp.where((ends == starts)[:, None, None, None], initial, 0.0)
-  return y.astype(v.dtype), finals
+  return y.astype(v.dtype), _sequence_parallel.collect_finals(packed, t, finals, initial, axes)
